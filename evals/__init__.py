@@ -1,0 +1,1 @@
+"""SWE-style task evals and performance benchmarks (``freetoken_agent.evals``)."""

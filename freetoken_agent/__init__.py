@@ -1,0 +1,29 @@
+"""FreeToken Agent: run mixture-of-experts models on the machine you own and drive coding agents with them.
+
+Public names are resolved lazily so that ``import freetoken_agent.runtime`` stays light and importing the SDK
+touches no GPU, disk or network.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY: dict[str, str] = {
+    "Engine": "freetoken_agent.runtime.engine",
+    "Phase": "freetoken_agent.runtime.phase",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'freetoken_agent' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,1 @@
+"""Typed tool registry and sandboxed coding tools (``freetoken_agent.tools``). Never imports the runtime."""
