@@ -1,0 +1,73 @@
+"""What a tool receives (``ToolContext``) and what a call returns (``ToolResult``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from freetoken_agent.tools.workspace import Workspace
+
+
+class ToolError(Exception):
+    """An expected tool failure; its message is shown to the model as is (no traceback, no exception type)."""
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one tool call.
+
+    ``content`` is the text the model reads; ``is_error`` marks failures (bad arguments, unknown tool, the tool
+    refused or raised); ``data`` carries structured extras for clients (``diff``, ``exit_code``, ``paths``, ...).
+    """
+
+    content: str
+    is_error: bool = False
+    data: dict[str, Any] | None = None
+
+    @classmethod
+    def error(cls, message: str, data: dict[str, Any] | None = None) -> ToolResult:
+        """A failed call whose ``message`` the model will read."""
+        return cls(content=message, is_error=True, data=data)
+
+
+@dataclass
+class ToolContext:
+    """Per-run state handed to every tool that declares a parameter annotated ``ToolContext``.
+
+    The parameter is recognized by its type annotation and never appears in the JSON schema the model sees.
+    """
+
+    workspace: Workspace
+    """Root that file and process tools are confined to."""
+    timeout_s: float = 120.0
+    """Default wall-clock limit for process tools (``run_shell``, ``run_tests``) when the call gives none."""
+    max_timeout_s: float = 1800.0
+    """Upper bound on any timeout a model may ask for."""
+    max_output_chars: int = 20_000
+    """Cap on the text a tool returns to the model (longer output keeps its head and tail)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for processes started by tools."""
+    on_output: Callable[[str], None] | None = None
+    """Called with output chunks as a process tool produces them (for live views); must not block."""
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    """Set by :meth:`cancel`; long-running tools check it (process tools kill their process group)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form values for user tools (API clients, settings)."""
+
+    def cancel(self) -> None:
+        """Ask running tools to stop as soon as they can. Thread-safe."""
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once :meth:`cancel` was called."""
+        return self.cancel_event.is_set()
+
+    def clamp_timeout(self, timeout_s: float | None) -> float:
+        """The timeout to use for a call: the call's own value (bounded) or the context default."""
+        if timeout_s is None or timeout_s <= 0:
+            return self.timeout_s
+        return min(float(timeout_s), self.max_timeout_s)

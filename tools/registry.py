@@ -1,0 +1,271 @@
+"""``@tool``, ``Tool`` and ``ToolRegistry``: typed functions the model can call, with validated arguments.
+
+Every failure a model can cause (unknown tool, arguments that are not JSON, arguments that break the schema, a tool
+that raises) comes back from :meth:`ToolRegistry.call` as a :class:`ToolResult` with ``is_error=True`` and a message
+written for the model; ``call`` itself never raises for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar, overload
+
+import anyio
+import anyio.to_thread
+import jsonschema
+import pydantic
+
+from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
+from freetoken_agent.tools.schema import build_signature
+from freetoken_agent.tools.validation import describe_parameters, jsonschema_errors, pydantic_errors
+
+ToolKind = Literal["read", "edit", "execute", "search", "other"]
+KINDS: tuple[str, ...] = ("read", "edit", "execute", "search", "other")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Tool:
+    """A function the model can call: its name, description, JSON Schema for arguments and permission metadata.
+
+    A ``Tool`` is still callable like the function it wraps. Used as a method decorator it binds like a method.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        writes: bool = False,
+        kind: ToolKind | None = None,
+        expected_s: float | None = None,
+    ) -> None:
+        self.fn = fn
+        self.name: str = name or fn.__name__
+        if not self.name.replace("_", "").replace("-", "").isalnum():
+            raise TypeError(f"tool name {self.name!r} must contain only letters, digits, '_' and '-'")
+        resolved_kind = kind or ("edit" if writes else "other")
+        if resolved_kind not in KINDS:
+            raise TypeError(f"tool {self.name!r}: kind must be one of {', '.join(KINDS)}, got {resolved_kind!r}")
+        sig = build_signature(fn, self.name, description)
+        self.description: str = sig.description
+        self.parameters: dict[str, Any] = sig.parameters
+        self.args_model: type[pydantic.BaseModel] = sig.model
+        self.context_param: str | None = sig.context_param
+        self.writes: bool = writes
+        self.kind: ToolKind = resolved_kind
+        self.expected_s: float | None = expected_s
+        self.is_async: bool = inspect.iscoroutinefunction(fn)
+        self._validator = jsonschema.Draft202012Validator(self.parameters)
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"Tool(name={self.name!r}, kind={self.kind!r}, writes={self.writes})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Tool:
+        if obj is None:
+            return self
+        return self.bind(obj)
+
+    def bind(self, obj: Any) -> Tool:
+        """A copy of this tool whose function is bound to ``obj`` (for tools declared as methods)."""
+        bound = object.__new__(Tool)
+        bound.__dict__.update(self.__dict__)
+        bound.fn = self.fn.__get__(obj, type(obj))
+        return bound
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function-tool definition: ``{"type": "function", "function": {name, description, parameters}}``."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    async def invoke(self, arguments: dict[str, Any] | str | None, ctx: ToolContext | None) -> ToolResult:
+        """Validate ``arguments`` and run the tool; every failure becomes an error :class:`ToolResult`."""
+        args = _decode_arguments(self, arguments)
+        if isinstance(args, ToolResult):
+            return args
+        errors = jsonschema_errors(self._validator, args)
+        if errors:
+            return ToolResult.error(_invalid(self, errors))
+        try:
+            parsed = self.args_model.model_validate(args)
+        except pydantic.ValidationError as exc:
+            return ToolResult.error(_invalid(self, pydantic_errors(exc)))
+        kwargs = {key: getattr(parsed, key) for key in type(parsed).model_fields}
+        if self.context_param is not None:
+            if ctx is None:
+                return ToolResult.error(f"Tool '{self.name}' needs a ToolContext but none was given.")
+            kwargs[self.context_param] = ctx
+        try:
+            if self.is_async:
+                value = await self.fn(**kwargs)
+            else:
+                value = await anyio.to_thread.run_sync(functools.partial(self.fn, **kwargs), abandon_on_cancel=True)
+        except ToolError as exc:
+            return ToolResult.error(f"Error from tool '{self.name}': {exc}")
+        except Exception as exc:  # a bug or an unexpected condition inside the tool: the model still gets a message
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            return ToolResult.error(
+                f"Tool '{self.name}' failed with {type(exc).__name__}: {exc} "
+                f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+            )
+        return _to_result(value)
+
+
+def _decode_arguments(tool: Tool, arguments: dict[str, Any] | str | None) -> dict[str, Any] | ToolResult:
+    if arguments is None:
+        return {}
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return ToolResult.error(
+                f"Invalid arguments for tool '{tool.name}': not valid JSON ({exc.msg} at line {exc.lineno} "
+                f"column {exc.colno}). Send one JSON object. {describe_parameters(tool.parameters)}"
+            )
+    if not isinstance(arguments, dict):
+        return ToolResult.error(
+            f"Invalid arguments for tool '{tool.name}': expected a JSON object, got {type(arguments).__name__}. "
+            f"{describe_parameters(tool.parameters)}"
+        )
+    return arguments
+
+
+def _invalid(tool: Tool, errors: list[str]) -> str:
+    listed = "; ".join(errors)
+    return f"Invalid arguments for tool '{tool.name}': {listed}. {describe_parameters(tool.parameters)}"
+
+
+def _to_result(value: Any) -> ToolResult:
+    if isinstance(value, ToolResult):
+        return value
+    if value is None:
+        return ToolResult(content="(no output)")
+    if isinstance(value, str):
+        return ToolResult(content=value)
+    if isinstance(value, pydantic.BaseModel):
+        return ToolResult(content=value.model_dump_json(), data=value.model_dump(mode="json"))
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        text = str(value)
+    return ToolResult(content=text, data=value if isinstance(value, dict) else None)
+
+
+@overload
+def tool(fn: F, /) -> Tool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    writes: bool = False,
+    kind: ToolKind | None = None,
+    expected_s: float | None = None,
+) -> Callable[[F], Tool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    writes: bool = False,
+    kind: ToolKind | None = None,
+    expected_s: float | None = None,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a :class:`Tool` from a typed function: ``@tool`` or ``@tool(name=..., writes=True, expected_s=...)``.
+
+    The docstring's text before its sections is the description; its ``Args:`` section describes the parameters.
+    A parameter annotated :class:`ToolContext` receives the call's context and is hidden from the schema.
+    """
+
+    def wrap(func: Callable[..., Any]) -> Tool:
+        return Tool(func, name=name, description=description, writes=writes, kind=kind, expected_s=expected_s)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class ToolRegistry:
+    """An ordered set of tools by name: hands their schemas to the model and runs its calls."""
+
+    def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        for item in tools:
+            self.add(item)
+
+    @classmethod
+    def from_object(cls, obj: Any, names: Iterable[str] | None = None) -> ToolRegistry:
+        """Tools from an object's methods: those decorated with ``@tool``, plus the methods listed in ``names``."""
+        registry = cls()
+        for attr in dir(type(obj)):
+            member = inspect.getattr_static(type(obj), attr)
+            if isinstance(member, Tool):
+                registry.add(member.bind(obj))
+        for attr in names or ():
+            method = getattr(obj, attr, None)
+            if method is None or not callable(method):
+                raise TypeError(f"{type(obj).__name__} has no method {attr!r}")
+            registry.add(method)
+        if not registry._tools:
+            raise TypeError(f"{type(obj).__name__} has no @tool methods and no method names were given")
+        return registry
+
+    def add(self, item: Tool | Callable[..., Any], *, replace: bool = False) -> Tool:
+        """Register a :class:`Tool` or a plain typed function (wrapped with default options)."""
+        new = item if isinstance(item, Tool) else Tool(item)
+        if new.name in self._tools and not replace:
+            raise ValueError(f"a tool named {new.name!r} is already registered")
+        self._tools[new.name] = new
+        return new
+
+    def remove(self, name: str) -> None:
+        """Unregister a tool by name (``KeyError`` if absent)."""
+        del self._tools[name]
+
+    def get(self, name: str) -> Tool:
+        """The tool called ``name``; ``KeyError`` naming the available tools if absent."""
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise KeyError(f"unknown tool {name!r}; available: {', '.join(self._tools) or '(none)'}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __iter__(self) -> Any:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    @property
+    def names(self) -> list[str]:
+        """Tool names in registration order."""
+        return list(self._tools)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function-tool definitions for every tool, in registration order."""
+        return [item.schema() for item in self._tools.values()]
+
+    async def call(self, name: str, arguments: dict[str, Any] | str | None, ctx: ToolContext | None) -> ToolResult:
+        """Run tool ``name`` with ``arguments`` (a dict or a JSON string). Model-caused failures never raise."""
+        found = self._tools.get(name)
+        if found is None:
+            available = ", ".join(self._tools) or "(none)"
+            return ToolResult.error(f"Unknown tool '{name}'. Available tools: {available}.")
+        return await found.invoke(arguments, ctx)

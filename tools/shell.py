@@ -1,0 +1,151 @@
+"""Process tools: ``run_shell`` and ``run_tests`` (pytest, summarised). Both run in the workspace root."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+
+from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
+from freetoken_agent.tools.process import ProcessOutcome, child_env, run_process
+from freetoken_agent.tools.registry import tool
+
+TEST_TAIL_CHARS = 4000
+_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
+_SUMMARY_LINE = re.compile(r"\b(passed|failed|errors?|skipped|no tests ran)\b.* in [\d.]+s")
+_FAILED_ID = re.compile(r"^(FAILED|ERROR) (\S+)")
+
+
+def _shell() -> str:
+    return shutil.which("bash") or "/bin/sh"
+
+
+def _ended(outcome: ProcessOutcome, timeout_s: float, what: str) -> str:
+    if outcome.timed_out:
+        return f"{what} timed out after {timeout_s:g} s; its process group was killed."
+    if outcome.cancelled:
+        return f"{what} was cancelled; its process group was killed."
+    return f"exit code: {outcome.exit_code}"
+
+
+@tool(kind="execute", writes=True, expected_s=5.0)
+async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = None) -> ToolResult:
+    """Run a shell command (bash) in the workspace root and return its exit code and output (stdout+stderr).
+
+    Stdin is closed; background processes are killed when the command ends; long output keeps its head and tail.
+
+    Args:
+        command: The command line, e.g. 'ls -la' or 'python script.py'.
+        timeout_s: Seconds before the command is killed (default: the session's timeout, 120 s unless configured).
+    """
+    if not command.strip():
+        raise ToolError("command is empty")
+    limit = ctx.clamp_timeout(timeout_s)
+    outcome = await run_process(
+        [_shell(), "-c", command],
+        cwd=str(ctx.workspace.root),
+        env=child_env(ctx.env),
+        timeout_s=limit,
+        max_chars=ctx.max_output_chars,
+        on_output=ctx.on_output,
+        cancel_event=ctx.cancel_event,
+    )
+    output = outcome.output if outcome.output else "(no output)"
+    return ToolResult(
+        content=f"{_ended(outcome, limit, 'Command')}\n{output}",
+        is_error=outcome.timed_out or outcome.cancelled,
+        data={
+            "exit_code": outcome.exit_code,
+            "timed_out": outcome.timed_out,
+            "cancelled": outcome.cancelled,
+            "duration_s": round(outcome.duration_s, 3),
+            "output_truncated": outcome.truncated,
+        },
+    )
+
+
+def summarize_pytest(output: str) -> dict[str, object]:
+    """Counts (passed, failed, errors, skipped, ...) and failing test ids from pytest's ``-q -rfE`` output."""
+    counts: dict[str, int] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for line in reversed(output.splitlines()):
+        if _SUMMARY_LINE.search(line):
+            for number, label in _COUNT.findall(line):
+                key = {"error": "errors", "warning": "warnings"}.get(label, label)
+                counts[key] = int(number)
+            break
+    failing: list[str] = []
+    for line in output.splitlines():
+        match = _FAILED_ID.match(line)
+        if match and match.group(2) not in failing:
+            failing.append(match.group(2))
+    return {**counts, "failing": failing}
+
+
+def _test_targets(ctx: ToolContext, paths: list[str]) -> list[str]:
+    targets: list[str] = []
+    for item in paths:
+        file_part, sep, rest = item.partition("::")
+        resolved = ctx.workspace.resolve(file_part)
+        if not resolved.exists():
+            raise ToolError(f"test path {file_part!r} does not exist")
+        targets.append(ctx.workspace.relative(resolved) + sep + rest)
+    return targets
+
+
+@tool(kind="execute", expected_s=20.0)
+async def run_tests(
+    ctx: ToolContext, paths: list[str] | None = None, keyword: str | None = None, timeout_s: float | None = None
+) -> ToolResult:
+    """Run the project's tests with pytest and summarise: passed/failed counts, failing test ids, output tail.
+
+    Args:
+        paths: Test files, folders or ids ('tests/test_x.py::test_y'); omit to run pytest's default discovery.
+        keyword: Only run tests matching this pytest -k expression.
+        timeout_s: Seconds before the test run is killed (default: the session's timeout).
+    """
+    argv = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "--color=no", "-p", "no:cacheprovider"]
+    argv += _test_targets(ctx, paths or [])
+    if keyword:
+        argv += ["-k", keyword]
+    limit = ctx.clamp_timeout(timeout_s)
+    outcome = await run_process(
+        argv,
+        cwd=str(ctx.workspace.root),
+        env=child_env(ctx.env),
+        timeout_s=limit,
+        max_chars=max(ctx.max_output_chars, TEST_TAIL_CHARS * 2),
+        on_output=ctx.on_output,
+        cancel_event=ctx.cancel_event,
+    )
+    summary = summarize_pytest(outcome.output)
+    failing = summary["failing"]
+    assert isinstance(failing, list)
+    counts = ", ".join(
+        f"{summary[key]} {'error' if key == 'errors' and summary[key] == 1 else key}"
+        for key in ("passed", "failed", "errors", "skipped")
+        if summary[key]
+    )
+    if outcome.timed_out or outcome.cancelled:
+        head = _ended(outcome, limit, "The test run")
+    elif outcome.exit_code == 5:
+        head = "pytest: no tests were collected (exit code 5)"
+    else:
+        head = f"pytest: {counts or 'no results'} (exit code {outcome.exit_code})"
+    parts = [head]
+    if failing:
+        parts.append("Failing tests:\n" + "\n".join(f"  {name}" for name in failing[:50]))
+        if len(failing) > 50:
+            parts.append(f"  ... and {len(failing) - 50} more")
+    tail = outcome.output[-TEST_TAIL_CHARS:]
+    parts.append("Output (tail):\n" + (tail if tail.strip() else "(no output)"))
+    return ToolResult(
+        content="\n".join(parts),
+        # failing or uncollectable tests are a normal result; only a run that could not report is an error
+        is_error=outcome.timed_out or outcome.cancelled or outcome.exit_code not in (0, 1, 2, 5),
+        data={
+            **summary,
+            "exit_code": outcome.exit_code,
+            "timed_out": outcome.timed_out,
+            "duration_s": round(outcome.duration_s, 3),
+        },
+    )
