@@ -108,7 +108,7 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | 
             if number < start_line:
                 continue
             if number > last:
-                more = True
+                more = end_line is None or end_line > last  # stopped by the cap, not by the caller's end_line
                 break
             text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if cut or len(text) > MAX_LINE_CHARS:

@@ -97,7 +97,7 @@ def search(
 ) -> ToolResult:
     """Search file contents with a regular expression (Python syntax); prints 'path:line: text' for each match.
 
-    Binary files, files over 2 MB and files ignored by .gitignore are skipped.
+    Binary files, files over 2 MB, symlinks and files ignored by .gitignore are skipped.
 
     Args:
         pattern: Regular expression, e.g. 'def \\w+_test' or 'TODO'.
@@ -117,7 +117,8 @@ def search(
     if target.is_file():
         files = [target]
     else:
-        files = [entry for entry, is_dir in walk(ctx.workspace.root, target) if not is_dir]
+        # like ripgrep, symlinked files are not followed (no duplicates; escapes are refused by walk anyway)
+        files = [entry for entry, is_dir in walk(ctx.workspace.root, target) if not is_dir and not entry.is_symlink()]
     lines: list[str] = []
     paths: list[str] = []
     more = False
