@@ -1,0 +1,144 @@
+"""Build the C expert kernels at first use and load them with ctypes.
+
+The library is compiled with the system C compiler into a per-user cache
+(``$FREETOKEN_CACHE`` or ``$XDG_CACHE_HOME/freetoken`` or ``~/.cache/freetoken``, then ``kernels/<hash>.so``), keyed
+by a hash of the sources, flags and compiler, so a source change rebuilds and concurrent builds never collide
+(each writes a temp file, then renames). No Python C-API and no torch headers: it works with any Python/torch.
+Set ``FREETOKEN_KERNELS=off`` to force the torch fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("ft_kernels.c", "ft_pool.h")
+CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the C kernels are usable here, and why not when they are not."""
+
+    available: bool
+    path: str | None
+    isa: str
+    reason: str
+
+
+def cache_dir() -> Path:
+    """The per-user folder compiled kernels are cached in."""
+    root = os.environ.get("FREETOKEN_CACHE")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "freetoken" / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else ``cc``/``gcc``/``clang`` on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out.splitlines()[0] if out else cc
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library (if not cached) and return its path; raises ``RuntimeError`` with the compiler's words."""
+    cc = find_compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(_compiler_id(cc).encode())
+    out = cache_dir() / f"ft_kernels-{digest.hexdigest()[:16]}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *CFLAGS, str(CSRC / "ft_kernels.c"), "-o", tmp, "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
+        raise RuntimeError(f"compiling the CPU kernels failed: {first}")
+    os.replace(tmp, out)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    sigs: dict[str, tuple[object, list[object]]] = {
+        "ft_packed_bytes": (i64, [i32, i64, i64]),
+        "ft_best_isa": (i32, []),
+        "ft_set_isa": (i32, [i32]),
+        "ft_set_threads": (i32, [i32]),
+        "ft_get_threads": (i32, []),
+        "ft_set_spin_us": (None, [i32]),
+        "ft_linear": (i32, [i32, p, i64, i64, p, i64, p]),
+        "ft_dequant": (None, [i32, p, i64, i64, p]),
+        "ft_read_bandwidth": (f64, [p, i64, i32]),
+        "ft_moe": (i32, [i32, p, i64, p, i64, i64, i64, i64, p, i64, p, p, i64, p]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded library, building it on first use; ``None`` when unavailable (see ``status()`` for why)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib: ctypes.CDLL | None = None
+        if os.environ.get("FREETOKEN_KERNELS", "").lower() in ("off", "0", "torch"):
+            _state["reason"] = "disabled by FREETOKEN_KERNELS"
+        else:
+            try:
+                path = build()
+                lib = ctypes.CDLL(str(path))
+                _declare(lib)
+                _state["path"] = str(path)
+                _state["reason"] = "ok"
+                from .threads import default_threads
+
+                lib.ft_set_threads(default_threads())
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                lib = None
+                _state["reason"] = str(exc)
+        _state["lib"] = lib
+        return lib
+
+
+ISA_NAMES = {0: "portable", 1: "avx2"}
+
+
+def status() -> KernelStatus:
+    """Build/load the kernels if needed and report whether they are in use (for ``freetoken doctor``)."""
+    lib = load()
+    if lib is None:
+        return KernelStatus(False, None, "torch", f"torch fallback: {_state.get('reason')}")
+    return KernelStatus(True, str(_state.get("path")), ISA_NAMES.get(lib.ft_best_isa(), "?"), "ok")

@@ -1,0 +1,152 @@
+"""``QuantizedExperts``: the MoE layer's routed-expert backend over Q8_0 / Q4_0 weights.
+
+Legend: ``T`` tokens, ``K`` experts per token, ``E`` experts, ``D`` hidden size, ``I`` expert intermediate size.
+
+Per layer it holds two expert-major byte tensors — ``w13 [E, bytes]`` (gate rows 0..I-1 and up rows I..2I-1 of
+``[2I, D]``) and ``w2 [E, bytes]`` (down ``[D, I]``) — one contiguous blob per expert, so one read moves one
+expert. Where the C kernels load the blobs are in their tile layout, else in plain GGUF block layout.
+
+``forward`` picks a path per expert by the tokens routed to it: few tokens (decode) → one fused C call for all of
+them (int8 activations); at least ``dequant_threshold`` tokens (prefill) → dequantize that expert to fp32 once and
+use ``torch.mm``, which on CPUs without fast int8 dot products beats every quantized kernel measured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import FreeTokenError
+from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format, dequantize, quantize
+from . import build, ops
+from .layout import pack_blocks, unpack_blocks
+
+DEFAULT_DEQUANT_THRESHOLD = 32
+
+
+class QuantizedExperts:
+    """Routed experts of one MoE layer in a block-quantized format; ``forward(x, ids, weights) -> [T, D]``."""
+
+    def __init__(
+        self,
+        fmt: str,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        hidden: int,
+        intermediate: int,
+        packed: bool,
+        dequant_threshold: int = DEFAULT_DEQUANT_THRESHOLD,
+    ) -> None:
+        self.fmt = canonical_format(fmt)
+        self.w13, self.w2 = w13, w2
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts = w13.shape[0]
+        self.packed = packed
+        self.dequant_threshold = dequant_threshold
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_blocks(
+        cls, w13: BlockQuantized | torch.Tensor, w2: BlockQuantized | torch.Tensor, fmt: str, hidden: int,
+        intermediate: int, use_kernels: bool | None = None,
+    ) -> QuantizedExperts:  # fmt: skip
+        """From GGUF blocks: ``w13 [E, 2I, nb(D), P]`` and ``w2 [E, D, nb(I), P]`` uint8 (e.g. read from a GGUF)."""
+        fmt = canonical_format(fmt)
+        b13 = w13.blocks if isinstance(w13, BlockQuantized) else w13
+        b2 = w2.blocks if isinstance(w2, BlockQuantized) else w2
+        p = BLOCK_BYTES[fmt]
+        e = b13.shape[0]
+        want13 = (e, 2 * intermediate, -(-hidden // BLOCK), p)
+        want2 = (e, hidden, -(-intermediate // BLOCK), p)
+        if tuple(b13.shape) != want13 or tuple(b2.shape) != want2:
+            raise FreeTokenError(
+                f"{fmt} expert blocks have shapes {tuple(b13.shape)} / {tuple(b2.shape)}, expected {want13} / {want2}"
+            )
+        packed = build.load() is not None if use_kernels is None else use_kernels
+        if packed:
+            return cls(fmt, pack_blocks(b13), pack_blocks(b2), hidden, intermediate, True)
+        return cls(fmt, b13.reshape(e, -1).contiguous(), b2.reshape(e, -1).contiguous(), hidden, intermediate, False)
+
+    @classmethod
+    def from_float(
+        cls, gate_up: torch.Tensor, down: torch.Tensor, fmt: str = "q4", use_kernels: bool | None = None
+    ) -> QuantizedExperts:
+        """Quantize float experts: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (fmt ``q4`` or ``q8``)."""
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            raise FreeTokenError(
+                f"experts need gate_up [E, 2I, D] and down [E, D, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}"
+            )
+        e, two_i, d = gate_up.shape
+        if two_i % 2 or tuple(down.shape) != (e, d, two_i // 2):
+            raise FreeTokenError(f"down must be [E, D, I] = [{e}, {d}, {two_i // 2}], got {tuple(down.shape)}")
+        i = two_i // 2
+        q13 = quantize(gate_up.reshape(e * two_i, d), fmt).blocks.reshape(e, two_i, -1, BLOCK_BYTES[canonical_format(fmt)])
+        q2 = quantize(down.reshape(e * d, i), fmt).blocks.reshape(e, d, -1, BLOCK_BYTES[canonical_format(fmt)])
+        return cls.from_blocks(q13, q2, fmt, d, i, use_kernels)
+
+    # ---------------------------------------------------------------- views
+
+    def _blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        p, e, d, i = BLOCK_BYTES[self.fmt], self.num_experts, self.hidden, self.intermediate
+        nbd, nbi = -(-d // BLOCK), -(-i // BLOCK)
+        if self.packed:
+            return unpack_blocks(self.w13, 2 * i, nbd, p), unpack_blocks(self.w2, d, nbi, p)
+        return self.w13.reshape(e, 2 * i, nbd, p), self.w2.reshape(e, d, nbi, p)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 experts these bytes stand for: ``(gate_up [E, 2I, D], down [E, D, I])``."""
+        b13, b2 = self._blocks()
+        e, d, i = self.num_experts, self.hidden, self.intermediate
+        g = dequantize(BlockQuantized(self.fmt, (e * 2 * i, d), b13.reshape(e * 2 * i, *b13.shape[2:])))
+        w = dequantize(BlockQuantized(self.fmt, (e * d, i), b2.reshape(e * d, *b2.shape[2:])))
+        return g.reshape(e, 2 * i, d), w.reshape(e, d, i)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.numel() + self.w2.numel()
+
+    def _expert_float(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d, i = self.hidden, self.intermediate
+        if self.packed:
+            g = ops.dequantize(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]))
+            w = ops.dequantize(ops.PackedWeight(self.fmt, d, i, self.w2[e]))
+            return g, w
+        p = BLOCK_BYTES[self.fmt]
+        g = dequantize(BlockQuantized(self.fmt, (2 * i, d), self.w13[e].reshape(2 * i, -1, p)))
+        w = dequantize(BlockQuantized(self.fmt, (d, i), self.w2[e].reshape(d, -1, p)))
+        return g, w
+
+    # ---------------------------------------------------------------- compute
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]`` fp32, ``topk_ids [T, K]`` int64, ``topk_weights [T, K]`` fp32 → ``[T, D]`` fp32."""
+        if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape:
+            raise FreeTokenError(
+                f"experts forward: want x [T, {self.hidden}] and ids/weights [T, K], got {tuple(x.shape)}, "
+                f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
+            )
+        x = x.to(torch.float32)
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)  # [E]
+        if self.packed:
+            heavy = (counts >= self.dequant_threshold).nonzero().flatten().tolist()
+        else:
+            heavy = counts.nonzero().flatten().tolist()
+        light_ids = topk_ids
+        if heavy:
+            is_heavy = torch.zeros(self.num_experts, dtype=torch.bool)
+            is_heavy[heavy] = True
+            light_ids = torch.where(is_heavy[topk_ids], torch.full_like(topk_ids, -1), topk_ids)
+        if self.packed and bool((light_ids >= 0).any()):
+            out = ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, light_ids, topk_weights)
+        else:
+            out = torch.zeros_like(x)
+        for e in heavy:
+            tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+            gate_up, down = self._expert_float(e)
+            h = torch.mm(x[tok], gate_up.t())  # [n, 2I]
+            g, u = h[:, : self.intermediate], h[:, self.intermediate :]
+            y = torch.mm(torch.nn.functional.silu(g) * u, down.t())  # [n, D]
+            out.index_add_(0, tok, y * topk_weights[tok, slot, None].to(torch.float32))
+        return out
+
+    __call__ = forward

@@ -1,0 +1,143 @@
+"""Typed wrappers over the C kernels: quantized linear, dequantize, fused MoE step, read bandwidth.
+
+Every function takes repacked weights (``layout.pack_blocks``) and checks shapes before calling into C; callers
+choose the torch fallback themselves when ``build.load()`` returns ``None``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FreeTokenError
+from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format
+from . import build
+from .layout import pack_blocks
+
+FMT_CODE = {"q8_0": 0, "q4_0": 1}
+ISA_CODE = {"best": -1, "portable": 0, "avx2": 1}
+
+
+def _lib() -> ctypes.CDLL:
+    lib = build.load()
+    if lib is None:
+        raise FreeTokenError(f"the CPU kernels are unavailable ({build.status().reason})")
+    return lib
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A ``[N, K]`` weight in the kernels' tile layout: ``data`` uint8, ``packed_bytes(fmt, N, K)`` long."""
+
+    fmt: str
+    n: int
+    k: int
+    data: torch.Tensor
+
+    @classmethod
+    def from_blocks(cls, qw: BlockQuantized) -> PackedWeight:
+        return cls(qw.fmt, qw.shape[0], qw.shape[1], pack_blocks(qw.blocks))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def packed_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes of a repacked ``[n, k]`` weight (same formula as the C side)."""
+    nb = -(-k // BLOCK)
+    return -(-n // 4) * nb * (8 + 4 * (BLOCK_BYTES[canonical_format(fmt)] - 2))
+
+
+def set_threads(n: int) -> int:
+    """Size the kernels' thread pool (caller included); returns the count now running."""
+    return int(_lib().ft_set_threads(int(n)))
+
+
+def get_threads() -> int:
+    return int(_lib().ft_get_threads())
+
+
+def set_isa(name: str) -> str:
+    """Force an ISA path (``best``, ``portable``, ``avx2``); raises if this CPU lacks it."""
+    if name not in ISA_CODE:
+        raise FreeTokenError(f"unknown ISA {name!r}; expected one of {', '.join(ISA_CODE)}")
+    got = _lib().ft_set_isa(ISA_CODE[name])
+    if got < 0:
+        raise FreeTokenError(f"this CPU cannot run the {name} kernels")
+    return build.ISA_NAMES[got]
+
+
+def available_isas() -> list[str]:
+    """ISA paths this CPU can run, portable first."""
+    best = _lib().ft_best_isa()
+    return [name for name, code in ISA_CODE.items() if 0 <= code <= best]
+
+
+def linear(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] fp32 → x @ W^T [M, N]`` with int8-quantized activations."""
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise FreeTokenError(f"linear: x must be [M, {w.k}], got {tuple(x.shape)}")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    if _lib().ft_linear(FMT_CODE[w.fmt], _ptr(w.data), w.n, w.k, _ptr(x), x.shape[0], _ptr(y)) != 0:
+        raise MemoryError("ft_linear: out of memory")
+    return y
+
+
+def dequantize(w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[N, K]`` values of a packed weight (C, multi-threaded); ``out`` may be a reused buffer."""
+    if out is None:
+        out = torch.empty(w.n, w.k, dtype=torch.float32)
+    if tuple(out.shape) != (w.n, w.k) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise FreeTokenError(f"dequantize: out must be contiguous fp32 [{w.n}, {w.k}]")
+    _lib().ft_dequant(FMT_CODE[w.fmt], _ptr(w.data), w.n, w.k, _ptr(out))
+    return out
+
+
+def moe(
+    fmt: str,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    dims: tuple[int, int],
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """One fused MoE step: ``w13 [E, bytes]`` packed gate|up ``[2I, D]``, ``w2 [E, bytes]`` packed down ``[D, I]``.
+
+    ``dims = (D, I)``; ``x [T, D]``, ``topk_ids [T, K]`` (negative ids are skipped), ``topk_weights [T, K]``.
+    """
+    d, i = dims
+    e = w13.shape[0]
+    if x.dim() != 2 or x.shape[1] != d or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise FreeTokenError(
+            f"moe: want x [T, {d}], ids/weights [T, K]; got {tuple(x.shape)}, {tuple(topk_ids.shape)}, "
+            f"{tuple(topk_weights.shape)}"
+        )
+    x = x.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    wts = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], d, dtype=torch.float32)
+    rc = _lib().ft_moe(
+        FMT_CODE[fmt], _ptr(w13), w13.stride(0), _ptr(w2), w2.stride(0), e, d, i,
+        _ptr(x), x.shape[0], _ptr(ids), _ptr(wts), ids.shape[1], _ptr(out),
+    )  # fmt: skip
+    if rc == -2:
+        raise FreeTokenError(f"moe: an expert id is >= the number of experts ({e})")
+    if rc != 0:
+        raise MemoryError("ft_moe: out of memory")
+    return out
+
+
+def read_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Streaming read bandwidth with the kernels' current thread count (GB/s, best of ``reps``)."""
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    seconds = _lib().ft_read_bandwidth(_ptr(buf), nbytes, reps)
+    return nbytes / seconds / 1e9
