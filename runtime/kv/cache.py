@@ -1,0 +1,51 @@
+"""A simple contiguous per-sequence KV cache.
+
+Each layer keeps a list of tensors whose first dimension is the position (GQA: keys [S, Hkv, Dh] and values
+[S, Hkv, Dv]; MLA: the compressed latent [S, rank] and the shared rotary key [S, R]). Storage grows by doubling so
+appends are amortized O(1). Paging and prefix sharing live elsewhere; this is the exact baseline they must match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Contiguous cache for one sequence over ``num_layers`` layers."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._store: list[list[torch.Tensor] | None] = [None] * num_layers
+        self.length = 0
+        """Positions already cached (the position of the next token)."""
+        self._pending = 0
+
+    def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
+        """Append this step's tensors for ``layer`` (each [T, ...]) and return views of all cached positions."""
+        t = parts[0].shape[0]
+        end = self.length + t
+        store = self._store[layer]
+        if store is None or store[0].shape[0] < end:
+            capacity = max(end, 2 * (store[0].shape[0] if store else 0), 64)
+            grown = [p.new_empty((capacity, *p.shape[1:])) for p in parts]
+            if store is not None:
+                for g, old in zip(grown, store):
+                    g[: self.length] = old[: self.length]
+            store = self._store[layer] = grown
+        for buf, p in zip(store, parts):
+            buf[self.length : end] = p
+        self._pending = t
+        return [buf[:end] for buf in store]
+
+    def advance(self) -> None:
+        """Commit the tokens appended by the current forward (called once after all layers)."""
+        self.length += self._pending
+        self._pending = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget positions ≥ ``length`` (e.g. to re-decode after a divergence)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t.numel() for store in self._store if store for t in store)

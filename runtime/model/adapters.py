@@ -1,0 +1,426 @@
+"""One small adapter per architecture family: Hugging Face ``config.json`` → ``ModelSpec``.
+
+This is the only place that knows config field names and architecture quirks. Adding an architecture means adding
+an adapter here (and a parity test), never a model file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from freetoken_agent.runtime.errors import ConfigError, UnsupportedArchitectureError
+from freetoken_agent.runtime.model.spec import (
+    AttentionSpec,
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    RopeSpec,
+    RouterSpec,
+    WeightNames,
+)
+
+Config = dict[str, Any]
+ADAPTERS: dict[str, Callable[[Config], ModelSpec]] = {}
+
+
+def adapter(*model_types: str) -> Callable[[Callable[[Config], ModelSpec]], Callable[[Config], ModelSpec]]:
+    def register(fn: Callable[[Config], ModelSpec]) -> Callable[[Config], ModelSpec]:
+        for name in model_types:
+            ADAPTERS[name] = fn
+        return fn
+
+    return register
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def spec_from_config(config: Config) -> ModelSpec:
+    """Build the spec for a parsed ``config.json``; unknown model types list the supported ones."""
+    model_type = config.get("model_type")
+    if model_type not in ADAPTERS:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(supported_architectures())}"
+        )
+    try:
+        return ADAPTERS[model_type](config)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"config.json of {model_type!r} is missing or has an invalid field: {exc!r}") from None
+
+
+# ----------------------------------------------------------------------------------------------- shared helpers
+
+
+def _req(cfg: Config, *names: str) -> Any:
+    """First present, non-null field among ``names`` (configs rename fields across versions)."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise KeyError(names[0])
+
+
+def _opt(cfg: Config, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def _rope_params(cfg: Config) -> dict[str, Any]:
+    """Normalize ``rope_parameters`` (transformers ≥5) and ``rope_scaling``/``rope_theta`` (older configs)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    for key, value in legacy.items():
+        params.setdefault(key, value)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", "default")
+    if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is not None:
+        params["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    return params
+
+
+def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | None = None) -> RopeSpec:
+    p = _rope_params(cfg)
+    kind = p["rope_type"]
+    if kind not in ("default", "linear", "yarn", "llama3"):
+        raise ValueError(f"rope type {kind!r} is not supported")
+    dim = rotary_dim if rotary_dim is not None else int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    factor = p.get("factor")
+    original = p.get("original_max_position_embeddings")
+    if kind == "yarn" and factor is None:
+        factor = max_pos / original
+    return RopeSpec(
+        dim=dim,
+        theta=float(p["rope_theta"]),
+        kind=kind,
+        style=style,  # type: ignore[arg-type]
+        factor=float(factor if factor is not None else 1.0),
+        original_max_position=original,
+        max_position=max_pos,
+        beta_fast=float(p.get("beta_fast") or 32.0),
+        beta_slow=float(p.get("beta_slow") or 1.0),
+        mscale=p.get("mscale"),
+        mscale_all_dim=p.get("mscale_all_dim"),
+        attention_factor=p.get("attention_factor"),
+        truncate=bool(p.get("truncate", True)),
+        low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+    )
+
+
+def _head_dim(cfg: Config) -> int:
+    return int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
+
+
+def _gqa(cfg: Config, style: str = "half", **overrides: Any) -> AttentionSpec:
+    head_dim = _head_dim(cfg)
+    fields: dict[str, Any] = dict(
+        kind="gqa",
+        num_heads=int(cfg["num_attention_heads"]),
+        num_kv_heads=int(_opt(cfg, "num_key_value_heads", default=cfg["num_attention_heads"])),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        scale=head_dim**-0.5,
+        rope=_rope(cfg, head_dim, style),
+    )
+    fields.update(overrides)
+    return AttentionSpec(**fields)
+
+
+def _layer_types(cfg: Config, default_sliding: Callable[[int], bool] | None = None) -> list[bool]:
+    """Per layer: does it use sliding-window attention."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        return [t == "sliding_attention" for t in types]
+    return [bool(default_sliding and default_sliding(i)) for i in range(n)]
+
+
+def _eos(cfg: Config) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
+    base: dict[str, Any] = dict(
+        model_type=cfg["model_type"],
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        layers=tuple(layers),
+        norm_eps=float(_opt(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+        eos_token_ids=_eos(cfg),
+    )
+    base.update(fields)
+    return ModelSpec(**base)
+
+
+def _mtp_ignored(cfg: Config) -> tuple[str, ...]:
+    """Multi-token-prediction layers are stored after the last decoder layer; generation does not use them."""
+    n = int(cfg["num_hidden_layers"])
+    extra = int(cfg.get("num_nextn_predict_layers") or 0)
+    return tuple(rf"^model\.layers\.{n + k}\." for k in range(extra))
+
+
+def _act(cfg: Config) -> str:
+    act = cfg.get("hidden_act", "silu")
+    return {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
+
+
+# ----------------------------------------------------------------------------------------------- softmax routers
+
+
+@adapter("mixtral")
+def mixtral(cfg: Config) -> ModelSpec:
+    sw = cfg.get("sliding_window")
+    moe = MoESpec(
+        num_experts=int(_req(cfg, "num_local_experts", "num_experts")),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="softmax", norm_topk=True),
+        activation=_act(cfg),  # type: ignore[arg-type]
+    )
+    attn = _gqa(cfg, sliding_window=sw)
+    layers = [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])]
+    return _model(cfg, layers, names=WeightNames(moe_prefix="block_sparse_moe"))
+
+
+@adapter("qwen2_moe", "qwen3_moe")
+def qwen_moe(cfg: Config) -> ModelSpec:
+    qwen3 = cfg["model_type"] == "qwen3_moe"
+    n = int(cfg["num_hidden_layers"])
+    num_experts = int(_req(cfg, "num_experts", "num_local_experts"))
+    shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+    moe = MoESpec(
+        num_experts=num_experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        router=RouterSpec(scoring="softmax", norm_topk=bool(cfg.get("norm_topk_prob", False))),
+        activation=_act(cfg),  # type: ignore[arg-type]
+        shared=MLPSpec(shared_size, _act(cfg)) if shared_size else None,  # type: ignore[arg-type]
+        shared_gate=bool(shared_size),
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg))  # type: ignore[arg-type]
+    step, mlp_only = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+    use_sw = bool(cfg.get("use_sliding_window", False))
+    if qwen3:
+        sliding = [use_sw and cfg.get("sliding_window") is not None] * n
+    else:
+        max_window = int(cfg.get("max_window_layers", n))
+        sliding = _layer_types(cfg, lambda i: use_sw and bool((i + 1) % 2) and i < max_window)
+    layers = []
+    for i in range(n):
+        attn = _gqa(
+            cfg,
+            qkv_bias=bool(cfg.get("attention_bias", False)) if qwen3 else bool(cfg.get("qkv_bias", True)),
+            o_bias=bool(cfg.get("attention_bias", False)) if qwen3 else False,
+            qk_norm="head" if qwen3 else "none",
+            sliding_window=cfg.get("sliding_window") if sliding[i] else None,
+        )
+        is_moe = i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+        layers.append(LayerSpec(attention=attn, moe=moe) if is_moe else LayerSpec(attention=attn, mlp=dense))
+    return _model(cfg, layers, names=WeightNames(shared="shared_expert"))
+
+
+@adapter("olmoe")
+def olmoe(cfg: Config) -> ModelSpec:
+    moe = MoESpec(
+        num_experts=int(cfg["num_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="softmax", norm_topk=bool(cfg.get("norm_topk_prob", False))),
+        activation=_act(cfg),  # type: ignore[arg-type]
+    )
+    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])])
+
+
+@adapter("granitemoe")
+def granitemoe(cfg: Config) -> ModelSpec:
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="none", topk_before_scoring=True),
+        activation=_act(cfg),  # type: ignore[arg-type]
+    )
+    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+                scale=float(cfg.get("attention_multiplier", 1.0)))
+    names = WeightNames(moe_prefix="block_sparse_moe", router="router.layer",
+                        fused_names=("input_linear.weight", "output_linear.weight"))
+    return _model(
+        cfg,
+        [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+        names=names,
+    )
+
+
+@adapter("gpt_oss")
+def gpt_oss(cfg: Config) -> ModelSpec:
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="none", topk_before_scoring=True, bias=True),
+        activation="swiglu_oai",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        expert_bias=True,
+    )
+    sliding = _layer_types(cfg, lambda i: i % 2 == 0)
+    bias = bool(cfg.get("attention_bias", True))
+    layers = [
+        LayerSpec(attention=_gqa(cfg, qkv_bias=bias, o_bias=bias, sinks=True,
+                                 sliding_window=cfg.get("sliding_window") if sliding[i] else None), moe=moe)
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    names = WeightNames(router="router", gate_up_layout="interleaved_transposed")
+    return _model(cfg, layers, names=names)
+
+
+@adapter("ernie4_5_moe")
+def ernie4_5_moe(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    bias = bool(cfg.get("use_bias", False))
+    shared_n = int(cfg.get("moe_num_shared_experts") or 0)
+    inter = int(cfg["moe_intermediate_size"])
+    moe = MoESpec(
+        num_experts=int(_req(cfg, "moe_num_experts", "num_experts")),
+        top_k=int(_req(cfg, "moe_k", "num_experts_per_tok")),
+        intermediate=inter,
+        router=RouterSpec(scoring="softmax", norm_topk=True, norm_min=float(cfg.get("moe_norm_min", 1e-12)),
+                          correction_bias=True),
+        activation=_act(cfg),  # type: ignore[arg-type]
+        shared=MLPSpec(inter * shared_n, _act(cfg), bias=bias) if shared_n else None,  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg), bias=bias)  # type: ignore[arg-type]
+    interval = int(cfg.get("moe_layer_interval", 1))
+    start, end = int(cfg.get("moe_layer_start_index", 0)), cfg.get("moe_layer_end_index")
+    end = n - 1 if end is None or end == -1 else int(end)
+    attn = _gqa(cfg, style="interleaved", qkv_bias=bias, o_bias=bias)
+    layers = [
+        LayerSpec(attention=attn, moe=moe) if ((i + 1) % interval == 0 and start <= i <= end)
+        else LayerSpec(attention=attn, mlp=dense)
+        for i in range(n)
+    ]
+    names = WeightNames(correction_bias="moe_statics.e_score_correction_bias")
+    return _model(cfg, layers, names=names, lm_head_bias=bias)
+
+
+# ------------------------------------------------------------------------------- sigmoid routers / DeepSeek family
+
+
+def _deepseek_router(cfg: Config, sigmoid: bool) -> RouterSpec:
+    n_group = int(cfg.get("n_group") or 1)
+    topk_group = int(cfg.get("topk_group") or 1)
+    if sigmoid:
+        return RouterSpec(
+            scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", True)), norm_eps=1e-20, correction_bias=True,
+            n_group=n_group, topk_group=topk_group, group_score="top2_sum", group_masked_value=float("-inf"),
+            scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+    grouped = cfg.get("topk_method", "greedy") == "group_limited_greedy"
+    return RouterSpec(
+        scoring="softmax", n_group=n_group if grouped else 1, topk_group=topk_group if grouped else 1,
+        group_score="max", group_masked_value=0.0, scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _deepseek_layers(cfg: Config, attn_for: Callable[[int], AttentionSpec], sigmoid: bool) -> list[LayerSpec]:
+    n = int(cfg["num_hidden_layers"])
+    inter = int(cfg["moe_intermediate_size"])
+    shared_n = int(cfg.get("n_shared_experts") or 0)
+    moe = MoESpec(
+        num_experts=int(_req(cfg, "n_routed_experts", "num_local_experts")),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=inter,
+        router=_deepseek_router(cfg, sigmoid),
+        activation=_act(cfg),  # type: ignore[arg-type]
+        shared=MLPSpec(inter * shared_n, _act(cfg)) if shared_n else None,  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg))  # type: ignore[arg-type]
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    return [
+        LayerSpec(attention=attn_for(i), moe=moe) if (i >= first_dense and i % freq == 0)
+        else LayerSpec(attention=attn_for(i), mlp=dense)
+        for i in range(n)
+    ]
+
+
+def _mla(cfg: Config) -> AttentionSpec:
+    nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    head_dim = nope + rope_dim
+    interleave = cfg["model_type"] == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
+    rope = _rope(cfg, rope_dim, "interleaved" if interleave else "half", rotary_dim=rope_dim)
+    scale = head_dim**-0.5
+    p = _rope_params(cfg)
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        m = 0.1 * float(p["mscale_all_dim"]) * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        scale *= m * m
+    return AttentionSpec(
+        kind="mla", num_heads=int(cfg["num_attention_heads"]), num_kv_heads=int(cfg["num_attention_heads"]),
+        head_dim=head_dim, v_head_dim=int(cfg["v_head_dim"]), scale=scale, rope=rope,
+        o_bias=bool(cfg.get("attention_bias", False)), q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_dim=nope, qk_rope_dim=rope_dim,
+        lora_bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
+@adapter("deepseek_v2", "deepseek_v3")
+def deepseek(cfg: Config) -> ModelSpec:
+    attn = _mla(cfg)
+    layers = _deepseek_layers(cfg, lambda i: attn, sigmoid=cfg["model_type"] == "deepseek_v3")
+    return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("glm4_moe")
+def glm4_moe(cfg: Config) -> ModelSpec:
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, qk_norm="head" if cfg.get("use_qk_norm") else "none")
+    return _model(cfg, _deepseek_layers(cfg, lambda i: attn, sigmoid=True), ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("dots1")
+def dots1(cfg: Config) -> ModelSpec:
+    bias = bool(cfg.get("attention_bias", False))
+    sliding = _layer_types(cfg)
+    layers = _deepseek_layers(
+        cfg,
+        lambda i: _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head",
+                       sliding_window=cfg.get("sliding_window") if sliding[i] else None),
+        sigmoid=True,
+    )
+    return _model(cfg, layers)
+
+
+@adapter("minimax_m2")
+def minimax_m2(cfg: Config) -> ModelSpec:
+    head_dim = _head_dim(cfg)
+    rotary_dim = cfg.get("rotary_dim") if "partial_rotary_factor" not in _rope_params(cfg) else None
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="sigmoid", norm_topk=True, correction_bias=True),
+        activation=_act(cfg),  # type: ignore[arg-type]
+    )
+    attn = _gqa(cfg, qk_norm="full", rope=_rope(cfg, head_dim, rotary_dim=rotary_dim))
+    names = WeightNames(moe_prefix="block_sparse_moe", correction_bias="e_score_correction_bias")
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names,
+                  ignored_tensors=_mtp_ignored(cfg))

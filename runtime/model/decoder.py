@@ -1,0 +1,90 @@
+"""The generic decoder: executes any ``ModelSpec`` (one code path for every architecture).
+
+Legend: T new tokens, D hidden, V vocab. Single sequence; positions continue from the KV cache's length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.layers import gqa_attention, mla_attention, mlp, rms_norm
+from freetoken_agent.runtime.model.moe import ExpertsBackend, route
+from freetoken_agent.runtime.model.rope import Rotary
+from freetoken_agent.runtime.model.spec import ModelSpec
+from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
+
+
+class Decoder:
+    """Runs the forward pass of a spec over loaded weights."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, device: torch.device | str = "cpu") -> None:
+        self.spec, self.weights, self.device = spec, weights, torch.device(device)
+        # Layers with the same rope share one table.
+        tables: dict[object, Rotary] = {}
+        self.rotary: list[Rotary | None] = []
+        for layer in spec.layers:
+            rope = layer.attention.rope
+            if rope is not None and rope not in tables:
+                tables[rope] = Rotary(rope, self.device)
+            self.rotary.append(tables[rope] if rope is not None else None)
+        self.experts: list[ExpertsBackend | None] = [
+            lw.moe.experts if lw.moe is not None else None for lw in weights.layers
+        ]
+        """Per layer, the backend computing routed experts (replaceable: quantized, residency-managed)."""
+        self.routing_observers: list = []
+        """Callables ``(layer, topk_ids [T, K])`` told of every routing decision (heat, profiles)."""
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.spec.num_layers)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """token_ids [T] → final hidden states [T, D] (after the final norm); appends to ``cache``."""
+        spec, w = self.spec, self.weights
+        positions = torch.arange(cache.length, cache.length + token_ids.shape[0], device=self.device)
+        h = F.embedding(token_ids.to(self.device), w.embed)
+        if spec.embedding_multiplier != 1.0:
+            h = h * spec.embedding_multiplier
+        for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
+            attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
+            x = rms_norm(h, lw.input_norm, spec.norm_eps)
+            x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+            h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
+            x = rms_norm(h, lw.post_norm, spec.norm_eps)
+            x = self._ffn(i, x, lw)
+            h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
+        cache.advance()
+        return rms_norm(h, w.norm, spec.norm_eps)
+
+    def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        layer = self.spec.layers[i]
+        if lw.moe is None:
+            assert layer.mlp is not None and lw.mlp is not None
+            return mlp(x, lw.mlp, layer.mlp)
+        return self._moe(i, x, lw.moe)
+
+    def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights) -> torch.Tensor:
+        moe = self.spec.layers[i].moe
+        assert moe is not None
+        ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
+        for observe in self.routing_observers:
+            observe(i, ids)
+        backend = self.experts[i]
+        assert backend is not None
+        out = backend.forward(x, ids, weights.to(x.dtype) if x.dtype != torch.float32 else weights)
+        if moe.shared is not None:
+            shared = mlp(x, mw.shared, moe.shared)
+            if mw.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+            out = out + shared
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden [T, D] → logits [T, V] in fp32."""
+        w = self.weights
+        out = F.linear(hidden, w.lm_head, w.lm_head_bias).float()
+        if self.spec.logits_divisor != 1.0:
+            out = out / self.spec.logits_divisor
+        return out

@@ -1,0 +1,113 @@
+"""Dense building blocks of the generic decoder: RMSNorm, gated MLP, GQA and MLA attention.
+
+Legend: T new tokens, S cached + new positions, D hidden, H query heads, Hkv key/value heads, G = H / Hkv,
+Dh query/key head dim, Dv value head dim. Weights are plain dicts of tensors named after the checkpoint's leaves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.rope import Rotary
+from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
+
+Weights = dict[str, torch.Tensor]
+
+_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+
+def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+    act = _ACT[spec.activation]
+    return linear(act(linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
+
+
+def attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]."""
+    t, h, dh = q.shape
+    s, hkv, dv = v.shape
+    g = h // hkv
+    qg = q.reshape(t, hkv, g, dh).permute(1, 2, 0, 3).reshape(hkv, g * t, dh)  # [Hkv, G*T, Dh]
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).view(h, t, s) * spec.scale  # [H, T, S]
+    k_pos = torch.arange(s, device=q.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+    if spec.sliding_window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.matmul(probs.view(hkv, g * t, s), v.permute(1, 0, 2))  # [Hkv, G*T, Dv]
+    return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
+
+
+def gqa_attention(
+    x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache,
+    positions: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    t = x.shape[0]
+    q, k, v = linear(x, w, "q_proj"), linear(x, w, "k_proj"), linear(x, w, "v_proj")
+    if spec.qk_norm == "full":
+        q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
+    if spec.clip_qkv is not None:
+        q, k, v = (z.clamp(-spec.clip_qkv, spec.clip_qkv) for z in (q, k, v))
+    q = q.view(t, spec.num_heads, spec.head_dim)
+    k = k.view(t, spec.num_kv_heads, spec.head_dim)
+    v = v.view(t, spec.num_kv_heads, spec.v_head_dim)
+    if spec.qk_norm == "head":
+        q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
+    if rotary is not None:
+        cos, sin = rotary.cos_sin(positions)
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+    k_all, v_all = cache.append(layer, k, v)
+    out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"))
+    return linear(out, w, "o_proj")
+
+
+def mla_attention(
+    x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache,
+    positions: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    """DeepSeek multi-head latent attention; the cache holds the normalized latent and the shared rotary key."""
+    t, h = x.shape[0], spec.num_heads
+    nope, rope_dim, dv = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
+    if spec.q_lora_rank is None:
+        q = linear(x, w, "q_proj")
+    else:
+        q = linear(rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm.weight"], eps), w, "q_b_proj")
+    q = q.view(t, h, nope + rope_dim)
+    compressed = linear(x, w, "kv_a_proj_with_mqa")  # [T, rank + R]
+    latent = rms_norm(compressed[:, : spec.kv_lora_rank], w["kv_a_layernorm.weight"], eps)  # [T, rank]
+    k_rot = compressed[:, spec.kv_lora_rank :].reshape(t, 1, rope_dim)  # [T, 1, R]
+    q_nope, q_rot = q[..., :nope], q[..., nope:]
+    if rotary is not None:
+        cos, sin = rotary.cos_sin(positions)
+        q_rot, k_rot = rotary.apply(q_rot, cos, sin), rotary.apply(k_rot, cos, sin)
+    latent_all, k_rot_all = cache.append(layer, latent, k_rot.reshape(t, rope_dim))
+    s = latent_all.shape[0]
+    kv = linear(latent_all, w, "kv_b_proj").view(s, h, nope + dv)  # [S, H, nope + Dv]
+    k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
+    q_full = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dh]
+    out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None)
+    return linear(out, w, "o_proj")

@@ -1,0 +1,112 @@
+"""The MoE block: router (top-k selection and weights) and the expert computation seam.
+
+Legend: T tokens, D hidden, E experts, K experts per token, I expert intermediate size.
+``ExpertsBackend`` is the seam fast paths plug into (quantized CPU kernels, residency-managed experts); ``TorchExperts``
+is the plain-torch reference every fast path is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_agent.runtime.model.spec import MoESpec, RouterSpec
+
+
+class ExpertsBackend(Protocol):
+    """Computes the routed experts of one MoE layer."""
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], topk_ids [T, K] int64, topk_weights [T, K] fp32 → Σ_k w_k · expert_k(x) as [T, D]."""
+        ...
+
+
+def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
+    """[N, 2I] (gate columns then up columns) → [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if moe.activation == "swiglu_oai":
+        gate = gate.clamp(max=moe.swiglu_limit)
+        up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+    if moe.activation == "silu":
+        return F.silu(gate) * up
+    if moe.activation == "gelu":
+        return F.gelu(gate) * up
+    raise ValueError(f"unknown expert activation {moe.activation!r}")
+
+
+@dataclass
+class TorchExperts:
+    """Reference experts: all weights as dense tensors, one matmul pair per hit expert."""
+
+    spec: MoESpec
+    gate_up: torch.Tensor  # [E, 2I, D]
+    down: torch.Tensor  # [E, D, I]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2I]
+    down_bias: torch.Tensor | None = None  # [E, D]
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights of one expert: (gate_up [2I, D], down [D, I])."""
+        return self.gate_up[e], self.down[e]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.spec.num_experts).tolist()
+        token_of = order // topk_ids.shape[1]  # [T*K] token index of each sorted slot
+        weight_of = topk_weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens = token_of[start : start + n]
+            h = x[tokens] @ self.gate_up[e].T  # [n, 2I]
+            if self.gate_up_bias is not None:
+                h = h + self.gate_up_bias[e]
+            h = activate(h, self.spec) @ self.down[e].T  # [n, D]
+            if self.down_bias is not None:
+                h = h + self.down_bias[e]
+            out.index_add_(0, tokens, (h * weight_of[start : start + n, None]).to(out.dtype))
+            start += n
+        return out
+
+
+def route(
+    x: torch.Tensor,
+    spec: RouterSpec,
+    top_k: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] → (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
+    if spec.topk_before_scoring:
+        logits = F.linear(x, weight, bias).float()  # [T, E]
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1) * spec.scaling
+    logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [T, E]
+    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores + correction.float().reshape(-1) if correction is not None else scores
+    if spec.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, spec.n_group, e // spec.n_group)  # [T, G, E/G]
+        if spec.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep_groups = torch.topk(group_scores, spec.topk_group, dim=-1).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, e)
+        choice = choice.masked_fill(~expert_mask, spec.group_masked_value)
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if spec.norm_topk:
+        denom = weights.sum(dim=-1, keepdim=True) + spec.norm_eps
+        if spec.norm_min is not None:
+            denom = denom.clamp(min=spec.norm_min)
+        weights = weights / denom
+    return ids, weights * spec.scaling

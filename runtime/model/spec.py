@@ -1,0 +1,172 @@
+"""``ModelSpec``: a frozen, typed description of a decoder-only MoE architecture.
+
+Adapters (``adapters.py``) turn a Hugging Face ``config.json`` into a spec; the generic decoder reads only the spec.
+Architecture quirks become fields here, never branches on a model-type string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding of the attention's rotary part."""
+
+    dim: int
+    """Number of rotated channels per head (partial rotary rotates only the first ``dim``)."""
+    theta: float = 10000.0
+    kind: Literal["default", "linear", "yarn", "llama3"] = "default"
+    style: Literal["half", "interleaved"] = "half"
+    """``half``: GPT-NeoX rotate-half pairs (i, i+dim/2); ``interleaved``: adjacent pairs (2i, 2i+1)."""
+    factor: float = 1.0
+    original_max_position: int | None = None
+    max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
+
+    kind: Literal["gqa", "mla"]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    """Query/key width per head (for MLA: nope + rope)."""
+    v_head_dim: int
+    scale: float
+    """Softmax scale applied to q·k."""
+    rope: RopeSpec | None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: Literal["none", "head", "full"] = "none"
+    """RMSNorm on q and k: per head (``head``, weight [head_dim]) or over the whole projection (``full``)."""
+    sinks: bool = False
+    """A learned per-head logit that joins the softmax and is then dropped (GPT-OSS)."""
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    """Keys older than ``sliding_window`` positions are masked (None: full attention)."""
+    # MLA only
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    lora_bias: bool = False
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A gated dense MLP: down(act(gate(x)) * up(x))."""
+
+    intermediate: int
+    activation: Activation = "silu"
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a token picks its experts and how their outputs are weighted."""
+
+    scoring: Literal["softmax", "sigmoid", "none"] = "softmax"
+    """Score function applied to the router logits; ``none`` with ``topk_before_scoring``: softmax over the top-k."""
+    topk_before_scoring: bool = False
+    """Pick top-k on raw logits, then softmax over the chosen k (Mixtral-style renormalization, GPT-OSS, Granite)."""
+    norm_topk: bool = False
+    norm_eps: float = 0.0
+    """Added to the top-k sum before dividing (DeepSeek-V3: 1e-20)."""
+    norm_min: float | None = None
+    """Clamp the top-k sum from below before dividing (Ernie)."""
+    correction_bias: bool = False
+    """A per-expert bias added to the scores for selection only (aux-loss-free balancing)."""
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: Literal["max", "top2_sum"] = "max"
+    group_masked_value: float = 0.0
+    """What masked-out groups' scores become before top-k (0 for DeepSeek-V2, -inf for V3-style)."""
+    scaling: float = 1.0
+    bias: bool = False
+    """The router linear has a bias (GPT-OSS)."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse MoE block: router, ``num_experts`` gated experts, optional shared experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    router: RouterSpec
+    activation: Literal["silu", "gelu", "swiglu_oai"] = "silu"
+    """``swiglu_oai``: GPT-OSS clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    shared: MLPSpec | None = None
+    shared_gate: bool = False
+    """Shared-expert output is scaled by sigmoid(linear(x)) (Qwen2-MoE)."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: attention then either a dense MLP or an MoE block."""
+
+    attention: AttentionSpec
+    mlp: MLPSpec | None = None
+    moe: MoESpec | None = None
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Where an architecture keeps its tensors inside a layer (relative to ``model.layers.{i}.``)."""
+
+    moe_prefix: str = "mlp"
+    router: str = "gate"
+    """Module holding the router weight (``{router}.weight``)."""
+    correction_bias: str = "gate.e_score_correction_bias"
+    shared: str = "shared_experts"
+    shared_gate: str = "shared_expert_gate"
+    gate_up_layout: Literal["concat", "interleaved_transposed"] = "concat"
+    """Fused 3-D layout: ``concat`` = [E, 2I, D] gate rows then up rows; ``interleaved_transposed`` = [E, D, 2I]
+    with gate/up alternating columns and down stored as [E, I, D] (GPT-OSS)."""
+    fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+    """Names of fused 3-D expert tensors under the MoE prefix (without ``.weight``)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the generic decoder needs to run an architecture. Frozen: never mutated after the adapter."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    lm_head_bias: bool = False
+    max_position: int = 4096
+    names: WeightNames = field(default_factory=WeightNames)
+    ignored_tensors: tuple[str, ...] = ()
+    """Regexes of checkpoint tensors knowingly unused (e.g. DeepSeek multi-token-prediction layers)."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def moe_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.moe is not None]

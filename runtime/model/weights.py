@@ -1,0 +1,175 @@
+"""Strict loading of a checkpoint into the tensors the generic decoder uses.
+
+Every parameter the spec implies must be present with the right shape, and every checkpoint tensor must be either
+used or matched by ``ModelSpec.ignored_tensors``; otherwise a specific exception names the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken_agent.runtime.checkpoint.experts import ExpertSource
+from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
+from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from freetoken_agent.runtime.model.moe import TorchExperts
+from freetoken_agent.runtime.model.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
+
+# Tensors some exporters write that carry no weights we need.
+_ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
+
+
+@dataclass
+class MoEWeights:
+    router: dict[str, torch.Tensor]  # weight [E, D], optional bias [E]
+    correction: torch.Tensor | None  # [E]
+    experts: TorchExperts
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared_gate: torch.Tensor | None = None  # [1, D]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: dict[str, torch.Tensor]
+    mlp: dict[str, torch.Tensor] | None = None
+    moe: MoEWeights | None = None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    lm_head_bias: torch.Tensor | None
+    layers: list[LayerWeights]
+
+
+class _Loader:
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.reader, self.dtype, self.device = reader, dtype, device
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self.reader:
+            raise MissingTensorError(f"missing tensor {name} (expected shape {list(shape)})")
+        if self.reader.shape(name) != shape:
+            raise ShapeMismatchError(
+                f"tensor {name} has shape {list(self.reader.shape(name))}, expected {list(shape)}"
+            )
+        return self.reader.get(name).to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def linear(self, out: dict[str, torch.Tensor], prefix: str, leaf: str, n_out: int, n_in: int, bias: bool) -> None:
+        out[f"{leaf}.weight"] = self.take(f"{prefix}.{leaf}.weight", (n_out, n_in))
+        if bias:
+            out[f"{leaf}.bias"] = self.take(f"{prefix}.{leaf}.bias", (n_out,))
+
+    def mlp(self, prefix: str, spec: MLPSpec, d: int) -> dict[str, torch.Tensor]:
+        w: dict[str, torch.Tensor] = {}
+        self.linear(w, prefix, "gate_proj", spec.intermediate, d, spec.bias)
+        self.linear(w, prefix, "up_proj", spec.intermediate, d, spec.bias)
+        self.linear(w, prefix, "down_proj", d, spec.intermediate, spec.bias)
+        return w
+
+    def attention(self, prefix: str, a: AttentionSpec, d: int) -> dict[str, torch.Tensor]:
+        w: dict[str, torch.Tensor] = {}
+        if a.kind == "mla":
+            if a.q_lora_rank is None:
+                self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, False)
+            else:
+                self.linear(w, prefix, "q_a_proj", a.q_lora_rank, d, a.lora_bias)
+                w["q_a_layernorm.weight"] = self.take(f"{prefix}.q_a_layernorm.weight", (a.q_lora_rank,))
+                self.linear(w, prefix, "q_b_proj", a.num_heads * a.head_dim, a.q_lora_rank, False)
+            self.linear(w, prefix, "kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_dim, d, a.lora_bias)
+            w["kv_a_layernorm.weight"] = self.take(f"{prefix}.kv_a_layernorm.weight", (a.kv_lora_rank,))
+            self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
+            self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
+            return w
+        self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, a.qkv_bias)
+        self.linear(w, prefix, "k_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
+        self.linear(w, prefix, "v_proj", a.num_kv_heads * a.v_head_dim, d, a.qkv_bias)
+        self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
+        if a.qk_norm != "none":
+            q_dim = a.head_dim if a.qk_norm == "head" else a.num_heads * a.head_dim
+            k_dim = a.head_dim if a.qk_norm == "head" else a.num_kv_heads * a.head_dim
+            w["q_norm.weight"] = self.take(f"{prefix}.q_norm.weight", (q_dim,))
+            w["k_norm.weight"] = self.take(f"{prefix}.k_norm.weight", (k_dim,))
+        if a.sinks:
+            w["sinks"] = self.take(f"{prefix}.sinks", (a.num_heads,))
+        return w
+
+    def moe(self, prefix: str, layer: LayerSpec, spec: ModelSpec) -> MoEWeights:
+        m, names, d = layer.moe, spec.names, spec.hidden_size
+        assert m is not None
+        router = {"weight": self.take(f"{prefix}.{names.router}.weight", (m.num_experts, d))}
+        if m.router.bias:
+            router["bias"] = self.take(f"{prefix}.{names.router}.bias", (m.num_experts,))
+        correction = None
+        if m.router.correction_bias:
+            name = f"{prefix}.{names.correction_bias}"
+            shape = self.reader.shape(name) if name in self.reader else (m.num_experts,)
+            if shape not in ((m.num_experts,), (1, m.num_experts)):
+                raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{m.num_experts}]")
+            correction = self.take(name, shape, torch.float32).reshape(-1)
+        source = ExpertSource(self.reader, prefix, m, names, d)
+        parts = [source.load(e) for e in range(m.num_experts)]
+        cast = lambda ts: torch.stack(ts).to(device=self.device, dtype=self.dtype).contiguous()  # noqa: E731
+        experts = TorchExperts(
+            m,
+            gate_up=cast([p.gate_up for p in parts]),
+            down=cast([p.down for p in parts]),
+            gate_up_bias=cast([p.gate_up_bias for p in parts]) if m.expert_bias else None,
+            down_bias=cast([p.down_bias for p in parts]) if m.expert_bias else None,
+        )
+        weights = MoEWeights(router, correction, experts)
+        if m.shared is not None:
+            weights.shared = self.mlp(f"{prefix}.{names.shared}", m.shared, d)
+        if m.shared_gate:
+            weights.shared_gate = self.take(f"{prefix}.{names.shared_gate}.weight", (1, d))
+        return weights
+
+
+def load_weights(
+    spec: ModelSpec,
+    reader: CheckpointReader,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    on_layer: "callable | None" = None,  # type: ignore[valid-type]
+) -> ModelWeights:
+    """Read every tensor the spec needs; ``on_layer(i)`` is called after each layer (progress)."""
+    ld = _Loader(reader, dtype, device)
+    d, v = spec.hidden_size, spec.vocab_size
+    embed = ld.take("model.embed_tokens.weight", (v, d))
+    layers = []
+    for i, layer in enumerate(spec.layers):
+        p = f"model.layers.{i}"
+        lw = LayerWeights(
+            input_norm=ld.take(f"{p}.input_layernorm.weight", (d,)),
+            post_norm=ld.take(f"{p}.post_attention_layernorm.weight", (d,)),
+            attn=ld.attention(f"{p}.self_attn", layer.attention, d),
+        )
+        if layer.moe is not None:
+            lw.moe = ld.moe(f"{p}.{spec.names.moe_prefix}", layer, spec)
+        else:
+            assert layer.mlp is not None
+            lw.mlp = ld.mlp(f"{p}.mlp", layer.mlp, d)
+        layers.append(lw)
+        if on_layer is not None:
+            on_layer(i)
+    norm = ld.take("model.norm.weight", (d,))
+    if spec.tie_embeddings:
+        lm_head = embed
+        reader.used.add("lm_head.weight")  # some exporters store the tied copy anyway
+    else:
+        lm_head = ld.take("lm_head.weight", (v, d))
+    lm_head_bias = ld.take("lm_head.bias", (v,)) if spec.lm_head_bias else None
+    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *_ALWAYS_IGNORED)]
+    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UnexpectedTensorError(
+            f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture{more}"
+        )
+    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers)
