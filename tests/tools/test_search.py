@@ -1,0 +1,109 @@
+"""list_files, glob and search, including .gitignore semantics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from freetoken_agent.tools import ToolContext, ToolRegistry
+from freetoken_agent.tools.ignore import is_ignored, parse_gitignore
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize(
+    "patterns, path, is_dir, ignored",
+    [
+        ("*.log", "a.log", False, True),
+        ("*.log", "deep/down/a.log", False, True),
+        ("*.log\n!keep.log", "x/keep.log", False, False),
+        ("build/", "build", True, True),
+        ("build/", "build", False, False),  # dir-only pattern does not match a file
+        ("/top.txt", "top.txt", False, True),
+        ("/top.txt", "sub/top.txt", False, False),
+        ("docs/*.md", "docs/a.md", False, True),
+        ("docs/*.md", "docs/sub/a.md", False, False),
+        ("**/cache", "a/b/cache", True, True),
+        ("a/**/z", "a/z", False, True),
+        ("a/**/z", "a/b/c/z", False, True),
+        ("logs/**", "logs/x/y.txt", False, True),
+        ("file?.txt", "file1.txt", False, True),
+        ("file[0-9].txt", "fileA.txt", False, False),
+        ("file[!0-9].txt", "fileA.txt", False, True),
+        ("# comment\n\\#hash", "#hash", False, True),
+        ("  \n*.tmp   ", "x.tmp", False, True),
+    ],
+)
+def test_gitignore_rules(patterns: str, path: str, is_dir: bool, ignored: bool) -> None:
+    assert is_ignored(parse_gitignore(patterns), path, is_dir) is ignored
+
+
+@pytest.fixture
+def project(root: Path) -> Path:
+    files = {
+        ".gitignore": "build/\n*.log\n!keep.log\n",
+        "src/app.py": "def main():\n    return helper()\n",
+        "src/util/helper.py": "def helper():\n    return 42  # TODO tidy\n",
+        "src/util/.gitignore": "generated.py\n",
+        "src/util/generated.py": "TODO generated\n",
+        "build/out.py": "TODO built\n",
+        "debug.log": "TODO log\n",
+        "keep.log": "TODO kept\n",
+        "README.md": "Project. todo later\n",
+        ".git/config": "TODO git internals\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "image.png").write_bytes(b"\x89PNG\x00TODO")
+    return root
+
+
+async def test_list_files(project: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    top = await registry.call("list_files", {}, ctx)
+    assert top.content.splitlines() == [".gitignore", "README.md", "image.png", "keep.log", "src/"]
+    deep = await registry.call("list_files", {"path": "src", "recursive": True}, ctx)
+    assert deep.content.splitlines() == ["app.py", "util/", "util/.gitignore", "util/helper.py"]
+    capped = await registry.call("list_files", {"recursive": True, "max_entries": 2}, ctx)
+    assert capped.content.splitlines() == [".gitignore", "README.md", "[stopped after 2 entries]"]
+    assert capped.data is not None and capped.data["truncated"] is True
+    not_dir = await registry.call("list_files", {"path": "README.md"}, ctx)
+    assert not_dir.is_error and "use read_file" in not_dir.content
+
+
+async def test_glob(project: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    every_py = await registry.call("glob", {"pattern": "**/*.py"}, ctx)
+    assert every_py.content.splitlines() == ["src/app.py", "src/util/helper.py"]
+    top_only = await registry.call("glob", {"pattern": "*.md"}, ctx)
+    assert top_only.content == "README.md"
+    scoped = await registry.call("glob", {"pattern": "*.py", "path": "src/util"}, ctx)
+    assert scoped.content == "src/util/helper.py"
+    none = await registry.call("glob", {"pattern": "*.rs"}, ctx)
+    assert not none.is_error and none.content == "No files match '*.rs'."
+
+
+async def test_search_regex_gitignore_and_binary(project: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    result = await registry.call("search", {"pattern": r"TODO"}, ctx)
+    assert result.content.splitlines() == ["keep.log:1: TODO kept", "src/util/helper.py:2:     return 42  # TODO tidy"]
+    insensitive = await registry.call("search", {"pattern": "todo", "ignore_case": True, "file_glob": "*.md"}, ctx)
+    assert insensitive.content == "README.md:1: Project. todo later"
+    python_only = await registry.call("search", {"pattern": r"def \w+\(", "file_glob": "*.py"}, ctx)
+    assert python_only.data is not None and python_only.data["paths"] == ["src/app.py", "src/util/helper.py"]
+    one_file = await registry.call("search", {"pattern": "return", "path": "src/app.py"}, ctx)
+    assert one_file.content == "src/app.py:2:     return helper()"
+    bad = await registry.call("search", {"pattern": "def ("}, ctx)
+    assert bad.is_error and "invalid regular expression 'def ('" in bad.content
+    nothing = await registry.call("search", {"pattern": "zzz"}, ctx)
+    assert not nothing.is_error and nothing.content == "No matches for 'zzz'."
+
+
+async def test_search_caps_results_and_skips_huge_files(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    (root / "many.txt").write_text("hit\n" * 1000)
+    (root / "huge.txt").write_text("hit\n" * 700_000)  # 2.8 MB: skipped
+    result = await registry.call("search", {"pattern": "hit", "max_results": 10}, ctx)
+    lines = result.content.splitlines()
+    assert lines[:10] == [f"many.txt:{i}: hit" for i in range(1, 11)]
+    assert "[stopped after 10 matching lines; narrow the pattern or the path]" in lines
+    assert "[1 file(s) over 2 MB were not searched]" in lines
+    assert result.data is not None and result.data["truncated"] is True
