@@ -48,6 +48,8 @@ class ToolContext:
     """Upper bound on any timeout a model may ask for."""
     max_output_chars: int = 20_000
     """Cap on the text a tool returns to the model (longer output keeps its head and tail)."""
+    python: str | None = None
+    """Interpreter that ``run_tests`` runs pytest with (default: the one running the agent)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for processes started by tools."""
     on_output: Callable[[str], None] | None = None

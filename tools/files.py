@@ -206,6 +206,12 @@ def edit_file(
         raise ToolError("old_string and new_string are identical; nothing would change")
     before = _read_text(target, path)
     count = before.count(old_string)
+    if count == 0 and "\r\n" in before and "\r" not in old_string:
+        # a CRLF file edited with LF text (models rarely reproduce \r): match and write in the file's convention
+        crlf_old = old_string.replace("\n", "\r\n")
+        if before.count(crlf_old):
+            old_string, new_string = crlf_old, new_string.replace("\r\n", "\n").replace("\n", "\r\n")
+            count = before.count(old_string)
     if count == 0:
         raise ToolError(f"old_string was not found in {rel}.{_near_miss(before, old_string)}")
     if count > 1 and not replace_all:

@@ -128,10 +128,13 @@ def _rel(root: Path, path: Path) -> str:
     return "" if text == "." else text
 
 
-def walk(root: Path, start: Path, *, respect_gitignore: bool = True) -> Iterator[tuple[Path, bool]]:
+def walk(
+    root: Path, start: Path, *, respect_gitignore: bool = True, recursive: bool = True
+) -> Iterator[tuple[Path, bool]]:
     """Yield ``(path, is_dir)`` for every entry under ``start`` (itself under the real ``root``), sorted, not ignored.
 
     Symlinks are yielded only when their target stays inside ``root``; symlinked directories are not descended.
+    With ``recursive=False`` only the direct entries of ``start`` are listed.
     """
     rules: list[IgnoreRule] = []
     if respect_gitignore:
@@ -144,10 +147,12 @@ def walk(root: Path, start: Path, *, respect_gitignore: bool = True) -> Iterator
         for part in start.relative_to(root).parts:
             folder = folder / part
             rules += _read_rules(folder, _rel(root, folder))
-    yield from _walk_dir(root, start, rules, respect_gitignore)
+    yield from _walk_dir(root, start, rules, respect_gitignore, recursive)
 
 
-def _walk_dir(root: Path, folder: Path, rules: list[IgnoreRule], respect: bool) -> Iterator[tuple[Path, bool]]:
+def _walk_dir(
+    root: Path, folder: Path, rules: list[IgnoreRule], respect: bool, recursive: bool
+) -> Iterator[tuple[Path, bool]]:
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError:
@@ -169,6 +174,6 @@ def _walk_dir(root: Path, folder: Path, rules: list[IgnoreRule], respect: bool) 
         if respect and is_ignored(rules, rel, is_dir):
             continue
         yield path, is_dir
-        if is_dir and not is_link:
+        if recursive and is_dir and not is_link:
             child_rules = rules + _read_rules(path, rel) if respect else rules
-            yield from _walk_dir(root, path, child_rules, respect)
+            yield from _walk_dir(root, path, child_rules, respect, recursive)

@@ -61,6 +61,11 @@ class Tool:
         self.expected_s: float | None = expected_s
         self.is_async: bool = inspect.iscoroutinefunction(fn)
         self._validator = jsonschema.Draft202012Validator(self.parameters)
+        self._null_means_default: frozenset[str] = frozenset(
+            key
+            for key, spec in self.parameters["properties"].items()
+            if "default" in spec and not self._validator.evolve(schema=spec).is_valid(None)
+        )
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -93,6 +98,7 @@ class Tool:
         args = _decode_arguments(self, arguments)
         if isinstance(args, ToolResult):
             return args
+        args = self._drop_null_defaults(args)
         errors = jsonschema_errors(self._validator, args)
         if errors:
             return ToolResult.error(_invalid(self, errors))
@@ -119,6 +125,14 @@ class Tool:
                 f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
             )
         return _to_result(value)
+
+
+    def _drop_null_defaults(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Treat ``null`` for an optional parameter that does not accept null as "use the default".
+
+        Models trained on OpenAI strict mode send every parameter and use null for the ones they skip.
+        """
+        return {key: value for key, value in args.items() if not (value is None and key in self._null_means_default)}
 
 
 def _decode_arguments(tool: Tool, arguments: dict[str, Any] | str | None) -> dict[str, Any] | ToolResult:
@@ -212,10 +226,16 @@ class ToolRegistry:
     def from_object(cls, obj: Any, names: Iterable[str] | None = None) -> ToolRegistry:
         """Tools from an object's methods: those decorated with ``@tool``, plus the methods listed in ``names``."""
         registry = cls()
-        for attr in dir(type(obj)):
-            member = inspect.getattr_static(type(obj), attr)
-            if isinstance(member, Tool):
-                registry.add(member.bind(obj))
+        seen: dict[str, Tool] = {}
+        for klass in reversed(type(obj).__mro__):  # definition order, subclasses override
+            for attr, member in vars(klass).items():
+                if isinstance(member, Tool):
+                    seen.pop(attr, None)
+                    seen[attr] = member
+                elif attr in seen:
+                    del seen[attr]  # a subclass replaced the tool with a plain attribute
+        for member in seen.values():
+            registry.add(member.bind(obj))
         for attr in names or ():
             method = getattr(obj, attr, None)
             if method is None or not callable(method):

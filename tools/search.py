@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
@@ -13,6 +14,7 @@ from freetoken_agent.tools.registry import tool
 MAX_ENTRIES = 500
 MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024
 MAX_MATCH_LINE_CHARS = 300
+MAX_SCANNED_FILES = 20_000
 
 
 def _folder(ctx: ToolContext, path: str) -> Path:
@@ -38,9 +40,7 @@ def list_files(ctx: ToolContext, path: str = ".", recursive: bool = False, max_e
     cap = max(1, min(max_entries, MAX_ENTRIES))
     names: list[str] = []
     more = False
-    for entry, is_dir in walk(root, folder):
-        if not recursive and entry.parent != folder:
-            continue
+    for entry, is_dir in walk(root, folder, recursive=recursive):
         if len(names) >= cap:
             more = True
             break
@@ -115,17 +115,23 @@ def search(
     matcher = parse_gitignore(file_glob.strip())[0] if file_glob and file_glob.strip().strip("/!") else None
     cap = max(1, min(max_results, MAX_ENTRIES))
     if target.is_file():
-        files = [target]
+        files: Iterable[Path] = [target]
     else:
         # like ripgrep, symlinked files are not followed (no duplicates; escapes are refused by walk anyway)
-        files = [entry for entry, is_dir in walk(ctx.workspace.root, target) if not is_dir and not entry.is_symlink()]
+        files = (entry for entry, is_dir in walk(ctx.workspace.root, target) if not is_dir and not entry.is_symlink())
     lines: list[str] = []
     paths: list[str] = []
     more = False
-    skipped = 0
+    skipped = scanned = 0
     for file in files:
         if ctx.cancelled:
             raise ToolError("search cancelled")
+        if not file.is_file():  # FIFOs, sockets, devices: reading them could block forever
+            continue
+        scanned += 1
+        if scanned > MAX_SCANNED_FILES:
+            more = True
+            break
         if matcher is not None and not matcher.regex.match(file.relative_to(target).as_posix() if file != target else file.name):
             continue
         try:
@@ -152,7 +158,9 @@ def search(
         if more:
             break
     notes: list[str] = []
-    if more:
+    if scanned > MAX_SCANNED_FILES:
+        notes.append(f"[stopped after scanning {MAX_SCANNED_FILES} files; narrow the path or file_glob]")
+    elif more:
         notes.append(f"[stopped after {cap} matching lines; narrow the pattern or the path]")
     if skipped:
         notes.append(f"[{skipped} file(s) over {MAX_SEARCH_FILE_BYTES // (1024 * 1024)} MB were not searched]")

@@ -103,7 +103,7 @@ async def run_tests(
         keyword: Only run tests matching this pytest -k expression.
         timeout_s: Seconds before the test run is killed (default: the session's timeout).
     """
-    argv = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "--color=no", "-p", "no:cacheprovider"]
+    argv = [ctx.python or sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "--color=no", "-p", "no:cacheprovider"]
     argv += _test_targets(ctx, paths or [])
     if keyword:
         argv += ["-k", keyword]

@@ -141,3 +141,11 @@ async def test_edit_file_keeps_crlf_and_refuses_binary(root: Path, ctx: ToolCont
     (root / "b.dat").write_bytes(b"abc\x00def")
     binary = await registry.call("edit_file", {"path": "b.dat", "old_string": "abc", "new_string": "x"}, ctx)
     assert binary.is_error and "binary file" in binary.content
+
+
+async def test_edit_file_lf_text_matches_crlf_file(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    (root / "dos.py").write_bytes(b"def f():\r\n    return 1\r\n")
+    args = {"path": "dos.py", "old_string": "def f():\n    return 1", "new_string": "def f():\n    return 2"}
+    result = await registry.call("edit_file", args, ctx)
+    assert not result.is_error, result.content
+    assert (root / "dos.py").read_bytes() == b"def f():\r\n    return 2\r\n"

@@ -210,3 +210,48 @@ async def test_cancel_scope_stops_a_sync_tool_wait(tmp_path: Path) -> None:
         await ToolRegistry([blocking]).call("blocking", {}, context)
     context.cancel()  # lets the abandoned worker thread finish
     assert started.is_set() and anyio.current_time() - start < 2.0
+
+
+async def test_null_for_optional_param_means_default(ctx: ToolContext) -> None:
+    @tool
+    def window(start: int = 1, end: int | None = None) -> str:
+        """Echo a window."""
+        return f"{start}-{end}"
+
+    registry = ToolRegistry([window])
+    assert (await registry.call("window", {"start": None, "end": None}, ctx)).content == "1-None"
+    assert (await registry.call("window", {"start": 4, "end": 9}, ctx)).content == "4-9"
+    required_null = await ToolRegistry([add]).call("add", {"a": None}, ctx)
+    assert required_null.is_error and "field 'a': None is not of type 'integer'" in required_null.content
+
+
+class Base:
+    @tool
+    def zeta(self) -> str:
+        """Defined first."""
+        return "base-zeta"
+
+    @tool
+    def alpha(self) -> str:
+        """Defined second."""
+        return "alpha"
+
+
+class Child(Base):
+    @tool
+    def zeta(self) -> str:
+        """Overridden."""
+        return "child-zeta"
+
+    alpha = None  # type: ignore[assignment]  # a subclass can withdraw a tool
+
+    @tool
+    def beta(self) -> str:
+        """Only in the child."""
+        return "beta"
+
+
+async def test_from_object_keeps_definition_order_and_overrides(ctx: ToolContext) -> None:
+    registry = ToolRegistry.from_object(Child())
+    assert registry.names == ["zeta", "beta"]
+    assert (await registry.call("zeta", {}, ctx)).content == "child-zeta"

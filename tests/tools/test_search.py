@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from freetoken_agent.tools import ToolContext, ToolRegistry
+from freetoken_agent.tools import ignore as ignore_module
 from freetoken_agent.tools.ignore import is_ignored, parse_gitignore
 
 pytestmark = pytest.mark.anyio
@@ -96,6 +99,32 @@ async def test_search_regex_gitignore_and_binary(project: Path, ctx: ToolContext
     assert bad.is_error and "invalid regular expression 'def ('" in bad.content
     nothing = await registry.call("search", {"pattern": "zzz"}, ctx)
     assert not nothing.is_error and nothing.content == "No matches for 'zzz'."
+
+
+async def test_search_skips_fifos(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    os.mkfifo(root / "pipe")  # reading it would block forever
+    (root / "real.txt").write_text("needle\n")
+    result = await registry.call("search", {"pattern": "needle"}, ctx)
+    assert result.content == "real.txt:1: needle"
+
+
+async def test_list_files_non_recursive_does_not_walk_the_tree(
+    root: Path, ctx: ToolContext, registry: ToolRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "deep.txt").write_text("x")
+    scanned: list[str] = []
+    real_scandir = os.scandir
+
+    def spy(path: Any) -> Any:  # records which folders are read; the real scandir does the work
+        scanned.append(Path(path).name)
+        return real_scandir(path)
+
+    monkeypatch.setattr(ignore_module.os, "scandir", spy)
+    result = await registry.call("list_files", {}, ctx)
+    assert result.content == "a/" and scanned == ["ws"]
+    walked = await registry.call("list_files", {"recursive": True}, ctx)
+    assert walked.content.splitlines() == ["a/", "a/b/", "a/b/deep.txt"]
 
 
 async def test_search_caps_results_and_skips_huge_files(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
