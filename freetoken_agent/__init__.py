@@ -15,6 +15,18 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "Engine": "freetoken_agent.runtime.engine",
     "Phase": "freetoken_agent.runtime.phase",
+    "Agent": "freetoken_agent.agent",
+    "Limits": "freetoken_agent.agent",
+    "Sampling": "freetoken_agent.agent",
+    "RunResult": "freetoken_agent.result",
+    "Backend": "freetoken_agent.backends",
+    "ScriptedBackend": "freetoken_agent.backends",
+    "OpenAICompatible": "freetoken_agent.backends",
+    "LocalEngine": "freetoken_agent.backends",
+    "tool": "freetoken_agent.tools",
+    "ToolRegistry": "freetoken_agent.tools",
+    "Workspace": "freetoken_agent.tools",
+    "coding_tools": "freetoken_agent.tools",
 }
 
 

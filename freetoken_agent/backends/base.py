@@ -1,0 +1,104 @@
+"""The backend protocol: turn a conversation into a stream of parsed events, and take phase hints.
+
+A backend yields the chat-parser vocabulary (:class:`~freetoken_agent.chat.TextDelta`, ``ToolCallStarted``,
+``ToolCallFinished``, ``FormatError``) and ends with one :class:`GenerationDone`. Backends that produce raw text
+(the local engine, the scripted backend) derive from :class:`TextBackend`, which runs the model family's
+streaming tool-call parser; a remote OpenAI-compatible server parses on its side and sends calls structured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union, runtime_checkable
+
+from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted, make_parser
+from freetoken_agent.events import Usage
+from freetoken_agent.phases import Phase
+
+
+@dataclass
+class GenerateRequest:
+    """One model call: OpenAI-style ``messages`` and ``tools``, or a raw ``prompt`` (plain completion)."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    """The last event of a generation: why it stopped (``stop``, ``length``, ``tool_calls``) and its usage."""
+
+    finish_reason: str
+    usage: Usage = Usage()
+
+
+BackendEvent = Union[TextDelta, ToolCallStarted, ToolCallFinished, FormatError, GenerationDone]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the agent loop needs from a model."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[BackendEvent]:
+        """Stream parsed events for ``request``; the last one is a :class:`GenerationDone`."""
+        ...
+
+    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
+        """The next phase of the agent (a no-op for backends that cannot use it)."""
+        ...
+
+    def stats(self) -> dict[str, Any] | None:
+        """Engine statistics for the run summary, or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """A piece of generated text and how many tokens it covers."""
+
+    text: str
+    tokens: int = 1
+
+
+class TextBackend:
+    """Base for backends that generate raw text: subclasses implement :meth:`stream_text`.
+
+    ``tool_format`` names the tool-call format the model writes (see :func:`freetoken_agent.chat.detect_format`).
+    """
+
+    tool_format: str = "hermes"
+
+    def stream_text(self, request: GenerateRequest) -> AsyncIterator[TextChunk | GenerationDone]:
+        """Raw text chunks for ``request``, then one :class:`GenerationDone`."""
+        raise NotImplementedError
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[BackendEvent]:
+        parser = make_parser(self.tool_format, request.tools)
+        done = GenerationDone("stop")
+        saw_call = False
+        async for item in self.stream_text(request):
+            if isinstance(item, GenerationDone):
+                done = item
+                continue
+            for event in parser.feed(item.text):
+                saw_call = saw_call or isinstance(event, ToolCallFinished)
+                yield event
+        for event in parser.finish():
+            saw_call = saw_call or isinstance(event, ToolCallFinished)
+            yield event
+        if saw_call and done.finish_reason == "stop":
+            done = GenerationDone("tool_calls", done.usage)
+        yield done
+
+    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
+        """Text backends without an engine ignore hints."""
+
+    def stats(self) -> dict[str, Any] | None:
+        return None
