@@ -1,0 +1,164 @@
+"""The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/chat/completions`` (streaming, tools), ``/v1/completions``.
+
+Any :class:`~freetoken_agent.backends.Backend` can serve: ``freetoken serve`` uses ``LocalEngine``; tests use
+``ScriptedBackend``. Requests are served one at a time (one engine, one sequence).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextChunk
+from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
+from freetoken_agent.server.protocol import (
+    RequestError, chat_request, completion_request, envelope, error_body, new_id, usage_dict,
+)
+
+
+class OpenAIServer:
+    """Serves one backend under one model id."""
+
+    def __init__(self, backend: Backend, model_id: str, default_max_tokens: int = 1024) -> None:
+        self.backend = backend
+        self.model_id = model_id
+        self.default_max_tokens = default_max_tokens
+        self._lock = anyio.Lock()
+
+    def app(self) -> Starlette:
+        """The ASGI application."""
+        return Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
+        ])
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "freetoken"}]})
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise RequestError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            req = chat_request(body, self.default_max_tokens)
+        except RequestError as exc:
+            return JSONResponse(error_body(str(exc)), status_code=400)
+        rid = new_id("chatcmpl")
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_sse(self._chat_chunks(req, rid, usage)), media_type="text/event-stream")
+        return JSONResponse(await self._chat_whole(req, rid))
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            req = completion_request(body, self.default_max_tokens)
+        except RequestError as exc:
+            return JSONResponse(error_body(str(exc)), status_code=400)
+        if not hasattr(self.backend, "stream_text"):
+            return JSONResponse(error_body("this backend serves chat completions only"), status_code=400)
+        rid = new_id("cmpl")
+        if body.get("stream"):
+            return StreamingResponse(_sse(self._text_chunks(req, rid)), media_type="text/event-stream")
+        text, done = [], GenerationDone("stop")
+        async with self._lock:
+            async for item in self.backend.stream_text(req):  # type: ignore[attr-defined]
+                if isinstance(item, TextChunk):
+                    text.append(item.text)
+                else:
+                    done = item
+        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": done.finish_reason}
+        u = done.usage
+        return JSONResponse(envelope("text_completion", rid, self.model_id, [choice],
+                                     usage_dict(u.prompt_tokens, u.completion_tokens)))
+
+    # ------------------------------------------------------------------------------------------ chat internals
+    async def _chat_events(self, req: GenerateRequest) -> AsyncIterator[Any]:
+        """Backend events with tool calls renumbered 0, 1, ... and unreadable calls turned back into text."""
+        async with self._lock:
+            numbers: dict[int, int] = {}
+            async for event in self.backend.generate(req):
+                if isinstance(event, (ToolCallStarted, ToolCallFinished)):
+                    number = numbers.setdefault(event.index, len(numbers))
+                    yield number, event
+                elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
+                    yield None, TextDelta(event.raw)
+                else:
+                    yield None, event
+
+    async def _chat_whole(self, req: GenerateRequest, rid: str) -> dict[str, Any]:
+        text, calls, done = [], [], GenerationDone("stop")
+        async for number, event in self._chat_events(req):
+            if isinstance(event, TextDelta) and not event.reasoning:
+                text.append(event.text)
+            elif isinstance(event, ToolCallFinished):
+                calls.append({"id": f"call_{rid[-8:]}_{number}", "type": "function", "function": {
+                    "name": event.name, "arguments": json.dumps(event.arguments, ensure_ascii=False)}})
+            elif isinstance(event, GenerationDone):
+                done = event
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        finish = "tool_calls" if calls else done.finish_reason
+        return envelope("chat.completion", rid, self.model_id,
+                        [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                        usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
+
+    async def _chat_chunks(self, req: GenerateRequest, rid: str, include_usage: bool) -> AsyncIterator[dict]:
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return envelope("chat.completion.chunk", rid, self.model_id,
+                            [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+
+        yield chunk({"role": "assistant", "content": ""})
+        done, any_call = GenerationDone("stop"), False
+        async for number, event in self._chat_events(req):
+            if isinstance(event, TextDelta) and event.text:
+                yield chunk({"reasoning_content": event.text} if event.reasoning else {"content": event.text})
+            elif isinstance(event, ToolCallStarted):
+                any_call = True
+                yield chunk({"tool_calls": [{"index": number, "id": f"call_{rid[-8:]}_{number}", "type": "function",
+                                             "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, ToolCallFinished):
+                any_call = True
+                yield chunk({"tool_calls": [{"index": number, "function": {
+                    "arguments": json.dumps(event.arguments, ensure_ascii=False)}}]})
+            elif isinstance(event, GenerationDone):
+                done = event
+        yield chunk({}, "tool_calls" if any_call else done.finish_reason)
+        if include_usage:
+            yield envelope("chat.completion.chunk", rid, self.model_id, [],
+                           usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
+
+    async def _text_chunks(self, req: GenerateRequest, rid: str) -> AsyncIterator[dict]:
+        async with self._lock:
+            async for item in self.backend.stream_text(req):  # type: ignore[attr-defined]
+                if isinstance(item, TextChunk):
+                    yield envelope("text_completion", rid, self.model_id,
+                                   [{"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}])
+                else:
+                    yield envelope("text_completion", rid, self.model_id,
+                                   [{"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}],
+                                   usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async for item in chunks:
+        yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
