@@ -148,6 +148,11 @@ def _decode_arguments(tool: Tool, arguments: dict[str, Any] | str | None) -> dic
                 f"Invalid arguments for tool '{tool.name}': not valid JSON ({exc.msg} at line {exc.lineno} "
                 f"column {exc.colno}). Send one JSON object. {describe_parameters(tool.parameters)}"
             )
+        if isinstance(arguments, str) and arguments.lstrip().startswith("{"):
+            try:  # an object encoded twice (some models quote the whole argument object)
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
     if not isinstance(arguments, dict):
         return ToolResult.error(
             f"Invalid arguments for tool '{tool.name}': expected a JSON object, got {type(arguments).__name__}. "

@@ -131,6 +131,23 @@ def build_signature(fn: Callable[..., Any], name: str, description: str | None =
     return Signature(model=model, parameters=parameters, context_param=context_param, description=text)
 
 
+_KEY_ORDER = {key: rank for rank, key in enumerate(("type", "description", "enum", "items", "properties", "default"))}
+
+
+def _merge_nullable(node: dict[str, Any]) -> None:
+    """``anyOf: [{type: T, ...}, {type: null}]`` → ``type: [T, "null"]``: simpler for models and text-format parsers."""
+    options = node.get("anyOf")
+    if not isinstance(options, list) or len(options) != 2 or {"type": "null"} not in options:
+        return
+    other = options[0] if options[1] == {"type": "null"} else options[1]
+    if not isinstance(other.get("type"), str) or other["type"] == "null" or {"enum", "const", "$ref"} & set(other):
+        return
+    del node["anyOf"]
+    for key, value in other.items():
+        node.setdefault(key, value)
+    node["type"] = [other["type"], "null"]
+
+
 def _clean_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Drop pydantic's cosmetic ``title`` keys and make every object schema closed and explicit."""
 
@@ -141,6 +158,10 @@ def _clean_schema(schema: dict[str, Any]) -> dict[str, Any]:
                 if key == "title" and not in_properties and isinstance(value, str):
                     continue
                 out[key] = walk(value, in_properties=key in ("properties", "$defs"))
+            if in_properties:  # keys are parameter names here: keep their order
+                return out
+            _merge_nullable(out)
+            out = {key: out[key] for key in sorted(out, key=lambda k: _KEY_ORDER.get(k, len(_KEY_ORDER)))}
             if out.get("type") == "object" and "additionalProperties" not in out and "properties" in out:
                 out["additionalProperties"] = False
             return out

@@ -60,6 +60,7 @@ async def test_valid_calls_dict_and_json(ctx: ToolContext) -> None:
     registry = ToolRegistry([add, slow_echo])
     assert (await registry.call("add", {"a": 3}, ctx)) == ToolResult(content="5")
     assert (await registry.call("add", '{"a": 3, "b": 4}', ctx)).content == "7"
+    assert (await registry.call("add", '"{\\"a\\": 1}"', ctx)).content == "3"  # JSON object encoded twice
     assert (await registry.call("slow_echo", '{"text": "hi", "delay_s": 0.01}', ctx)).content == "hi"
 
 

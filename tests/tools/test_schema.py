@@ -50,7 +50,7 @@ def test_google_docstring_gives_description_and_param_docs() -> None:
     assert params["properties"]["path"] == {"type": "string", "description": "File path, relative to the root."}
     assert params["properties"]["start_line"]["default"] == 1
     assert params["properties"]["start_line"]["description"] == "First line."
-    assert {"type": "null"} in params["properties"]["end_line"]["anyOf"]
+    assert params["properties"]["end_line"] == {"type": ["integer", "null"], "default": None, "description": "Last line."}
     assert "title" not in params and "title" not in params["properties"]["path"]
     assert read_file.schema() == {
         "type": "function",
@@ -91,6 +91,8 @@ def test_rich_types_become_schema() -> None:
     assert params["required"] == ["points", "color"]
     assert params["properties"]["mode"]["enum"] == ["fill", "stroke"]
     assert params["properties"]["width"]["exclusiveMinimum"] == 0
+    assert params["properties"]["tags"]["type"] == ["object", "null"]
+    assert params["properties"]["tags"]["additionalProperties"] == {"type": "integer"}
     point = params["$defs"]["Point"]
     assert point["additionalProperties"] is False and point["required"] == ["x"]
     validator = jsonschema.Draft202012Validator(params)
@@ -100,14 +102,16 @@ def test_rich_types_become_schema() -> None:
     assert not validator.is_valid({"points": [], "color": "red", "mode": "dots"})
 
 
-def test_property_named_title_survives_cleaning() -> None:
+def test_keyword_named_parameters_survive_cleaning() -> None:
     @tool
-    def rename(title: str) -> str:
+    def rename(title: str, type: str, anyOf: int | None = None, description: str = "") -> str:  # noqa: A002, N803
         """Set a title."""
         return title
 
-    assert rename.parameters["properties"]["title"]["type"] == "string"
-    assert rename.parameters["required"] == ["title"]
+    assert list(rename.parameters["properties"]) == ["title", "type", "anyOf", "description"]
+    assert rename.parameters["properties"]["title"] == {"type": "string"}
+    assert rename.parameters["properties"]["anyOf"]["type"] == ["integer", "null"]
+    assert rename.parameters["required"] == ["title", "type"]
 
 
 def test_no_arguments_and_defaults_to_other_kind() -> None:
