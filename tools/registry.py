@@ -124,7 +124,7 @@ class Tool:
                 f"Tool '{self.name}' failed with {type(exc).__name__}: {exc} "
                 f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
             )
-        return _to_result(value)
+        return _cap(_to_result(value), ctx)
 
 
     def _drop_null_defaults(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +164,21 @@ def _decode_arguments(tool: Tool, arguments: dict[str, Any] | str | None) -> dic
 def _invalid(tool: Tool, errors: list[str]) -> str:
     listed = "; ".join(errors)
     return f"Invalid arguments for tool '{tool.name}': {listed}. {describe_parameters(tool.parameters)}"
+
+
+CAP_SLACK_CHARS = 2000  # room for a tool's own headers and notes around capped output
+
+
+def _cap(result: ToolResult, ctx: ToolContext | None) -> ToolResult:
+    """Keep the head and tail of content longer than the context's cap, so no tool can flood the model."""
+    limit = (ctx.max_output_chars if ctx is not None else ToolContext.max_output_chars) + CAP_SLACK_CHARS
+    text = result.content
+    if len(text) <= limit:
+        return result
+    half = limit // 2
+    omitted = len(text) - 2 * half
+    result.content = f"{text[:half]}\n[... {omitted} characters omitted ...]\n{text[-half:]}"
+    return result
 
 
 def _to_result(value: Any) -> ToolResult:

@@ -256,3 +256,16 @@ async def test_from_object_keeps_definition_order_and_overrides(ctx: ToolContext
     registry = ToolRegistry.from_object(Child())
     assert registry.names == ["zeta", "beta"]
     assert (await registry.call("zeta", {}, ctx)).content == "child-zeta"
+
+
+async def test_any_tool_output_is_capped(tmp_path: Path) -> None:
+    @tool
+    def flood() -> str:
+        """Return far too much text."""
+        return "A" * 50_000 + "B" * 1_000_000 + "C" * 50_000
+
+    ctx = ToolContext(Workspace(tmp_path), max_output_chars=10_000)
+    result = await ToolRegistry([flood]).call("flood", {}, ctx)
+    assert len(result.content) < 12_100
+    assert result.content.startswith("A" * 100) and result.content.endswith("C" * 100)
+    assert "characters omitted ...]" in result.content
