@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ft_kernels.c", "ft_pool.h")
+SOURCES = ("ft_kernels.c", "ft_pool.h", "ft_tiles.h")
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
 
 _lock = threading.Lock()
@@ -133,7 +133,7 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
-ISA_NAMES = {0: "portable", 1: "avx2"}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512vnni"}
 
 
 def status() -> KernelStatus:

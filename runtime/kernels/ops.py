@@ -14,17 +14,27 @@ import torch
 from ..errors import FreeTokenError
 from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format
 from . import build
-from .layout import pack_blocks
+from .layout import TILE_ROWS, pack_blocks
 
 FMT_CODE = {"q8_0": 0, "q4_0": 1}
-ISA_CODE = {"best": -1, "portable": 0, "avx2": 1}
+ISA_CODE = {"best": -1, "portable": 0, "avx2": 1, "avx512vnni": 2}
+
+
+_loaded: list[ctypes.CDLL] = []  # the library once loaded: saves the lock and lookups on every call
 
 
 def _lib() -> ctypes.CDLL:
+    if _loaded:
+        return _loaded[0]
     lib = build.load()
     if lib is None:
         raise FreeTokenError(f"the CPU kernels are unavailable ({build.status().reason})")
+    _loaded.append(lib)
     return lib
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -52,7 +62,7 @@ class PackedWeight:
 def packed_bytes(fmt: str, n: int, k: int) -> int:
     """Bytes of a repacked ``[n, k]`` weight (same formula as the C side)."""
     nb = -(-k // BLOCK)
-    return -(-n // 4) * nb * (8 + 4 * (BLOCK_BYTES[canonical_format(fmt)] - 2))
+    return -(-n // TILE_ROWS) * nb * TILE_ROWS * BLOCK_BYTES[canonical_format(fmt)]
 
 
 def set_threads(n: int) -> int:
@@ -65,7 +75,7 @@ def get_threads() -> int:
 
 
 def set_isa(name: str) -> str:
-    """Force an ISA path (``best``, ``portable``, ``avx2``); raises if this CPU lacks it."""
+    """Force an ISA path (``best``, ``portable``, ``avx2``, ``avx512vnni``); raises if this CPU lacks it."""
     if name not in ISA_CODE:
         raise FreeTokenError(f"unknown ISA {name!r}; expected one of {', '.join(ISA_CODE)}")
     got = _lib().ft_set_isa(ISA_CODE[name])
@@ -84,9 +94,9 @@ def linear(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     """``x [M, K] fp32 → x @ W^T [M, N]`` with int8-quantized activations."""
     if x.dim() != 2 or x.shape[1] != w.k:
         raise FreeTokenError(f"linear: x must be [M, {w.k}], got {tuple(x.shape)}")
-    x = x.to(torch.float32).contiguous()
+    x = _f32(x)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    if _lib().ft_linear(FMT_CODE[w.fmt], _ptr(w.data), w.n, w.k, _ptr(x), x.shape[0], _ptr(y)) != 0:
+    if _lib().ft_linear(FMT_CODE[w.fmt], w.data.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()):
         raise MemoryError("ft_linear: out of memory")
     return y
 
@@ -121,9 +131,9 @@ def moe(
             f"moe: want x [T, {d}], ids/weights [T, K]; got {tuple(x.shape)}, {tuple(topk_ids.shape)}, "
             f"{tuple(topk_weights.shape)}"
         )
-    x = x.to(torch.float32).contiguous()
-    ids = topk_ids.to(torch.int64).contiguous()
-    wts = topk_weights.to(torch.float32).contiguous()
+    x = _f32(x)
+    ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else topk_ids.long().contiguous()
+    wts = _f32(topk_weights)
     out = torch.empty(x.shape[0], d, dtype=torch.float32)
     rc = _lib().ft_moe(
         FMT_CODE[fmt], _ptr(w13), w13.stride(0), _ptr(w2), w2.stride(0), e, d, i,

@@ -1,19 +1,14 @@
 /* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 weights, and one fused call
  * per MoE layer step (gate+up, SiLU(gate)*up, down, weighted sum over the routed experts).
  *
- * Plain C, no Python C-API: loaded with ctypes. ISA paths are chosen at run time (AVX2+FMA+F16C, else portable C).
+ * Plain C, no Python C-API: loaded with ctypes. ISA paths are chosen at run time
+ * (AVX-512 VNNI on 256-bit vectors, AVX2+FMA+F16C, else portable C).
  *
  * Legend: N weight rows, K reduction dim, nb = K/32 blocks, M activation rows (tokens), T tokens, K_top experts
  * per token, E experts, D hidden size, I expert intermediate size.
  *
- * Repacked weight layout ("tiles"): rows are grouped 4 at a time (N padded to a multiple of 4 with zero rows).
- * A tile is nb tile-blocks; a tile-block is fp16 scales[4] (8 bytes) then the 4 rows' block codes, each exactly as
- * in a GGUF block (q8: 32 int8; q4: 16 bytes, low nibble = value j, high nibble = value j + 16). So a tile-block is
- * 8 + 4*32 = 136 bytes (q8) or 8 + 4*16 = 72 bytes (q4), and one 4-row tile streams from one contiguous range.
- *
- * Activations are quantized per 32-block to int8 (scale = absmax / 127), with the block's d * sum(q) kept for the
- * q4 zero-point correction: q4 codes are used unsigned (0..15) and the "-8" is applied once per block:
- *   sum_j d_w (c_j - 8) d_a a_j = d_w d_a sum_j c_j a_j - 8 d_w (d_a sum_j a_j).
+ * Weights are repacked 8 rows at a time (layout in ft_tiles.h). Activations are quantized per 32-block to int8
+ * (scale = absmax / 127) and the block's d * sum(q) is kept for the zero-point corrections of unsigned codes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,46 +16,10 @@
 #include <string.h>
 
 #include "ft_pool.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define FT_X86 1
-#endif
-
-enum { FT_Q8 = 0, FT_Q4 = 1 };
-enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1 };
-
-#define QK 32
-#define TR 4
-
-static int g_isa = -1;
-
-static inline int qbytes(int fmt) { return fmt == FT_Q4 ? 16 : 32; }
-static inline int64_t tile_block_bytes(int fmt) { return 8 + TR * qbytes(fmt); }
+#include "ft_tiles.h"
 
 int64_t ft_packed_bytes(int fmt, int64_t n, int64_t k) {
-    int64_t tiles = (n + TR - 1) / TR, nb = (k + QK - 1) / QK;
-    return tiles * nb * tile_block_bytes(fmt);
-}
-
-static inline float fp16_to_fp32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return (n + TR - 1) / TR * ((k + QK - 1) / QK) * tile_block_bytes(fmt);
 }
 
 /* ---------------------------------------------------------------- activation quantization */
@@ -100,117 +59,6 @@ static int qact_alloc(qact *a, int64_t m, int64_t k) {
 
 static void qact_free(qact *a) { free(a->q); free(a->d); free(a->s); }
 
-/* ---------------------------------------------------------------- 4-row tile dot products */
-
-/* out[r] = dot(row r of the tile, activation row), r = 0..3 */
-typedef void (*tile_dot_fn)(const uint8_t *tile, int64_t nb, const int8_t *aq, const float *ad, const float *as,
-                            float *out);
-
-static void tile_dot_q8_c(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
-                          float *out) {
-    (void)as;
-    float acc[TR] = {0};
-    for (int64_t b = 0; b < nb; b++, t += 8 + TR * 32) {
-        const int8_t *a = aq + b * QK;
-        for (int r = 0; r < TR; r++) {
-            const int8_t *w = (const int8_t *)(t + 8 + r * 32);
-            int32_t s = 0;
-            for (int j = 0; j < QK; j++) s += (int32_t)w[j] * a[j];
-            uint16_t h;
-            memcpy(&h, t + 2 * r, 2);
-            acc[r] += fp16_to_fp32(h) * ad[b] * (float)s;
-        }
-    }
-    for (int r = 0; r < TR; r++) out[r] = acc[r];
-}
-
-static void tile_dot_q4_c(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
-                          float *out) {
-    float acc[TR] = {0};
-    for (int64_t b = 0; b < nb; b++, t += 8 + TR * 16) {
-        const int8_t *a = aq + b * QK;
-        for (int r = 0; r < TR; r++) {
-            const uint8_t *w = t + 8 + r * 16;
-            int32_t s = 0;
-            for (int j = 0; j < 16; j++) s += (int32_t)(w[j] & 0x0f) * a[j] + (int32_t)(w[j] >> 4) * a[j + 16];
-            uint16_t h;
-            memcpy(&h, t + 2 * r, 2);
-            float dw = fp16_to_fp32(h);
-            acc[r] += dw * (ad[b] * (float)s - 8.f * as[b]);
-        }
-    }
-    for (int r = 0; r < TR; r++) out[r] = acc[r];
-}
-
-#ifdef FT_X86
-__attribute__((target("avx2,fma,f16c"))) static void tile_dot_q8_avx2(const uint8_t *t, int64_t nb,
-                                                                      const int8_t *aq, const float *ad,
-                                                                      const float *as, float *out) {
-    (void)as;
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++, t += 8 + TR * 32) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(aq + b * QK));
-        __m256i p[TR];
-        for (int r = 0; r < TR; r++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 8 + r * 32));
-            p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), ones);
-        }
-        /* [r0 r1 r2 r3 | r0 r1 r2 r3] partial sums of the two 128-bit halves */
-        const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)t));
-        const __m256 scale = _mm256_mul_ps(_mm256_set_m128(dw, dw), _mm256_set1_ps(ad[b]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-    }
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    _mm_storeu_ps(out, r);
-}
-
-__attribute__((target("avx2,fma,f16c"))) static void tile_dot_q4_avx2(const uint8_t *t, int64_t nb,
-                                                                      const int8_t *aq, const float *ad,
-                                                                      const float *as, float *out) {
-    __m256 acc = _mm256_setzero_ps();
-    __m128 corr = _mm_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++, t += 8 + TR * 16) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(aq + b * QK));
-        __m256i p[TR];
-        for (int r = 0; r < TR; r++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(t + 8 + r * 16));
-            const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-            p[r] = _mm256_maddubs_epi16(w, a); /* |.| <= 2*15*127: two int16 hadds cannot overflow */
-        }
-        const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
-        const __m256i s = _mm256_madd_epi16(h, ones);
-        const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)t));
-        const __m256 scale = _mm256_mul_ps(_mm256_set_m128(dw, dw), _mm256_set1_ps(ad[b]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-        corr = _mm_fmadd_ps(dw, _mm_set1_ps(as[b]), corr);
-    }
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    r = _mm_fnmadd_ps(_mm_set1_ps(8.f), corr, r);
-    _mm_storeu_ps(out, r);
-}
-#endif
-
-static int detect_isa(void) {
-#ifdef FT_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return FT_ISA_AVX2;
-#endif
-    return FT_ISA_PORTABLE;
-}
-
-static tile_dot_fn pick_tile_dot(int fmt) {
-    if (g_isa < 0) g_isa = detect_isa();
-#ifdef FT_X86
-    if (g_isa == FT_ISA_AVX2) return fmt == FT_Q4 ? tile_dot_q4_avx2 : tile_dot_q8_avx2;
-#endif
-    return fmt == FT_Q4 ? tile_dot_q4_c : tile_dot_q8_c;
-}
-
 /* ---------------------------------------------------------------- public: configuration */
 
 int ft_best_isa(void) { return detect_isa(); }
@@ -231,7 +79,7 @@ void ft_set_spin_us(int us) { g_pool.spin_us = us < 0 ? 0 : us; }
 
 /* ---------------------------------------------------------------- public: linear and dequantize */
 
-#define ROWS_PER_ITEM 16 /* 4 tiles: ~10 us of work at K=2048, enough to amortize the item hand-out */
+#define ROWS_PER_ITEM 16 /* 2 tiles: ~5-10 us of work at K=2048, enough to amortize the item hand-out */
 
 typedef struct {
     const uint8_t *w;
@@ -278,24 +126,11 @@ static void dequant_item(void *p, int64_t t) {
     const dequant_ctx *c = (const dequant_ctx *)p;
     const uint8_t *tb = c->w + t * c->nb * tile_block_bytes(c->fmt);
     for (int64_t b = 0; b < c->nb; b++, tb += tile_block_bytes(c->fmt)) {
-        for (int r = 0; r < TR; r++) {
-            int64_t row = t * TR + r;
-            if (row >= c->n) break;
-            uint16_t h;
-            memcpy(&h, tb + 2 * r, 2);
-            float d = fp16_to_fp32(h), vals[QK];
-            if (c->fmt == FT_Q8) {
-                const int8_t *q = (const int8_t *)(tb + 8 + r * 32);
-                for (int j = 0; j < QK; j++) vals[j] = d * (float)q[j];
-            } else {
-                const uint8_t *q = tb + 8 + r * 16;
-                for (int j = 0; j < 16; j++) {
-                    vals[j] = d * (float)((int)(q[j] & 0x0f) - 8);
-                    vals[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
-                }
-            }
-            int64_t j0 = b * QK, len = j0 + QK <= c->k ? QK : c->k - j0;
-            memcpy(c->y + row * c->k + j0, vals, sizeof(float) * (size_t)len);
+        for (int r = 0; r < TR && t * TR + r < c->n; r++) {
+            float d = tile_scale(tb, r), zero = c->fmt == FT_Q4 ? 8.f : 0.f;
+            float *y = c->y + (t * TR + r) * c->k;
+            for (int v = 0; v < QK && b * QK + v < c->k; v++)
+                y[b * QK + v] = d * ((float)tile_code(c->fmt, tb, r, v) - zero);
         }
     }
 }
@@ -423,9 +258,8 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     int64_t *g_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 2));
     int64_t *s_token = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T * KT + 1));
     float *s_weight = (float *)malloc(sizeof(float) * (size_t)(T * KT + 1));
-    int64_t *g_of_e = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
     int rc = 0;
-    if (!count || !g_expert || !g_start || !s_token || !s_weight || !g_of_e) { rc = -1; goto done; }
+    if (!count || !g_expert || !g_start || !s_token || !s_weight ) { rc = -1; goto done; }
     for (int64_t i = 0; i < T * KT; i++) {
         if (ids[i] < 0) continue;
         if (ids[i] >= E) { rc = -2; goto done; }
@@ -433,9 +267,7 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     }
     int64_t G = 0, S = 0;
     for (int64_t e = 0; e < E; e++) {
-        g_of_e[e] = -1;
         if (!count[e]) continue;
-        g_of_e[e] = G;
         g_expert[G] = e;
         g_start[G] = S;
         S += count[e];
@@ -468,6 +300,6 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     ft_parallel_for(moe_down_item, &c, (D + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
 done:
     free(c.h); qact_free(&c.qx); qact_free(&c.qa);
-    free(count); free(g_expert); free(g_start); free(s_token); free(s_weight); free(g_of_e);
+    free(count); free(g_expert); free(g_start); free(s_token); free(s_weight);
     return rc;
 }

@@ -1,0 +1,210 @@
+/* The repacked weight layout and the 8-row tile dot products, one per ISA path.
+ *
+ * Layout ("tiles"): rows are grouped 8 at a time (N padded to a multiple of 8 with zero rows). A tile is nb
+ * tile-blocks, one per 32-value block of K. A tile-block is
+ *   fp16 scales[8]                                         (16 bytes, row order)
+ *   then chunks of 32 bytes, each holding 4 bytes of every row (row r at bytes 4r..4r+3):
+ *     q8: 8 chunks; chunk j byte p of row r = int8 code of value 4j + p                      (272 bytes in all)
+ *     q4: 4 chunks; chunk j byte p of row r = code(8j + p) | code(8j + 4 + p) << 4, codes 0..15 (144 bytes)
+ * So 8 rows stream from one contiguous range, and one 32-bit lane of a chunk meets 4 consecutive activation
+ * values: a dot-product instruction (pmaddubsw+pmaddwd, or vpdpbusd) with the activation's 4 bytes broadcast
+ * computes 8 rows at once, with no horizontal reductions.
+ *
+ * Activations are int8 per 32-block with scale d_a and s_a = d_a * sum(q_a). Codes are used unsigned, so
+ *   q4: sum d_w (c - 8) d_a a = d_w d_a sum(c a) - 8 d_w s_a;  q8 on VNNI (c ^ 0x80 = c + 128 unsigned):
+ *   sum d_w c d_a a = d_w d_a sum((c + 128) a) - 128 d_w s_a.
+ */
+#ifndef FT_TILES_H
+#define FT_TILES_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FT_X86 1
+#endif
+
+enum { FT_Q8 = 0, FT_Q4 = 1 };
+enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512VNNI = 2 };
+
+#define QK 32
+#define TR 8
+
+static inline int64_t tile_block_bytes(int fmt) { return 2 * TR + TR * (fmt == FT_Q4 ? 16 : 32); }
+
+static inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Value `v` (0..31) of row `r` in a tile-block: the code as stored (q4: 0..15 unsigned; q8: signed). */
+static inline int tile_code(int fmt, const uint8_t *tb, int r, int v) {
+    if (fmt == FT_Q8) return (int8_t)tb[2 * TR + (v / 4) * 32 + r * 4 + v % 4];
+    int j = v / 8, p = v % 8;
+    uint8_t byte = tb[2 * TR + j * 32 + r * 4 + p % 4];
+    return p < 4 ? (byte & 0x0f) : (byte >> 4);
+}
+
+static inline float tile_scale(const uint8_t *tb, int r) {
+    uint16_t h;
+    memcpy(&h, tb + 2 * r, 2);
+    return fp16_to_fp32(h);
+}
+
+/* out[r] = dot(row r of the tile, activation row), r = 0..7 */
+typedef void (*tile_dot_fn)(const uint8_t *tile, int64_t nb, const int8_t *aq, const float *ad, const float *as,
+                            float *out);
+
+#define FT_DEFINE_PORTABLE(NAME, FMT)                                                                          \
+    static void NAME(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,         \
+                     float *out) {                                                                             \
+        float acc[TR] = {0};                                                                                   \
+        for (int64_t b = 0; b < nb; b++, t += tile_block_bytes(FMT)) {                                         \
+            const int8_t *a = aq + b * QK;                                                                     \
+            for (int r = 0; r < TR; r++) {                                                                     \
+                int32_t s = 0;                                                                                 \
+                for (int v = 0; v < QK; v++) s += tile_code(FMT, t, r, v) * a[v];                              \
+                float dw = tile_scale(t, r);                                                                   \
+                acc[r] += (FMT) == FT_Q4 ? dw * (ad[b] * (float)s - 8.f * as[b]) : dw * ad[b] * (float)s;      \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < TR; r++) out[r] = acc[r];                                                          \
+    }
+
+FT_DEFINE_PORTABLE(tile_dot_q8_c, FT_Q8)
+FT_DEFINE_PORTABLE(tile_dot_q4_c, FT_Q4)
+
+#ifdef FT_X86
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#define FT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define FT_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
+
+FT_AVX2 static void tile_dot_q8_avx2(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad,
+                                     const float *as, float *out) {
+    (void)as;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 256) {
+        const int8_t *a = aq + b * QK;
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
+            const __m256i x = _mm256_set1_epi32(load_i32(a + 4 * j));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+FT_AVX2 static void tile_dot_q4_avx2(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad,
+                                     const float *as, float *out) {
+    __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 128) {
+        const int8_t *a = aq + b * QK;
+        __m256i s16 = _mm256_setzero_si256(); /* per lane <= 8 * 2 * 15 * 127 = 30480: no int16 overflow */
+        for (int j = 0; j < 4; j++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a + 8 * j))));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 8 * j + 4))));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+        corr = _mm256_fmadd_ps(dw, _mm256_set1_ps(as[b]), corr);
+    }
+    _mm256_storeu_ps(out, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr, acc));
+}
+
+FT_VNNI static void tile_dot_q8_vnni(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad,
+                                     const float *as, float *out) {
+    __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 256) {
+        const int8_t *a = aq + b * QK;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j)), flip);
+            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(t + 48 + 32 * j)), flip);
+            s0 = _mm256_dpbusd_epi32(s0, w0, _mm256_set1_epi32(load_i32(a + 4 * j)));
+            s1 = _mm256_dpbusd_epi32(s1, w1, _mm256_set1_epi32(load_i32(a + 4 * j + 4)));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+        corr = _mm256_fmadd_ps(dw, _mm256_set1_ps(as[b]), corr);
+    }
+    _mm256_storeu_ps(out, _mm256_fnmadd_ps(_mm256_set1_ps(128.f), corr, acc));
+}
+
+FT_VNNI static void tile_dot_q4_vnni(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad,
+                                     const float *as, float *out) {
+    __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 128) {
+        const int8_t *a = aq + b * QK;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            s0 = _mm256_dpbusd_epi32(s0, lo, _mm256_set1_epi32(load_i32(a + 8 * j)));
+            s1 = _mm256_dpbusd_epi32(s1, hi, _mm256_set1_epi32(load_i32(a + 8 * j + 4)));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(ad[b])), acc);
+        corr = _mm256_fmadd_ps(dw, _mm256_set1_ps(as[b]), corr);
+    }
+    _mm256_storeu_ps(out, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr, acc));
+}
+#endif
+
+static int detect_isa(void) {
+#ifdef FT_X86
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw"))
+        return FT_ISA_AVX512VNNI;
+    if (avx2) return FT_ISA_AVX2;
+#endif
+    return FT_ISA_PORTABLE;
+}
+
+static int g_isa = -1;
+
+static tile_dot_fn pick_tile_dot(int fmt) {
+    if (g_isa < 0) g_isa = detect_isa();
+#ifdef FT_X86
+    if (g_isa == FT_ISA_AVX512VNNI) return fmt == FT_Q4 ? tile_dot_q4_vnni : tile_dot_q8_vnni;
+    if (g_isa == FT_ISA_AVX2) return fmt == FT_Q4 ? tile_dot_q4_avx2 : tile_dot_q8_avx2;
+#endif
+    return fmt == FT_Q4 ? tile_dot_q4_c : tile_dot_q8_c;
+}
+
+#endif

@@ -1,0 +1,108 @@
+"""C kernels against the plain-torch reference (dequantize, fp32 matmul), for every ISA path this CPU has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.kernels import build, ops
+from freetoken_agent.runtime.kernels.layout import pack_blocks, unpack_blocks
+from freetoken_agent.runtime.quant import quantize
+
+SHAPES = [(64, 256), (37, 100), (5, 31), (200, 96)]
+
+
+@pytest.fixture(scope="module")
+def isas() -> list[str]:
+    if build.load() is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    yield ops.available_isas()
+    ops.set_isa("best")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pack_round_trips_and_dequant_is_exact(fmt: str, shape: tuple[int, int], isas: list[str]) -> None:
+    n, k = shape
+    q = quantize(torch.randn(n, k), fmt)
+    pw = ops.PackedWeight.from_blocks(q)
+    assert pw.nbytes == ops.packed_bytes(fmt, n, k) == ops._lib().ft_packed_bytes(ops.FMT_CODE[q.fmt], n, k)
+    assert torch.equal(unpack_blocks(pw.data, n, *q.blocks.shape[1:]), q.blocks)
+    for isa in isas:
+        ops.set_isa(isa)
+        assert torch.equal(ops.dequantize(pw), q.dequantize()), isa
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_linear_matches_fp32_matmul_of_dequantized_weights(fmt: str, shape: tuple[int, int], m: int,
+                                                          isas: list[str]) -> None:  # fmt: skip
+    n, k = shape
+    q = quantize(torch.randn(n, k), fmt)
+    pw = ops.PackedWeight.from_blocks(q)
+    x = torch.randn(m, k)
+    ref = x @ q.dequantize().T
+    outs = {}
+    for isa in isas:
+        ops.set_isa(isa)
+        outs[isa] = ops.linear(pw, x)
+        # int8 activations (absmax/127 per 32 values) cost ~0.5% relative error on random data
+        assert _rel(outs[isa], ref) < 0.012, isa
+    for isa in isas:  # every ISA path computes the same integer sums: agreement to fp32 rounding
+        torch.testing.assert_close(outs[isa], outs["portable"], rtol=1e-4, atol=1e-4)
+
+
+def test_linear_exact_on_integer_friendly_inputs(isas: list[str]) -> None:
+    # activations that int8 represents exactly (absmax 127 per block), weights exact in q8: error-free sums
+    k, n = 64, 16
+    x = torch.randint(-127, 128, (2, k)).float()
+    x[:, 0], x[:, 32] = 127.0, -127.0
+    w = torch.randint(-127, 128, (n, k)).float() / 64
+    w[:, 0], w[:, 32] = 127 / 64, 127 / 64
+    pw = ops.PackedWeight.from_blocks(quantize(w, "q8"))
+    for isa in isas:
+        ops.set_isa(isa)
+        torch.testing.assert_close(ops.linear(pw, x), x @ w.T, rtol=0, atol=1e-3)
+
+
+def test_threads_and_isa_controls(isas: list[str]) -> None:
+    q = quantize(torch.randn(300, 128), "q4")
+    pw = ops.PackedWeight.from_blocks(q)
+    x = torch.randn(4, 128)
+    before = ops.get_threads()
+    try:
+        assert ops.set_threads(1) == 1
+        one = ops.linear(pw, x)
+        assert ops.set_threads(3) == 3
+        for _ in range(20):  # repeated multi-threaded calls give identical results
+            assert torch.equal(ops.linear(pw, x), one)
+        assert torch.equal(ops.dequantize(pw), q.dequantize())
+    finally:
+        ops.set_threads(before)
+    with pytest.raises(FreeTokenError, match="unknown ISA"):
+        ops.set_isa("sse9")
+    with pytest.raises(FreeTokenError, match="x must be"):
+        ops.linear(pw, torch.randn(2, 127))
+
+
+def test_pack_layout_is_eight_rows_interleaved() -> None:
+    # row r's first 4 values sit at bytes 16 + 4r .. 16 + 4r + 3 of the first q8 tile-block
+    w = torch.arange(8 * 32, dtype=torch.float32).reshape(8, 32) % 100 - 50
+    q = quantize(w, "q8")
+    packed = pack_blocks(q.blocks)
+    assert packed.numel() == 8 * 34
+    codes = q.blocks[..., 2:]
+    for r in range(8):
+        assert torch.equal(packed[16 + 4 * r : 20 + 4 * r], codes[r, 0, :4])
+        assert torch.equal(packed[2 * r : 2 * r + 2], q.blocks[r, 0, :2])
+
+
+def test_read_bandwidth_is_measured(isas: list[str]) -> None:
+    gbps = ops.read_bandwidth_gbps(32 << 20, reps=2)
+    assert 0.1 < gbps < 10_000
