@@ -1,0 +1,302 @@
+"""The engine API: load a Hugging Face MoE folder, compute logits, generate (blocking or streaming), chat.
+
+``Engine._decode`` is the one token loop: a synchronous generator of ``TokenEvent``. ``generate`` consumes it,
+``stream`` runs each step in a worker thread so an async caller stays responsive and can cancel between tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetoken_agent.runtime.checkpoint.reader import CheckpointReader, load_config
+from freetoken_agent.runtime.errors import FreeTokenError, TokenizerError
+from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams, StopChecker
+from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.adapters import spec_from_config
+from freetoken_agent.runtime.model.decoder import Decoder
+from freetoken_agent.runtime.model.spec import ModelSpec
+from freetoken_agent.runtime.model.weights import load_weights
+from freetoken_agent.runtime.phase import Phase
+from freetoken_agent.runtime.tokenizer.chat import ChatTemplate
+from freetoken_agent.runtime.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+PREFILL_CHUNK = 512
+"""Prompt tokens per forward during prefill (bounds the attention score matrix)."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``text`` is the decoded delta (may be empty while a character is incomplete)."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+    """Set on the last event: ``stop`` (stop token/string) or ``length`` (max_new_tokens)."""
+
+
+@dataclass
+class GenerationResult:
+    """What ``generate``/``chat`` return."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    requests: int = 0
+    phase: str | None = None
+    phase_hints: dict[str, int] = field(default_factory=dict)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise FreeTokenError(f"unknown dtype {dtype!r}; use one of: float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    """An MoE model loaded for inference on one device."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        decoder: Decoder,
+        tokenizer: Tokenizer | None,
+        chat_template: ChatTemplate | None,
+        path: Path | None = None,
+        generation_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.spec, self.decoder, self.path = spec, decoder, path
+        self._tokenizer, self._chat_template = tokenizer, chat_template
+        self.generation_config = generation_config or {}
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        require_tokenizer: bool = False,
+        progress: bool | None = None,
+    ) -> Engine:
+        """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
+
+        Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
+        """
+        path = Path(path)
+        spec = spec_from_config(load_config(path))
+        reader = CheckpointReader(path)
+        torch_dtype = _dtype(dtype)
+        show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
+        if show:
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task(f"loading {path.name}", total=spec.num_layers)
+                weights = load_weights(spec, reader, torch_dtype, device, on_layer=lambda i: bar.advance(task))
+        else:
+            weights = load_weights(spec, reader, torch_dtype, device)
+        tokenizer = template = None
+        try:
+            tokenizer = Tokenizer.from_pretrained(path)
+            template = ChatTemplate.from_pretrained(path)
+        except TokenizerError:
+            if require_tokenizer:
+                raise
+        gen_cfg: dict[str, Any] = {}
+        if (path / "generation_config.json").is_file():
+            try:
+                gen_cfg = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                gen_cfg = {}
+        return cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
+
+    # ------------------------------------------------------------------------------------------------ text
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise TokenizerError(f"no tokenizer files (tokenizer.json or a tiktoken vocabulary) in {self.path}")
+        return self._tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template.source if self._chat_template else None
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True, **kwargs: Any,
+    ) -> str:
+        if self._chat_template is None:
+            raise TokenizerError(f"the model in {self.path} has no chat template (tokenizer_config.json)")
+        return self._chat_template.render(messages, tools, add_generation_prompt, **kwargs)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = list(self.spec.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+        if self._tokenizer is not None:
+            ids += [e for e in self._tokenizer.eos_token_ids if e not in ids]
+        return ids
+
+    # ------------------------------------------------------------------------------------------------ compute
+
+    def _check_ids(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise FreeTokenError("the prompt is empty: give at least one token")
+        bad = ids[(ids < 0) | (ids >= self.spec.vocab_size)]
+        if bad.numel():
+            raise FreeTokenError(f"token id {int(bad[0])} is outside the vocabulary (size {self.spec.vocab_size})")
+        return ids
+
+    def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """One full forward without reuse: logits [T, vocab] in fp32 (for verification)."""
+        ids = self._check_ids(token_ids)
+        cache = self.decoder.new_cache()
+        return torch.cat([self._forward(ids[i : i + PREFILL_CHUNK], cache) for i in range(0, len(ids), PREFILL_CHUNK)])
+
+    def _forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        hidden = self.decoder.forward(ids, cache)
+        return self.decoder.logits(hidden[-1:] if last_only else hidden)
+
+    def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
+        if params is not None and kwargs:
+            raise TypeError("pass either a SamplingParams or keyword arguments, not both")
+        if params is not None:
+            return params
+        if "stop" in kwargs and kwargs["stop"] is not None:
+            kwargs["stop"] = (kwargs["stop"],) if isinstance(kwargs["stop"], str) else tuple(kwargs["stop"])
+        if kwargs.get("stop_token_ids") is not None:
+            kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+        try:
+            return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "stop_token_ids"})
+        except ValueError as exc:
+            raise FreeTokenError(f"invalid sampling parameters: {exc}") from None
+
+    def _decode(self, token_ids: list[int] | torch.Tensor, params: SamplingParams) -> Iterator[TokenEvent]:
+        """The token loop: prefill the prompt, then decode one token per step until a stop condition."""
+        ids = self._check_ids(token_ids)
+        stats = self._stats
+        stats.requests += 1
+        stops = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+        sampler = Sampler(params)
+        text = IncrementalDecoder(self._tokenizer) if self._tokenizer is not None else None
+        checker = StopChecker(params.stop)
+        cache = self.decoder.new_cache()
+        if params.max_new_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            logits = self._forward(ids[i : i + PREFILL_CHUNK], cache, last_only=True)
+        stats.prompt_tokens += len(ids)
+        stats.prefill_s += time.perf_counter() - t0
+        for step in range(params.max_new_tokens):
+            t0 = time.perf_counter()
+            token = sampler(logits[-1])
+            stats.generated_tokens += 1
+            delta = text.push(token) if text is not None else ""
+            delta, hit_stop = checker.feed(delta)
+            if token in stops or hit_stop:
+                stats.decode_s += time.perf_counter() - t0
+                yield TokenEvent(token, delta + ("" if hit_stop else checker.flush()), "stop")
+                return
+            if step == params.max_new_tokens - 1:
+                stats.decode_s += time.perf_counter() - t0
+                yield TokenEvent(token, delta + checker.flush(), "length")
+                return
+            logits = self._forward(torch.tensor([token]), cache, last_only=True)
+            stats.decode_s += time.perf_counter() - t0
+            yield TokenEvent(token, delta)
+
+    def generate(
+        self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
+    ) -> GenerationResult:
+        """Generate from a prompt of token ids (blocking). Keyword arguments are ``SamplingParams`` fields."""
+        p = self._params(params, kwargs)
+        before = (self._stats.prefill_s, self._stats.decode_s)
+        out_ids, pieces, reason = [], [], "length"
+        for ev in self._decode(token_ids, p):
+            out_ids.append(ev.token_id)
+            pieces.append(ev.text)
+            reason = ev.finish_reason or reason
+        return GenerationResult(
+            out_ids, "".join(pieces), reason, len(self._check_ids(token_ids)),
+            self._stats.prefill_s - before[0], self._stats.decode_s - before[1],
+        )
+
+    async def stream(
+        self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
+    ) -> AsyncIterator[TokenEvent]:
+        """Async variant of ``generate``: yields each token as it is produced; cancellable between tokens."""
+        import anyio.to_thread
+
+        p = self._params(params, kwargs)
+        steps = self._decode(token_ids, p)
+        done = object()
+        while True:
+            ev = await anyio.to_thread.run_sync(next, steps, done)
+            if ev is done:
+                return
+            yield ev  # type: ignore[misc]
+
+    def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None, **kwargs: Any,
+    ) -> GenerationResult:
+        """Render the conversation with the model's chat template and generate the assistant's reply."""
+        prompt = self.render_chat(messages, tools, add_generation_prompt=True)
+        return self.generate(self.tokenizer.encode(prompt), params, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------ phases, stats
+
+    def hint(self, phase: Phase | str, expected_s: float | None = None) -> None:
+        """The agent says which phase comes next. Recorded now; residency and KV policies act on it."""
+        name = Phase(phase).value
+        self._stats.phase = name
+        self._stats.phase_hints[name] = self._stats.phase_hints.get(name, 0) + 1
+
+    def stats(self) -> dict[str, Any]:
+        s = self._stats
+        return {
+            "model_type": self.spec.model_type,
+            "requests": s.requests,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "prefill_s": round(s.prefill_s, 4),
+            "decode_s": round(s.decode_s, 4),
+            "prefill_tok_s": round(s.prompt_tokens / s.prefill_s, 2) if s.prefill_s else None,
+            "decode_tok_s": round(s.generated_tokens / s.decode_s, 2) if s.decode_s else None,
+            "phase": s.phase,
+            "phase_hints": dict(s.phase_hints),
+        }

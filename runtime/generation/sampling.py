@@ -1,0 +1,95 @@
+"""Sampling (greedy, temperature, top-k, top-p, seeded) and stop conditions (tokens, strings, length)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy (argmax)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    """Keep only the k most likely tokens (0: off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p (1.0: off)."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop when the generated text contains one of these; the text is cut before it."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Token ids that end generation (None: the model's end-of-sequence tokens)."""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be ≥ 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be ≥ 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be ≥ 0")
+
+
+class Sampler:
+    """Picks the next token from logits [V]; owns its random generator so runs are reproducible by seed."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.temperature == 0.0:
+            return int(torch.argmax(logits).item())
+        logits = logits.float() / p.temperature
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # drop a token when the mass before it already reaches top_p (always keeps the first)
+            drop = probs.cumsum(-1) - probs >= p.top_p
+            logits = logits.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+
+
+class StopChecker:
+    """Finds stop strings in streamed text, holding back a tail that might be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""
+        """All text accepted so far (emitted + held back), cut at the stop string once found."""
+        self._emitted = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add a text delta; returns (text now safe to emit, whether a stop string was reached)."""
+        self.text += delta
+        if not self.stops:
+            return self._take(len(self.text)), False
+        cut = min((i for s in self.stops if (i := self.text.find(s, self._emitted)) != -1), default=-1)
+        if cut != -1:
+            self.text = self.text[:cut]
+            return self._take(cut), True
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        return self._take(len(self.text) - hold), False
+
+    def flush(self) -> str:
+        """Release the held-back tail (generation ended without a stop string)."""
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self._emitted : upto]
+        self._emitted = max(self._emitted, upto)
+        return out
