@@ -13,6 +13,8 @@ use ``torch.mm``, which on CPUs without fast int8 dot products beats every quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..errors import FreeTokenError
@@ -36,6 +38,15 @@ class QuantizedExperts:
         packed: bool,
         dequant_threshold: int = DEFAULT_DEQUANT_THRESHOLD,
     ) -> None:
+        """Prefer ``from_float`` / ``from_blocks``; ``w13``/``w2`` are the expert-major byte tensors.
+
+        ``activation`` (set after construction, ``[N, 2I] -> [N, I]``) replaces SiLU(gate)*up, and
+        ``gate_up_bias [E, 2I]`` / ``down_bias [E, D]`` add biases; either one moves decode from the fused call to
+        per-expert C calls.
+        """
+        self.activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.gate_up_bias: torch.Tensor | None = None
+        self.down_bias: torch.Tensor | None = None
         self.fmt = canonical_format(fmt)
         self.w13, self.w2 = w13, w2
         self.hidden, self.intermediate = hidden, intermediate
@@ -118,6 +129,34 @@ class QuantizedExperts:
 
     # ---------------------------------------------------------------- compute
 
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation is not None:
+            return self.activation(h)
+        return torch.nn.functional.silu(h[:, : self.intermediate]) * h[:, self.intermediate :]
+
+    def _expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert on its tokens ``x [n, D]`` with fp32 weights (prefill, or no kernels) → ``[n, D]``."""
+        gate_up, down = self._expert_float(e)
+        h = torch.mm(x, gate_up.t())  # [n, 2I]
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[e]
+        y = torch.mm(self._act(h), down.t())  # [n, D]
+        return y if self.down_bias is None else y + self.down_bias[e]
+
+    def _expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert on its tokens with the C GEMV (int8 activations) → ``[n, D]``."""
+        d, i = self.hidden, self.intermediate
+        h = ops.linear(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]), x)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[e]
+        y = ops.linear(ops.PackedWeight(self.fmt, d, i, self.w2[e]), self._act(h))
+        return y if self.down_bias is None else y + self.down_bias[e]
+
+    @property
+    def fused(self) -> bool:
+        """Whether decode runs as one fused C call per layer (SiLU experts without biases, kernels loaded)."""
+        return self.packed and self.activation is None and self.gate_up_bias is None and self.down_bias is None
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``x [T, D]`` fp32, ``topk_ids [T, K]`` int64, ``topk_weights [T, K]`` fp32 → ``[T, D]`` fp32."""
         if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape:
@@ -127,25 +166,26 @@ class QuantizedExperts:
             )
         x = x.to(torch.float32)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)  # [E]
-        if self.packed:
-            heavy = (counts >= self.dequant_threshold).nonzero().flatten().tolist()
-        else:
-            heavy = counts.nonzero().flatten().tolist()
-        light_ids = topk_ids
-        if heavy:
-            is_heavy = torch.zeros(self.num_experts, dtype=torch.bool)
-            is_heavy[heavy] = True
-            light_ids = torch.where(is_heavy[topk_ids], torch.full_like(topk_ids, -1), topk_ids)
-        if self.packed and bool((light_ids >= 0).any()):
-            out = ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, light_ids, topk_weights)
+        threshold = self.dequant_threshold if self.packed else 1
+        dense = (counts >= threshold).nonzero().flatten().tolist()
+        if self.fused:
+            light_ids = topk_ids
+            if dense:
+                is_dense = torch.zeros(self.num_experts, dtype=torch.bool)
+                is_dense[dense] = True
+                light_ids = torch.where(is_dense[topk_ids], torch.full_like(topk_ids, -1), topk_ids)
+            if bool((light_ids >= 0).any()):
+                out = ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, light_ids, topk_weights)
+            else:
+                out = torch.zeros_like(x)
+            light: list[int] = []
         else:
             out = torch.zeros_like(x)
-        for e in heavy:
+            light = ((counts > 0) & (counts < threshold)).nonzero().flatten().tolist()
+        dense_set = set(dense)
+        for e in dense + light:
             tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-            gate_up, down = self._expert_float(e)
-            h = torch.mm(x[tok], gate_up.t())  # [n, 2I]
-            g, u = h[:, : self.intermediate], h[:, self.intermediate :]
-            y = torch.mm(torch.nn.functional.silu(g) * u, down.t())  # [n, D]
+            y = self._expert_dense(e, x[tok]) if e in dense_set else self._expert_kernel(e, x[tok])
             out.index_add_(0, tok, y * topk_weights[tok, slot, None].to(torch.float32))
         return out
 
