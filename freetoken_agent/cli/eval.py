@@ -1,0 +1,146 @@
+"""``freetoken eval``: run SWE-style tasks locally and report resolved rate, time, tokens and engine stats.
+
+    freetoken eval builtin --agent gold                       # validate the harness (must be 100%)
+    freetoken eval builtin --agent agent --model DIR --out runs/a
+    freetoken eval swe-bench.jsonl --repos ~/clones --agent pkg.mod:make_agent --workers 4
+    freetoken eval --compare runs/a runs/b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from freetoken_agent.cli import CLIError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("eval", help="run SWE-style evals locally (no Docker) and report",
+                              description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("target", nargs="?", metavar="SUITE_OR_JSONL",
+                   help="a built-in suite name (builtin) or a SWE-bench-style JSONL file")
+    p.add_argument("--agent", default="agent",
+                   help="gold (applies the gold patch), empty (changes nothing), agent (a coding Agent on --model), "
+                        "or MODULE:FUNCTION / FILE.py:FUNCTION returning an Agent for (task, workspace)")
+    p.add_argument("--model", help="model folder (or built-in model name) for --agent agent")
+    p.add_argument("--workers", type=int, default=1, help="tasks run at the same time (default 1)")
+    p.add_argument("--out", type=Path, help="run folder (default: freetoken-evals/<tasks>-<agent>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out: run only tasks without a result")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (resolved, total, ...)")
+    p.add_argument("--tasks", help="comma-separated instance ids (or substrings) to run")
+    p.add_argument("--repos", type=Path, help="folder with local clones for SWE-bench owner/name repositories")
+    p.add_argument("--python", help="interpreter for setup commands and tests (default: this one)")
+    p.add_argument("--test-timeout", type=float, help="seconds per test before it is killed (default: per task)")
+    p.add_argument("--agent-timeout", type=float, help="seconds the agent may work on one task (default: per task)")
+    p.add_argument("--max-steps", type=int, default=30, help="model calls per task for --agent agent (default 30)")
+    p.add_argument("--compare", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"), help="show two run folders side by side")
+    p.set_defaults(func=run)
+
+
+def _make_agent(args: argparse.Namespace) -> Any:
+    from freetoken_agent.evals.swe.agents import EmptyAgent, GoldAgent
+    from freetoken_agent.evals.swe.sdk_agent import SDKAgent, coding_agent_factory, load_factory
+
+    if args.agent == "gold":
+        return GoldAgent()
+    if args.agent == "empty":
+        return EmptyAgent()
+    if args.agent == "agent":
+        if not args.model:
+            raise CLIError("--agent agent needs --model (a model folder or built-in model name)")
+        from freetoken_agent.agent import Limits
+
+        backend = _local_backend(args.model)
+        factory = coding_agent_factory(lambda: backend, limits=Limits(max_steps=args.max_steps))
+        return SDKAgent(factory, name="agent")
+    return SDKAgent(load_factory(args.agent), name=args.agent)
+
+
+def _local_backend(model: str) -> Any:
+    try:
+        from freetoken_agent.backends.local import LocalEngine
+    except ImportError as exc:
+        raise CLIError(f"the local engine backend is not available in this installation ({exc})") from exc
+    return LocalEngine.from_pretrained(model)
+
+
+def _resolve_target(target: str) -> tuple[str, Path | None]:
+    """(label recorded in run.json, task file or None for a built-in suite)."""
+    from freetoken_agent.evals.suites import SUITES
+
+    if target in SUITES:
+        return target, None
+    path = Path(target)
+    if not path.is_file():
+        raise CLIError(f"{target!r} is neither a built-in suite ({', '.join(SUITES)}) nor a task file")
+    return str(path.resolve()), path
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+    from rich.console import Console
+
+    from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
+    from freetoken_agent.evals.swe.report import compare, ordered, print_comparison, print_table, write_reports
+    from freetoken_agent.evals.swe.results import RunStore, TaskResult
+    from freetoken_agent.evals.swe.task import load_tasks
+
+    if args.compare:
+        cmp = compare(*args.compare)
+        if args.json:
+            print(json.dumps(cmp, indent=2))
+        else:
+            print_comparison(cmp, Console())
+        return 0
+    if not args.target:
+        raise CLIError("give a suite name or a task file (or --compare RUN_A RUN_B)")
+    if args.workers < 1:
+        raise CLIError("--workers must be at least 1")
+    if args.resume and args.out is None:
+        raise CLIError("--resume needs --out (the run folder to continue)")
+    agent = _make_agent(args)
+    stem = Path(args.target).stem
+    out: Path = args.out or Path("freetoken-evals") / f"{stem}-{agent.name.replace(':', '_').replace('/', '_')}-" \
+                                                      f"{time.strftime('%Y%m%d-%H%M%S')}"
+    label, tasks_file = _resolve_target(args.target)
+    store = RunStore(out)
+    done = store.start({"tasks": label, "agent": agent.name, "model": args.model,
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, args.resume)
+    if tasks_file is None:  # a built-in suite: (re)build its repositories; commits are deterministic
+        from freetoken_agent.evals.suites import materialize_suite
+
+        tasks_file = materialize_suite(label, out / "suite")
+    tasks = load_tasks(tasks_file)
+    if args.tasks:
+        wanted = [w.strip() for w in args.tasks.split(",") if w.strip()]
+        tasks = [t for t in tasks if any(w == t.instance_id or w in t.instance_id for w in wanted)]
+        if not tasks:
+            raise CLIError(f"--tasks {args.tasks!r} matches no task")
+    todo = [t for t in tasks if t.instance_id not in done]
+    err = Console(stderr=True)
+    if done:
+        err.print(f"resuming {out}: {len(tasks) - len(todo)} of {len(tasks)} tasks already have results")
+    finished = [len(tasks) - len(todo)]
+
+    def progress(result: TaskResult) -> None:
+        finished[0] += 1
+        err.print(f"[{finished[0]}/{len(tasks)}] {result.instance_id}: {result.status} ({result.wall_s:.1f}s)"
+                  + (f" - {result.reason}" if result.reason else ""), highlight=False, markup=False)
+
+    config = HarnessConfig(workers=args.workers, repos_dir=args.repos, python=args.python,
+                           test_timeout_s=args.test_timeout, agent_timeout_s=args.agent_timeout,
+                           model_name=args.model or agent.name)
+    anyio.run(run_pending, tasks, agent, store, config, progress)
+    ids = [t.instance_id for t in tasks]
+    summary = write_reports(store, ids)
+    if args.json:
+        print(json.dumps({**summary, "out": str(out)}))
+    else:
+        print_table(ordered(store, ids), Console(), title=f"{label} - {agent.name}")
+        print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stdout)
+    return 0
