@@ -1,0 +1,1 @@
+"""Performance and behaviour measurements of the runtime (benchmarks, routing reports)."""
