@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from freetoken_agent.tools.coding import coding_tools
     from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
+    from freetoken_agent.tools.mcp import mcp_stdio_tools
     from freetoken_agent.tools.registry import Tool, ToolKind, ToolRegistry, tool
     from freetoken_agent.tools.workspace import Workspace, WorkspaceError
 
@@ -39,6 +40,7 @@ _LAZY: dict[str, str] = {
     "Workspace": "freetoken_agent.tools.workspace",
     "WorkspaceError": "freetoken_agent.tools.workspace",
     "coding_tools": "freetoken_agent.tools.coding",
+    "mcp_stdio_tools": "freetoken_agent.tools.mcp",
 }
 
 __all__ = sorted(_LAZY)

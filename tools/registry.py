@@ -11,7 +11,7 @@ import functools
 import inspect
 import json
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
 
 import anyio
@@ -54,7 +54,7 @@ class Tool:
         sig = build_signature(fn, self.name, description)
         self.description: str = sig.description
         self.parameters: dict[str, Any] = sig.parameters
-        self.args_model: type[pydantic.BaseModel] = sig.model
+        self.args_model: type[pydantic.BaseModel] | None = sig.model
         self.context_param: str | None = sig.context_param
         self.writes: bool = writes
         self.kind: ToolKind = resolved_kind
@@ -67,6 +67,42 @@ class Tool:
             if "default" in spec and not self._validator.evolve(schema=spec).is_valid(None)
         )
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_schema(
+        cls,
+        name: str,
+        description: str,
+        parameters: dict[str, Any],
+        call: Callable[[dict[str, Any]], Awaitable[Any]],
+        *,
+        writes: bool = False,
+        kind: ToolKind | None = None,
+        expected_s: float | None = None,
+    ) -> Tool:
+        """A tool defined by a ready JSON Schema (e.g. from an MCP server) and ``call(arguments) -> result``.
+
+        Arguments are validated with ``jsonschema`` only (there is no pydantic model); ``call`` gets the dict.
+        """
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise TypeError(f"tool name {name!r} must contain only letters, digits, '_' and '-'")
+        jsonschema.Draft202012Validator.check_schema(parameters)
+        made = object.__new__(cls)
+        made.fn = call
+        made.name = name
+        made.description = description
+        made.parameters = {"type": "object", "properties": {}, **parameters}
+        made.args_model = None
+        made.context_param = None
+        made.writes = writes
+        made.kind = kind or ("edit" if writes else "other")
+        if made.kind not in KINDS:
+            raise TypeError(f"tool {name!r}: kind must be one of {', '.join(KINDS)}, got {made.kind!r}")
+        made.expected_s = expected_s
+        made.is_async = True
+        made._validator = jsonschema.Draft202012Validator(made.parameters)
+        made._null_means_default = frozenset()
+        return made
 
     def __repr__(self) -> str:
         return f"Tool(name={self.name!r}, kind={self.kind!r}, writes={self.writes})"
@@ -102,20 +138,24 @@ class Tool:
         errors = jsonschema_errors(self._validator, args)
         if errors:
             return ToolResult.error(_invalid(self, errors))
-        try:
-            parsed = self.args_model.model_validate(args)
-        except pydantic.ValidationError as exc:
-            return ToolResult.error(_invalid(self, pydantic_errors(exc)))
-        kwargs = {key: getattr(parsed, key) for key in type(parsed).model_fields}
-        if self.context_param is not None:
-            if ctx is None:
-                return ToolResult.error(f"Tool '{self.name}' needs a ToolContext but none was given.")
-            kwargs[self.context_param] = ctx
+        if self.args_model is None:  # a schema-only tool (MCP): the callable takes the validated dict
+            call: Callable[[], Any] = functools.partial(self.fn, args)
+        else:
+            try:
+                parsed = self.args_model.model_validate(args)
+            except pydantic.ValidationError as exc:
+                return ToolResult.error(_invalid(self, pydantic_errors(exc)))
+            kwargs = {key: getattr(parsed, key) for key in type(parsed).model_fields}
+            if self.context_param is not None:
+                if ctx is None:
+                    return ToolResult.error(f"Tool '{self.name}' needs a ToolContext but none was given.")
+                kwargs[self.context_param] = ctx
+            call = functools.partial(self.fn, **kwargs)
         try:
             if self.is_async:
-                value = await self.fn(**kwargs)
+                value = await call()
             else:
-                value = await anyio.to_thread.run_sync(functools.partial(self.fn, **kwargs), abandon_on_cancel=True)
+                value = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except ToolError as exc:
             return ToolResult.error(f"Error from tool '{self.name}': {exc}")
         except Exception as exc:  # a bug or an unexpected condition inside the tool: the model still gets a message
