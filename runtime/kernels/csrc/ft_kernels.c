@@ -124,19 +124,43 @@ typedef struct {
 
 static void dequant_item(void *p, int64_t t) {
     const dequant_ctx *c = (const dequant_ctx *)p;
-    const uint8_t *tb = c->w + t * c->nb * tile_block_bytes(c->fmt);
-    for (int64_t b = 0; b < c->nb; b++, tb += tile_block_bytes(c->fmt)) {
+    const int64_t tbb = tile_block_bytes(c->fmt);
+    const uint8_t *tb = c->w + t * c->nb * tbb;
+    float vals[QK];
+    for (int64_t b = 0; b < c->nb; b++, tb += tbb) {
+        const int64_t len = b * QK + QK <= c->k ? QK : c->k - b * QK;
         for (int r = 0; r < TR && t * TR + r < c->n; r++) {
-            float d = tile_scale(tb, r), zero = c->fmt == FT_Q4 ? 8.f : 0.f;
-            float *y = c->y + (t * TR + r) * c->k;
-            for (int v = 0; v < QK && b * QK + v < c->k; v++)
-                y[b * QK + v] = d * ((float)tile_code(c->fmt, tb, r, v) - zero);
+#ifdef FT_X86
+            if (g_isa >= FT_ISA_AVX2) {
+                tile_row_dequant_avx2(c->fmt, tb, r, vals);
+                memcpy(c->y + (t * TR + r) * c->k + b * QK, vals, sizeof(float) * (size_t)len);
+                continue;
+            }
+#endif
+            const float d = tile_scale(tb, r);
+            const uint8_t *q = tb + 2 * TR + 4 * r;
+            uint8_t raw[QK]; /* this row's bytes of the block, gathered from the chunks */
+            if (c->fmt == FT_Q4) {
+                for (int j = 0; j < 4; j++) memcpy(raw + 4 * j, q + 32 * j, 4);
+                uint8_t codes[QK];
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        codes[8 * j + i] = raw[4 * j + i] & 0x0f;
+                        codes[8 * j + 4 + i] = raw[4 * j + i] >> 4;
+                    }
+                for (int v = 0; v < QK; v++) vals[v] = d * (float)((int)codes[v] - 8);
+            } else {
+                for (int j = 0; j < 8; j++) memcpy(raw + 4 * j, q + 32 * j, 4);
+                for (int v = 0; v < QK; v++) vals[v] = d * (float)(int8_t)raw[v];
+            }
+            memcpy(c->y + (t * TR + r) * c->k + b * QK, vals, sizeof(float) * (size_t)len);
         }
     }
 }
 
 /* y[N, K] = the fp32 values of repacked W (the prefill path: dequantize once, then one BLAS matmul). */
 void ft_dequant(int fmt, const uint8_t *w, int64_t n, int64_t k, float *y) {
+    if (g_isa < 0) g_isa = detect_isa();
     dequant_ctx c = {fmt, w, n, k, (k + QK - 1) / QK, y};
     ft_parallel_for(dequant_item, &c, (n + TR - 1) / TR);
 }

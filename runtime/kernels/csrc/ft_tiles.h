@@ -182,6 +182,36 @@ FT_VNNI static void tile_dot_q4_vnni(const uint8_t *t, int64_t nb, const int8_t 
     }
     _mm256_storeu_ps(out, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr, acc));
 }
+
+/* One row of one tile-block to 32 fp32 values (the prefill path's dequantize). */
+FT_AVX2 static void tile_row_dequant_avx2(int fmt, const uint8_t *tb, int r, float *out) {
+    const uint8_t *q = tb + 2 * TR + 4 * r;
+    const float d = tile_scale(tb, r);
+    const __m256 dd = _mm256_set1_ps(d);
+    __m128i v[2];
+    __m256 off = _mm256_setzero_ps();
+    if (fmt == FT_Q4) {
+        const __m128i raw = _mm_set_epi32(load_i32((const int8_t *)q + 96), load_i32((const int8_t *)q + 64),
+                                          load_i32((const int8_t *)q + 32), load_i32((const int8_t *)q));
+        const __m128i m4 = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        v[0] = _mm_unpacklo_epi32(lo, hi); /* values 0..15 */
+        v[1] = _mm_unpackhi_epi32(lo, hi); /* values 16..31 */
+        off = _mm256_set1_ps(-8.f * d);
+        for (int h = 0; h < 2; h++) {
+            const __m128i part[2] = {v[h], _mm_srli_si128(v[h], 8)};
+            for (int i = 0; i < 2; i++)
+                _mm256_storeu_ps(out + 16 * h + 8 * i,
+                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), dd, off));
+        }
+    } else {
+        for (int j = 0; j < 8; j += 2) {
+            const __m128i two = _mm_set_epi32(0, 0, load_i32((const int8_t *)q + 32 * j + 32),
+                                              load_i32((const int8_t *)q + 32 * j));
+            _mm256_storeu_ps(out + 4 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(two)), dd));
+        }
+    }
+}
 #endif
 
 static int detect_isa(void) {

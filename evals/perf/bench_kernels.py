@@ -1,0 +1,213 @@
+"""Expert-kernel benchmark: our C kernels vs torch vs ggml (when installed) on real MoE expert shapes.
+
+Every path computes ``y [M, N] = x [M, K] @ W^T`` for a weight ``W [N, K]``, cycling through enough copies of
+the weight that the working set exceeds the last-level cache, so the numbers are what decode sees when it
+streams experts from RAM. Paths are timed round-robin (A/B/C/A/B/C…) and reported as medians, so load from other
+processes hits every path alike. GB/s counts the bytes of the weight as stored (codes + scales).
+
+Legend: ``N`` weight rows, ``K`` reduction dim, ``M`` tokens, ``T``/``E``/``D``/``I`` as in the MoE layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+SHAPES = ((768, 2048), (2048, 768), (1536, 4096))  # (N, K): gate/up and down of a 2048-hidden model, a larger one
+M_VALUES = (1, 4, 16, 64, 256)
+WORKING_SET = 256 << 20  # bytes cycled per path: well above the L3 of the CPUs we target
+
+
+@dataclass
+class Result:
+    """One benchmark row (the ``--json`` schema)."""
+
+    kernel: str
+    format: str
+    shape: str
+    M: int
+    threads: int
+    gbps: float
+    seconds: float
+    fraction_of_read_bw: float = 0.0
+
+
+@dataclass
+class Report:
+    """All rows plus the memory read bandwidth measured in the same run (per thread count)."""
+
+    memory_read_gbps: float
+    memory_read_gbps_by_threads: dict[str, float]
+    results: list[Result] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "results": [asdict(r) for r in self.results]}
+
+
+@dataclass
+class Path:
+    """A kernel under test: ``run(i)`` computes with weight copy ``i``; ``nbytes`` is one copy's size."""
+
+    kernel: str
+    fmt: str
+    nbytes: int
+    copies: int
+    run: Callable[[int], object]
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(512, -(-WORKING_SET // max(1, nbytes))))
+
+
+def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
+    """Our C GEMV (q4, q8) and, from M=16, the prefill path (C dequantize to fp32 + torch.mm)."""
+    from freetoken_agent.runtime.kernels import ops
+    from freetoken_agent.runtime.quant import quantize
+
+    paths = []
+    w = torch.randn(n, k)
+    for fmt in ("q4", "q8"):
+        pw = ops.PackedWeight.from_blocks(quantize(w, fmt, refine=False))
+        copies = _copies(pw.nbytes)
+        big = pw.data.repeat(copies)
+        views = [ops.PackedWeight(pw.fmt, n, k, big[i * pw.nbytes : (i + 1) * pw.nbytes]) for i in range(copies)]
+        paths.append(Path("freetoken-c", fmt, pw.nbytes, copies, lambda i, v=views: ops.linear(v[i], x)))
+        if m >= 16:
+            buf = torch.empty(n, k)
+
+            def dequant_mm(i: int, v: list[ops.PackedWeight] = views, buf: torch.Tensor = buf) -> torch.Tensor:
+                return torch.mm(x, ops.dequantize(v[i], buf).t())
+
+            paths.append(Path("freetoken-dequant-mm", fmt, pw.nbytes, copies, dequant_mm))
+    copies = _copies(n * k * 4)
+    dense = [torch.randn(n, k) for _ in range(copies)]
+    paths.append(Path("torch-linear", "fp32", n * k * 4, copies, lambda i: torch.nn.functional.linear(x, dense[i])))
+    return paths
+
+
+def time_paths(paths: list[Path], reps: int, budget_s: float) -> list[float]:
+    """Median seconds per call of each path, timed round-robin after one warm-up pass."""
+    times: list[list[float]] = [[] for _ in paths]
+    for p in paths:
+        p.run(0)
+    start = time.perf_counter()
+    for r in range(reps):
+        for j, p in enumerate(paths):
+            i = (r + 1) % p.copies
+            t0 = time.perf_counter()
+            p.run(i)
+            times[j].append(time.perf_counter() - t0)
+        if r >= 5 and time.perf_counter() - start > budget_s:
+            break
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def moe_layer_paths(threads: int) -> list[Path]:
+    """One MoE layer step for one token (E=64, top-8, D=2048, I=768, q4): fused C call vs a Python loop of GEMVs."""
+    from freetoken_agent.runtime.kernels import ops
+    from freetoken_agent.runtime.kernels.experts import QuantizedExperts
+
+    e, d, i, k = 64, 2048, 768, 8
+    one = QuantizedExperts.from_float(torch.randn(1, 2 * i, d) / 45, torch.randn(1, d, i) / 28, "q4")
+    qe = QuantizedExperts("q4", one.w13.repeat(e, 1), one.w2.repeat(e, 1), d, i, packed=True)
+    x = torch.randn(1, d)
+    gen = torch.Generator().manual_seed(0)
+    routes = [torch.randperm(e, generator=gen)[:k].reshape(1, k) for _ in range(64)]
+    wts = torch.full((1, k), 1.0 / k)
+    expert_bytes = qe.nbytes // e
+
+    def loop(j: int) -> torch.Tensor:
+        out = torch.zeros(1, d)
+        for slot, ex in enumerate(routes[j].flatten().tolist()):
+            h = ops.linear(ops.PackedWeight("q4_0", 2 * i, d, qe.w13[ex]), x)
+            a = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+            out += wts[0, slot] * ops.linear(ops.PackedWeight("q4_0", d, i, qe.w2[ex]), a)
+        return out
+
+    return [
+        Path("freetoken-moe-fused", "q4", expert_bytes * k, 64, lambda j: qe.forward(x, routes[j], wts)),
+        Path("freetoken-moe-pyloop", "q4", expert_bytes * k, 64, loop),
+    ]
+
+
+def run(
+    shapes: tuple[tuple[int, int], ...] = SHAPES,
+    m_values: tuple[int, ...] = M_VALUES,
+    thread_counts: tuple[int, ...] | None = None,
+    with_ggml: bool = True,
+    reps: int = 60,
+    budget_s: float = 3.0,
+    progress: Callable[[str], None] | None = None,
+) -> Report:
+    """Run the benchmark; ``thread_counts`` defaults to (1, all usable CPUs)."""
+    from freetoken_agent.runtime.kernels import build, ops
+    from freetoken_agent.runtime.kernels.threads import usable_cpus
+
+    from . import ggml_peer
+
+    if build.load() is None:
+        raise RuntimeError(f"the C kernels are unavailable: {build.status().reason}")
+    cpus = usable_cpus()
+    threads = thread_counts or tuple(sorted({1, cpus}))
+    peer = ggml_peer.load() if with_ggml else None
+    notes = [f"isa={build.status().isa}", f"cpus={cpus}", f"loadavg={_loadavg()}"]
+    notes.append(f"ggml={peer.version}" if peer else f"ggml: {ggml_peer.unavailable_reason() if with_ggml else 'off'}")
+    torch_threads = torch.get_num_threads()
+    bw: dict[str, float] = {}
+    results: list[Result] = []
+    try:
+        for th in threads:
+            ops.set_threads(th)
+            torch.set_num_threads(th)
+            bw[str(th)] = ops.read_bandwidth_gbps(WORKING_SET, reps=3)
+            for n, k in shapes:
+                for m in m_values:
+                    x = torch.randn(m, k)
+                    paths = our_paths(n, k, m, x)
+                    if peer is not None:
+                        paths += peer.paths(n, k, m, x, th, _copies)
+                    secs = time_paths(paths, reps, budget_s)
+                    for p, s in zip(paths, secs):
+                        gbps = p.nbytes / s / 1e9
+                        results.append(Result(p.kernel, p.fmt, f"{n}x{k}", m, th, gbps, s, gbps / bw[str(th)]))
+                    if progress:
+                        progress(f"threads={th} {n}x{k} M={m} done")
+                    del paths
+                    if peer is not None:
+                        peer.release()
+            layer = moe_layer_paths(th)
+            for p, s in zip(layer, time_paths(layer, reps, budget_s)):
+                gbps = p.nbytes / s / 1e9
+                results.append(Result(p.kernel, p.fmt, "E64xK8 D2048 I768", 1, th, gbps, s, gbps / bw[str(th)]))
+    finally:
+        torch.set_num_threads(torch_threads)
+        from freetoken_agent.runtime.kernels.threads import default_threads
+
+        ops.set_threads(default_threads())
+    notes.append(f"loadavg_after={_loadavg()}")
+    return Report(max(bw.values()), bw, results, notes)
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def format_table(report: Report) -> str:
+    """A plain-text table, one line per row, grouped as measured."""
+    bw = ", ".join(f"{v:.1f} GB/s ({t} thr)" for t, v in report.memory_read_gbps_by_threads.items())
+    lines = [f"memory read bandwidth: {bw}", "; ".join(report.notes), ""]
+    lines.append(f"{'kernel':<22} {'format':<6} {'shape':<18} {'M':>4} {'thr':>3} {'GB/s':>7} {'time':>10} {'%bw':>5}")
+    for r in report.results:
+        lines.append(
+            f"{r.kernel:<22} {r.format:<6} {r.shape:<18} {r.M:>4} {r.threads:>3} {r.gbps:>7.2f} "
+            f"{r.seconds * 1e6:>8.0f}us {100 * r.fraction_of_read_bw:>4.0f}%"
+        )
+    return "\n".join(lines)
