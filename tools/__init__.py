@@ -26,13 +26,14 @@ if TYPE_CHECKING:
     from freetoken_agent.tools.coding import coding_tools
     from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
     from freetoken_agent.tools.mcp import mcp_stdio_tools
-    from freetoken_agent.tools.registry import Tool, ToolKind, ToolRegistry, tool
+    from freetoken_agent.tools.registry import ToolRegistry
+    from freetoken_agent.tools.definition import Tool, ToolKind, tool
     from freetoken_agent.tools.workspace import Workspace, WorkspaceError
 
 _LAZY: dict[str, str] = {
-    "tool": "freetoken_agent.tools.registry",
-    "Tool": "freetoken_agent.tools.registry",
-    "ToolKind": "freetoken_agent.tools.registry",
+    "tool": "freetoken_agent.tools.definition",
+    "Tool": "freetoken_agent.tools.definition",
+    "ToolKind": "freetoken_agent.tools.definition",
     "ToolRegistry": "freetoken_agent.tools.registry",
     "ToolContext": "freetoken_agent.tools.context",
     "ToolResult": "freetoken_agent.tools.context",

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
-from freetoken_agent.tools.registry import tool
+from freetoken_agent.tools.definition import tool
 
 MAX_READ_LINES = 2000
 MAX_LINE_CHARS = 2000

@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from freetoken_agent.tools.context import ToolError, ToolResult
-from freetoken_agent.tools.registry import Tool
+from freetoken_agent.tools.definition import Tool
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup  # installed with anyio on Python 3.10

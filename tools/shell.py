@@ -8,7 +8,7 @@ import sys
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.process import ProcessOutcome, child_env, run_process
-from freetoken_agent.tools.registry import tool
+from freetoken_agent.tools.definition import tool
 
 TEST_TAIL_CHARS = 4000
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
