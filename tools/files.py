@@ -60,10 +60,13 @@ def unified_diff(rel: str, before: str, after: str) -> str:
 
 def _write_atomic(target: Path, text: str) -> None:
     tmp = target.with_name(f".{target.name}.freetoken-tmp")
-    tmp.write_text(text, encoding="utf-8", newline="")
-    if target.exists():
-        os.chmod(tmp, target.stat().st_mode & 0o7777)
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(text, encoding="utf-8", newline="")
+        if target.exists():
+            os.chmod(tmp, target.stat().st_mode & 0o7777)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @tool(kind="read")

@@ -150,8 +150,11 @@ async def run_process(
         with anyio.CancelScope(shield=True):
             if process.returncode is None or not drained.is_set():
                 await _terminate_group(process)
-            await process.wait()
-            await process.aclose()
+            # bounded: a child that escaped the group (setsid) can keep the pipe, and so wait(), open forever
+            with anyio.move_on_after(DRAIN_S):
+                await process.wait()
+            with anyio.move_on_after(DRAIN_S):
+                await process.aclose()
     tail = decoder.decode(b"", final=True)
     if tail:
         buffer.add(tail)

@@ -127,3 +127,19 @@ async def test_output_streams_to_callback(root: Path, registry: ToolRegistry) ->
     assert "".join(text for _, text in seen) == "first\nsecond\n"
     assert result.content == "exit code: 0\nfirst\nsecond\n"
     assert len(seen) >= 2 and seen[-1][0] - seen[0][0] > 0.3  # chunks arrived as produced, not at the end
+
+
+async def test_child_that_escapes_the_group_cannot_hang_the_call(
+    root: Path, ctx: ToolContext, registry: ToolRegistry
+) -> None:
+    # setsid puts the sleeper in a new session, out of reach of the group kill, still holding the output pipe
+    command = "setsid sleep 30 & echo $! > escaped.pid; echo done"
+    start = time.monotonic()
+    result = await registry.call("run_shell", {"command": command}, ctx)
+    try:
+        assert time.monotonic() - start < SLACK_S + 1.5
+        assert result.content.startswith("exit code: 0\ndone")
+    finally:
+        pid = int((root / "escaped.pid").read_text())
+        if alive(pid):
+            os.kill(pid, 9)  # the documented limit: this test cleans up the process it started
