@@ -14,19 +14,20 @@ from freetoken_agent.server.app import OpenAIServer
 __all__ = ["OpenAIServer", "serve", "serve_in_thread"]
 
 
-def _server(backend: Any, model_id: str, log_level: str) -> Any:
+def _server(backend: Any, model_id: str, log_level: str, default_max_tokens: int = 1024) -> Any:
     import uvicorn
 
-    app = OpenAIServer(backend, model_id).app()
+    app = OpenAIServer(backend, model_id, default_max_tokens).app()
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2))
 
 
-def serve(backend: Any, model_id: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(backend: Any, model_id: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          default_max_tokens: int = 1024) -> None:
     """Serve ``backend`` until interrupted (blocking)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    _server(backend, model_id, log_level).run(sockets=[sock])
+    _server(backend, model_id, log_level, default_max_tokens).run(sockets=[sock])
 
 
 @contextlib.contextmanager

@@ -10,14 +10,14 @@ import pytest
 from freetoken_agent import Agent, Limits, LocalEngine, Phase
 from freetoken_agent.backends import GenerateRequest, GenerationDone
 from freetoken_agent.backends.local import template_messages
-from tests.sdk.tiny_checkpoint import build_tiny_qwen3_moe
+from tests.sdk.tiny_checkpoint import shared_tiny_qwen3_moe
 
 pytest.importorskip("freetoken_agent.runtime.engine")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny") / "qwen3-moe-tiny")
+    return shared_tiny_qwen3_moe(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

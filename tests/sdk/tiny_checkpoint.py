@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
@@ -56,13 +57,19 @@ def build_tiny_qwen3_moe(folder: Path, seed: int = 0) -> Path:
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from freetoken_agent.agent import CODING_INSTRUCTIONS
+    from freetoken_agent.tools import ToolRegistry, coding_tools
+
     folder.mkdir(parents=True, exist_ok=True)
+    # trained on the agent's own prompt pieces so prompts stay short (fast prefill in tests)
+    corpus = [*CORPUS, CODING_INSTRUCTIONS, QWEN_TEMPLATE,
+              *(json.dumps(schema) for schema in ToolRegistry(coding_tools()).schemas())]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.train_from_iterator(corpus * 2, trainer)
     tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
     tok.save(str(folder / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
@@ -71,10 +78,18 @@ def build_tiny_qwen3_moe(folder: Path, seed: int = 0) -> Path:
         "add_bos_token": False}))
     torch.manual_seed(seed)
     config = transformers.Qwen3MoeConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, max_position_embeddings=4096, eos_token_id=eos, bos_token_id=None, pad_token_id=None,
         tie_word_embeddings=False, initializer_range=0.1)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
+    return folder
+
+
+def shared_tiny_qwen3_moe(factory: Any) -> Path:
+    """One checkpoint per pytest session (``factory`` is ``tmp_path_factory``), shared by every module using it."""
+    folder = factory.getbasetemp() / "shared-tiny-qwen3-moe"
+    if not (folder / "config.json").is_file():
+        build_tiny_qwen3_moe(folder)
     return folder

@@ -1,0 +1,106 @@
+"""``freetoken run "TASK" --model DIR``: run the coding agent on a workspace with a live view."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="run the coding agent on a task, with a live view",
+                              description="Run the coding agent on TASK inside a workspace folder.")
+    p.add_argument("task", help="what the agent should do")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a local Hugging Face model folder (runs in this process)")
+    src.add_argument("--url", help="an OpenAI-compatible server instead, e.g. http://localhost:8000/v1")
+    p.add_argument("--remote-model", default=None, help="model id on the server (default: its first)")
+    p.add_argument("--workspace", default=".", help="folder the tools may read and change (default: .)")
+    p.add_argument("--max-steps", type=int, default=30, help="model calls per run (default: 30)")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="tokens generated per run")
+    p.add_argument("--max-step-tokens", type=int, default=4096, help="tokens generated per model call")
+    p.add_argument("--max-wall", type=float, default=None, help="seconds for the whole run")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine (default: torch's)")
+    p.add_argument("--trajectory", default=None, help="append the run to this JSONL file (or folder)")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines instead of the live view")
+    p.set_defaults(func=run)
+
+
+def _limits_ok(args: argparse.Namespace) -> None:
+    from freetoken_agent.cli import CLIError
+
+    for name in ("max_steps", "max_tokens", "max_step_tokens"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_wall is not None and args.max_wall <= 0:
+        raise CLIError("--max-wall must be positive")
+    if not Path(args.workspace).is_dir():
+        raise CLIError(f"workspace {args.workspace!r} is not a folder")
+    if args.model and not Path(args.model).is_dir():
+        raise CLIError(f"model folder {args.model!r} does not exist")
+
+
+def _threads(count: int | None) -> None:
+    from freetoken_agent.cli import CLIError
+
+    if count is not None:
+        if count < 1:
+            raise CLIError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(count)
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+    from rich.console import Console
+    from rich.live import Live
+
+    from freetoken_agent.agent import Agent, Limits, Sampling
+    from freetoken_agent.cli.live import LiveView, summary
+    from freetoken_agent.events import event_record
+
+    _limits_ok(args)
+    console = Console(stderr=False)
+    if args.model:
+        from freetoken_agent.backends.local import LocalEngine
+
+        _threads(args.threads)
+        with console.status(f"loading {args.model}"):
+            backend = LocalEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    else:
+        from freetoken_agent.backends.openai_compat import OpenAICompatible
+
+        backend = OpenAICompatible(args.url, model=args.remote_model)
+    agent = Agent.coding(
+        backend, workspace=args.workspace, trajectory=args.trajectory,
+        limits=Limits(max_steps=args.max_steps, max_tokens=args.max_tokens, max_tokens_per_step=args.max_step_tokens,
+                      max_wall_s=args.max_wall),
+        sampling=Sampling(temperature=args.temperature, seed=args.seed))
+    view = LiveView(args.task)
+
+    async def consume() -> None:
+        async for event in agent.stream(args.task):
+            view.update(event)
+            if args.json:
+                print(json.dumps(event_record(event), ensure_ascii=False, default=str), flush=True)
+
+    if args.json:
+        anyio.run(consume)
+    else:
+        with Live(view, console=console, refresh_per_second=8):
+            anyio.run(consume)
+    result = view.result
+    if not args.json:
+        console.print(summary(result))
+        if result.final_message and result.ok:
+            console.print(result.final_message)
+    if result.stop_reason == "backend_error":
+        print(f"freetoken run: error: {result.error}", file=sys.stderr)
+        return 2
+    return 0 if result.ok else 1

@@ -1,0 +1,97 @@
+"""``freetoken serve`` in a real subprocess on a tiny local checkpoint, used by the ``openai`` client and by an agent."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from freetoken_agent import Agent, Limits, OpenAICompatible
+from tests.sdk.tiny_checkpoint import shared_tiny_qwen3_moe
+
+# Only the command under test is registered (other commands may be mid-development).
+LAUNCH = ("import sys, freetoken_agent.cli as c; c.COMMANDS[:] = ['serve']; sys.exit(c.main())")
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model = shared_tiny_qwen3_moe(tmp_path_factory)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", str(model), "--port", str(port), "--name", "tiny-moe",
+                             "--default-max-tokens", "16", "--threads", "1"], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"freetoken serve did not start: {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.2)
+    yield url
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_models_and_chat(server: str) -> None:
+    client = openai.OpenAI(base_url=server, api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny-moe"]
+    reply = client.chat.completions.create(model="tiny-moe", tools=TOOLS, max_tokens=8,
+                                           messages=[{"role": "user", "content": "read calc.py"}])
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert 0 < reply.usage.completion_tokens <= 8 and reply.usage.prompt_tokens > 20  # the tools are in the prompt
+
+
+def test_streaming_chat_and_completions(server: str) -> None:
+    client = openai.OpenAI(base_url=server, api_key="none", max_retries=0)
+    chunks = list(client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes and finishes[-1] in ("stop", "length", "tool_calls")
+    assert chunks[-1].usage.completion_tokens <= 6
+    whole = client.completions.create(model="tiny-moe", prompt="def add(a, b):", max_tokens=5, temperature=0)
+    again = client.completions.create(model="tiny-moe", prompt="def add(a, b):", max_tokens=5, temperature=0)
+    assert whole.choices[0].text == again.choices[0].text  # greedy is deterministic
+    assert whole.usage.completion_tokens <= 5
+
+
+def test_an_agent_runs_against_the_served_engine(server: str, tmp_path: Path) -> None:
+    agent = Agent.coding(OpenAICompatible(server), workspace=tmp_path,
+                         limits=Limits(max_steps=2, max_tokens_per_step=10, max_wall_s=120))
+    result = anyio.run(agent.run, "Say hello.")
+    assert result.stop_reason in ("done", "max_steps") and 1 <= result.steps <= 2
+    assert 0 < result.usage.completion_tokens <= 20
+
+
+def test_missing_model_folder_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-c", LAUNCH, "serve", "--model", "/nonexistent/m"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "freetoken serve: error: model folder '/nonexistent/m' does not exist"
