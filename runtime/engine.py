@@ -239,6 +239,12 @@ class Engine:
             stats.decode_s += time.perf_counter() - t0
             yield TokenEvent(token, delta)
 
+    def iter_generate(
+        self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
+    ) -> Iterator[TokenEvent]:
+        """Blocking token stream: yields each ``TokenEvent`` as it is produced."""
+        return self._decode(token_ids, self._params(params, kwargs))
+
     def generate(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
     ) -> GenerationResult:

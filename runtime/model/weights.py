@@ -15,7 +15,7 @@ from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from freetoken_agent.runtime.model.moe import TorchExperts
-from freetoken_agent.runtime.model.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
+from freetoken_agent.runtime.model.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, WeightNames
 
 # Tensors some exporters write that carry no weights we need.
 _ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
@@ -51,6 +51,12 @@ class ModelWeights:
 class _Loader:
     def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
         self.reader, self.dtype, self.device = reader, dtype, device
+
+    def mark_used(self, name: str) -> None:
+        self.reader.used.add(name)
+
+    def stored_shape(self, name: str) -> tuple[int, ...] | None:
+        return self.reader.shape(name) if name in self.reader else None
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         if name not in self.reader:
@@ -100,6 +106,18 @@ class _Loader:
             w["sinks"] = self.take(f"{prefix}.sinks", (a.num_heads,))
         return w
 
+    def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
+        source = ExpertSource(self.reader, prefix, m, names, d)
+        parts = [source.load(e) for e in range(m.num_experts)]
+        cast = lambda ts: torch.stack(ts).to(device=self.device, dtype=self.dtype).contiguous()  # noqa: E731
+        return TorchExperts(
+            m,
+            gate_up=cast([p.gate_up for p in parts]),
+            down=cast([p.down for p in parts]),
+            gate_up_bias=cast([p.gate_up_bias for p in parts]) if m.expert_bias else None,
+            down_bias=cast([p.down_bias for p in parts]) if m.expert_bias else None,
+        )
+
     def moe(self, prefix: str, layer: LayerSpec, spec: ModelSpec) -> MoEWeights:
         m, names, d = layer.moe, spec.names, spec.hidden_size
         assert m is not None
@@ -109,21 +127,11 @@ class _Loader:
         correction = None
         if m.router.correction_bias:
             name = f"{prefix}.{names.correction_bias}"
-            shape = self.reader.shape(name) if name in self.reader else (m.num_experts,)
+            shape = self.stored_shape(name) or (m.num_experts,)
             if shape not in ((m.num_experts,), (1, m.num_experts)):
                 raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{m.num_experts}]")
             correction = self.take(name, shape, torch.float32).reshape(-1)
-        source = ExpertSource(self.reader, prefix, m, names, d)
-        parts = [source.load(e) for e in range(m.num_experts)]
-        cast = lambda ts: torch.stack(ts).to(device=self.device, dtype=self.dtype).contiguous()  # noqa: E731
-        experts = TorchExperts(
-            m,
-            gate_up=cast([p.gate_up for p in parts]),
-            down=cast([p.down for p in parts]),
-            gate_up_bias=cast([p.gate_up_bias for p in parts]) if m.expert_bias else None,
-            down_bias=cast([p.down_bias for p in parts]) if m.expert_bias else None,
-        )
-        weights = MoEWeights(router, correction, experts)
+        weights = MoEWeights(router, correction, self.experts(prefix, m, names, d))
         if m.shared is not None:
             weights.shared = self.mlp(f"{prefix}.{names.shared}", m.shared, d)
         if m.shared_gate:
@@ -139,7 +147,54 @@ def load_weights(
     on_layer: "callable | None" = None,  # type: ignore[valid-type]
 ) -> ModelWeights:
     """Read every tensor the spec needs; ``on_layer(i)`` is called after each layer (progress)."""
-    ld = _Loader(reader, dtype, device)
+    weights = _walk(spec, _Loader(reader, dtype, device), on_layer)
+    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *_ALWAYS_IGNORED)]
+    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UnexpectedTensorError(
+            f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture{more}"
+        )
+    return weights
+
+
+def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this spec holds, in the canonical per-expert layout: name → shape.
+
+    Computed by walking the same loader over a recorder, so it can never disagree with ``load_weights``.
+    """
+    recorder = _Recorder()
+    _walk(spec, recorder, None)
+    return recorder.shapes
+
+
+class _Recorder(_Loader):
+    """A loader that records the (name, shape) it is asked for and returns empty meta tensors."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtype, self.device = torch.float32, "meta"
+
+    def mark_used(self, name: str) -> None:
+        pass
+
+    def stored_shape(self, name: str) -> tuple[int, ...] | None:
+        return None
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        self.shapes[name] = shape
+        return torch.empty(shape, device="meta")
+
+    def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
+        for e in range(m.num_experts):
+            for leaf, shape in (("gate_proj", (m.intermediate, d)), ("up_proj", (m.intermediate, d)),
+                                ("down_proj", (d, m.intermediate))):
+                self.take(f"{prefix}.experts.{e}.{leaf}.weight", shape)
+        meta = torch.empty(0, device="meta")
+        return TorchExperts(m, meta, meta)
+
+
+def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWeights:  # type: ignore[valid-type]
     d, v = spec.hidden_size, spec.vocab_size
     embed = ld.take("model.embed_tokens.weight", (v, d))
     layers = []
@@ -161,15 +216,8 @@ def load_weights(
     norm = ld.take("model.norm.weight", (d,))
     if spec.tie_embeddings:
         lm_head = embed
-        reader.used.add("lm_head.weight")  # some exporters store the tied copy anyway
+        ld.mark_used("lm_head.weight")  # some exporters store the tied copy anyway
     else:
         lm_head = ld.take("lm_head.weight", (v, d))
     lm_head_bias = ld.take("lm_head.bias", (v,)) if spec.lm_head_bias else None
-    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *_ALWAYS_IGNORED)]
-    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise UnexpectedTensorError(
-            f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture{more}"
-        )
     return ModelWeights(embed, norm, lm_head, lm_head_bias, layers)
