@@ -34,12 +34,25 @@ def summarize(results: list[TaskResult]) -> dict[str, Any]:
     }
 
 
+def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def engine_value(result: TaskResult, key: str) -> float | None:
-    """One engine statistic as a number (a per-turn list such as ``ttft_s`` is averaged)."""
-    value = result.engine.get(key)
+    """One engine statistic as a number: ``key`` itself or a nested ``*.key`` (e.g. ``kv.prefix_hit_rate``);
+    a per-turn list such as ``ttft_s`` is averaged."""
+    flat = _flatten(result.engine)
+    value = flat.get(key, next((v for k, v in flat.items() if k.endswith("." + key)), None))
     if isinstance(value, list):
-        value = sum(value) / len(value) if value else None
-    return float(value) if isinstance(value, (int, float)) else None
+        numbers = [v for v in value if isinstance(v, (int, float))]
+        value = sum(numbers) / len(numbers) if numbers else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _engine_columns(results: list[TaskResult]) -> list[tuple[str, str]]:

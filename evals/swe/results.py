@@ -63,9 +63,8 @@ class RunStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def start(self, meta: dict[str, Any], resume: bool) -> dict[str, TaskResult]:
-        """Open the folder for a run. Fresh runs need an empty folder; ``resume`` needs the same agent and
-        task file as before. Returns the results already recorded (empty for a fresh run)."""
+    def check(self, meta: dict[str, Any], resume: bool) -> None:
+        """Raise ``EvalError`` unless ``start(meta, resume)`` would succeed; writes nothing."""
         if resume:
             if not self.meta_path.exists():
                 raise EvalError(f"nothing to resume in {self.dir} (no run.json)")
@@ -74,9 +73,15 @@ class RunStore:
                 if old.get(key) != meta.get(key):
                     raise EvalError(f"cannot resume {self.dir}: it was run with {key}={old.get(key)!r}, "
                                     f"not {meta.get(key)!r}")
-            return self.load()
-        if self.results_path.exists() or self.meta_path.exists():
+        elif self.results_path.exists() or self.meta_path.exists():
             raise EvalError(f"{self.dir} already holds a run; pass --resume to continue it or choose another --out")
+
+    def start(self, meta: dict[str, Any], resume: bool) -> dict[str, TaskResult]:
+        """Open the folder for a run. Fresh runs need an empty folder; ``resume`` needs the same agent, model
+        and task file as before. Returns the results already recorded (empty for a fresh run)."""
+        self.check(meta, resume)
+        if resume:
+            return self.load()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         return {}

@@ -124,6 +124,7 @@ def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float,
     reported: dict[str, str] = {}
     pending = list(tests)
     one_by_one = False
+    noted: set[str] = set()
     attempt = 0
     while pending:
         batch = pending[:1] if one_by_one else pending
@@ -135,16 +136,22 @@ def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float,
         run = run_watched(cmd, workspace, env, log, timeout_s, events_path, first_timeout_s=max(timeout_s, 30.0))
         new = {e["nodeid"]: e["status"] for e in run.events if e["event"] == "end"}
         reported.update(new)
-        for e in run.events:
-            if e["event"] == "collect_error":
-                result.notes.append(f"collection error in {e['nodeid'] or 'session'}")
+        broken = {e["nodeid"] for e in run.events if e["event"] == "collect_error"}
+        result.notes += [f"collection error in {b or 'session'}" for b in sorted(broken) if b not in noted]
+        noted |= broken
         if run.running is not None:
             reported[run.running] = FAILED
             result.timed_out.append(run.running)
         resolved_now = [t for t in batch if _match(t, reported) is not None]
         if not resolved_now and run.returncode is not None and len(batch) > 1 and not one_by_one:
-            # pytest ran nothing (e.g. one unknown node id aborts the whole session): try each test alone.
-            one_by_one = True
+            # pytest ran nothing: a node id in a file that failed to import, or an unknown id, aborts the whole
+            # session. Drop the tests of broken files (they stay unreported = failed) and retry the rest; with
+            # no broken file to blame, run each test alone.
+            unrunnable = [t for t in batch if t.split("::")[0] in broken]
+            if unrunnable:
+                pending = [t for t in pending if t not in unrunnable]
+            else:
+                one_by_one = True
             continue
         if run.running is None:
             # The process finished (or hung outside any test): whatever did not report is settled as missing.

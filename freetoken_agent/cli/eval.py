@@ -27,7 +27,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--agent", default="agent",
                    help="gold (applies the gold patch), empty (changes nothing), agent (a coding Agent on --model), "
                         "or MODULE:FUNCTION / FILE.py:FUNCTION returning an Agent for (task, workspace)")
-    p.add_argument("--model", help="model folder (or built-in model name) for --agent agent")
+    p.add_argument("--model", help="for --agent agent: model folder, 'builtin' (default) or 'synthetic:ARCH'")
+    p.add_argument("--url", help="for --agent agent: an OpenAI-compatible server instead of a local model")
+    p.add_argument("--remote-model", help="model id on the --url server (default: its first)")
     p.add_argument("--workers", type=int, default=1, help="tasks run at the same time (default 1)")
     p.add_argument("--out", type=Path, help="run folder (default: freetoken-evals/<tasks>-<agent>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out: run only tasks without a result")
@@ -38,8 +40,29 @@ def register(subparsers: Any) -> None:
     p.add_argument("--test-timeout", type=float, help="seconds per test before it is killed (default: per task)")
     p.add_argument("--agent-timeout", type=float, help="seconds the agent may work on one task (default: per task)")
     p.add_argument("--max-steps", type=int, default=30, help="model calls per task for --agent agent (default 30)")
+    p.add_argument("--max-step-tokens", type=int, default=1024,
+                   help="tokens one model call may generate, for --agent agent (default 1024)")
+    p.add_argument("--device", default="cpu", help="device of the local engine (default cpu)")
+    p.add_argument("--dtype", default="float32", help="dtype of the local engine (default float32)")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"), help="show two run folders side by side")
     p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """Validate the options before anything is written or loaded; return the model label for run.json."""
+    if args.workers < 1:
+        raise CLIError("--workers must be at least 1")
+    if args.resume and args.out is None:
+        raise CLIError("--resume needs --out (the run folder to continue)")
+    if args.agent != "agent":
+        if args.model or args.url:
+            raise CLIError("--model and --url are for --agent agent")
+        return None
+    if args.max_steps < 1 or args.max_step_tokens < 1:
+        raise CLIError("--max-steps and --max-step-tokens must be at least 1")
+    if args.url and args.model:
+        raise CLIError("give --model (a local engine) or --url (a server), not both")
+    return args.url or args.model or "builtin"
 
 
 def _make_agent(args: argparse.Namespace) -> Any:
@@ -51,22 +74,25 @@ def _make_agent(args: argparse.Namespace) -> Any:
     if args.agent == "empty":
         return EmptyAgent()
     if args.agent == "agent":
-        if not args.model:
-            raise CLIError("--agent agent needs --model (a model folder or built-in model name)")
         from freetoken_agent.agent import Limits
 
-        backend = _local_backend(args.model)
-        factory = coding_agent_factory(lambda: backend, limits=Limits(max_steps=args.max_steps))
-        return SDKAgent(factory, name="agent")
+        backend = _backend(args)
+        limits = Limits(max_steps=args.max_steps, max_tokens_per_step=args.max_step_tokens)
+        return SDKAgent(coding_agent_factory(lambda: backend, limits=limits), name="agent")
     return SDKAgent(load_factory(args.agent), name=args.agent)
 
 
-def _local_backend(model: str) -> Any:
-    try:
-        from freetoken_agent.backends.local import LocalEngine
-    except ImportError as exc:
-        raise CLIError(f"the local engine backend is not available in this installation ({exc})") from exc
-    return LocalEngine.from_pretrained(model)
+def _backend(args: argparse.Namespace) -> Any:
+    """One backend shared by every task: the local engine (model loaded once) or a remote server."""
+    if args.url:
+        from freetoken_agent.backends.openai_compat import OpenAICompatible
+
+        return OpenAICompatible(args.url, model=args.remote_model)
+    from freetoken_agent.backends.local import LocalEngine
+    from freetoken_agent.runtime.models import resolve_model
+
+    path = resolve_model(args.model)
+    return LocalEngine.from_pretrained(path, device=args.device, dtype=args.dtype)
 
 
 def _resolve_target(target: str) -> tuple[str, Path | None]:
@@ -99,18 +125,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.target:
         raise CLIError("give a suite name or a task file (or --compare RUN_A RUN_B)")
-    if args.workers < 1:
-        raise CLIError("--workers must be at least 1")
-    if args.resume and args.out is None:
-        raise CLIError("--resume needs --out (the run folder to continue)")
-    agent = _make_agent(args)
-    stem = Path(args.target).stem
-    out: Path = args.out or Path("freetoken-evals") / f"{stem}-{agent.name.replace(':', '_').replace('/', '_')}-" \
-                                                      f"{time.strftime('%Y%m%d-%H%M%S')}"
+    model = _check(args)
     label, tasks_file = _resolve_target(args.target)
+    safe_agent = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.agent)
+    out: Path = args.out or Path("freetoken-evals") / f"{Path(args.target).stem}-{safe_agent}-" \
+                                                      f"{time.strftime('%Y%m%d-%H%M%S')}"
     store = RunStore(out)
-    done = store.start({"tasks": label, "agent": agent.name, "model": args.model,
-                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, args.resume)
+    meta = {"tasks": label, "agent": args.agent, "model": model, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    store.check(meta, args.resume)  # a bad folder is reported before a model is loaded
+    agent = _make_agent(args)
+    done = store.start(meta, args.resume)
     if tasks_file is None:  # a built-in suite: (re)build its repositories; commits are deterministic
         from freetoken_agent.evals.suites import materialize_suite
 
@@ -122,19 +146,18 @@ def run(args: argparse.Namespace) -> int:
         if not tasks:
             raise CLIError(f"--tasks {args.tasks!r} matches no task")
     todo = [t for t in tasks if t.instance_id not in done]
-    err = Console(stderr=True)
     if done:
-        err.print(f"resuming {out}: {len(tasks) - len(todo)} of {len(tasks)} tasks already have results")
+        print(f"resuming {out}: {len(tasks) - len(todo)} of {len(tasks)} tasks already have results", file=sys.stderr)
     finished = [len(tasks) - len(todo)]
 
     def progress(result: TaskResult) -> None:
         finished[0] += 1
-        err.print(f"[{finished[0]}/{len(tasks)}] {result.instance_id}: {result.status} ({result.wall_s:.1f}s)"
-                  + (f" - {result.reason}" if result.reason else ""), highlight=False, markup=False)
+        print(f"[{finished[0]}/{len(tasks)}] {result.instance_id}: {result.status} ({result.wall_s:.1f}s)"
+              + (f" - {result.reason}" if result.reason else ""), file=sys.stderr, flush=True)
 
     config = HarnessConfig(workers=args.workers, repos_dir=args.repos, python=args.python,
                            test_timeout_s=args.test_timeout, agent_timeout_s=args.agent_timeout,
-                           model_name=args.model or agent.name)
+                           model_name=model or agent.name)
     anyio.run(run_pending, tasks, agent, store, config, progress)
     ids = [t.instance_id for t in tasks]
     summary = write_reports(store, ids)

@@ -1,0 +1,156 @@
+"""The harness end to end on real git repositories: hung tests, crashing agents, timeouts, resume."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from freetoken_agent.evals.swe.agents import AgentOutcome, GoldAgent
+from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
+from freetoken_agent.evals.swe.results import RunStore
+from freetoken_agent.evals.swe.task import Task, load_tasks
+from tests.evals.swe.support import diff, freetoken, make_repo, read_results
+
+FAST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def calc_task(root: Path, name: str, extra_tests: str = "", **fields: object) -> dict:
+    """A repository whose ``add`` subtracts; the gold patch fixes it, the test patch adds ``test_add``."""
+    repo = root / name
+    base = make_repo(repo, {"calc/__init__.py": "def add(a, b):\n    return a - b\n",
+                            "tests/test_calc.py": "def test_ok():\n    assert True\n" + extra_tests})
+    fixed = make_repo(repo, {"calc/__init__.py": "def add(a, b):\n    return a + b\n"}, "fix")
+    make_repo(repo, {"tests/test_add.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 2) == 4\n"},
+              "tests")
+    head = make_repo(repo, {"calc/__init__.py": "def add(a, b):\n    return a - b  # upstream reverted\n"}, "later")
+    return {"instance_id": name, "repo": str(repo), "base_commit": base, "problem_statement": "add() subtracts",
+            "patch": diff(repo, base, fixed), "test_patch": diff(repo, fixed, f"{head}~1"),
+            "FAIL_TO_PASS": ["tests/test_add.py::test_add"], "PASS_TO_PASS": ["tests/test_calc.py::test_ok"],
+            "env": FAST, **fields}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+HANG = """
+
+def test_hangs():
+    import time
+    time.sleep(600)
+
+
+def test_later():
+    assert True
+"""
+
+
+def test_hung_test_fails_within_its_timeout_and_the_run_continues(tmp_path: Path) -> None:
+    rows = [calc_task(tmp_path, "hangs", HANG, test_timeout_s=2,
+                      PASS_TO_PASS=["tests/test_calc.py::test_ok", "tests/test_calc.py::test_hangs",
+                                    "tests/test_calc.py::test_later"]),
+            calc_task(tmp_path, "fine")]
+    start = time.monotonic()
+    code, _, _ = freetoken("eval", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--agent", "gold",
+                           "--workers", "2", "--out", str(tmp_path / "run"), "--json")
+    assert code == 0 and time.monotonic() - start < 40
+    res = read_results(tmp_path / "run")
+    assert res["fine"]["status"] == "resolved"
+    hung = res["hangs"]
+    assert hung["status"] == "unresolved" and hung["timed_out_tests"] == ["tests/test_calc.py::test_hangs"]
+    assert hung["fail_to_pass"] == {"success": ["tests/test_add.py::test_add"], "failure": []}
+    assert hung["pass_to_pass"]["success"] == ["tests/test_calc.py::test_ok", "tests/test_calc.py::test_later"]
+    assert "1 timed out" in hung["reason"]
+
+
+class Crashing:
+    """An agent that fails on one task and hangs on another."""
+
+    name = "crashing"
+
+    async def solve(self, task: Task, workspace: Path, log_dir: Path) -> AgentOutcome:
+        if task.instance_id == "boom":
+            raise RuntimeError("backend exploded")
+        if task.instance_id == "slow":
+            await anyio.sleep(600)
+        return await GoldAgent().solve(task, workspace, log_dir)
+
+
+def test_agent_crash_and_timeout_are_contained(tmp_path: Path) -> None:
+    tasks = load_tasks(write_jsonl(tmp_path / "t.jsonl", [calc_task(tmp_path, "boom"), calc_task(tmp_path, "ok"),
+                                                          calc_task(tmp_path, "slow", agent_timeout_s=1)]))
+    store = RunStore(tmp_path / "run")
+    store.start({"agent": "crashing"}, resume=False)
+    results = {r.instance_id: r for r in anyio.run(run_pending, tasks, Crashing(), store, HarnessConfig(workers=3))}
+    assert results["boom"].status == "error" and "backend exploded" in results["boom"].reason
+    assert results["ok"].status == "resolved"
+    # The timed-out agent's (empty) diff is still scored, like any other.
+    assert results["slow"].status == "unresolved" and results["slow"].agent_stopped.startswith("agent timed out")
+    assert results["slow"].agent_s < 10
+
+
+class Recording(GoldAgent):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def solve(self, task: Task, workspace: Path, log_dir: Path) -> AgentOutcome:
+        self.seen.append(task.instance_id)
+        return await super().solve(task, workspace, log_dir)
+
+
+def test_resume_reruns_only_missing_tasks(tmp_path: Path) -> None:
+    tasks = load_tasks(write_jsonl(tmp_path / "t.jsonl", [calc_task(tmp_path, n) for n in ("a", "b", "c")]))
+    meta = {"agent": "gold", "tasks": "t.jsonl", "model": None}
+    first = Recording()
+    store = RunStore(tmp_path / "run")
+    store.start(meta, resume=False)
+    anyio.run(run_pending, tasks, first, store, HarnessConfig(workers=3))
+    assert sorted(first.seen) == ["a", "b", "c"]
+    # Interrupt: keep task a's line, tear b's line in half (a crash mid-write), lose c.
+    lines = store.results_path.read_text().splitlines()
+    kept = next(ln for ln in lines if json.loads(ln)["instance_id"] == "a")
+    torn = next(ln for ln in lines if json.loads(ln)["instance_id"] == "b")[:40]
+    store.results_path.write_text(kept + "\n" + torn)
+    with pytest.raises(Exception, match="already holds a run"):
+        RunStore(tmp_path / "run").start(meta, resume=False)
+    with pytest.raises(Exception, match="was run with agent='gold'"):
+        RunStore(tmp_path / "run").start({**meta, "agent": "empty"}, resume=True)
+    again = Recording()
+    store = RunStore(tmp_path / "run")
+    assert list(store.start(meta, resume=True)) == ["a"]
+    results = anyio.run(run_pending, tasks, again, store, HarnessConfig(workers=3))
+    assert sorted(again.seen) == ["b", "c"]
+    assert [r.status for r in results] == ["resolved"] * 3
+    lines = store.results_path.read_text().splitlines()
+    assert len(lines) == 3 and lines[0] == kept
+
+
+def test_cli_resume_and_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    jsonl = write_jsonl(tmp_path / "t.jsonl", [calc_task(tmp_path, n) for n in ("a", "b")])
+    out = tmp_path / "run"
+    assert freetoken("eval", str(jsonl), "--agent", "gold", "--out", str(out), capsys=capsys)[0] == 0
+    first = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text(first[0] + "\n")
+    code, stdout, err = freetoken("eval", str(jsonl), "--agent", "gold", "--out", str(out), "--resume", "--json",
+                                  capsys=capsys)
+    assert code == 0 and "1 of 2 tasks already have results" in err
+    assert err.count("] ") == 1  # one progress line: only the missing task ran
+    summary = json.loads(stdout)
+    assert summary["resolved"] == summary["total"] == 2
+    for argv, message in [
+        ((str(jsonl), "--agent", "gold", "--out", str(out)), "already holds a run"),
+        ((str(jsonl), "--agent", "empty", "--out", str(out), "--resume"), "was run with agent='gold'"),
+        (("nope.jsonl", "--agent", "gold"), "neither a built-in suite"),
+        ((str(jsonl), "--agent", "nomodule"), "expected gold, empty, agent, or MODULE:FUNCTION"),
+        ((str(jsonl), "--agent", "agent", "--model", "m", "--url", "http://x"), "not both"),
+        ((str(jsonl), "--agent", "gold", "--model", "m"), "are for --agent agent"),
+        ((str(jsonl), "--workers", "0"), "--workers must be at least 1"),
+        (("--compare", str(out), str(tmp_path)), "not a run folder"),
+    ]:
+        code, _, err = freetoken("eval", *argv, capsys=capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
