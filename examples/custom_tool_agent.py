@@ -11,8 +11,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import anyio
-
 from freetoken_agent import Agent, LocalEngine, ScriptedBackend, tool
 from freetoken_agent.tools import ToolContext, ToolError
 

@@ -143,6 +143,7 @@ class AgentRun:
                                   temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
         started = time.monotonic()
         text: list[str] = []
+        reasoning: list[str] = []
         by_index: dict[int, _Call] = {}
         unreadable: list[str] = []
         done = GenerationDone("stop")
@@ -150,11 +151,11 @@ class AgentRun:
         try:
             while (item := await self._next(stream)) is not None:
                 if isinstance(item, chat.TextDelta):
-                    text.append(item.text)
+                    (reasoning if item.reasoning else text).append(item.text)
                     if self._trajectory:
                         self._trajectory.text(self.step, item.text)
                     yield TextDelta(item.text, self.step, item.reasoning)
-                    if self.phase is Phase.PLAN and "".join(text).count("```") % 2 == 1:
+                    if self.phase is Phase.PLAN and "`" in item.text and "".join(text).count("```") % 2 == 1:
                         yield self._set_phase(Phase.CODE)  # a code block opened
                 elif isinstance(item, chat.ToolCallStarted):
                     call = by_index[item.index] = _Call(f"call_{self.step}_{item.index}", item.name)
@@ -180,6 +181,8 @@ class AgentRun:
         self.usage = self.usage + done.usage
         good = [c for c in by_index.values() if c.error is None and c.arguments is not None]
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        if reasoning:  # thinking channels stay out of the answer (the vLLM/OpenAI-compatible field name)
+            message["reasoning_content"] = "".join(reasoning)
         if good:
             message["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {
                 "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in good]

@@ -15,9 +15,8 @@ from tests.sdk.tiny_checkpoint import shared_tiny_qwen3_moe
 
 
 @pytest.fixture
-def freetoken(monkeypatch: pytest.MonkeyPatch):
-    """``main(argv)`` with only the commands under test registered (other commands may be mid-development)."""
-    monkeypatch.setattr(freetoken_cli, "COMMANDS", ["run", "replay"])
+def freetoken():
+    """The ``freetoken`` entry point, in process: ``main(argv) -> exit status``."""
     return freetoken_cli.main
 
 

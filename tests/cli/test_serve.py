@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -19,8 +18,7 @@ import pytest
 from freetoken_agent import Agent, Limits, OpenAICompatible
 from tests.sdk.tiny_checkpoint import shared_tiny_qwen3_moe
 
-# Only the command under test is registered (other commands may be mid-development).
-LAUNCH = ("import sys, freetoken_agent.cli as c; c.COMMANDS[:] = ['serve']; sys.exit(c.main())")
+LAUNCH = "import sys; from freetoken_agent.cli import main; sys.exit(main())"  # the `freetoken` entry point
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 

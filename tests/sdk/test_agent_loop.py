@@ -167,8 +167,11 @@ def test_structured_turns_replay_a_trajectory(repo: Path, tmp_path: Path) -> Non
                 "<|call|>"),
 ])
 def test_other_formats_drive_the_loop(repo: Path, fmt: str, call: str) -> None:
-    final = "done" if fmt != "harmony" else "<|channel|>final<|message|>done<|return|>"
+    final = "done" if fmt != "harmony" else ("<|channel|>analysis<|message|>It adds wrong.<|end|><|start|>assistant"
+                                             "<|channel|>final<|message|>done<|return|>")
     backend = ScriptedBackend([call, final], tool_format=fmt)
     result = anyio.run(Agent.coding(backend, workspace=repo).run, "read")
     assert result.ok and result.final_message == "done"
+    if fmt == "harmony":  # thinking stays out of the answer, kept beside it
+        assert result.messages[-1]["reasoning_content"] == "It adds wrong."
     assert "return a - b" in backend.requests[1].messages[-1]["content"]
