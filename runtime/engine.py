@@ -24,6 +24,7 @@ from freetoken_agent.runtime.model.decoder import Decoder
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import load_weights
 from freetoken_agent.runtime.phase import Phase
+from freetoken_agent.runtime.threads import configure_threads
 from freetoken_agent.runtime.tokenizer.chat import ChatTemplate
 from freetoken_agent.runtime.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -94,6 +95,7 @@ class Engine:
         self._tokenizer, self._chat_template = tokenizer, chat_template
         self.generation_config = generation_config or {}
         self._stats = EngineStats()
+        self.threads = torch.get_num_threads()
 
     # ------------------------------------------------------------------------------------------------ loading
 
@@ -105,12 +107,15 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         require_tokenizer: bool = False,
         progress: bool | None = None,
+        threads: int | None = None,
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
+        ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
         """
         path = Path(path)
+        n_threads = configure_threads(threads)
         spec = spec_from_config(load_config(path))
         reader = CheckpointReader(path)
         torch_dtype = _dtype(dtype)
@@ -136,7 +141,9 @@ class Engine:
                 gen_cfg = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
                 gen_cfg = {}
-        return cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
+        engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
+        engine.threads = n_threads
+        return engine
 
     # ------------------------------------------------------------------------------------------------ text
 
@@ -296,6 +303,7 @@ class Engine:
         s = self._stats
         return {
             "model_type": self.spec.model_type,
+            "threads": self.threads,
             "requests": s.requests,
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
