@@ -7,6 +7,7 @@ written for the model; ``call`` itself never raises for them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,12 +16,15 @@ from freetoken_agent.tools.definition import Tool, ToolKind, tool
 
 __all__ = ["Tool", "ToolKind", "ToolRegistry", "tool"]
 
+DURATION_EMA = 0.3  # weight of the newest measured duration in ToolRegistry.expected_s
+
 
 class ToolRegistry:
     """An ordered set of tools by name: hands their schemas to the model and runs its calls."""
 
     def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()) -> None:
         self._tools: dict[str, Tool] = {}
+        self._observed_s: dict[str, float] = {}  # EMA of measured call durations, by tool name
         for item in tools:
             self.add(item)
 
@@ -90,4 +94,18 @@ class ToolRegistry:
         if found is None:
             available = ", ".join(self._tools) or "(none)"
             return ToolResult.error(f"Unknown tool '{name}'. Available tools: {available}.")
-        return await found.invoke(arguments, ctx)
+        started = time.monotonic()
+        result = await found.invoke(arguments, ctx)
+        elapsed = time.monotonic() - started
+        previous = self._observed_s.get(name)
+        self._observed_s[name] = elapsed if previous is None else previous + DURATION_EMA * (elapsed - previous)
+        return result
+
+    def expected_s(self, name: str) -> float | None:
+        """How long a call to ``name`` is expected to take: the running average of measured calls when there are
+        any (an EMA, so it follows the project at hand), else the tool's declared ``expected_s``, else None."""
+        observed = self._observed_s.get(name)
+        if observed is not None:
+            return observed
+        found = self._tools.get(name)
+        return found.expected_s if found is not None else None

@@ -127,6 +127,8 @@ async def run_tests(
     )
     if outcome.timed_out or outcome.cancelled:
         head = _ended(outcome, limit, "The test run")
+    elif "No module named pytest" in outcome.output:
+        head = f"pytest is not installed for {argv[0]}; install it (pip install pytest) or run the tests with run_shell"
     elif outcome.exit_code == 5:
         head = "pytest: no tests were collected (exit code 5)"
     else:
@@ -141,7 +143,10 @@ async def run_tests(
     return ToolResult(
         content="\n".join(parts),
         # failing or uncollectable tests are a normal result; only a run that could not report is an error
-        is_error=outcome.timed_out or outcome.cancelled or outcome.exit_code not in (0, 1, 2, 5),
+        is_error=outcome.timed_out
+        or outcome.cancelled
+        or outcome.exit_code not in (0, 1, 2, 5)
+        or "No module named pytest" in outcome.output,
         data={
             **summary,
             "exit_code": outcome.exit_code,

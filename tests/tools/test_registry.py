@@ -269,3 +269,20 @@ async def test_any_tool_output_is_capped(tmp_path: Path) -> None:
     assert len(result.content) < 12_100
     assert result.content.startswith("A" * 100) and result.content.endswith("C" * 100)
     assert "characters omitted ...]" in result.content
+
+
+async def test_expected_duration_follows_measured_calls(ctx: ToolContext) -> None:
+    @tool(expected_s=5.0)
+    async def nap(seconds: float) -> str:
+        """Sleep."""
+        await anyio.sleep(seconds)
+        return "ok"
+
+    registry = ToolRegistry([nap])
+    assert registry.expected_s("nap") == 5.0 and registry.expected_s("missing") is None
+    await registry.call("nap", {"seconds": 0.2}, ctx)
+    first = registry.expected_s("nap")
+    assert first is not None and 0.2 <= first < 0.6
+    await registry.call("nap", {"seconds": 0.0}, ctx)
+    second = registry.expected_s("nap")
+    assert second is not None and 0.1 < second < first  # moved toward the new measurement, not replaced by it

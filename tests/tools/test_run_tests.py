@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import venv
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,11 @@ def test_summarize_pytest_variants() -> None:
     }
     verbose = "===== 2 passed, 1 xfailed in 1.02s ====="
     assert summarize_pytest(verbose)["passed"] == 2 and summarize_pytest(verbose)["xfailed"] == 1
+
+
+async def test_interpreter_without_pytest(root: Path, registry: ToolRegistry, tmp_path: Path) -> None:
+    venv.create(tmp_path / "bare", with_pip=False)  # a real interpreter with no pytest installed
+    python = tmp_path / "bare" / "bin" / "python"
+    ctx = ToolContext(Workspace(root), python=str(python))
+    result = await registry.call("run_tests", {}, ctx)
+    assert result.is_error and result.content.startswith(f"pytest is not installed for {python}")
