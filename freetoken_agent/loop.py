@@ -282,7 +282,7 @@ class AgentRun:
             self._trajectory.write({"type": "message", "step": self.step, "message": message})
 
     def _note(self, event: Any) -> Any:
-        if self._trajectory and not isinstance(event, RunFinished):
+        if self._trajectory and not isinstance(event, (RunStarted, RunFinished)):  # both written by the run itself
             self._trajectory.write(event_record(event))
         return event
 

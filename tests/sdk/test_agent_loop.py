@@ -67,6 +67,7 @@ def test_multi_step_fix_of_a_failing_test(repo: Path, tmp_path: Path) -> None:
     # the trajectory holds the run, in order, one JSON object per line
     records = list(read_trajectory(tmp_path / "traj.jsonl"))
     assert records[0]["type"] == "run_started" and records[-1]["type"] == "run_finished"
+    assert [r["type"] for r in records].count("run_started") == 1 and records[0]["task"].startswith("The test")
     assert records[-1]["stop_reason"] == "done"
     assert sum(r["type"] == "message" for r in records) == len(result.messages) == 11
 
