@@ -51,14 +51,41 @@ class SDKAgent:
                 ttft.append(now - last[0])
                 waiting[0] = False
 
+        before = _stats(agent.backend)
         result = await agent.run(task.problem_statement, on_event=on_event)
-        engine: dict[str, Any] = dict(result.engine_stats or {})
+        engine = stats_delta(before, result.engine_stats or {})
         if ttft:
             engine["ttft_s"] = [round(t, 4) for t in ttft]
         stopped = None if result.ok else result.stop_reason + (f": {result.error}" if result.error else "")
         return AgentOutcome(turns=result.steps, tokens_in=result.usage.prompt_tokens,
                             tokens_out=result.usage.completion_tokens, final_message=result.final_message,
                             stopped=stopped, engine=engine)
+
+
+# Engine statistics that are not cumulative counters: kept as they are at the task's end, never subtracted.
+_NOT_COUNTERS = ("_rate", "_ratio", "_tok_s", "_per_s", "threads", "phase")
+
+
+def _stats(backend: Any) -> dict[str, Any]:
+    stats = getattr(backend, "stats", None)
+    return dict(stats() or {}) if callable(stats) else {}
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per-task engine statistics from the engine's cumulative ones: counters (tokens, seconds, requests, hits)
+    become the difference over the task; rates and settings stay as reported at the end. With several workers
+    sharing one engine the differences include the other tasks' work."""
+    out: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            out[key] = stats_delta(old, value)
+        elif (isinstance(value, (int, float)) and isinstance(old, (int, float)) and not isinstance(value, bool)
+              and not key.endswith(_NOT_COUNTERS)):
+            out[key] = round(value - old, 6)
+        else:
+            out[key] = value
+    return out
 
 
 def coding_agent_factory(backend_factory: Callable[[], Backend], **options: Any) -> AgentFactory:

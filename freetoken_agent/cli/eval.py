@@ -107,9 +107,15 @@ def _resolve_target(target: str) -> tuple[str, Path | None]:
     return str(path.resolve()), path
 
 
+def _console() -> Any:
+    """A rich console as wide as the terminal, or wide enough for the table when output is redirected."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def run(args: argparse.Namespace) -> int:
     import anyio
-    from rich.console import Console
 
     from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
     from freetoken_agent.evals.swe.report import compare, ordered, print_comparison, print_table, write_reports
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(cmp, indent=2))
         else:
-            print_comparison(cmp, Console())
+            print_comparison(cmp, _console())
         return 0
     if not args.target:
         raise CLIError("give a suite name or a task file (or --compare RUN_A RUN_B)")
@@ -164,6 +170,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**summary, "out": str(out)}))
     else:
-        print_table(ordered(store, ids), Console(), title=f"{label} - {agent.name}")
+        print_table(ordered(store, ids), _console(), title=f"{label} - {agent.name}")
         print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stdout)
     return 0

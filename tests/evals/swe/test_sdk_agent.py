@@ -82,3 +82,15 @@ def test_real_agent_resolves_two_suite_tasks(tmp_path: Path) -> None:
     patch = (store.dir / "tasks" / receipt.instance_id / "model.patch").read_text()
     assert "shop/models.py" in patch and "shop/receipt.py" in patch
     assert "TTFT s" in markdown(results, store.meta())
+
+
+def test_engine_stats_become_per_task_differences() -> None:
+    from freetoken_agent.evals.swe.sdk_agent import stats_delta
+
+    before = {"requests": 3, "prefill_s": 1.5, "prefill_tok_s": 900.0, "threads": 2, "phase": "plan",
+              "kv": {"prefix_hits": 10, "prefix_hit_rate": 0.5}, "phase_hints": {"plan": 1}}
+    after = {"requests": 5, "prefill_s": 2.0, "prefill_tok_s": 950.0, "threads": 2, "phase": "tool",
+             "kv": {"prefix_hits": 16, "prefix_hit_rate": 0.6}, "phase_hints": {"plan": 3, "tool": 1}}
+    assert stats_delta(before, after) == {
+        "requests": 2, "prefill_s": 0.5, "prefill_tok_s": 950.0, "threads": 2, "phase": "tool",
+        "kv": {"prefix_hits": 6, "prefix_hit_rate": 0.6}, "phase_hints": {"plan": 2, "tool": 1}}
