@@ -43,7 +43,7 @@ def _ours(root: Path) -> set[str]:
     return {path.relative_to(root).as_posix() for path, is_dir in walk(root, root) if not is_dir}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(root_rules=rules, nested_rules=rules)
 def test_walk_matches_git(root_rules: list[str], nested_rules: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:

@@ -75,9 +75,9 @@ async def test_timeout(root: Path, registry: ToolRegistry) -> None:
     (root / "test_slow.py").write_text("import time\n\ndef test_slow():\n    time.sleep(60)\n")
     ctx = ToolContext(Workspace(root), env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     start = time.monotonic()
-    result = await registry.call("run_tests", {"timeout_s": 4}, ctx)
-    assert time.monotonic() - start < 4 + 2.5
-    assert result.is_error and result.content.startswith("The test run timed out after 4 s")
+    result = await registry.call("run_tests", {"timeout_s": 2}, ctx)
+    assert time.monotonic() - start < 2 + 2.5
+    assert result.is_error and result.content.startswith("The test run timed out after 2 s")
     assert result.data is not None and result.data["timed_out"] is True
 
 

@@ -85,3 +85,15 @@ async def test_walks_skip_symlinks_that_leave(root: Path, secret: Path, ctx: Too
     assert found.data is not None and found.data["paths"] == ["inside.txt"]  # alias resolves to the same real file
     listed = await registry.call("list_files", {"recursive": True}, ctx)
     assert listed.content.splitlines() == ["alias.txt", "inside.txt"]
+
+
+async def test_dangling_symlink_cannot_create_files_outside(
+    root: Path, tmp_path: Path, ctx: ToolContext, registry: ToolRegistry
+) -> None:
+    outside = tmp_path / "created-outside.txt"
+    os.symlink(outside, root / "dangling.txt")
+    result = await registry.call("write_file", {"path": "dangling.txt", "content": "pwned"}, ctx)
+    assert result.is_error and "symlink that leads outside" in result.content
+    assert not outside.exists()
+    edited = await registry.call("edit_file", {"path": "dangling.txt", "old_string": "a", "new_string": "b"}, ctx)
+    assert edited.is_error and not outside.exists()
