@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path as FsPath
 
@@ -38,6 +39,9 @@ class _CPlan(ctypes.Structure):
 
 
 def _lib_dir() -> FsPath | None:
+    override = os.environ.get("FREETOKEN_GGML_LIB_DIR")  # a ggml build of your own (libggml-base.so, libggml-cpu.so)
+    if override:
+        return FsPath(override)
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         _reason.append("llama-cpp-python is not installed")
@@ -188,7 +192,11 @@ def load() -> GgmlPeer | None:
         try:
             from importlib.metadata import version
 
-            peer = GgmlPeer(d, f"llama-cpp-python {version('llama-cpp-python')}")
+            try:
+                label = f"llama-cpp-python {version('llama-cpp-python')}"
+            except ImportError:
+                label = f"ggml from {d}"
+            peer = GgmlPeer(d, label)
         except (OSError, AttributeError) as exc:
             _reason.append(f"cannot bind ggml: {exc}")
     _peer.append(peer)

@@ -31,7 +31,7 @@ typedef struct {
     int64_t nb;
 } qact;
 
-static void quantize_row(const float *x, int64_t k, int64_t nb, int8_t *q, float *d, float *s) {
+static void quantize_row_c(const float *x, int64_t k, int64_t nb, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < nb; b++) {
         float amax = 0.f;
         int64_t j0 = b * QK, j1 = j0 + QK < k ? j0 + QK : k;
@@ -47,6 +47,53 @@ static void quantize_row(const float *x, int64_t k, int64_t nb, int8_t *q, float
         d[b] = db;
         s[b] = db * (float)sum;
     }
+}
+
+#ifdef FT_X86
+/* Same values as quantize_row_c (round-half-even via cvtps, clamp is implied by amax scaling). */
+FT_AVX2 static void quantize_row_avx2(const float *x, int64_t k, int64_t nb, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    int64_t full = k / QK;
+    for (int64_t b = 0; b < full; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* pack 32 int32 -> 32 int8 in order: packs work per 128-bit lane, so fix the order with a permute */
+        __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p8);
+        d[b] = amax / 127.f;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(s4);
+    }
+    if (full < nb) quantize_row_c(x + full * QK, k - full * QK, nb - full, q + full * QK, d + full, s + full);
+}
+#endif
+
+static void quantize_row(const float *x, int64_t k, int64_t nb, int8_t *q, float *d, float *s) {
+#ifdef FT_X86
+    if (g_isa < 0) g_isa = detect_isa();
+    if (g_isa >= FT_ISA_AVX2) {
+        quantize_row_avx2(x, k, nb, q, d, s);
+        return;
+    }
+#endif
+    quantize_row_c(x, k, nb, q, d, s);
 }
 
 static int qact_alloc(qact *a, int64_t m, int64_t k) {
