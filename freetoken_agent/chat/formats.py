@@ -78,6 +78,8 @@ class Hermes:
     name = "hermes"
     start = "<tool_call>"
     end: str | None = "</tool_call>"
+    single_call = True
+    triggers = '">'
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
         if body.lstrip().startswith("<function="):
@@ -109,6 +111,8 @@ class Qwen3Coder:
     name = "qwen3_coder"
     start = "<tool_call>"
     end: str | None = "</tool_call>"
+    single_call = True
+    triggers = ">"
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
         if complete and not _FUNCTION.search(body) and body.lstrip().startswith("{"):
@@ -138,6 +142,8 @@ class Glm45:
     name = "glm45"
     start = "<tool_call>"
     end: str | None = "</tool_call>"
+    single_call = True
+    triggers = "\n<"
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
         head = re.split(r"<arg_key>|\n", body, maxsplit=1)
@@ -159,6 +165,8 @@ class DeepSeek:
     name = "deepseek"
     start = "<｜tool▁calls▁begin｜>"
     end: str | None = "<｜tool▁calls▁end｜>"
+    single_call = False
+    triggers = "｜\n"
     call_begin, call_end, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
@@ -192,6 +200,8 @@ class KimiK2:
     name = "kimi_k2"
     start = "<|tool_calls_section_begin|>"
     end: str | None = "<|tool_calls_section_end|>"
+    single_call = False
+    triggers = "|"
     call_begin, call_end, arg_begin = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
@@ -222,6 +232,8 @@ class MiniMaxM2:
     name = "minimax_m2"
     start = "<minimax:tool_call>"
     end: str | None = "</minimax:tool_call>"
+    single_call = False
+    triggers = ">"
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
         drafts: list[CallDraft] = []
@@ -248,6 +260,8 @@ class Mistral:
     name = "mistral"
     start = "[TOOL_CALLS]"
     end: str | None = None
+    single_call = False
+    triggers = "]}"
 
     def scan(self, body: str, complete: bool, tools: Tools) -> list[CallDraft]:
         if body.lstrip().startswith("["):

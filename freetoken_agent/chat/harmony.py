@@ -38,6 +38,7 @@ class HarmonyParser(ToolCallParser):
         self._reasoning = False
         self._index = 0
         self._saw_message = False
+        self._seen = 0  # length of the current body already searched for a terminator
 
     def feed(self, delta: str) -> list[ParseEvent]:
         self._buf += delta
@@ -49,9 +50,11 @@ class HarmonyParser(ToolCallParser):
                     return events
                 header, self._buf = self._buf[:at], self._buf[at + len(MESSAGE):]
                 events += self._open(header)
-                self._in_header = False
+                self._in_header, self._seen = False, 0
                 continue
-            ends = [(self._buf.find(t), t) for t in _TERMINATORS if t in self._buf]
+            since = max(0, self._seen - 9)  # a terminator is at most 10 characters long
+            ends = [(at, t) for t in _TERMINATORS if (at := self._buf.find(t, since)) >= 0]
+            self._seen = len(self._buf)
             if ends:
                 at, marker = min(ends)
                 body, self._buf = self._buf[:at], self._buf[at + len(marker):]
@@ -65,6 +68,7 @@ class HarmonyParser(ToolCallParser):
                 if len(self._buf) > keep:
                     events.append(TextDelta(self._buf[: len(self._buf) - keep], self._reasoning))
                     self._buf = self._buf[len(self._buf) - keep:]
+                    self._seen = len(self._buf)
             return events
 
     def finish(self) -> list[ParseEvent]:

@@ -36,6 +36,8 @@ class BlockFormat(Protocol):
     name: str
     start: str
     end: str | None  # None: the block runs to the end of the output
+    single_call: bool  # one call per block: once it has started, only the block's end can tell more
+    triggers: str  # characters after which a growing body is worth scanning again (they close names and calls)
 
     def scan(self, body: str, complete: bool, tools: Sequence[dict[str, Any]] | None) -> list[CallDraft]:
         """Read the calls in ``body``; ``complete`` says no more text will come for this block."""
@@ -77,6 +79,7 @@ class BlockParser(ToolCallParser):
         self._next_index = 0  # index of the first call of the current block
         self._started = 0  # calls of the current block announced with ToolCallStarted
         self._done = 0  # calls of the current block finished (or failed)
+        self._seen = 0  # length of the block body already searched and scanned (keeps streaming linear)
 
     def feed(self, delta: str) -> list[ParseEvent]:
         self._buf += delta
@@ -89,7 +92,7 @@ class BlockParser(ToolCallParser):
                     if at:
                         events.append(TextDelta(self._buf[:at]))
                     self._buf = self._buf[at + len(fmt.start):]
-                    self._inside, self._started, self._done = True, 0, 0
+                    self._inside, self._started, self._done, self._seen = True, 0, 0, 0
                     continue
                 keep = held_back(self._buf, [fmt.start])
                 if len(self._buf) > keep:
@@ -97,12 +100,14 @@ class BlockParser(ToolCallParser):
                     self._buf = self._buf[len(self._buf) - keep:]
                 return events
             if fmt.end is not None:
-                at = self._buf.find(fmt.end)
+                at = self._buf.find(fmt.end, max(0, self._seen - len(fmt.end) + 1))
                 if at >= 0:
                     body, self._buf = self._buf[:at], self._buf[at + len(fmt.end):]
                     events += self._close(body)
                     continue
-            events += self._progress(self._buf, complete=False)
+            new, self._seen = self._buf[self._seen:], len(self._buf)
+            if not (fmt.single_call and self._started) and any(c in new for c in fmt.triggers):
+                events += self._progress(self._buf, complete=False)
             return events
 
     def finish(self) -> list[ParseEvent]:

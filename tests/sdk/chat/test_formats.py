@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from freetoken_agent.chat import (
@@ -205,3 +207,41 @@ def test_unknown_format() -> None:
 def test_format_error_is_an_event() -> None:
     events = make_parser("glm45").feed("<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>")
     assert any(isinstance(e, FormatError) for e in events)
+
+
+BIG = "".join(f'def f{i}(x):\n    return {{"k": [x, "{i}"]}}  # <|>]}} ｜ </parameter\n' for i in range(300))
+BIG_CALLS = {
+    "hermes": '<tool_call>\n{"name": "write_file", "arguments": ' + json.dumps({"path": "a.py", "content": BIG})
+              + "}\n</tool_call>",
+    "qwen3_coder": f"<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n{BIG}"
+                   "\n</parameter>\n</function>\n</tool_call>",
+    "glm45": f"<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content</arg_key>\n"
+             f"<arg_value>{BIG}</arg_value>\n</tool_call>",
+    "minimax_m2": f'<minimax:tool_call>\n<invoke name="write_file">\n<parameter name="path">a.py</parameter>\n'
+                  f'<parameter name="content">{BIG}</parameter>\n</invoke>\n</minimax:tool_call>',
+    "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>write_file<｜tool▁sep｜>"
+                + json.dumps({"path": "a.py", "content": BIG}) + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.write_file:0<|tool_call_argument_begin|>"
+               + json.dumps({"path": "a.py", "content": BIG}) + "<|tool_call_end|><|tool_calls_section_end|>",
+    "mistral": "[TOOL_CALLS]write_file[ARGS]" + json.dumps({"path": "a.py", "content": BIG}),
+    "harmony": "<|channel|>commentary to=functions.write_file <|constrain|>json<|message|>"
+               + json.dumps({"path": "a.py", "content": BIG}) + "<|call|>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(BIG_CALLS))
+def test_large_call_streamed_in_small_pieces(fmt: str) -> None:
+    """A 20 KB write full of marker-like characters, fed 3 characters at a time, arrives intact."""
+    text = "Writing.\n" + BIG_CALLS[fmt]
+    if fmt == "minimax_m2":  # its raw XML values cannot hold a '</parameter' of their own
+        text = text.replace("</parameter\n", "\n")
+    parser = make_parser(fmt)
+    events: list = []
+    for i in range(0, len(text), 3):
+        events += parser.feed(text[i:i + 3])
+    events += parser.finish()
+    out = collect(events)
+    assert out.errors == [] and len(out.calls) == 1
+    expected = BIG.replace("</parameter\n", "\n") if fmt == "minimax_m2" else BIG
+    assert out.calls[0].arguments == {"path": "a.py", "content": expected}
+    assert out.text == ("Writing.\n" if fmt != "harmony" else "")
