@@ -106,6 +106,18 @@ def parse_gitignore(text: str, base: str = "") -> list[IgnoreRule]:
     return rules
 
 
+def compile_glob(pattern: str, *, anchored: bool) -> re.Pattern[str]:
+    """A glob (gitignore syntax: ``*``, ``?``, ``[...]``, ``**``) as a regex over posix paths relative to a folder.
+
+    ``anchored=False`` lets a pattern without ``/`` match at any depth, as in ``.gitignore``; a trailing ``/`` is
+    ignored (the caller decides what a folder means).
+    """
+    body = pattern.strip().rstrip("/")
+    anchored = anchored or "/" in body
+    body = _translate(body.lstrip("/"))
+    return re.compile(("^" if anchored else "^(?:.*/)?") + body + "$", re.DOTALL)
+
+
 def is_ignored(rules: list[IgnoreRule], rel_path: str, is_dir: bool) -> bool:
     """Apply ``rules`` in order (last match wins) to ``rel_path``."""
     ignored = False

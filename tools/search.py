@@ -8,7 +8,7 @@ from pathlib import Path
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.files import SNIFF_BYTES, looks_binary
-from freetoken_agent.tools.ignore import parse_gitignore, walk
+from freetoken_agent.tools.ignore import compile_glob, walk
 from freetoken_agent.tools.definition import tool
 
 MAX_ENTRIES = 500
@@ -67,7 +67,7 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200
         raise ToolError(f"{path!r} is a file, not a folder")
     if not pattern.strip():
         raise ToolError("pattern is empty; try '**/*' for every file")
-    matcher = parse_gitignore("/" + pattern.strip().lstrip("/"))[0]
+    matcher = compile_glob(pattern, anchored=True)
     cap = max(1, min(max_results, MAX_ENTRIES))
     found: list[str] = []
     more = False
@@ -75,7 +75,7 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200
         if is_dir:
             continue
         rel = entry.relative_to(folder).as_posix()
-        if matcher.regex.match(rel):
+        if matcher.match(rel):
             if len(found) >= cap:
                 more = True
                 break
@@ -112,7 +112,7 @@ def search(
     except re.error as exc:
         raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from None
     target = _folder(ctx, path)
-    matcher = parse_gitignore(file_glob.strip())[0] if file_glob and file_glob.strip().strip("/!") else None
+    matcher = compile_glob(file_glob, anchored=False) if file_glob and file_glob.strip().strip("/") else None
     cap = max(1, min(max_results, MAX_ENTRIES))
     if target.is_file():
         files: Iterable[Path] = [target]
@@ -132,7 +132,8 @@ def search(
         if scanned > MAX_SCANNED_FILES:
             more = True
             break
-        if matcher is not None and not matcher.regex.match(file.relative_to(target).as_posix() if file != target else file.name):
+        relative = file.name if file == target else file.relative_to(target).as_posix()
+        if matcher is not None and not matcher.match(relative):
             continue
         try:
             if file.stat().st_size > MAX_SEARCH_FILE_BYTES:

@@ -136,3 +136,16 @@ async def test_search_caps_results_and_skips_huge_files(root: Path, ctx: ToolCon
     assert "[stopped after 10 matching lines; narrow the pattern or the path]" in lines
     assert "[1 file(s) over 2 MB were not searched]" in lines
     assert result.data is not None and result.data["truncated"] is True
+
+
+async def test_glob_patterns_with_gitignore_specials(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    (root / "#notes.txt").write_text("x")
+    (root / "!bang.txt").write_text("x")
+    (root / "dir").mkdir()
+    (root / "dir" / "f.txt").write_text("x")
+    assert (await registry.call("glob", {"pattern": "#*"}, ctx)).content == "#notes.txt"
+    assert (await registry.call("glob", {"pattern": "!*"}, ctx)).content == "!bang.txt"
+    assert (await registry.call("glob", {"pattern": "dir/"}, ctx)).content == "No files match 'dir/'."
+    assert (await registry.call("glob", {"pattern": "dir/*"}, ctx)).content == "dir/f.txt"
+    found = await registry.call("search", {"pattern": "x", "file_glob": "#*"}, ctx)
+    assert found.content == "#notes.txt:1: x"
