@@ -106,8 +106,10 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
         t_agent = time.monotonic()
         outcome = AgentOutcome()
         try:
-            with anyio.fail_after(agent_timeout):
-                outcome = await agent.solve(task, ws, tdir)
+            # Agents that can stop themselves get the timeout in the task (SDKAgent makes it the Agent's wall
+            # limit, so usage is still reported); the harness cancels the rest a little later.
+            with anyio.fail_after(agent_timeout * 1.1 + 1.0):
+                outcome = await agent.solve(task.model_copy(update={"agent_timeout_s": agent_timeout}), ws, tdir)
         except TimeoutError:
             outcome.stopped = f"agent timed out after {agent_timeout:g}s"
         result.agent_s = time.monotonic() - t_agent

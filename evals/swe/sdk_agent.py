@@ -6,6 +6,7 @@ engine statistics a local backend reports (prefix and expert hit rates) to the t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ class SDKAgent:
         agent = self.factory(task, workspace)
         if agent.trajectory is None:
             agent.trajectory = log_dir / "trajectory.jsonl"
+        if agent.limits.max_wall_s is None or agent.limits.max_wall_s > task.agent_timeout_s:
+            agent.limits = dataclasses.replace(agent.limits, max_wall_s=task.agent_timeout_s)
         ttft: list[float] = []
         waiting = [True]  # a model call is pending and has produced nothing yet
         last = [time.monotonic()]  # when the pending model call could start (after the last tool finished)

@@ -94,3 +94,19 @@ def test_engine_stats_become_per_task_differences() -> None:
     assert stats_delta(before, after) == {
         "requests": 2, "prefill_s": 0.5, "prefill_tok_s": 950.0, "threads": 2, "phase": "tool",
         "kv": {"prefix_hits": 6, "prefix_hit_rate": 0.6}, "phase_hints": {"plan": 2, "tool": 1}}
+
+
+def test_agent_timeout_becomes_the_agents_wall_limit(tmp_path: Path) -> None:
+    """A slow model hits the task's agent timeout as the Agent's own limit: the run ends cleanly, not cancelled."""
+    specs = [s for s in suite_tasks("builtin") if s.name == "tail_zero_lines"]
+    task = load_tasks(materialize(specs, "builtin", tmp_path / "suite"))[0].model_copy(update={"agent_timeout_s": 1.0})
+
+    def factory(task: Task, workspace: Path) -> Agent:
+        return Agent.coding(ScriptedBackend(["word " * 1000], delay_s=0.01), workspace=workspace)
+
+    store = RunStore(tmp_path / "run")
+    store.start({"agent": "slow"}, resume=False)
+    [result] = anyio.run(run_pending, [task], SDKAgent(factory, name="slow"), store, HarnessConfig())
+    assert result.status == "unresolved" and result.reason == "empty patch"
+    assert result.agent_stopped.startswith("wall_time") and len(result.engine["ttft_s"]) == 1
+    assert 0.9 < result.agent_s < 5
