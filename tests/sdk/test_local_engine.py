@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anyio
@@ -65,3 +66,20 @@ def test_agent_on_a_random_model_ends_within_its_limits(backend: LocalEngine, tm
     assert 1 <= result.steps <= 2 and 0 < result.usage.completion_tokens <= 32
     stats = result.engine_stats
     assert stats["requests"] >= 1 and stats["phase_hints"]["plan"] >= 1 and stats["phase"] in {p.value for p in Phase}
+
+
+def test_next_prompt_extends_the_last_prompt_and_the_output(backend: LocalEngine) -> None:
+    """Prefix stability: turn N+1's prompt starts with turn N's prompt + what the model wrote (+ end token), so the
+    engine's prefix cache only has to prefill the tool result."""
+    from freetoken_agent.chat import parse_tool_calls
+
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix"}]
+    before = backend.render(GenerateRequest(messages=list(messages)))
+    output = 'I will read it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "calc.py"}}\n</tool_call>'
+    parsed = parse_tool_calls(output, backend.tool_format)
+    messages.append({"role": "assistant", "content": parsed.text, "tool_calls": [
+        {"id": "call_1_0", "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        for c in parsed.calls]})
+    messages.append({"role": "tool", "tool_call_id": "call_1_0", "name": "read_file", "content": "1: x = 1"})
+    after = backend.render(GenerateRequest(messages=messages))
+    assert after.startswith(before + output + "<|im_end|>")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 
-import jinja2
 import pytest
 
-from freetoken_agent.chat import detect_format, make_parser, collect
+from freetoken_agent.backends.local import template_messages
+from freetoken_agent.chat import collect, detect_format, make_parser
+from freetoken_agent.runtime.tokenizer.chat import ChatTemplate
 
 HERMES = """{%- for m in messages %}<|im_start|>{{ m.role }}
 {% if m.content %}{{ m.content }}{% endif %}
@@ -101,12 +102,12 @@ CALLS = [
 
 
 def _render(template: str) -> str:
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
+    """Rendered the way LocalEngine renders: the runtime's chat template (Hugging Face semantics)."""
     message = {"role": "assistant", "content": "Writing the module.", "tool_calls": [
-        {"id": f"functions.{name}:{i}", "type": "function", "function": {"name": name, "arguments": args}}
+        {"id": f"functions.{name}:{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
         for i, (name, args) in enumerate(CALLS)]}
-    return env.from_string(template).render(messages=[message])
+    # LocalEngine hands templates tool-call arguments as objects, as the agent loop stores them as JSON text
+    return ChatTemplate(template).render(template_messages([message]), TOOLS, add_generation_prompt=False)
 
 
 @pytest.mark.parametrize(("fmt", "template"), CASES, ids=[f"{f}-{i}" for i, (f, _t) in enumerate(CASES)])
