@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from freetoken_agent.tools.coding import coding_tools
     from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
+    from freetoken_agent.tools.definition import Tool, ToolKind, tool
     from freetoken_agent.tools.mcp import mcp_stdio_tools
     from freetoken_agent.tools.registry import ToolRegistry
-    from freetoken_agent.tools.definition import Tool, ToolKind, tool
     from freetoken_agent.tools.workspace import Workspace, WorkspaceError
 
 _LAZY: dict[str, str] = {

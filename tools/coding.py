@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from freetoken_agent.tools.files import edit_file, read_file, write_file
 from freetoken_agent.tools.definition import Tool
+from freetoken_agent.tools.files import edit_file, read_file, write_file
 from freetoken_agent.tools.search import glob, list_files, search
 from freetoken_agent.tools.shell import run_shell, run_tests
 

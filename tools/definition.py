@@ -11,14 +11,13 @@ import functools
 import inspect
 import json
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar, overload
 
 import anyio
 import anyio.to_thread
 import jsonschema
 import pydantic
-
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.schema import build_signature
 from freetoken_agent.tools.validation import describe_parameters, jsonschema_errors, pydantic_errors
@@ -126,7 +125,7 @@ class Tool:
         return bound
 
     def schema(self) -> dict[str, Any]:
-        """The OpenAI function-tool definition: ``{"type": "function", "function": {name, description, parameters}}``."""
+        """The OpenAI function-tool definition: ``{"type": "function", "function": {name, description, ...}}``."""
         return {
             "type": "function",
             "function": {"name": self.name, "description": self.description, "parameters": self.parameters},

@@ -131,7 +131,8 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | 
     last_shown = start_line + len(shown) - 1
     notes: list[str] = []
     if more:
-        notes.append(f"[showing lines {first_shown}-{last_shown}; more follow: call again with start_line={last_shown + 1}]")
+        follow = f"more follow: call again with start_line={last_shown + 1}"
+        notes.append(f"[showing lines {first_shown}-{last_shown}; {follow}]")
     if truncated_lines:
         notes.append(f"[{truncated_lines} line(s) longer than {MAX_LINE_CHARS} characters were truncated]")
     content = "\n".join(shown + notes)

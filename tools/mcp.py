@@ -1,4 +1,4 @@
-"""Tools served by an MCP server over stdio (needs the optional ``mcp`` package: ``pip install "freetoken-agent[mcp]"``).
+"""Tools served by an MCP server over stdio (optional ``mcp`` package: ``pip install "freetoken-agent[mcp]"``).
 
 ```python
 async with mcp_stdio_tools(["python", "server.py"], prefix="notes_") as tools:

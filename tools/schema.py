@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic
-
 from freetoken_agent.tools.context import ToolContext
 
 _SECTION = re.compile(

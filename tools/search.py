@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
+from freetoken_agent.tools.definition import tool
 from freetoken_agent.tools.files import SNIFF_BYTES, looks_binary
 from freetoken_agent.tools.ignore import compile_glob, walk
-from freetoken_agent.tools.definition import tool
 
 MAX_ENTRIES = 500
 MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024

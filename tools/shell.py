@@ -7,8 +7,8 @@ import shutil
 import sys
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
-from freetoken_agent.tools.process import ProcessOutcome, child_env, run_process
 from freetoken_agent.tools.definition import tool
+from freetoken_agent.tools.process import ProcessOutcome, child_env, run_process
 
 TEST_TAIL_CHARS = 4000
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
@@ -103,7 +103,8 @@ async def run_tests(
         keyword: Only run tests matching this pytest -k expression.
         timeout_s: Seconds before the test run is killed (default: the session's timeout).
     """
-    argv = [ctx.python or sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "--color=no", "-p", "no:cacheprovider"]
+    argv = [ctx.python or sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "--color=no"]
+    argv += ["-p", "no:cacheprovider"]  # leave no .pytest_cache behind in the user's repository
     argv += _test_targets(ctx, paths or [])
     if keyword:
         argv += ["-k", keyword]

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from freetoken_agent.tools import ToolContext, ToolRegistry
 
 pytestmark = pytest.mark.anyio
@@ -48,7 +47,8 @@ async def test_read_file_huge_file_is_capped_and_fast(root: Path, ctx: ToolConte
     assert "more follow: call again with start_line=" in result.content
     assert result.data is not None
     next_start = result.data["end_line"] + 1
-    following = await registry.call("read_file", {"path": "huge.log", "start_line": next_start, "end_line": next_start}, ctx)
+    window = {"path": "huge.log", "start_line": next_start, "end_line": next_start}
+    following = await registry.call("read_file", window, ctx)
     assert following.content == f"{next_start:>6}\t{'x' * 99}"
     deep = await registry.call("read_file", {"path": "huge.log", "start_line": 199_999}, ctx)
     assert deep.content.splitlines() == [f"199999\t{'x' * 99}", f"200000\t{'x' * 99}"]
@@ -63,7 +63,9 @@ async def test_read_file_long_lines_truncated(root: Path, ctx: ToolContext, regi
     assert "1 line(s) longer than 2000 characters were truncated" in lines[-1]
 
 
-@pytest.mark.parametrize("payload", [b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", bytes(range(256)) * 4, b"\xff\xfe\xfa" * 100])
+@pytest.mark.parametrize(
+    "payload", [b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", bytes(range(256)) * 4, b"\xff\xfe\xfa" * 100]
+)
 async def test_read_file_refuses_binary(root: Path, ctx: ToolContext, registry: ToolRegistry, payload: bytes) -> None:
     (root / "blob.bin").write_bytes(payload)
     result = await registry.call("read_file", {"path": "blob.bin"}, ctx)

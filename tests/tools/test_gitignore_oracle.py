@@ -8,10 +8,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from freetoken_agent.tools.ignore import walk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from freetoken_agent.tools.ignore import walk
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is the oracle")
 

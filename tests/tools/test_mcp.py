@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from freetoken_agent.tools import ToolContext, ToolError, ToolRegistry, mcp_stdio_tools
 
 pytest.importorskip("mcp.server.mcpserver")

@@ -8,7 +8,6 @@ from pathlib import Path
 import anyio
 import pydantic
 import pytest
-
 from freetoken_agent.tools import Tool, ToolContext, ToolError, ToolRegistry, ToolResult, Workspace, tool
 
 pytestmark = pytest.mark.anyio

@@ -7,7 +7,6 @@ import venv
 from pathlib import Path
 
 import pytest
-
 from freetoken_agent.tools import ToolContext, ToolRegistry, Workspace
 from freetoken_agent.tools.shell import summarize_pytest
 

@@ -8,7 +8,6 @@ from typing import Annotated, Literal
 import jsonschema
 import pydantic
 import pytest
-
 from freetoken_agent.tools import Tool, ToolContext, tool
 from freetoken_agent.tools.schema import parse_docstring
 
@@ -50,7 +49,8 @@ def test_google_docstring_gives_description_and_param_docs() -> None:
     assert params["properties"]["path"] == {"type": "string", "description": "File path, relative to the root."}
     assert params["properties"]["start_line"]["default"] == 1
     assert params["properties"]["start_line"]["description"] == "First line."
-    assert params["properties"]["end_line"] == {"type": ["integer", "null"], "default": None, "description": "Last line."}
+    end_line = {"type": ["integer", "null"], "default": None, "description": "Last line."}
+    assert params["properties"]["end_line"] == end_line
     assert "title" not in params and "title" not in params["properties"]["path"]
     assert read_file.schema() == {
         "type": "function",

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from freetoken_agent.tools import ToolContext, ToolRegistry
 from freetoken_agent.tools import ignore as ignore_module
 from freetoken_agent.tools.ignore import is_ignored, parse_gitignore

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import anyio
 import pytest
-
 from freetoken_agent.tools import ToolContext, ToolRegistry, Workspace
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from freetoken_agent.tools import ToolContext, ToolRegistry, Workspace, WorkspaceError
 
 pytestmark = pytest.mark.anyio
@@ -76,7 +75,9 @@ async def test_tools_refuse_escapes(
     assert secret.read_text() == "TOP SECRET\n"
 
 
-async def test_walks_skip_symlinks_that_leave(root: Path, secret: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+async def test_walks_skip_symlinks_that_leave(
+    root: Path, secret: Path, ctx: ToolContext, registry: ToolRegistry
+) -> None:
     os.symlink(secret, root / "leak.txt")
     os.symlink(secret.parent, root / "outside")
     (root / "inside.txt").write_text("SECRET? no, public\n")
