@@ -12,7 +12,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,18 @@ class _Call:
     name: str
     arguments: dict[str, Any] | None = None
     error: str | None = None
+
+
+@dataclass
+class _Step:
+    """What one model call produced so far."""
+
+    started: float
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, _Call] = field(default_factory=dict)  # by the parser's index
+    unreadable: list[str] = field(default_factory=list)  # format errors not tied to a started call
+    done: GenerationDone = GenerationDone("stop")
 
 
 def _trajectory_path(target: str | os.PathLike[str] | None) -> Path | None:
@@ -133,6 +145,7 @@ class AgentRun:
             raise TimeLimitExceeded(f"the run reached its wall-time limit ({limits.max_wall_s} s)")
 
     async def _model_step(self, calls: list[_Call]) -> AsyncIterator[AgentEvent]:
+        """One model call: stream its events, then record the assistant message and what to run."""
         limits, sampling = self.agent.limits, self.agent.sampling
         self._done = False
         event = self._set_phase(Phase.PLAN)
@@ -141,78 +154,83 @@ class AgentRun:
         budget = min(limits.max_tokens_per_step, limits.max_tokens - self.usage.completion_tokens)
         request = GenerateRequest(messages=list(self.messages), tools=self.schemas, max_tokens=budget,
                                   temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
-        started = time.monotonic()
-        text: list[str] = []
-        reasoning: list[str] = []
-        by_index: dict[int, _Call] = {}
-        unreadable: list[str] = []
-        done = GenerationDone("stop")
+        step = _Step(started=time.monotonic())
         stream = self.agent.backend.generate(request).__aiter__()
         try:
             while (item := await self._next(stream)) is not None:
-                if isinstance(item, chat.TextDelta):
-                    (reasoning if item.reasoning else text).append(item.text)
-                    if self._trajectory:
-                        self._trajectory.text(self.step, item.text)
-                    yield TextDelta(item.text, self.step, item.reasoning)
-                    if self.phase is Phase.PLAN and "`" in item.text and "".join(text).count("```") % 2 == 1:
-                        yield self._set_phase(Phase.CODE)  # a code block opened
-                elif isinstance(item, chat.ToolCallStarted):
-                    call = by_index[item.index] = _Call(f"call_{self.step}_{item.index}", item.name)
-                    yield self._note(ToolCallStarted(self.step, call.call_id, call.name))
-                    if self.phase is Phase.PLAN and item.name in self.registry and \
-                            self.registry.get(item.name).kind == "edit":
-                        yield self._set_phase(Phase.CODE)  # the model is writing code into an edit/write call
-                elif isinstance(item, chat.ToolCallFinished):
-                    if item.index not in by_index:  # a backend that sends calls whole
-                        by_index[item.index] = _Call(f"call_{self.step}_{item.index}", item.name)
-                        yield self._note(ToolCallStarted(self.step, by_index[item.index].call_id, item.name))
-                    by_index[item.index].arguments = item.arguments
-                elif isinstance(item, chat.FormatError):
-                    if item.index is not None and item.index in by_index:
-                        by_index[item.index].error = item.message
-                    else:
-                        unreadable.append(item.message)
-                elif isinstance(item, GenerationDone):
-                    done = item
+                for out in self._absorb(item, step):
+                    yield out
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()  # type: ignore[attr-defined]
+        for out in self._conclude(step, calls):
+            yield out
+
+    def _absorb(self, item: Any, step: _Step) -> list[AgentEvent]:
+        """Fold one backend event into the step; return the agent events it causes."""
+        out: list[Any] = []
+        if isinstance(item, chat.TextDelta):
+            (step.reasoning if item.reasoning else step.text).append(item.text)
+            if self._trajectory:
+                self._trajectory.text(self.step, item.text)
+            out.append(TextDelta(item.text, self.step, item.reasoning))
+            if self.phase is Phase.PLAN and "`" in item.text and "".join(step.text).count("```") % 2 == 1:
+                out.append(self._set_phase(Phase.CODE))  # a code block opened
+        elif isinstance(item, chat.ToolCallStarted):
+            call = step.calls[item.index] = _Call(f"call_{self.step}_{item.index}", item.name)
+            out.append(self._note(ToolCallStarted(self.step, call.call_id, call.name)))
+            if self.phase is Phase.PLAN and item.name in self.registry and self.registry.get(item.name).kind == "edit":
+                out.append(self._set_phase(Phase.CODE))  # the model is writing code into an edit/write call
+        elif isinstance(item, chat.ToolCallFinished):
+            if item.index not in step.calls:  # a backend that sends calls whole
+                step.calls[item.index] = _Call(f"call_{self.step}_{item.index}", item.name)
+                out.append(self._note(ToolCallStarted(self.step, step.calls[item.index].call_id, item.name)))
+            step.calls[item.index].arguments = item.arguments
+        elif isinstance(item, chat.FormatError):
+            if item.index is not None and item.index in step.calls:
+                step.calls[item.index].error = item.message
+            else:
+                step.unreadable.append(item.message)
+        elif isinstance(item, GenerationDone):
+            step.done = item
+        return out
+
+    def _conclude(self, step: _Step, calls: list[_Call]) -> list[AgentEvent]:
+        """After generation: the assistant message, events for unreadable calls, and what happens next."""
+        done = step.done
         self.usage = self.usage + done.usage
-        good = [c for c in by_index.values() if c.error is None and c.arguments is not None]
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-        if reasoning:  # thinking channels stay out of the answer (the vLLM/OpenAI-compatible field name)
-            message["reasoning_content"] = "".join(reasoning)
+        good = [c for c in step.calls.values() if c.error is None and c.arguments is not None]
+        bad = [c for c in step.calls.values() if c not in good]
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(step.text)}
+        if step.reasoning:  # thinking channels stay out of the answer (the vLLM/OpenAI-compatible field name)
+            message["reasoning_content"] = "".join(step.reasoning)
         if good:
             message["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {
                 "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in good]
         self._add(message)
-        yield self._note(StepFinished(self.step, done.finish_reason, done.usage, len(good),
-                                      round(time.monotonic() - started, 4)))
-        bad = [c for c in by_index.values() if c not in good]
+        out: list[Any] = [self._note(StepFinished(self.step, done.finish_reason, done.usage, len(good),
+                                                  round(time.monotonic() - step.started, 4)))]
         for call in bad:
             reason = call.error or "the call is incomplete"
-            yield self._note(ToolCallFinished(self.step, call.call_id, call.name, None,
-                                              f"The call to '{call.name}' could not be read: {reason}", True))
-        for reason in unreadable:
-            yield self._note(InvalidOutput(self.step, reason))
+            out.append(self._note(ToolCallFinished(self.step, call.call_id, call.name, None,
+                                                   f"The call to '{call.name}' could not be read: {reason}", True)))
+        out += [self._note(InvalidOutput(self.step, reason)) for reason in step.unreadable]
         calls.extend(good)
         problems = [f"your call to '{c.name}' could not be read: {c.error or 'it is incomplete'}" for c in bad]
-        problems += [f"a tool call could not be read: {reason}" for reason in unreadable]
+        problems += [f"a tool call could not be read: {reason}" for reason in step.unreadable]
         self._pending_note = None
-        if problems:
+        if problems:  # sent after this step's tool results, so each result still follows its call
             self._pending_note = ("Tool-call format error: " + "; ".join(problems) +
                                   ". Write each call exactly in the tool-call format, with JSON object arguments.")
+        elif not good and done.finish_reason == "length":
+            self._pending_note = "Your reply was cut off at the token limit of one step. Continue, or call a tool."
         elif not good:
-            if done.finish_reason == "length":
-                self._pending_note = ("Your reply was cut off at the token limit of one step. Continue, or call a "
-                                      "tool.")
-            else:
-                self.final_message = message["content"]
-                self._done = True
+            self.final_message = message["content"]
+            self._done = True
         if self._pending_note and not good:
             self._add({"role": "user", "content": self._pending_note})
             self._pending_note = None
+        return out
 
     async def _run_tools(self, calls: list[_Call]) -> AsyncIterator[AgentEvent]:
         for call in calls:
