@@ -95,29 +95,12 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
     patch: str | None = None
     tdir = store.task_dir(task.instance_id)
     python = config.python or task.python or default_python()
-    test_timeout = config.test_timeout_s or task.test_timeout_s
-    agent_timeout = config.agent_timeout_s or task.agent_timeout_s
     tmp = Path(tempfile.mkdtemp(prefix=f"ft-eval-{task.instance_id[:40]}-"))
     try:
         repo = resolve_repo(task, config.repos_dir)
         ws = tmp / "workspace"
         base = await anyio.to_thread.run_sync(_prepare, repo, task.base_commit, ws, task, python, tdir / "setup.log")
-
-        t_agent = time.monotonic()
-        outcome = AgentOutcome()
-        try:
-            # Agents that can stop themselves get the timeout in the task (SDKAgent makes it the Agent's wall
-            # limit, so usage is still reported); the harness cancels the rest a little later.
-            with anyio.fail_after(agent_timeout * 1.1 + 1.0):
-                outcome = await agent.solve(task.model_copy(update={"agent_timeout_s": agent_timeout}), ws, tdir)
-        except TimeoutError:
-            outcome.stopped = f"agent timed out after {agent_timeout:g}s"
-        result.agent_s = time.monotonic() - t_agent
-        result.turns, result.tokens_in, result.tokens_out = outcome.turns, outcome.tokens_in, outcome.tokens_out
-        result.agent_stopped, result.engine = outcome.stopped, outcome.engine
-        if outcome.final_message:
-            (tdir / "final_message.txt").write_text(outcome.final_message, encoding="utf-8")
-
+        await _work(task, agent, ws, tdir, config.agent_timeout_s or task.agent_timeout_s, result)
         patch = await anyio.to_thread.run_sync(diff_against, ws, base)
         (tdir / "model.patch").write_text(patch, encoding="utf-8")
         result.patch_bytes = len(patch.encode())
@@ -137,34 +120,61 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
             result.reason = f"the test patch does not apply after the agent's patch: {exc}"
             return result, patch
         (tdir / "tests.log").unlink(missing_ok=True)
-        run = await anyio.to_thread.run_sync(_run_tests, task, ev, python, test_timeout, tdir / "tests.log", tmp / "scratch")
+        run = await anyio.to_thread.run_sync(_run_tests, task, ev, python, config.test_timeout_s or task.test_timeout_s,
+                                             tdir / "tests.log", tmp / "scratch")
         result.tests_s = time.monotonic() - t_tests
-        f2p, p2p = split(task.FAIL_TO_PASS, run.status), split(task.PASS_TO_PASS, run.status)
-        result.fail_to_pass = {"success": f2p.success, "failure": f2p.failure}
-        result.pass_to_pass = {"success": p2p.success, "failure": p2p.failure}
-        result.timed_out_tests = run.timed_out
-        if not patch.strip():
-            result.status, result.reason = UNRESOLVED, "empty patch"
-        elif is_resolved(f2p, p2p):
-            result.status = RESOLVED
-        else:
-            result.status = UNRESOLVED
-            parts = [f"{len(f2p.failure)}/{len(task.FAIL_TO_PASS)} FAIL_TO_PASS failed" if f2p.failure else "",
-                     f"{len(p2p.failure)}/{len(task.PASS_TO_PASS)} PASS_TO_PASS failed" if p2p.failure else "",
-                     f"{len(run.timed_out)} timed out" if run.timed_out else ""]
-            result.reason = "; ".join(p for p in parts if p)
-        if run.notes:
-            result.reason = "; ".join(p for p in [result.reason, *run.notes] if p)
+        _score(task, run, patch, result)
         return result, patch
     except TaskSkipped as exc:
         result.status, result.reason = SKIPPED, str(exc)
-        return result, None
+        return result, patch
     except Exception as exc:  # noqa: BLE001 - one task's failure is recorded, never lost or propagated
         result.status, result.reason = ERROR, f"{type(exc).__name__}: {exc}".splitlines()[0]
         return result, patch
     finally:
         result.wall_s = time.monotonic() - start
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _work(task: Task, agent: EvalAgent, ws: Path, tdir: Path, timeout_s: float, result: TaskResult) -> None:
+    """Let the agent work on the task; record what it spent in ``result``."""
+    t_agent = time.monotonic()
+    outcome = AgentOutcome()
+    try:
+        # Agents that can stop themselves get the timeout in the task (SDKAgent makes it the Agent's wall limit,
+        # so usage is still reported); the harness cancels the others a little later.
+        with anyio.fail_after(timeout_s * 1.1 + 1.0):
+            outcome = await agent.solve(task.model_copy(update={"agent_timeout_s": timeout_s}), ws, tdir)
+    except TimeoutError:
+        outcome.stopped = f"agent timed out after {timeout_s:g}s"
+    result.agent_s = time.monotonic() - t_agent
+    result.turns, result.tokens_in, result.tokens_out = outcome.turns, outcome.tokens_in, outcome.tokens_out
+    result.agent_stopped, result.engine = outcome.stopped, outcome.engine
+    if outcome.final_message:
+        (tdir / "final_message.txt").write_text(outcome.final_message, encoding="utf-8")
+
+
+def _score(task: Task, run: ExecutedTests, patch: str, result: TaskResult) -> None:
+    """SWE-bench's verdict from the test statuses, with a one-line reason when unresolved."""
+    f2p, p2p = split(task.FAIL_TO_PASS, run.status), split(task.PASS_TO_PASS, run.status)
+    result.fail_to_pass = {"success": f2p.success, "failure": f2p.failure}
+    result.pass_to_pass = {"success": p2p.success, "failure": p2p.failure}
+    result.timed_out_tests = run.timed_out
+    reasons: list[str] = []
+    if not patch.strip():
+        result.status = UNRESOLVED
+        reasons.append("empty patch")
+    elif is_resolved(f2p, p2p):
+        result.status = RESOLVED
+    else:
+        result.status = UNRESOLVED
+        if f2p.failure:
+            reasons.append(f"{len(f2p.failure)}/{len(task.FAIL_TO_PASS)} FAIL_TO_PASS failed")
+        if p2p.failure:
+            reasons.append(f"{len(p2p.failure)}/{len(task.PASS_TO_PASS)} PASS_TO_PASS failed")
+        if run.timed_out:
+            reasons.append(f"{len(run.timed_out)} timed out")
+    result.reason = "; ".join([*reasons, *run.notes])
 
 
 async def run_tasks(tasks: list[Task], agent: EvalAgent, store: RunStore, config: HarnessConfig,
