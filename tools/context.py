@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from freetoken_agent.tools.definition import Tool
     from freetoken_agent.tools.workspace import Workspace
 
 
@@ -52,6 +54,9 @@ class ToolContext:
     """Interpreter that ``run_tests`` runs pytest with (default: the one running the agent)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for processes started by tools."""
+    approve: Callable[[Tool, dict[str, Any]], Awaitable[bool] | bool] | None = None
+    """Asked before every call of a tool with ``writes=True`` (validated arguments given); False refuses the call
+    and the model is told the user declined. None: no permission step."""
     on_output: Callable[[str], None] | None = None
     """Called with output chunks as a process tool produces them (for live views); must not block."""
     cancel_event: threading.Event = field(default_factory=threading.Event)
@@ -67,6 +72,15 @@ class ToolContext:
     def cancelled(self) -> bool:
         """True once :meth:`cancel` was called."""
         return self.cancel_event.is_set()
+
+    async def allowed(self, tool: Tool, arguments: dict[str, Any]) -> bool:
+        """Run the ``approve`` hook for a writing tool; True when no hook is set or the tool does not write."""
+        if self.approve is None or not tool.writes:
+            return True
+        answer = self.approve(tool, arguments)
+        if inspect.isawaitable(answer):
+            answer = await answer
+        return bool(answer)
 
     def clamp_timeout(self, timeout_s: float | None) -> float:
         """The timeout to use for a call: the call's own value (bounded) or the context default."""

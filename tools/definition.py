@@ -140,6 +140,12 @@ class Tool:
         errors = jsonschema_errors(self._validator, args)
         if errors:
             return ToolResult.error(_invalid(self, errors))
+        if ctx is not None and not await ctx.allowed(self, args):
+            return ToolResult.error(
+                f"The user declined to run '{self.name}' with these arguments. Do not retry the same call; "
+                "choose another approach or ask the user.",
+                data={"declined": True},
+            )
         if self.args_model is None:  # a schema-only tool (MCP): the callable takes the validated dict
             call: Callable[[], Any] = functools.partial(self.fn, args)
         else:

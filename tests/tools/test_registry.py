@@ -8,7 +8,16 @@ from pathlib import Path
 import anyio
 import pydantic
 import pytest
-from freetoken_agent.tools import Tool, ToolContext, ToolError, ToolRegistry, ToolResult, Workspace, tool
+from freetoken_agent.tools import (
+    Tool,
+    ToolContext,
+    ToolError,
+    ToolRegistry,
+    ToolResult,
+    Workspace,
+    coding_tools,
+    tool,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -285,3 +294,30 @@ async def test_expected_duration_follows_measured_calls(ctx: ToolContext) -> Non
     await registry.call("nap", {"seconds": 0.0}, ctx)
     second = registry.expected_s("nap")
     assert second is not None and 0.1 < second < first  # moved toward the new measurement, not replaced by it
+
+
+async def test_writing_tools_ask_for_approval(tmp_path: Path) -> None:
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    async def approve(tool_: Tool, arguments: dict[str, object]) -> bool:
+        asked.append((tool_.name, arguments))
+        return arguments.get("path") != "protected.txt"
+
+    ctx = ToolContext(Workspace(tmp_path), approve=approve)
+    registry = ToolRegistry(coding_tools())
+    ok = await registry.call("write_file", {"path": "free.txt", "content": "a"}, ctx)
+    assert not ok.is_error and (tmp_path / "free.txt").read_text() == "a"
+    declined = await registry.call("write_file", {"path": "protected.txt", "content": "a"}, ctx)
+    assert declined.is_error and declined.content.startswith("The user declined to run 'write_file'")
+    assert declined.data == {"declined": True} and not (tmp_path / "protected.txt").exists()
+    listed = await registry.call("list_files", {}, ctx)  # read-only tools are never asked about
+    assert not listed.is_error
+    assert asked == [
+        ("write_file", {"path": "free.txt", "content": "a"}),
+        ("write_file", {"path": "protected.txt", "content": "a"}),
+    ]
+    invalid = await registry.call("write_file", {"path": 3}, ctx)  # invalid calls fail before anyone is asked
+    assert invalid.is_error and len(asked) == 2
+    sync_ctx = ToolContext(Workspace(tmp_path), approve=lambda tool_, arguments: False)  # plain callables work too
+    assert (await registry.call("run_shell", {"command": "touch x"}, sync_ctx)).is_error
+    assert not (tmp_path / "x").exists()
