@@ -96,6 +96,7 @@ class Engine:
         self.generation_config = generation_config or {}
         self._stats = EngineStats()
         self.threads = torch.get_num_threads()
+        self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
 
     # ------------------------------------------------------------------------------------------------ loading
 
@@ -108,13 +109,20 @@ class Engine:
         require_tokenizer: bool = False,
         progress: bool | None = None,
         threads: int | None = None,
+        quant: str = "none",
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
+
+        ``quant``: ``none``, ``q8`` or ``q4`` — routed experts quantized at load (Q8_0 / Q4_0 blocks, CPU kernels
+        in ``runtime/kernels``); dense weights stay in ``dtype``.
 
         ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
         """
         path = Path(path)
+        from freetoken_agent.runtime.kernels.apply import check_quant, quantize_experts
+
+        quant = check_quant(quant)
         n_threads = configure_threads(threads)
         spec = spec_from_config(load_config(path))
         reader = CheckpointReader(path)
@@ -143,6 +151,7 @@ class Engine:
                 gen_cfg = {}
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
+        engine.quant = quantize_experts(engine.decoder, quant)
         return engine
 
     # ------------------------------------------------------------------------------------------------ text

@@ -1,0 +1,100 @@
+"""Swap a loaded decoder's routed experts for ``QuantizedExperts`` (the engine's ``quant=`` option).
+
+Dense weights (attention, embeddings, shared experts, router) stay in the compute dtype. Each MoE layer's
+``TorchExperts`` is quantized to Q8_0 / Q4_0 and its float tensors are released, so host memory drops to the
+quantized size. The decoder reads experts through ``decoder.experts[i]`` (the ``ExpertsBackend`` seam), so nothing
+else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..errors import FreeTokenError
+from ..quant.blocks import canonical_format
+from .experts import QuantizedExperts
+
+QUANT_CHOICES = ("none", "q8", "q4")
+
+
+@dataclass(frozen=True)
+class QuantReport:
+    """What quantization did: format, layers converted, bytes before/after, whether the C kernels run."""
+
+    fmt: str
+    layers: int
+    float_bytes: int
+    quant_bytes: int
+    kernels: bool
+
+
+class _TypedExperts:
+    """Wraps ``QuantizedExperts`` so the output has the input's dtype (the decoder may run in bf16)."""
+
+    def __init__(self, inner: QuantizedExperts) -> None:
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        out = self.inner.forward(x, topk_ids, topk_weights.float())
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def check_quant(quant: str | None) -> str:
+    """Normalize a user's ``--quant`` value (``none``/``q8``/``q4``, ``q8_0``/``q4_0`` accepted)."""
+    q = (quant or "none").lower()
+    if q in ("none", "fp", "float", ""):
+        return "none"
+    if q in ("q8", "q8_0", "q4", "q4_0"):
+        return canonical_format(q)
+    raise FreeTokenError(f"unknown --quant {quant!r}; expected one of {', '.join(QUANT_CHOICES)}")
+
+
+def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
+    """Replace every MoE layer's experts of ``decoder`` (a ``runtime.model.decoder.Decoder``) in place."""
+    fmt = check_quant(quant)
+    if fmt == "none":
+        return None
+    from ..model.moe import TorchExperts, activate
+
+    layers = float_bytes = quant_bytes = 0
+    packed = False
+    for i, lw in enumerate(decoder.weights.layers):
+        if lw.moe is None or not isinstance(lw.moe.experts, TorchExperts):
+            continue
+        te: TorchExperts = lw.moe.experts
+        if te.gate_up.device.type != "cpu":
+            raise FreeTokenError("quantized experts run on the CPU; load with device='cpu' (GPU slots come later)")
+        qe = QuantizedExperts.from_float(te.gate_up.float(), te.down.float(), fmt)
+        if te.spec.activation != "silu":
+            qe.activation = partial(activate, moe=te.spec)
+        if te.gate_up_bias is not None:
+            qe.gate_up_bias = te.gate_up_bias.float()
+        if te.down_bias is not None:
+            qe.down_bias = te.down_bias.float()
+        float_bytes += te.gate_up.nbytes + te.down.nbytes
+        quant_bytes += qe.nbytes
+        packed = qe.packed
+        decoder.experts[i] = _TypedExperts(qe)
+        # release the float experts: the decoder only reads them through decoder.experts[i]
+        te.gate_up = torch.empty(0, dtype=te.gate_up.dtype)
+        te.down = torch.empty(0, dtype=te.down.dtype)
+        layers += 1
+    return QuantReport(fmt, layers, float_bytes, quant_bytes, packed)
+
+
+def dequantized_reference(decoder: Any) -> None:
+    """Put the dequantized values of every quantized layer back as plain ``TorchExperts`` (for tests/verification)."""
+    from ..model.moe import TorchExperts
+
+    for i, lw in enumerate(decoder.weights.layers):
+        backend = decoder.experts[i]
+        if not isinstance(backend, _TypedExperts):
+            continue
+        te: TorchExperts = lw.moe.experts
+        gate_up, down = backend.inner.dequantize()
+        te.gate_up, te.down = gate_up.to(te.gate_up.dtype), down.to(te.down.dtype)
+        decoder.experts[i] = te
