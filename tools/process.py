@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -19,9 +20,19 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import Process
 
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 TERM_GRACE_S = 0.3
 DRAIN_S = 1.0
 POLL_S = 0.05
+
+
+def clean_terminal_text(text: str) -> str:
+    """What a terminal would finally show: colour/cursor escapes removed, ``\r``-redrawn progress lines collapsed."""
+    text = _ANSI.sub("", text).replace("\r\n", "\n")
+    if "\r" not in text:
+        return text
+    return "\n".join(line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r")
+                     for line in text.split("\n"))
 
 
 class OutputBuffer:
@@ -160,7 +171,7 @@ async def run_process(
         buffer.add(tail)
     return ProcessOutcome(
         exit_code=None if (timed_out or cancelled) else process.returncode,
-        output=buffer.render(),
+        output=clean_terminal_text(buffer.render()),
         timed_out=timed_out,
         cancelled=cancelled,
         duration_s=time.monotonic() - start,

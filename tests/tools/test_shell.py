@@ -142,3 +142,9 @@ async def test_child_that_escapes_the_group_cannot_hang_the_call(
         pid = int((root / "escaped.pid").read_text())
         if alive(pid):
             os.kill(pid, 9)  # the documented limit: this test cleans up the process it started
+
+
+async def test_terminal_escapes_and_progress_redraws_are_cleaned(ctx: ToolContext, registry: ToolRegistry) -> None:
+    command = r"printf '\033[1;31mFAILED\033[0m here\n'; printf 'get 10%%\rget 50%%\rget 100%%\n'; printf 'end\r\n'"
+    result = await registry.call("run_shell", {"command": command}, ctx)
+    assert result.content == "exit code: 0\nFAILED here\nget 100%\nend\n"
