@@ -151,3 +151,11 @@ async def test_edit_file_lf_text_matches_crlf_file(root: Path, ctx: ToolContext,
     result = await registry.call("edit_file", args, ctx)
     assert not result.is_error, result.content
     assert (root / "dos.py").read_bytes() == b"def f():\r\n    return 2\r\n"
+
+
+async def test_edit_file_refuses_huge_files(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+    with (root / "big.txt").open("w") as handle:
+        handle.write("needle\n" + "x" * 11 * 1024 * 1024)
+    result = await registry.call("edit_file", {"path": "big.txt", "old_string": "needle", "new_string": "pin"}, ctx)
+    assert result.is_error and "cannot be edited" in result.content and "10485760 bytes" in result.content
+    assert (root / "big.txt").read_bytes()[:6] == b"needle"
