@@ -91,13 +91,19 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------------------------------ chat internals
     async def _chat_events(self, req: GenerateRequest) -> AsyncIterator[Any]:
-        """Backend events with tool calls renumbered 0, 1, ... and unreadable calls turned back into text."""
+        """Backend events with finished calls numbered 0, 1, ... and unreadable calls turned back into text.
+
+        A call is announced to the client only once it has parsed (name and arguments in one delta), so a client
+        never holds a call whose arguments never come.
+        """
         async with self._lock:
-            numbers: dict[int, int] = {}
+            number = 0
             async for event in self.backend.generate(req):
-                if isinstance(event, (ToolCallStarted, ToolCallFinished)):
-                    number = numbers.setdefault(event.index, len(numbers))
+                if isinstance(event, ToolCallStarted):
+                    continue
+                if isinstance(event, ToolCallFinished):
                     yield number, event
+                    number += 1
                 elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
                     yield None, TextDelta(event.raw)
                 else:
@@ -131,14 +137,11 @@ class OpenAIServer:
         async for number, event in self._chat_events(req):
             if isinstance(event, TextDelta) and event.text:
                 yield chunk({"reasoning_content": event.text} if event.reasoning else {"content": event.text})
-            elif isinstance(event, ToolCallStarted):
-                any_call = True
-                yield chunk({"tool_calls": [{"index": number, "id": f"call_{rid[-8:]}_{number}", "type": "function",
-                                             "function": {"name": event.name, "arguments": ""}}]})
             elif isinstance(event, ToolCallFinished):
                 any_call = True
-                yield chunk({"tool_calls": [{"index": number, "function": {
-                    "arguments": json.dumps(event.arguments, ensure_ascii=False)}}]})
+                yield chunk({"tool_calls": [{"index": number, "id": f"call_{rid[-8:]}_{number}", "type": "function",
+                                             "function": {"name": event.name, "arguments": json.dumps(
+                                                 event.arguments, ensure_ascii=False)}}]})
             elif isinstance(event, GenerationDone):
                 done = event
         yield chunk({}, "tool_calls" if any_call else done.finish_reason)

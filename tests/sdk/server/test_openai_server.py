@@ -132,3 +132,20 @@ def test_openai_compatible_reports_an_unreachable_server(repo: Path) -> None:
     backend = OpenAICompatible("http://127.0.0.1:9/v1", model="m")
     result = anyio.run(Agent.coding(backend, workspace=repo).run, "x")
     assert result.stop_reason == "backend_error" and "cannot talk to http://127.0.0.1:9/v1" in result.error
+
+
+def test_streamed_bad_call_then_good_call(served) -> None:
+    backend, client = served
+    backend.turns.append('<tool_call>\n{"name": "read_file", "arguments": {"path": }}\n</tool_call>'
+                         + hermes_call("read_file", {"path": "ok.py"}))
+    calls, text = {}, ""
+    for chunk in client.chat.completions.create(model="tiny-moe", messages=MESSAGES, tools=TOOLS, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            for part in choice.delta.tool_calls or []:
+                entry = calls.setdefault(part.index, {"name": "", "arguments": ""})
+                entry["name"] += part.function.name or ""
+                entry["arguments"] += part.function.arguments or ""
+    # the unreadable call comes back as text; the good one is call 0 with complete arguments
+    assert list(calls) == [0] and json.loads(calls[0]["arguments"]) == {"path": "ok.py"}
+    assert '"path": }' in text
