@@ -59,8 +59,11 @@ class Path:
     run: Callable[[int], object]
 
 
+_working_set = [WORKING_SET]
+
+
 def _copies(nbytes: int) -> int:
-    return max(2, min(512, -(-WORKING_SET // max(1, nbytes))))
+    return max(2, min(512, -(-_working_set[0] // max(1, nbytes))))
 
 
 def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
@@ -142,8 +145,13 @@ def run(
     reps: int = 60,
     budget_s: float = 3.0,
     progress: Callable[[str], None] | None = None,
+    working_set: int = WORKING_SET,
+    moe_layer: bool = True,
 ) -> Report:
-    """Run the benchmark; ``thread_counts`` defaults to (1, all usable CPUs)."""
+    """Run the benchmark; ``thread_counts`` defaults to (1, all usable CPUs).
+
+    ``working_set``: bytes of weight copies each path cycles through (default 256 MiB, beyond any L3).
+    """
     from freetoken_agent.runtime.kernels import build, ops
     from freetoken_agent.runtime.kernels.threads import usable_cpus
 
@@ -151,6 +159,7 @@ def run(
 
     if build.load() is None:
         raise RuntimeError(f"the C kernels are unavailable: {build.status().reason}")
+    _working_set[0] = working_set
     cpus = usable_cpus()
     threads = thread_counts or tuple(sorted({1, cpus}))
     peer = ggml_peer.load() if with_ggml else None
@@ -163,7 +172,7 @@ def run(
         for th in threads:
             ops.set_threads(th)
             torch.set_num_threads(th)
-            bw[str(th)] = ops.read_bandwidth_gbps(WORKING_SET, reps=3)
+            bw[str(th)] = ops.read_bandwidth_gbps(max(working_set, 64 << 20), reps=5)
             for n, k in shapes:
                 for m in m_values:
                     x = torch.randn(m, k)
@@ -179,7 +188,7 @@ def run(
                     del paths
                     if peer is not None:
                         peer.release()
-            layer = moe_layer_paths(th)
+            layer = moe_layer_paths(th) if moe_layer else []
             for p, s in zip(layer, time_paths(layer, reps, budget_s)):
                 gbps = p.nbytes / s / 1e9
                 results.append(Result(p.kernel, p.fmt, "E64xK8 D2048 I768", 1, th, gbps, s, gbps / bw[str(th)]))

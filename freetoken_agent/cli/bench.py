@@ -18,6 +18,10 @@ def _kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="one shape (768x2048), M=1 and 16, short timing")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all CPUs)")
     p.add_argument("--no-ggml", action="store_true", help="skip the ggml peer rows even if llama-cpp-python is here")
+    p.add_argument("--shapes", default=None, help="comma-separated NxK weight shapes (default: 768x2048,2048x768,1536x4096)")
+    p.add_argument("--m", default=None, help="comma-separated token counts M (default: 1,4,16,64,256)")
+    p.add_argument("--working-set-mb", type=int, default=256, help="MiB of weight copies cycled per path (default 256)")
+    p.add_argument("--no-moe-layer", action="store_true", help="skip the whole-MoE-layer rows")
 
 
 def _parse_ints(text: str | None, what: str) -> tuple[int, ...] | None:
@@ -32,12 +36,30 @@ def _parse_ints(text: str | None, what: str) -> tuple[int, ...] | None:
     return vals
 
 
+def _parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().strip().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise CLIError(f"--shapes wants NxK pairs like 768x2048, got {item!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return tuple(shapes)
+
+
 def _kernels(args: argparse.Namespace) -> int:
     from freetoken_agent.evals.perf import bench_kernels as bk
 
     kwargs: dict[str, object] = {"thread_counts": _parse_ints(args.threads, "threads"), "with_ggml": not args.no_ggml}
     if args.quick:
         kwargs.update(shapes=((768, 2048),), m_values=(1, 16), reps=20, budget_s=1.0)
+    if args.shapes:
+        kwargs["shapes"] = _parse_shapes(args.shapes)
+    if args.m:
+        kwargs["m_values"] = _parse_ints(args.m, "m")
+    if args.working_set_mb < 1:
+        raise CLIError(f"--working-set-mb must be at least 1, got {args.working_set_mb}")
+    kwargs["working_set"] = args.working_set_mb << 20
+    kwargs["moe_layer"] = not args.no_moe_layer
     try:
         report = bk.run(progress=None if args.json else lambda s: print(s, file=sys.stderr), **kwargs)  # type: ignore[arg-type]
     except RuntimeError as exc:
