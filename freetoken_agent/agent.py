@@ -76,6 +76,8 @@ class Agent:
     """JSONL file each run appends to (a directory: one ``run-<time>.jsonl`` per run); None writes nothing."""
     tool_timeout_s: float = 120.0
     """Default timeout for process tools (``run_shell``, ``run_tests``)."""
+    on_tool_output: Callable[[str, str], None] | None = None
+    """Called with ``(call_id, text)`` as a process tool's output streams in (live views); must not block."""
     _runs: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
 
     @classmethod

@@ -240,6 +240,8 @@ class AgentRun:
             if event:
                 yield event
             started = time.monotonic()
+            watcher = self.agent.on_tool_output
+            self.ctx.on_output = None if watcher is None else (lambda text, cid=call.call_id: watcher(cid, text))
             result = await self._call_tool(call)
             self._add({"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": result.content})
             yield self._note(ToolCallFinished(self.step, call.call_id, call.name, call.arguments, result.content,

@@ -38,6 +38,11 @@ class LiveView:
         self.calls: dict[str, list[str]] = {}  # call_id -> [name, arguments, status]
         self.started = time.monotonic()
         self.result: Any = None
+        self.tool_output = ""  # tail of the running tool's output
+
+    def on_tool_output(self, call_id: str, text: str) -> None:
+        """Receive streamed tool output (``Agent.on_tool_output``)."""
+        self.tool_output = (self.tool_output + text)[-4000:]
 
     def update(self, event: Any) -> None:
         """Take one agent event."""
@@ -52,6 +57,7 @@ class LiveView:
             self._step_deltas += 1
             self.calls[event.call_id] = [event.name, "…", "writing"]
         elif isinstance(event, ToolCallFinished):
+            self.tool_output = ""
             args = _short(event.arguments if event.arguments is not None else "(unreadable)", 60)
             status = ("error: " if event.is_error else "ok: ") + _short(event.content, 60)
             self.calls[event.call_id] = [event.name, args, status]
@@ -81,6 +87,9 @@ class LiveView:
         tail = "\n".join(self.text.splitlines()[-self.text_lines:])
         parts: list[RenderableType] = [status, Panel(Text(tail or "…"), title=_short(self.task, 60),
                                                      border_style=style)]
+        if self.phase == "tool" and self.tool_output:
+            lines = self.tool_output.splitlines()[-6:]
+            parts.append(Panel(Text("\n".join(lines), style="dim"), title="tool output", border_style="yellow"))
         if self.calls:
             table = Table(show_header=True, header_style="bold", expand=True)
             table.add_column("tool", no_wrap=True)

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
                       max_wall_s=args.max_wall),
         sampling=Sampling(temperature=args.temperature, seed=args.seed))
     view = LiveView(args.task)
+    agent.on_tool_output = view.on_tool_output
 
     async def consume() -> None:
         async for event in agent.stream(args.task):

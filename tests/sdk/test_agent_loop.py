@@ -176,3 +176,12 @@ def test_other_formats_drive_the_loop(repo: Path, fmt: str, call: str) -> None:
     if fmt == "harmony":  # thinking stays out of the answer, kept beside it
         assert result.messages[-1]["reasoning_content"] == "It adds wrong."
     assert "return a - b" in backend.requests[1].messages[-1]["content"]
+
+
+def test_tool_output_streams_to_the_watcher(repo: Path) -> None:
+    seen: list[tuple[str, str]] = []
+    backend = ScriptedBackend([hermes_call("run_shell", {"command": "echo first; echo second"}), "ok"])
+    agent = Agent.coding(backend, workspace=repo, on_tool_output=lambda cid, text: seen.append((cid, text)))
+    assert anyio.run(agent.run, "x").ok
+    assert {cid for cid, _t in seen} == {"call_1_0"}
+    assert "".join(t for _c, t in seen).split() == ["first", "second"]
