@@ -63,6 +63,9 @@ class GenerationResult:
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
+    """Prompt tokens actually prefilled."""
+    reused_tokens: int = 0
+    """Prompt tokens whose KV came from a cache instead of being prefilled."""
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -96,6 +99,7 @@ class Engine:
         self.generation_config = generation_config or {}
         self._stats = EngineStats()
         self.threads = torch.get_num_threads()
+        self._kv: Any = None
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
 
     # ------------------------------------------------------------------------------------------------ loading
@@ -220,8 +224,14 @@ class Engine:
         except ValueError as exc:
             raise FreeTokenError(f"invalid sampling parameters: {exc}") from None
 
-    def _decode(self, token_ids: list[int] | torch.Tensor, params: SamplingParams) -> Iterator[TokenEvent]:
-        """The token loop: prefill the prompt, then decode one token per step until a stop condition."""
+    def _decode(
+        self, token_ids: list[int] | torch.Tensor, params: SamplingParams, cache: Any = None
+    ) -> Iterator[TokenEvent]:
+        """The token loop: prefill the prompt, then decode one token per step until a stop condition.
+
+        With a ``cache`` that already holds the first ``cache.length`` prompt positions (a session's reused
+        prefix), only the rest of the prompt is prefilled. At least one prompt token must remain to feed.
+        """
         ids = self._check_ids(token_ids)
         stats = self._stats
         stats.requests += 1
@@ -229,13 +239,17 @@ class Engine:
         sampler = Sampler(params)
         text = IncrementalDecoder(self._tokenizer) if self._tokenizer is not None else None
         checker = StopChecker(params.stop)
-        cache = self.decoder.new_cache()
+        cache = self.decoder.new_cache() if cache is None else cache
+        start = cache.length
+        if not 0 <= start < len(ids):
+            raise FreeTokenError(f"cannot reuse {start} cached positions for a prompt of {len(ids)} tokens")
         if params.max_new_tokens == 0:
             return
         t0 = time.perf_counter()
-        for i in range(0, len(ids), PREFILL_CHUNK):
+        for i in range(start, len(ids), PREFILL_CHUNK):
             logits = self._forward(ids[i : i + PREFILL_CHUNK], cache, last_only=True)
-        stats.prompt_tokens += len(ids)
+        stats.prompt_tokens += len(ids) - start
+        stats.reused_tokens += start
         stats.prefill_s += time.perf_counter() - t0
         for step in range(params.max_new_tokens):
             t0 = time.perf_counter()
@@ -302,6 +316,41 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ phases, stats
 
+    # ------------------------------------------------------------------------------------------------ sessions
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one position costs across all layers (GQA: keys + values; MLA: latent + rotary key)."""
+        elsize = self.decoder.weights.embed.element_size()
+        total = 0
+        for layer in self.spec.layers:
+            a = layer.attention
+            if a.kind == "mla":
+                total += a.kv_lora_rank + a.qk_rope_dim
+            else:
+                total += a.num_kv_heads * (a.head_dim + a.v_head_dim)
+        return total * elsize
+
+    def kv_manager(self, config: Any = None) -> Any:
+        """The engine's KV manager (page pools, radix prefix cache), created on first use.
+
+        Default sizing: ``$FREETOKEN_KV_BUDGET_MB`` (else 1024 MiB) of pages of 16 positions.
+        """
+        from freetoken_agent.runtime.kv.session import KVConfig, KVManager
+
+        if self._kv is None or config is not None:
+            if config is None:
+                import os
+
+                budget = int(os.environ.get("FREETOKEN_KV_BUDGET_MB", "1024")) * 2**20
+                pages = max(16, budget // (16 * max(self.kv_bytes_per_token(), 1)))
+                config = KVConfig(page_size=16, device_pages=int(pages))
+            self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device))
+        return self._kv
+
+    def session(self) -> Any:
+        """A new multi-turn session: each turn prefills only what no cached prefix covers."""
+        return self.kv_manager().new_session(self)
+
     def hint(self, phase: Phase | str, expected_s: float | None = None) -> None:
         """The agent says which phase comes next. Recorded now; residency and KV policies act on it."""
         name = Phase(phase).value
@@ -315,6 +364,7 @@ class Engine:
             "threads": self.threads,
             "requests": s.requests,
             "prompt_tokens": s.prompt_tokens,
+            "reused_tokens": s.reused_tokens,
             "generated_tokens": s.generated_tokens,
             "prefill_s": round(s.prefill_s, 4),
             "decode_s": round(s.decode_s, 4),
@@ -322,4 +372,5 @@ class Engine:
             "decode_tok_s": round(s.generated_tokens / s.decode_s, 2) if s.decode_s else None,
             "phase": s.phase,
             "phase_hints": dict(s.phase_hints),
+            "kv": self._kv.snapshot() if self._kv is not None else None,
         }

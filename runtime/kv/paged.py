@@ -1,0 +1,75 @@
+"""A sequence's KV cache over pool pages, with the same interface the decoder uses for the contiguous cache.
+
+The page table maps position ``p`` to page ``pages[p // page_size]``. Pages may be shared with the radix tree or
+other sessions (reference counted); writing into a shared page first copies it (copy-on-write), so a shared page is
+never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from freetoken_agent.runtime.kv.pool import PagePool
+
+
+class PagedKVCache:
+    """Page-table view of one sequence. ``alloc`` supplies fresh pages (and may evict to find one)."""
+
+    def __init__(self, pool: PagePool, alloc: Callable[[], int]) -> None:
+        self.pool, self._alloc = pool, alloc
+        self.pages: list[int] = []
+        self.length = 0
+        self._pending = 0
+        self._prepared: tuple[int, int] | None = None
+
+    def _prepare(self, n: int) -> None:
+        """Make positions ``length..length+n`` writable: private last page, enough pages."""
+        ps, pool = self.pool.page_size, self.pool
+        first = self.length // ps
+        if first < len(self.pages) and pool.refs[self.pages[first]] > 1:
+            fresh = self._alloc()
+            pool.copy_page(self.pages[first], fresh)
+            pool.decref(self.pages[first])
+            self.pages[first] = fresh
+        while len(self.pages) * ps < self.length + n:
+            self.pages.append(self._alloc())
+        self._prepared = (self.length, n)
+
+    def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
+        n = parts[0].shape[0]
+        if self._prepared != (self.length, n):
+            self._prepare(n)
+        self.pool.write(layer, self.pages, self.length, parts)
+        self._pending = n
+        return self.pool.gather(layer, self.pages, self.length + n)
+
+    def advance(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+        self._prepared = None
+
+    def adopt(self, pages: list[int], length: int) -> None:
+        """Replace the contents with shared ``pages`` covering ``length`` positions (takes references)."""
+        self.release()
+        for page in pages:
+            self.pool.incref(page)
+        self.pages, self.length = list(pages), length
+
+    def truncate(self, length: int) -> None:
+        """Forget positions ≥ ``length``; pages no longer needed are released."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        keep = -(-length // self.pool.page_size)
+        for page in self.pages[keep:]:
+            self.pool.decref(page)
+        del self.pages[keep:]
+        self.length = length
+        self._prepared = None
+
+    def release(self) -> None:
+        self.truncate(0)
+
+    def nbytes(self) -> int:
+        return len(self.pages) * self.pool.bytes_per_page()

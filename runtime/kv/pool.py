@@ -1,0 +1,107 @@
+"""A preallocated pool of fixed-size KV pages for one memory tier.
+
+A page holds ``page_size`` consecutive positions for every layer. Per layer, the pool keeps one tensor per cached
+part (GQA: keys [P, page, Hkv, Dh] and values [P, page, Hkv, Dv]; MLA: latent [P, page, rank] and rotary key
+[P, page, R]). Part shapes are learned from the first write, so any mixer that caches per-position tensors works.
+Control is integers only: page ids, reference counts, a free list.
+
+Legend: P pages in the pool, S positions of a sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.runtime.errors import FreeTokenError
+
+
+class OutOfPages(FreeTokenError):
+    """The KV pool has no free page left (after eviction); raise the KV budget or shorten the context."""
+
+
+class PagePool:
+    """Fixed pool of ``num_pages`` pages on ``device``; pages are reference counted."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, device: torch.device | str = "cpu",
+                 tier: str = "device") -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("a page pool needs at least one page of at least one position")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.device, self.tier = torch.device(device), tier
+        self.data: list[list[torch.Tensor] | None] = [None] * num_layers
+        self.refs = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    # ------------------------------------------------------------------------------------------------ accounting
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self) -> int:
+        """A fresh page with reference count 1; raises ``OutOfPages`` when none is free."""
+        if not self._free:
+            raise OutOfPages(f"KV pool ({self.tier}) is full: all {self.num_pages} pages of {self.page_size} "
+                             "positions are in use")
+        page = self._free.pop()
+        self.refs[page] = 1
+        return page
+
+    def incref(self, page: int) -> None:
+        assert self.refs[page] > 0, f"incref of free page {page}"
+        self.refs[page] += 1
+
+    def decref(self, page: int) -> None:
+        assert self.refs[page] > 0, f"decref of free page {page}"
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self._free.append(page)
+
+    # ------------------------------------------------------------------------------------------------ data
+
+    def _layer(self, layer: int, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        store = self.data[layer]
+        if store is None:
+            # Normal (not inference-mode) tensors: pages are written both inside the decoder's inference mode and
+            # outside it (tier moves), which inference tensors would forbid.
+            with torch.inference_mode(False):
+                store = [torch.empty((self.num_pages, self.page_size, *p.shape[1:]), dtype=p.dtype,
+                                     device=self.device) for p in parts]
+            self.data[layer] = store
+        return store
+
+    def write(self, layer: int, pages: list[int], start: int, parts: tuple[torch.Tensor, ...]) -> None:
+        """Write ``parts`` (each [n, ...]) at sequence positions ``start..start+n`` of the page table ``pages``."""
+        store = self._layer(layer, parts)
+        n, ps = parts[0].shape[0], self.page_size
+        pos = torch.arange(start, start + n)
+        page_idx = torch.tensor(pages, dtype=torch.long)[pos // ps]
+        offset = pos % ps
+        for buf, p in zip(store, parts):
+            buf[page_idx.to(buf.device), offset.to(buf.device)] = p.to(buf.device)
+
+    def gather(self, layer: int, pages: list[int], length: int) -> list[torch.Tensor]:
+        """The first ``length`` positions of a page table, as contiguous tensors [S, ...]."""
+        store = self.data[layer]
+        assert store is not None, f"layer {layer} has never been written"
+        idx = torch.tensor(pages[: -(-length // self.page_size)], dtype=torch.long, device=self.device)
+        return [buf[idx].reshape(-1, *buf.shape[2:])[:length] for buf in store]
+
+    def copy_page(self, src: int, dst: int, other: PagePool | None = None) -> None:
+        """Copy page ``src`` of ``other`` (default: this pool) into page ``dst`` of this pool, every layer."""
+        source = other or self
+        for layer in range(self.num_layers):
+            s = source.data[layer]
+            if s is None:
+                continue
+            d = self._layer(layer, tuple(t[0] for t in s))
+            with torch.no_grad():
+                for dt, st in zip(d, s):
+                    dt[dst].copy_(st[src], non_blocking=True)
+
+    def bytes_per_page(self) -> int:
+        return sum(t[0].numel() * t.element_size() for store in self.data if store for t in store)

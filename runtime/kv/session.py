@@ -1,0 +1,318 @@
+"""Sessions: multi-turn generation that prefills only what the KV cache does not already hold.
+
+``KVManager`` (one per engine) owns the page pools (device tier, optional host tier), the radix prefix cache shared
+by all sessions, the keep/offload/drop policy for tool pauses, and the stats. A ``Session`` keeps an append-only
+token log whose KV sits in its page table; each turn reuses the longest prefix that the session or the radix tree
+holds, and falls back to the longest common prefix when the client's history diverged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from freetoken_agent.runtime.kv.paged import PagedKVCache
+from freetoken_agent.runtime.kv.pool import OutOfPages, PagePool
+from freetoken_agent.runtime.kv.radix import Node, RadixCache
+
+if TYPE_CHECKING:
+    from freetoken_agent.runtime.engine import Engine, TokenEvent
+    from freetoken_agent.runtime.generation.sampling import SamplingParams
+    from freetoken_agent.runtime.phase import Phase
+
+
+@dataclass
+class KVStats:
+    turns: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    """Prompt tokens served from cache (session or radix)."""
+    prefilled_tokens: int = 0
+    divergences: int = 0
+    offloads: int = 0
+    restores: int = 0
+    drops: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    """Time to first token of each turn, in order."""
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Sizing of the KV pools. ``host_pages`` > 0 adds a host tier that idle sessions can be offloaded to."""
+
+    page_size: int = 16
+    device_pages: int = 4096
+    host_pages: int = 0
+    prefill_tok_s_guess: float = 2000.0
+    """Recompute-cost estimate before any prefill has been measured."""
+    reload_gbps: float = 10.0
+    """Host→device copy bandwidth used to price an offloaded session's return (from the hardware probe)."""
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVManager:
+    """Page pools + radix cache + pause policy, shared by an engine's sessions."""
+
+    def __init__(self, num_layers: int, config: KVConfig, device: str = "cpu") -> None:
+        self.config = config
+        self.pool = PagePool(num_layers, config.device_pages, config.page_size, device, tier="device")
+        self.host = PagePool(num_layers, config.host_pages, config.page_size, "cpu", tier="host") \
+            if config.host_pages else None
+        self.radix = RadixCache(self.pool)
+        self.stats = KVStats()
+        self.sessions: dict[int, Session] = {}
+        self._next_id = 0
+
+    def alloc(self) -> int:
+        """A free device page, evicting unpinned radix leaves (LRU) when the pool is full."""
+        while True:
+            try:
+                return self.pool.alloc()
+            except OutOfPages:
+                if self.radix.evict(1) == 0:
+                    raise OutOfPages(
+                        f"KV pool is full ({self.pool.num_pages} pages × {self.pool.page_size} positions, all held "
+                        "by active sessions): raise the KV budget, close sessions or shorten the context"
+                    ) from None
+
+    def new_session(self, engine: Engine) -> Session:
+        self._next_id += 1
+        session = Session(engine, self, self._next_id)
+        self.sessions[session.id] = session
+        return session
+
+    def pressure(self) -> float:
+        return self.pool.num_used / self.pool.num_pages
+
+    def decide(self, session: Session, expected_s: float | None, prefill_tok_s: float) -> str:
+        """keep / offload / drop a pausing session's KV (the Continuum/InferCept trade-off)."""
+        tokens = session.cache.length
+        if expected_s is None or tokens == 0 or self.pressure() < 0.5:
+            return "keep"
+        recompute_s = tokens / max(prefill_tok_s, 1.0)
+        reload_s = session.cache.nbytes() / (self.config.reload_gbps * 1e9)
+        if self.host is not None and self.host.num_free >= len(session.cache.pages) and reload_s < recompute_s:
+            return "offload"
+        return "drop" if expected_s > 2 * recompute_s else "keep"
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        saved = s.prefix_hit_tokens
+        return {
+            "page_size": self.pool.page_size,
+            "pages_device_used": self.pool.num_used,
+            "pages_device_total": self.pool.num_pages,
+            "pages_host_used": self.host.num_used if self.host else 0,
+            "radix_nodes": self.radix.num_nodes,
+            "radix_evicted_pages": self.radix.evicted_pages,
+            "turns": s.turns,
+            "prefix_hit_tokens": saved,
+            "prefill_tokens": s.prefilled_tokens,
+            "prefix_hit_rate": round(saved / s.prompt_tokens, 4) if s.prompt_tokens else None,
+            "divergences": s.divergences,
+            "offloads": s.offloads,
+            "restores": s.restores,
+            "drops": s.drops,
+            "ttft_s": [round(t, 5) for t in s.ttft_s[-64:]],
+        }
+
+
+class Session:
+    """One conversation's KV state. Not thread-safe: one turn at a time."""
+
+    def __init__(self, engine: Engine, manager: KVManager, session_id: int) -> None:
+        self.engine, self.manager, self.id = engine, manager, session_id
+        self.cache = PagedKVCache(manager.pool, manager.alloc)
+        self.log: list[int] = []
+        """Token ids whose KV is in ``cache`` (``len(log) == cache.length``), append-only between turns."""
+        self._pinned: Node | None = None
+        self._offloaded: list[int] | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------------------------------------ turns
+
+    def _prepare(self, prompt: list[int]) -> int:
+        """Align the cache with ``prompt``; returns how many prompt positions are reused."""
+        stats = self.manager.stats
+        self.resume()
+        common = _lcp(prompt, self.log)
+        if common < len(self.log):
+            stats.divergences += 1
+            self.cache.truncate(common)
+            del self.log[common:]
+        match = self.manager.radix.match_prefix(prompt)
+        if match.length > len(self.log):
+            self.cache.adopt(match.pages, match.length)
+            self.log = list(prompt[: match.length])
+        if len(self.log) >= len(prompt):  # keep one token to feed: its logits start the reply
+            self.cache.truncate(len(prompt) - 1)
+            del self.log[len(prompt) - 1 :]
+        return len(self.log)
+
+    def _publish(self) -> None:
+        """Share the full pages of this session's log through the radix tree and pin that path."""
+        ps = self.manager.pool.page_size
+        full = len(self.log) // ps
+        node = self.manager.radix.insert(self.log[: full * ps], self.cache.pages[:full])
+        if self._pinned is not None:
+            self.manager.radix.unlock(self._pinned)
+        self.manager.radix.lock(node)
+        self._pinned = node
+
+    def iter_generate(
+        self, prompt: list[int], params: SamplingParams | None = None, phase: Phase | str | None = None,
+        **kwargs: Any,
+    ) -> Iterator[TokenEvent]:
+        """Generate a reply to ``prompt`` (the whole conversation so far, as token ids), reusing cached KV."""
+        if self.closed:
+            raise RuntimeError("session is closed")
+        if phase is not None:
+            self.engine.hint(phase)
+        prompt = [int(t) for t in prompt]
+        p = self.engine._params(params, kwargs)
+        stats = self.manager.stats
+        t0 = time.perf_counter()
+        reused = self._prepare(prompt)
+        stats.turns += 1
+        stats.prompt_tokens += len(prompt)
+        stats.prefix_hit_tokens += reused
+        stats.prefilled_tokens += len(prompt) - reused
+        generated: list[int] = []
+        first = True
+        try:
+            for ev in self.engine._decode(prompt, p, cache=self.cache):
+                if first:
+                    stats.ttft_s.append(time.perf_counter() - t0)
+                    first = False
+                generated.append(ev.token_id)
+                yield ev
+        finally:
+            self.log = (prompt + generated)[: self.cache.length]
+            self._publish()
+
+    def prefill_logits(self, prompt: list[int]) -> tuple[int, Any]:
+        """Verification path: align with ``prompt`` and prefill the rest; returns (reused, logits [T_new, V])."""
+        import torch
+
+        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+
+        prompt = [int(t) for t in prompt]
+        reused = self._prepare(prompt)
+        ids = torch.tensor(prompt)
+        dec = self.engine.decoder
+        try:
+            parts = [dec.logits(dec.forward(ids[i : i + PREFILL_CHUNK], self.cache))
+                     for i in range(reused, len(prompt), PREFILL_CHUNK)]
+        finally:
+            self.log = prompt[: self.cache.length]
+            self._publish()
+        return reused, torch.cat(parts)
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None, **kwargs: Any) -> Any:
+        """Blocking turn; returns the engine's ``GenerationResult``."""
+        from freetoken_agent.runtime.engine import GenerationResult
+
+        ids, pieces, reason = [], [], "length"
+        for ev in self.iter_generate(prompt, params, **kwargs):
+            ids.append(ev.token_id)
+            pieces.append(ev.text)
+            reason = ev.finish_reason or reason
+        return GenerationResult(ids, "".join(pieces), reason, len(prompt))
+
+    async def stream(self, prompt: list[int], params: SamplingParams | None = None, **kwargs: Any
+                     ) -> AsyncIterator[TokenEvent]:
+        """Async turn, one worker-thread step per token (cancellable between tokens)."""
+        import anyio.to_thread
+
+        steps = self.iter_generate(prompt, params, **kwargs)
+        done = object()
+        try:
+            while True:
+                ev = await anyio.to_thread.run_sync(next, steps, done)
+                if ev is done:
+                    return
+                yield ev  # type: ignore[misc]
+        finally:
+            steps.close()
+
+    # ------------------------------------------------------------------------------------------------ pauses
+
+    def hint(self, phase: Phase | str, expected_s: float | None = None) -> str:
+        """Phase hint from the agent. A ``tool`` phase pauses the session (see ``pause``); returns the decision."""
+        self.engine.hint(phase, expected_s)
+        return self.pause(expected_s) if str(getattr(phase, "value", phase)) == "tool" else "keep"
+
+    def pause(self, expected_s: float | None) -> str:
+        """A tool runs for about ``expected_s`` seconds: keep, offload to host, or drop this session's KV."""
+        rate = self.engine.stats().get("prefill_tok_s") or self.manager.config.prefill_tok_s_guess
+        decision = self.manager.decide(self, expected_s, rate)
+        if decision == "offload":
+            self._offload()
+        elif decision == "drop":
+            self.drop()
+        return decision
+
+    def _offload(self) -> None:
+        host, pool = self.manager.host, self.manager.pool
+        assert host is not None
+        if self._offloaded is not None:
+            return
+        pages = []
+        for page in self.cache.pages:
+            dst = host.alloc()
+            host.copy_page(page, dst, other=pool)
+            pages.append(dst)
+        length = self.cache.length
+        self.cache.release()
+        self.cache.length = length  # positions are remembered; pages come back on resume
+        self._offloaded = pages
+        if self._pinned is not None:  # the shared copies become evictable while we are away
+            self.manager.radix.unlock(self._pinned)
+            self._pinned = None
+        self.manager.stats.offloads += 1
+
+    def resume(self) -> None:
+        """Bring offloaded KV back to the device tier (no-op if nothing is offloaded)."""
+        if self._offloaded is None:
+            return
+        host, pool = self.manager.host, self.manager.pool
+        assert host is not None
+        pages = []
+        for src in self._offloaded:
+            dst = self.manager.alloc()
+            pool.copy_page(src, dst, other=host)
+            host.decref(src)
+            pages.append(dst)
+        self.cache.pages = pages
+        self._offloaded = None
+        self.manager.stats.restores += 1
+
+    def drop(self) -> None:
+        """Release this session's KV; its published pages stay in the radix tree until evicted."""
+        if self._offloaded is not None:
+            for page in self._offloaded:
+                self.manager.host.decref(page)  # type: ignore[union-attr]
+            self._offloaded = None
+        self.cache.release()
+        self.log = []
+        if self._pinned is not None:
+            self.manager.radix.unlock(self._pinned)
+            self._pinned = None
+        self.manager.stats.drops += 1
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.drop()
+        self.manager.stats.drops -= 1  # closing is not a pause decision
+        self.manager.sessions.pop(self.id, None)
+        self.closed = True
