@@ -4,6 +4,7 @@ Layouts seen in the wild, all addressed here by ``(layer, expert)``:
 - per-expert 2-D tensors: ``experts.{e}.gate_proj/up_proj/down_proj.weight`` or ``experts.{e}.w1/w3/w2.weight``;
 - fused 3-D tensors: ``experts.gate_up_proj`` [E, 2I, D] + ``experts.down_proj`` [E, D, I] (transformers ≥5),
   Granite's ``input_linear.weight`` / ``output_linear.weight`` (same shapes);
+- transposed fused: ``experts.gate_up_proj`` [E, D, 2I] (gate columns then up) + ``experts.down_proj`` [E, I, D];
 - GPT-OSS: ``experts.gate_up_proj`` [E, D, 2I] with gate/up interleaved by column, ``experts.down_proj`` [E, I, D],
   plus ``*_bias`` tensors.
 Normalized form: gate_up [2I, D] (gate rows, then up rows) and down [D, I] per expert, optional biases.
@@ -59,6 +60,12 @@ class ExpertSource:
                 _check(reader, biases[1], (e, d))
             self._load = lambda k: self._interleaved(gu, dn, biases, k)
             self.layout = "fused-interleaved"
+        elif fused_found and names.gate_up_layout == "concat_transposed":
+            gu, dn = (f"{prefix}.{n}" for n in fused_found)
+            _check(reader, gu, (e, d, 2 * i))
+            _check(reader, dn, (e, i, d))
+            self._load = lambda k: ExpertTensors(reader.get_row(gu, k).T, reader.get_row(dn, k).T)
+            self.layout = "fused-transposed"
         elif fused_found:
             gu, dn = (f"{prefix}.{n}" for n in fused_found)
             _check(reader, gu, (e, 2 * i, d))

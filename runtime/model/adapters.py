@@ -70,9 +70,15 @@ def _opt(cfg: Config, *names: str, default: Any = None) -> Any:
     return default
 
 
-def _rope_params(cfg: Config) -> dict[str, Any]:
-    """Normalize ``rope_parameters`` (transformers ≥5) and ``rope_scaling``/``rope_theta`` (older configs)."""
+def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
+    """Normalize ``rope_parameters`` (transformers ≥5) and ``rope_scaling``/``rope_theta`` (older configs).
+
+    Configs with one rope per layer type (``{"full_attention": {...}, "sliding_attention": {...}}``) are resolved
+    for ``layer_type`` (the first type when None).
+    """
     params = dict(cfg.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) or v is None for v in params.values()):
+        params = dict(params.get(layer_type) if layer_type else next(iter(params.values())) or {})
     legacy = cfg.get("rope_scaling") or {}
     for key, value in legacy.items():
         params.setdefault(key, value)
@@ -85,8 +91,9 @@ def _rope_params(cfg: Config) -> dict[str, Any]:
     return params
 
 
-def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | None = None) -> RopeSpec:
-    p = _rope_params(cfg)
+def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | None = None,
+          layer_type: str | None = None) -> RopeSpec:
+    p = _rope_params(cfg, layer_type)
     kind = p["rope_type"]
     if kind not in ("default", "linear", "yarn", "llama3"):
         raise ValueError(f"rope type {kind!r} is not supported")
@@ -119,7 +126,7 @@ def _head_dim(cfg: Config) -> int:
     return int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
 
 
-def _gqa(cfg: Config, style: str = "half", **overrides: Any) -> AttentionSpec:
+def _gqa(cfg: Config, style: str = "half", layer_type: str | None = None, **overrides: Any) -> AttentionSpec:
     head_dim = _head_dim(cfg)
     fields: dict[str, Any] = dict(
         kind="gqa",
@@ -128,7 +135,7 @@ def _gqa(cfg: Config, style: str = "half", **overrides: Any) -> AttentionSpec:
         head_dim=head_dim,
         v_head_dim=head_dim,
         scale=head_dim**-0.5,
-        rope=_rope(cfg, head_dim, style),
+        rope=_rope(cfg, head_dim, style, layer_type=layer_type),
     )
     fields.update(overrides)
     return AttentionSpec(**fields)
@@ -424,3 +431,7 @@ def minimax_m2(cfg: Config) -> ModelSpec:
     names = WeightNames(moe_prefix="block_sparse_moe", correction_bias="e_score_correction_bias")
     return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names,
                   ignored_tensors=_mtp_ignored(cfg))
+
+
+# Further families register themselves on import (kept in separate files by family).
+from freetoken_agent.runtime.model import families  # noqa: E402,F401

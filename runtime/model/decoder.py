@@ -49,14 +49,19 @@ class Decoder:
             h = h * spec.embedding_multiplier
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
             attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
-            x = rms_norm(h, lw.input_norm, spec.norm_eps)
+            x = self._norm(h, lw, "attn_in")
             x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+            x = self._norm(x, lw, "attn_out")
             h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
-            x = rms_norm(h, lw.post_norm, spec.norm_eps)
-            x = self._ffn(i, x, lw)
+            x = self._norm(h, lw, "ffn_in")
+            x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
             h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
         cache.advance()
         return rms_norm(h, w.norm, spec.norm_eps)
+
+    def _norm(self, x: torch.Tensor, lw: LayerWeights, role: str) -> torch.Tensor:
+        weight = lw.norms.get(role)
+        return x if weight is None else rms_norm(x, weight, self.spec.norm_eps)
 
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         layer = self.spec.layers[i]

@@ -31,6 +31,9 @@ def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
 def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
     """Gated MLP: down(act(gate(x)) * up(x))."""
     act = _ACT[spec.activation]
+    if spec.fused:
+        gate, up = linear(x, w, "input_linear").chunk(2, dim=-1)
+        return linear(act(gate) * up, w, "output_linear")
     return linear(act(linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
 
 
@@ -75,11 +78,13 @@ def gqa_attention(
     q = q.view(t, spec.num_heads, spec.head_dim)
     k = k.view(t, spec.num_kv_heads, spec.head_dim)
     v = v.view(t, spec.num_kv_heads, spec.v_head_dim)
-    if spec.qk_norm == "head":
+    if spec.qk_norm == "head" and not spec.qk_norm_after_rope:
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     if rotary is not None:
         cos, sin = rotary.cos_sin(positions)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+    if spec.qk_norm == "head" and spec.qk_norm_after_rope:
+        q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     k_all, v_all = cache.append(layer, k, v)
     out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"))
     return linear(out, w, "o_proj")

@@ -63,6 +63,8 @@ class AttentionSpec:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     lora_bias: bool = False
+    qk_norm_after_rope: bool = False
+    """Apply the per-head q/k norm after rotary instead of before (Hunyuan)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class MLPSpec:
     intermediate: int
     activation: Activation = "silu"
     bias: bool = False
+    fused: bool = False
+    """Granite-style ``input_linear`` [2I, D] (gate rows then up rows) and ``output_linear`` instead of three."""
 
 
 @dataclass(frozen=True)
@@ -136,11 +140,22 @@ class WeightNames:
     correction_bias: str = "gate.e_score_correction_bias"
     shared: str = "shared_experts"
     shared_gate: str = "shared_expert_gate"
-    gate_up_layout: Literal["concat", "interleaved_transposed"] = "concat"
+    gate_up_layout: Literal["concat", "concat_transposed", "interleaved_transposed"] = "concat"
     """Fused 3-D layout: ``concat`` = [E, 2I, D] gate rows then up rows; ``interleaved_transposed`` = [E, D, 2I]
-    with gate/up alternating columns and down stored as [E, I, D] (GPT-OSS)."""
+    with gate/up alternating columns and down stored as [E, I, D] (GPT-OSS); ``concat_transposed`` = [E, D, 2I] with
+    gate columns then up columns and down [E, I, D]."""
     fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
     """Names of fused 3-D expert tensors under the MoE prefix (without ``.weight``)."""
+    shared_at_layer: bool = False
+    """The shared expert lives at ``model.layers.{i}.{shared}`` rather than under the MoE prefix (Granite)."""
+    attn_in_norm: str | None = "input_layernorm"
+    """Norm applied to the residual stream before attention (None: no pre-attention norm)."""
+    attn_out_norm: str | None = None
+    """Norm applied to the attention output before the residual add (OLMo-2 style post-norm, sandwich norms)."""
+    ffn_in_norm: str | None = "post_attention_layernorm"
+    ffn_out_norm: str | None = None
+    q_norm: str = "q_norm"
+    k_norm: str = "k_norm"
 
 
 @dataclass(frozen=True)

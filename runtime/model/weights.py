@@ -32,8 +32,8 @@ class MoEWeights:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    norms: dict[str, torch.Tensor]
+    """Keyed by role: ``attn_in``, ``attn_out``, ``ffn_in``, ``ffn_out`` (only those the spec names)."""
     attn: dict[str, torch.Tensor]
     mlp: dict[str, torch.Tensor] | None = None
     moe: MoEWeights | None = None
@@ -74,12 +74,16 @@ class _Loader:
 
     def mlp(self, prefix: str, spec: MLPSpec, d: int) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
+        if spec.fused:
+            self.linear(w, prefix, "input_linear", 2 * spec.intermediate, d, spec.bias)
+            self.linear(w, prefix, "output_linear", d, spec.intermediate, spec.bias)
+            return w
         self.linear(w, prefix, "gate_proj", spec.intermediate, d, spec.bias)
         self.linear(w, prefix, "up_proj", spec.intermediate, d, spec.bias)
         self.linear(w, prefix, "down_proj", d, spec.intermediate, spec.bias)
         return w
 
-    def attention(self, prefix: str, a: AttentionSpec, d: int) -> dict[str, torch.Tensor]:
+    def attention(self, prefix: str, a: AttentionSpec, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
         if a.kind == "mla":
             if a.q_lora_rank is None:
@@ -100,8 +104,8 @@ class _Loader:
         if a.qk_norm != "none":
             q_dim = a.head_dim if a.qk_norm == "head" else a.num_heads * a.head_dim
             k_dim = a.head_dim if a.qk_norm == "head" else a.num_kv_heads * a.head_dim
-            w["q_norm.weight"] = self.take(f"{prefix}.q_norm.weight", (q_dim,))
-            w["k_norm.weight"] = self.take(f"{prefix}.k_norm.weight", (k_dim,))
+            w["q_norm.weight"] = self.take(f"{prefix}.{names.q_norm}.weight", (q_dim,))
+            w["k_norm.weight"] = self.take(f"{prefix}.{names.k_norm}.weight", (k_dim,))
         if a.sinks:
             w["sinks"] = self.take(f"{prefix}.sinks", (a.num_heads,))
         return w
@@ -118,7 +122,7 @@ class _Loader:
             down_bias=cast([p.down_bias for p in parts]) if m.expert_bias else None,
         )
 
-    def moe(self, prefix: str, layer: LayerSpec, spec: ModelSpec) -> MoEWeights:
+    def moe(self, prefix: str, layer: LayerSpec, spec: ModelSpec, layer_prefix: str) -> MoEWeights:
         m, names, d = layer.moe, spec.names, spec.hidden_size
         assert m is not None
         router = {"weight": self.take(f"{prefix}.{names.router}.weight", (m.num_experts, d))}
@@ -133,7 +137,8 @@ class _Loader:
             correction = self.take(name, shape, torch.float32).reshape(-1)
         weights = MoEWeights(router, correction, self.experts(prefix, m, names, d))
         if m.shared is not None:
-            weights.shared = self.mlp(f"{prefix}.{names.shared}", m.shared, d)
+            base = layer_prefix if names.shared_at_layer else prefix
+            weights.shared = self.mlp(f"{base}.{names.shared}", m.shared, d)
         if m.shared_gate:
             weights.shared_gate = self.take(f"{prefix}.{names.shared_gate}.weight", (1, d))
         return weights
@@ -200,13 +205,15 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     layers = []
     for i, layer in enumerate(spec.layers):
         p = f"model.layers.{i}"
+        n = spec.names
+        roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
+                 "ffn_out": n.ffn_out_norm}
         lw = LayerWeights(
-            input_norm=ld.take(f"{p}.input_layernorm.weight", (d,)),
-            post_norm=ld.take(f"{p}.post_attention_layernorm.weight", (d,)),
-            attn=ld.attention(f"{p}.self_attn", layer.attention, d),
+            norms={role: ld.take(f"{p}.{name}.weight", (d,)) for role, name in roles.items() if name},
+            attn=ld.attention(f"{p}.self_attn", layer.attention, d, n),
         )
         if layer.moe is not None:
-            lw.moe = ld.moe(f"{p}.{spec.names.moe_prefix}", layer, spec)
+            lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
         else:
             assert layer.mlp is not None
             lw.mlp = ld.mlp(f"{p}.mlp", layer.mlp, d)

@@ -1,0 +1,3 @@
+"""Adapters for the architectures beyond the core twelve, grouped by family; importing registers them."""
+
+from freetoken_agent.runtime.model.families import softmax  # noqa: F401

@@ -1,0 +1,111 @@
+"""Softmax-router MoE families beyond the core: OLMo-style post-norm, Mellum, Hunyuan, Aria, Granite variants."""
+
+from __future__ import annotations
+
+from freetoken_agent.runtime.model.adapters import (
+    Config,
+    _act,
+    _gqa,
+    _head_dim,
+    _layer_types,
+    _model,
+    _opt,
+    _req,
+    adapter,
+)
+from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
+
+
+def _softmax_moe(cfg: Config, inter: int, norm_topk: bool, **fields: object) -> MoESpec:
+    return MoESpec(
+        num_experts=int(_req(cfg, "num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")),
+        top_k=int(_req(cfg, "num_experts_per_tok", "moe_topk", "moe_k")),
+        intermediate=inter,
+        router=RouterSpec(scoring="softmax", norm_topk=norm_topk),
+        activation=_act(cfg),  # type: ignore[arg-type]
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@adapter("flex_olmo")
+def flex_olmo(cfg: Config) -> ModelSpec:
+    moe = _softmax_moe(cfg, int(cfg["intermediate_size"]), bool(cfg.get("norm_topk_prob", False)))
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
+    names = WeightNames(attn_in_norm=None, attn_out_norm="post_attention_layernorm", ffn_in_norm=None,
+                        ffn_out_norm="post_feedforward_layernorm")
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
+
+
+@adapter("mellum")
+def mellum(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    moe = _softmax_moe(cfg, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)))
+    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg))  # type: ignore[arg-type]
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
+    bias = bool(cfg.get("attention_bias", False))
+    layers = []
+    for i in range(n):
+        attn = _gqa(cfg, layer_type=types[i], qkv_bias=bias, o_bias=bias, qk_norm="head",
+                    sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention" else None)
+        layers.append(LayerSpec(attention=attn, moe=moe) if mlp_types[i] == "sparse" else
+                      LayerSpec(attention=attn, mlp=dense))
+    return _model(cfg, layers, ignored_tensors=(r"^mtp\.",))
+
+
+@adapter("hunyuan_v1_moe")
+def hunyuan_v1_moe(cfg: Config) -> ModelSpec:
+    inter = int(cfg["intermediate_size"])
+    moe = _softmax_moe(cfg, inter, True, shared=MLPSpec(inter, _act(cfg)))  # type: ignore[arg-type]
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
+    names = WeightNames(router="gate.wg", shared="shared_mlp", q_norm="query_layernorm", k_norm="key_layernorm")
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
+
+
+@adapter("aria_text")
+def aria_text(cfg: Config) -> ModelSpec:
+    inter = int(cfg["intermediate_size"])
+    shared_n = int(cfg.get("moe_num_shared_experts") or 0)
+    moe = MoESpec(
+        num_experts=int(cfg["moe_num_experts"]), top_k=int(cfg["moe_topk"]), intermediate=inter,
+        router=RouterSpec(scoring="none", topk_before_scoring=True), activation="silu",
+        shared=MLPSpec(inter * shared_n, _act(cfg), bias=bool(cfg.get("mlp_bias", False))) if shared_n else None,  # type: ignore[arg-type]
+    )
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias)
+    names = WeightNames(router="router", gate_up_layout="concat_transposed",
+                        fused_names=("experts.fc1.weight", "experts.fc2.weight"))
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
+
+
+@adapter("granitemoeshared", "granitemoe_swa")
+def granite_shared(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    shared = int(cfg.get("shared_intermediate_size") or 0)
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="none", topk_before_scoring=True),
+        activation=_act(cfg),  # type: ignore[arg-type]
+        shared=MLPSpec(shared, _act(cfg), fused=True) if shared else None,  # type: ignore[arg-type]
+    )
+    swa = cfg["model_type"] == "granitemoe_swa"
+    sliding = _layer_types(cfg)
+    thetas = cfg.get("layer_rope_theta")
+    bias = bool(cfg.get("attention_bias", False))
+    layers = []
+    for i in range(n):
+        attn = _gqa({**cfg, "rope_theta": thetas[i], "rope_parameters": None} if thetas else cfg,
+                    qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)), sinks=swa,
+                    sliding_window=cfg.get("sliding_window") if sliding[i] else None)
+        layers.append(LayerSpec(attention=attn, moe=moe))
+    names = WeightNames(moe_prefix="block_sparse_moe", router="router" if swa else "router.layer", shared="shared_mlp",
+                        shared_at_layer=True, fused_names=("input_linear.weight", "output_linear.weight"))
+    return _model(
+        cfg, layers,
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+        names=names,
+    )
