@@ -37,7 +37,12 @@ class Result:
 
 @dataclass
 class Report:
-    """All rows plus the memory read bandwidth measured in the same run (per thread count)."""
+    """All rows plus the memory read bandwidth measured in the same run (per thread count).
+
+    The read bandwidth is timed as one more path inside every row's round-robin (reading as many bytes as the
+    q4 weight, from a 256 MiB buffer), so each row's ``fraction_of_read_bw`` compares like with like under the
+    same load; ``memory_read_gbps_by_threads`` is the median over rows, ``memory_read_gbps`` the largest.
+    """
 
     memory_read_gbps: float
     memory_read_gbps_by_threads: dict[str, float]
@@ -92,21 +97,37 @@ def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
     return paths
 
 
-def time_paths(paths: list[Path], reps: int, budget_s: float) -> list[float]:
-    """Median seconds per call of each path, timed round-robin after one warm-up pass."""
+def time_paths(paths: list[Path], reps: int, budget_s: float, batch: int = 5) -> list[float]:
+    """Median seconds per call of each path, timed round-robin in batches.
+
+    Each round runs every path for one untimed call (its thread pool wakes up, the previous path's pool goes
+    idle) and then ``batch`` timed calls, each on the next weight copy.
+    """
     times: list[list[float]] = [[] for _ in paths]
-    for p in paths:
-        p.run(0)
+    cursor = [0] * len(paths)
     start = time.perf_counter()
-    for r in range(reps):
+    for r in range(max(1, reps // batch)):
         for j, p in enumerate(paths):
-            i = (r + 1) % p.copies
-            t0 = time.perf_counter()
-            p.run(i)
-            times[j].append(time.perf_counter() - t0)
-        if r >= 5 and time.perf_counter() - start > budget_s:
+            p.run(cursor[j] % p.copies)
+            for _ in range(batch):
+                cursor[j] += 1
+                i = cursor[j] % p.copies
+                t0 = time.perf_counter()
+                p.run(i)
+                times[j].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
             break
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def read_path(nbytes: int, buf: torch.Tensor) -> Path:
+    """Streaming read of ``nbytes`` (one weight's size) from a different place of ``buf`` each call."""
+    from freetoken_agent.runtime.kernels import ops
+
+    copies = max(1, buf.numel() // nbytes)
+    lib = ops._lib()
+    base = buf.data_ptr()
+    return Path("memory-read", "-", nbytes, copies, lambda i: lib.ft_read_bandwidth(base + i * nbytes, nbytes, 1))
 
 
 def moe_layer_paths(threads: int) -> list[Path]:
@@ -168,30 +189,35 @@ def run(
     torch_threads = torch.get_num_threads()
     bw: dict[str, float] = {}
     results: list[Result] = []
+    read_buf = torch.ones(max(working_set, 64 << 20), dtype=torch.uint8)
     try:
         for th in threads:
             ops.set_threads(th)
             torch.set_num_threads(th)
-            bw[str(th)] = ops.read_bandwidth_gbps(max(working_set, 64 << 20), reps=5)
+            reads: list[float] = []
             for n, k in shapes:
                 for m in m_values:
                     x = torch.randn(m, k)
                     paths = our_paths(n, k, m, x)
                     if peer is not None:
                         paths += peer.paths(n, k, m, x, th, _copies)
+                    paths.append(read_path(paths[0].nbytes, read_buf))
                     secs = time_paths(paths, reps, budget_s)
-                    for p, s in zip(paths, secs):
-                        gbps = p.nbytes / s / 1e9
-                        results.append(Result(p.kernel, p.fmt, f"{n}x{k}", m, th, gbps, s, gbps / bw[str(th)]))
+                    read_gbps = paths[-1].nbytes / secs[-1] / 1e9
+                    reads.append(read_gbps)
+                    for p, sec in zip(paths[:-1], secs[:-1]):
+                        gbps = p.nbytes / sec / 1e9
+                        results.append(Result(p.kernel, p.fmt, f"{n}x{k}", m, th, gbps, sec, gbps / read_gbps))
                     if progress:
                         progress(f"threads={th} {n}x{k} M={m} done")
                     del paths
                     if peer is not None:
                         peer.release()
+            bw[str(th)] = sorted(reads)[len(reads) // 2]
             layer = moe_layer_paths(th) if moe_layer else []
-            for p, s in zip(layer, time_paths(layer, reps, budget_s)):
-                gbps = p.nbytes / s / 1e9
-                results.append(Result(p.kernel, p.fmt, "E64xK8 D2048 I768", 1, th, gbps, s, gbps / bw[str(th)]))
+            for p, sec in zip(layer, time_paths(layer, reps, budget_s)):
+                gbps = p.nbytes / sec / 1e9
+                results.append(Result(p.kernel, p.fmt, "E64xK8 D2048 I768", 1, th, gbps, sec, gbps / bw[str(th)]))
     finally:
         torch.set_num_threads(torch_threads)
         from freetoken_agent.runtime.kernels.threads import default_threads

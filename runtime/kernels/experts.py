@@ -165,6 +165,8 @@ class QuantizedExperts:
                 f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
             )
         x = x.to(torch.float32)
+        if self.fused and topk_ids.numel() < self.dequant_threshold:  # decode: no expert can reach the threshold
+            return ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, topk_ids, topk_weights)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)  # [E]
         threshold = self.dequant_threshold if self.packed else 1
         dense = (counts >= threshold).nonzero().flatten().tolist()

@@ -259,6 +259,8 @@ typedef struct {
     const float *s_weight;
     qact qx, qa;
     float *h;   /* [S, n13] gate|up outputs (n13 = 2I padded to tiles) */
+    float *y;   /* [S, nD] down outputs per slot (nD = D padded to tiles) */
+    int64_t nD, chunks2, n_slots;
     float *out; /* [T, D] */
 } moe_ctx;
 
@@ -297,21 +299,29 @@ static void moe_act_item(void *p, int64_t s) {
     }
 }
 
+/* item = (group, chunk of output rows): y[s, rows] for the group's slots, streaming one expert's rows like
+ * gate_up does (a row-chunk loop over all experts would jump between E short streams and starve the prefetcher) */
 static void moe_down_item(void *p, int64_t item) {
     const moe_ctx *c = (const moe_ctx *)p;
-    int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt), ntiles = (c->D + TR - 1) / TR;
-    int64_t t0 = item * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
+    int64_t g = item / c->chunks2, chunk = item % c->chunks2;
+    const uint8_t *base = c->w2 + c->g_expert[g] * c->w2_stride;
+    int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt), ntiles = c->nD / TR;
+    int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
-    float o[TR];
-    for (int64_t g = 0; g < c->n_groups; g++) {
-        const uint8_t *base = c->w2 + c->g_expert[g] * c->w2_stride;
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t s = c->g_start[g]; s < c->g_start[g + 1]; s++) {
-                c->dot(base + t * tile_stride, c->nbI, c->qa.q + s * c->nbI * QK, c->qa.d + s * c->nbI,
-                       c->qa.s + s * c->nbI, o);
-                float *y = c->out + c->s_token[s] * c->D + t * TR;
-                for (int r = 0; r < TR && t * TR + r < c->D; r++) y[r] += c->s_weight[s] * o[r];
-            }
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t s = c->g_start[g]; s < c->g_start[g + 1]; s++)
+            c->dot(base + t * tile_stride, c->nbI, c->qa.q + s * c->nbI * QK, c->qa.d + s * c->nbI,
+                   c->qa.s + s * c->nbI, c->y + s * c->nD + t * TR);
+}
+
+/* out[t, :] = sum over t's slots of weight * y[s, :]; item = one token (slots of a token are found by scan) */
+static void moe_combine_item(void *p, int64_t t) {
+    const moe_ctx *c = (const moe_ctx *)p;
+    float *o = c->out + t * c->D;
+    for (int64_t s = 0; s < c->n_slots; s++) {
+        if (c->s_token[s] != t) continue;
+        const float w = c->s_weight[s], *y = c->y + s * c->nD;
+        for (int64_t j = 0; j < c->D; j++) o[j] += w * y[j];
     }
 }
 
@@ -361,16 +371,22 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     c.chunks13 = (c.n13 + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     c.n_groups = G; c.g_expert = g_expert; c.g_start = g_start; c.s_token = s_token; c.s_weight = s_weight;
     c.out = out;
+    c.nD = (D + TR - 1) / TR * TR;
+    c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    c.n_slots = S;
     c.h = (float *)malloc(sizeof(float) * (size_t)(S * c.n13));
-    if (!c.h || !qact_alloc(&c.qx, T, D) || !qact_alloc(&c.qa, S, I)) { rc = -1; goto done; }
+    c.y = (float *)malloc(sizeof(float) * (size_t)(S * c.nD));
+    if (!c.h || !c.y || !qact_alloc(&c.qx, T, D) || !qact_alloc(&c.qa, S, I)) { rc = -1; goto done; }
     for (int64_t t = 0; t < T; t++)
         quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
     ft_parallel_for(moe_gate_up_item, &c, G * c.chunks13);
     if (S >= 8) ft_parallel_for(moe_act_item, &c, S);
     else for (int64_t s = 0; s < S; s++) moe_act_item(&c, s);
-    ft_parallel_for(moe_down_item, &c, (D + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
+    ft_parallel_for(moe_down_item, &c, G * c.chunks2);
+    if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
+    else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
 done:
-    free(c.h); qact_free(&c.qx); qact_free(&c.qa);
+    free(c.h); free(c.y); qact_free(&c.qx); qact_free(&c.qa);
     free(count); free(g_expert); free(g_start); free(s_token); free(s_weight);
     return rc;
 }
