@@ -7,6 +7,7 @@ SWE-bench-style tool.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 from freetoken_agent.evals.suites.spec import SuiteTask, materialize
@@ -23,9 +24,11 @@ def suite_tasks(name: str) -> list[SuiteTask]:
     return list(importlib.import_module(SUITES[name]).TASKS)
 
 
-def materialize_suite(name: str, dest: Path) -> Path:
-    """Write the suite's repositories under ``dest/repos`` and its tasks to ``dest/<name>.jsonl``."""
-    return materialize(suite_tasks(name), name, dest)
+def materialize_suite(name: str, dest: Path, only: Callable[[str], bool] | None = None) -> Path:
+    """Write the suite's repositories under ``dest/repos`` and its tasks to ``dest/<name>.jsonl`` (only the tasks
+    whose instance id ``only`` accepts, when given)."""
+    specs = [s for s in suite_tasks(name) if only is None or only(f"{name}__{s.name}")]
+    return materialize(specs, name, dest)
 
 
 __all__ = ["SUITES", "SuiteTask", "materialize_suite", "suite_tasks"]

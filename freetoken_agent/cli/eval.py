@@ -133,24 +133,31 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("give a suite name or a task file (or --compare RUN_A RUN_B)")
     model = _check(args)
     label, tasks_file = _resolve_target(args.target)
+    wanted = [w.strip() for w in (args.tasks or "").split(",") if w.strip()]
+
+    def selected(instance_id: str) -> bool:
+        return not wanted or any(w == instance_id or w in instance_id for w in wanted)
+
+    if tasks_file is None:
+        from freetoken_agent.evals.suites import materialize_suite, suite_tasks
+
+        ids = [f"{label}__{spec.name}" for spec in suite_tasks(label)]
+    else:
+        file_tasks = load_tasks(tasks_file)
+        ids = [t.instance_id for t in file_tasks]
+    if not any(map(selected, ids)):
+        raise CLIError(f"--tasks {args.tasks!r} matches no task")
     safe_agent = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.agent)
     out: Path = args.out or Path("freetoken-evals") / f"{Path(args.target).stem}-{safe_agent}-" \
                                                       f"{time.strftime('%Y%m%d-%H%M%S')}"
     store = RunStore(out)
     meta = {"tasks": label, "agent": args.agent, "model": model, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    store.check(meta, args.resume)  # a bad folder is reported before a model is loaded
+    store.check(meta, args.resume)  # bad input is reported before a model is loaded or a file written
     agent = _make_agent(args)
     done = store.start(meta, args.resume)
     if tasks_file is None:  # a built-in suite: (re)build its repositories; commits are deterministic
-        from freetoken_agent.evals.suites import materialize_suite
-
-        tasks_file = materialize_suite(label, out / "suite")
-    tasks = load_tasks(tasks_file)
-    if args.tasks:
-        wanted = [w.strip() for w in args.tasks.split(",") if w.strip()]
-        tasks = [t for t in tasks if any(w == t.instance_id or w in t.instance_id for w in wanted)]
-        if not tasks:
-            raise CLIError(f"--tasks {args.tasks!r} matches no task")
+        file_tasks = load_tasks(materialize_suite(label, out / "suite", selected))
+    tasks = [t for t in file_tasks if selected(t.instance_id)]
     todo = [t for t in tasks if t.instance_id not in done]
     if done:
         print(f"resuming {out}: {len(tasks) - len(todo)} of {len(tasks)} tasks already have results", file=sys.stderr)
