@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,6 +73,7 @@ class AgentRun:
 
         self.agent = agent
         self.task = task
+        self.run_id = f"run-{uuid.uuid4().hex[:12]}"
         tools = agent.tools
         self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
         self.schemas = self.registry.schemas()
@@ -106,7 +108,8 @@ class AgentRun:
             self._deadline = anyio.current_time() + limits.max_wall_s
         if self._path is not None:
             self._trajectory = TrajectoryWriter(self._path)
-            self._trajectory.write({"type": "run_started", "task": self.task, "tools": self.registry.names,
+            self._trajectory.write({"type": "run_started", "run_id": self.run_id, "task": self.task,
+                                    "tools": self.registry.names,
                                     "backend": type(self.agent.backend).__name__, "limits": asdict(limits),
                                     "sampling": asdict(self.agent.sampling)})
         self._add({"role": "system", "content": self.agent.instructions})
@@ -148,12 +151,13 @@ class AgentRun:
         """One model call: stream its events, then record the assistant message and what to run."""
         limits, sampling = self.agent.limits, self.agent.sampling
         self._done = False
-        event = self._set_phase(Phase.PLAN)
+        event = self._set_phase(Phase.PLAN, always_hint=True)  # every model call is announced, even plan → plan
         if event:
             yield event
         budget = min(limits.max_tokens_per_step, limits.max_tokens - self.usage.completion_tokens)
         request = GenerateRequest(messages=list(self.messages), tools=self.schemas, max_tokens=budget,
-                                  temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+                                  temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                                  session=self.run_id)
         step = _Step(started=time.monotonic())
         stream = self.agent.backend.generate(request).__aiter__()
         try:
@@ -290,7 +294,7 @@ class AgentRun:
     def _set_phase(self, phase: Phase, expected_s: float | None = None, always_hint: bool = False) -> Any:
         if phase is self.phase and not always_hint:
             return None
-        self.agent.backend.hint(phase, expected_s)
+        self.agent.backend.hint(phase, expected_s, session=self.run_id)
         if phase is self.phase:
             return None
         self.phase = phase
@@ -307,6 +311,7 @@ class AgentRun:
         return event
 
     def _finish(self, stop_reason: str, error: str | None) -> RunResult:
+        self.agent.backend.end_session(self.run_id)
         if not self.final_message:
             last = next((m for m in reversed(self.messages) if m["role"] == "assistant"), None)
             self.final_message = str(last["content"]) if last else ""

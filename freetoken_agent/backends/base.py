@@ -29,6 +29,8 @@ class GenerateRequest:
     seed: int | None = None
     stop: Sequence[str] = ()
     prompt: str | None = None
+    session: str | None = None
+    """Conversation key: requests with the same key continue one conversation (a local engine keeps its KV)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,12 @@ class Backend(Protocol):
         """Stream parsed events for ``request``; the last one is a :class:`GenerationDone`."""
         ...
 
-    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
-        """The next phase of the agent (a no-op for backends that cannot use it)."""
+    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
+        """The next phase of the agent in conversation ``session`` (a no-op for backends that cannot use it)."""
+        ...
+
+    def end_session(self, session: str) -> None:
+        """Conversation ``session`` is over: release what was kept for it."""
         ...
 
     def stats(self) -> dict[str, Any] | None:
@@ -97,8 +103,11 @@ class TextBackend:
             done = GenerationDone("tool_calls", done.usage)
         yield done
 
-    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
+    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
         """Text backends without an engine ignore hints."""
+
+    def end_session(self, session: str) -> None:
+        """Nothing is kept per conversation."""
 
     def stats(self) -> dict[str, Any] | None:
         return None

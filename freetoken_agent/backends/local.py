@@ -7,6 +7,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+
 from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import detect_format
 from freetoken_agent.events import Usage
@@ -37,7 +39,9 @@ class LocalEngine(TextBackend):
     """A backend around a runtime ``Engine`` in this process.
 
     The prompt is rendered with the model's chat template (tools included); tool calls are parsed in the format
-    the template reveals (or ``tool_format``); phase hints go to the engine.
+    the template reveals (or ``tool_format``). Each conversation (``request.session``, the agent's run id) gets an
+    engine session, so a turn prefills only what its cached prefix does not cover; phase hints go to that session
+    (a ``tool`` hint lets it keep, offload or drop its KV while the tool runs). Generations run one at a time.
     """
 
     def __init__(self, engine: Any, tool_format: str | None = None) -> None:
@@ -45,6 +49,9 @@ class LocalEngine(TextBackend):
         config = {"model_type": getattr(getattr(engine, "spec", None), "model_type", "")}
         self.tool_format = tool_format or detect_format(engine.chat_template, config)
         self._eos = set(engine.eos_token_ids)
+        self._sessions: dict[str, Any] = {}
+        self._lock = anyio.Lock()
+        self.pause_decisions: list[str] = []  # what the engine chose at each tool pause (keep/offload/drop)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
@@ -54,8 +61,26 @@ class LocalEngine(TextBackend):
 
         return cls(Engine.from_pretrained(path, device=device, dtype=dtype, require_tokenizer=True), tool_format)
 
-    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
-        self.engine.hint(phase, expected_s)
+    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
+        engine_session = self._sessions.get(session) if session is not None else None
+        if engine_session is None:
+            self.engine.hint(phase, expected_s)
+            return
+        decision = engine_session.hint(phase, expected_s)
+        if phase is Phase.TOOL:
+            self.pause_decisions.append(decision)
+
+    def end_session(self, session: str) -> None:
+        engine_session = self._sessions.pop(session, None)
+        if engine_session is not None:
+            engine_session.close()
+
+    def _session(self, key: str | None) -> Any:
+        if key is None:
+            return None
+        if key not in self._sessions:
+            self._sessions[key] = self.engine.session()
+        return self._sessions[key]
 
     def stats(self) -> dict[str, Any] | None:
         return self.engine.stats()
@@ -73,13 +98,26 @@ class LocalEngine(TextBackend):
         sampling = {"max_new_tokens": request.max_tokens, "temperature": 0.0 if greedy else request.temperature,
                     "top_p": 1.0 if greedy else request.top_p, "seed": request.seed, "stop": tuple(request.stop)}
         count, finish = 0, "length"
-        async for event in self.engine.stream(ids, **sampling):
-            count += 1
+        async with self._lock:
+            async for chunk in self._stream(ids, request.session, sampling):
+                if isinstance(chunk, TextChunk):
+                    count += 1
+                    if chunk.text:
+                        yield chunk
+                else:
+                    finish = chunk
+        yield GenerationDone(finish, Usage(len(ids), count))
+
+    async def _stream(self, ids: list[int], key: str | None, sampling: dict[str, Any]) -> AsyncIterator[Any]:
+        """Token texts (end-of-sequence text removed), then the finish reason."""
+        session = self._session(key)
+        events = session.stream(ids, **sampling) if session is not None else self.engine.stream(ids, **sampling)
+        finish = "length"
+        async for event in events:
             text = event.text
             if event.finish_reason == "stop" and event.token_id in self._eos:
                 eos_text = self.engine.tokenizer.decode([event.token_id])
                 text = text[: -len(eos_text)] if eos_text and text.endswith(eos_text) else text
-            if text:
-                yield TextChunk(text)
+            yield TextChunk(text)
             finish = event.finish_reason or finish
-        yield GenerationDone(finish, Usage(len(ids), count))
+        yield finish

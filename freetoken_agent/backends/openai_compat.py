@@ -35,8 +35,11 @@ class OpenAICompatible:
         self.timeout_s = timeout_s
         self.extra_body = dict(extra_body or {})
 
-    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
+    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
         """Remote engines do not take phase hints."""
+
+    def end_session(self, session: str) -> None:
+        """The server keeps no per-conversation state we could release."""
 
     def stats(self) -> dict[str, Any] | None:
         return None

@@ -30,7 +30,7 @@ def _count_words(messages: list[dict[str, Any]]) -> int:
 class ScriptedBackend(TextBackend):
     """Answers each model call with the next scripted turn, streamed word by word (one word = one "token").
 
-    ``requests`` and ``hints`` record what the loop sent, so a test or demo can show exactly what the model saw.
+    ``requests``, ``hints`` and ``ended`` record what the loop sent, so a test or demo can show exactly what the model saw.
     ``delay_s`` sleeps between tokens (to exercise cancellation and time limits). When the script runs out, the
     call fails with :class:`~freetoken_agent.errors.BackendError`.
     """
@@ -41,6 +41,7 @@ class ScriptedBackend(TextBackend):
         self.delay_s = delay_s
         self.requests: list[GenerateRequest] = []
         self.hints: list[tuple[Phase, float | None]] = []
+        self.ended: list[str] = []  # conversations the loop closed
         self._next = 0
         self._pending: str | None = None  # the turn chosen by ``generate`` for ``stream_text``
 
@@ -51,8 +52,11 @@ class ScriptedBackend(TextBackend):
 
         return cls(assistant_turns(path))
 
-    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
+    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
         self.hints.append((phase, expected_s))
+
+    def end_session(self, session: str) -> None:
+        self.ended.append(session)
 
     @property
     def remaining(self) -> int:

@@ -26,6 +26,9 @@ from freetoken_agent.server.protocol import (
 class OpenAIServer:
     """Serves one backend under one model id."""
 
+    session_key = "openai-server"
+    """All requests share one engine conversation: consecutive turns of a client reuse its KV prefix."""
+
     def __init__(self, backend: Backend, model_id: str, default_max_tokens: int = 1024) -> None:
         self.backend = backend
         self.model_id = model_id
@@ -60,6 +63,7 @@ class OpenAIServer:
             req = chat_request(body, self.default_max_tokens)
         except RequestError as exc:
             return JSONResponse(error_body(str(exc)), status_code=400)
+        req.session = self.session_key
         rid = new_id("chatcmpl")
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -72,6 +76,7 @@ class OpenAIServer:
             req = completion_request(body, self.default_max_tokens)
         except RequestError as exc:
             return JSONResponse(error_body(str(exc)), status_code=400)
+        req.session = self.session_key
         if not hasattr(self.backend, "stream_text"):
             return JSONResponse(error_body("this backend serves chat completions only"), status_code=400)
         rid = new_id("cmpl")

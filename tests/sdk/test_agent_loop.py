@@ -185,3 +185,13 @@ def test_tool_output_streams_to_the_watcher(repo: Path) -> None:
     assert anyio.run(agent.run, "x").ok
     assert {cid for cid, _t in seen} == {"call_1_0"}
     assert "".join(t for _c, t in seen).split() == ["first", "second"]
+
+
+def test_each_run_is_one_backend_session_closed_at_the_end(repo: Path) -> None:
+    backend = ScriptedBackend([hermes_call("list_files", {}), "done", "again"])
+    agent = Agent.coding(backend, workspace=repo)
+    anyio.run(agent.run, "one")
+    anyio.run(agent.run, "two")
+    sessions = [r.session for r in backend.requests]
+    assert sessions[0] == sessions[1] != sessions[2] and sessions[0].startswith("run-")
+    assert backend.ended == [sessions[0], sessions[2]]

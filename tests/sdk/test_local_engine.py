@@ -61,11 +61,34 @@ def test_agent_on_a_random_model_ends_within_its_limits(backend: LocalEngine, tm
     workspace.mkdir()
     agent = Agent.coding(backend, workspace=workspace,
                          limits=Limits(max_steps=2, max_tokens_per_step=16, max_wall_s=120))
+    reused_before = backend.engine.stats()["reused_tokens"]
     result = anyio.run(agent.run, "Say hello.")
     assert result.stop_reason in ("done", "max_steps")
     assert 1 <= result.steps <= 2 and 0 < result.usage.completion_tokens <= 32
     stats = result.engine_stats
     assert stats["requests"] >= 1 and stats["phase_hints"]["plan"] >= 1 and stats["phase"] in {p.value for p in Phase}
+    if result.steps == 2:  # the second call prefilled only what the first left uncovered
+        assert stats["reused_tokens"] - reused_before >= result.usage.prompt_tokens // 3
+    assert backend.engine.kv_manager().sessions == {}  # the run's engine session was closed at the end
+
+
+def test_sessions_reuse_kv_and_take_tool_pauses(backend: LocalEngine) -> None:
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "first question"}]
+
+    async def turn(session: str) -> str:
+        request = GenerateRequest(messages=list(messages), max_tokens=6, session=session)
+        return "".join([e.text async for e in backend.generate(request) if hasattr(e, "text")])
+
+    before = backend.engine.stats()["reused_tokens"]
+    reply = anyio.run(turn, "conv")
+    backend.hint(Phase.TOOL, 30.0, session="conv")
+    assert backend.pause_decisions[-1] in ("keep", "offload", "drop")
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "second question"}]
+    anyio.run(turn, "conv")
+    first_prompt = len(backend.engine.tokenizer.encode(backend.render(GenerateRequest(messages=messages[:2]))))
+    assert backend.engine.stats()["reused_tokens"] - before >= first_prompt - 16  # page granularity
+    backend.end_session("conv")
+    assert backend.engine.kv_manager().sessions == {}
 
 
 def test_next_prompt_extends_the_last_prompt_and_the_output(backend: LocalEngine) -> None:
