@@ -156,6 +156,11 @@ class WeightNames:
     ffn_out_norm: str | None = None
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
+    embed: str = "model.embed_tokens"
+    attn: str = "self_attn"
+    fused_qkv: str | None = None
+    """One projection holding q, k and v rows (in that order) instead of three (Bailing, DBRX)."""
+    o_proj: str = "o_proj"
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,12 @@ class _Loader:
             )
         return self.reader.get(name).to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
-    def linear(self, out: dict[str, torch.Tensor], prefix: str, leaf: str, n_out: int, n_in: int, bias: bool) -> None:
-        out[f"{leaf}.weight"] = self.take(f"{prefix}.{leaf}.weight", (n_out, n_in))
+    def linear(self, out: dict[str, torch.Tensor], prefix: str, leaf: str, n_out: int, n_in: int, bias: bool,
+               key: str | None = None) -> None:
+        key = key or leaf
+        out[f"{key}.weight"] = self.take(f"{prefix}.{leaf}.weight", (n_out, n_in))
         if bias:
-            out[f"{leaf}.bias"] = self.take(f"{prefix}.{leaf}.bias", (n_out,))
+            out[f"{key}.bias"] = self.take(f"{prefix}.{leaf}.bias", (n_out,))
 
     def mlp(self, prefix: str, spec: MLPSpec, d: int) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
@@ -97,10 +99,17 @@ class _Loader:
             self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
             self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
             return w
-        self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, a.qkv_bias)
-        self.linear(w, prefix, "k_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
-        self.linear(w, prefix, "v_proj", a.num_kv_heads * a.v_head_dim, d, a.qkv_bias)
-        self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
+        sizes = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim)
+        if names.fused_qkv:
+            fused: dict[str, torch.Tensor] = {}
+            self.linear(fused, prefix, names.fused_qkv, sum(sizes), d, a.qkv_bias, key="qkv")
+            for part in ("weight", "bias") if a.qkv_bias else ("weight",):
+                for leaf, t in zip(("q_proj", "k_proj", "v_proj"), fused[f"qkv.{part}"].split(sizes)):
+                    w[f"{leaf}.{part}"] = t
+        else:
+            for leaf, n_out in zip(("q_proj", "k_proj", "v_proj"), sizes):
+                self.linear(w, prefix, leaf, n_out, d, a.qkv_bias)
+        self.linear(w, prefix, names.o_proj, d, a.num_heads * a.v_head_dim, a.o_bias, key="o_proj")
         if a.qk_norm != "none":
             q_dim = a.head_dim if a.qk_norm == "head" else a.num_heads * a.head_dim
             k_dim = a.head_dim if a.qk_norm == "head" else a.num_kv_heads * a.head_dim
@@ -201,7 +210,7 @@ class _Recorder(_Loader):
 
 def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWeights:  # type: ignore[valid-type]
     d, v = spec.hidden_size, spec.vocab_size
-    embed = ld.take("model.embed_tokens.weight", (v, d))
+    embed = ld.take(f"{spec.names.embed}.weight", (v, d))
     layers = []
     for i, layer in enumerate(spec.layers):
         p = f"model.layers.{i}"
@@ -210,7 +219,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
                  "ffn_out": n.ffn_out_norm}
         lw = LayerWeights(
             norms={role: ld.take(f"{p}.{name}.weight", (d,)) for role, name in roles.items() if name},
-            attn=ld.attention(f"{p}.self_attn", layer.attention, d, n),
+            attn=ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
         )
         if layer.moe is not None:
             lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)

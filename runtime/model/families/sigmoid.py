@@ -1,0 +1,121 @@
+"""Sigmoid routers with a selection-only correction bias (DeepSeek-V3 style) over GQA attention.
+
+One configurable builder serves the family; each adapter only says where its tensors live and which quirks apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_agent.runtime.model.adapters import (
+    Config,
+    _act,
+    _gqa,
+    _model,
+    _mtp_ignored,
+    _opt,
+    _req,
+    adapter,
+)
+from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
+
+
+def sigmoid_router(cfg: Config, **overrides: Any) -> RouterSpec:
+    fields: dict[str, Any] = dict(
+        scoring="sigmoid", norm_topk=bool(_opt(cfg, "norm_topk_prob", "moe_renormalize", default=True)),
+        norm_eps=1e-20, correction_bias=True,
+        n_group=int(_opt(cfg, "n_group", "num_expert_group", default=1)),
+        topk_group=int(_opt(cfg, "topk_group", default=1)), group_score="top2_sum",
+        group_masked_value=float("-inf"),
+        scaling=float(_opt(cfg, "routed_scaling_factor", "router_scaling_factor", "route_scale", default=1.0)),
+    )
+    fields.update(overrides)
+    return RouterSpec(**fields)
+
+
+def shared_size(cfg: Config) -> int:
+    explicit = _opt(cfg, "shared_expert_intermediate_size", "shared_experts_intermediate_size")
+    if explicit:
+        return int(explicit)
+    count = int(_opt(cfg, "n_shared_experts", "num_shared_experts", default=0))
+    return count * int(cfg["moe_intermediate_size"])
+
+
+def is_sparse(cfg: Config) -> list[bool]:
+    """Per layer: MoE (True) or dense MLP, from ``mlp_layer_types`` or ``first_k_dense_replace``-style fields."""
+    n = int(cfg["num_hidden_layers"])
+    if cfg.get("mlp_layer_types"):
+        return [t == "sparse" for t in cfg["mlp_layer_types"]]
+    first_dense = int(_opt(cfg, "first_k_dense_replace", "num_dense_layers", default=0))
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    return [i >= first_dense and i not in mlp_only for i in range(n)]
+
+
+def moe_layers(
+    cfg: Config,
+    attn_for: Any,
+    router: RouterSpec,
+    moe_fields: dict[str, Any] | None = None,
+    dense_size: int | None = None,
+) -> list[LayerSpec]:
+    act = _act(cfg)
+    shared = shared_size(cfg)
+    moe = MoESpec(
+        num_experts=int(_req(cfg, "n_routed_experts", "num_experts", "num_local_experts")),
+        top_k=int(_req(cfg, "num_experts_per_tok", "num_experts_per_token")),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        router=router,
+        activation=act,  # type: ignore[arg-type]
+        shared=MLPSpec(shared, act) if shared else None,  # type: ignore[arg-type]
+        **(moe_fields or {}),
+    )
+    dense_size = dense_size or cfg.get("intermediate_size") or cfg["moe_intermediate_size"]  # all-sparse configs
+    dense = MLPSpec(int(dense_size), act)  # type: ignore[arg-type]
+    return [
+        LayerSpec(attention=attn_for(i), moe=moe) if sparse else LayerSpec(attention=attn_for(i), mlp=dense)
+        for i, sparse in enumerate(is_sparse(cfg))
+    ]
+
+
+def _types(cfg: Config) -> list[str]:
+    return list(cfg.get("layer_types") or ["full_attention"] * int(cfg["num_hidden_layers"]))
+
+
+@adapter("solar_open")
+def solar_open(cfg: Config) -> ModelSpec:
+    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
+    return _model(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("exaone_moe")
+def exaone_moe(cfg: Config) -> ModelSpec:
+    types, window = _types(cfg), cfg.get("sliding_window")
+
+    def attn(i: int) -> Any:
+        sliding = types[i] == "sliding_attention"
+        # Full-attention layers of a sliding-window model use no positional encoding (NoPE).
+        return _gqa(cfg, qk_norm="head", sliding_window=window if sliding else None,
+                    **({} if window is None or sliding else {"rope": None}))
+
+    names = WeightNames(correction_bias="e_score_correction_bias")
+    return _model(cfg, moe_layers(cfg, attn, sigmoid_router(cfg)), names=names, ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("hy_v3")
+def hy_v3(cfg: Config) -> ModelSpec:
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head")
+    router = sigmoid_router(cfg, norm_topk=True, n_group=1, topk_group=1)
+    names = WeightNames(router="router.gate", correction_bias="expert_bias", shared="shared_mlp")
+    return _model(cfg, moe_layers(cfg, lambda i: attn, router), names=names, ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("sarvam_moe")
+def sarvam_moe(cfg: Config) -> ModelSpec:
+    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)),
+                qk_norm="head" if cfg.get("use_qk_norm", True) else "none")
+    names = WeightNames(correction_bias="gate.expert_bias", embed="model.word_embeddings", attn="attention",
+                        fused_qkv="query_key_value", o_proj="dense", q_norm="query_layernorm",
+                        k_norm="key_layernorm")
+    return _model(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), names=names,
+                  ignored_tensors=_mtp_ignored(cfg))
