@@ -174,3 +174,23 @@ def print_comparison(cmp: dict[str, Any], console: Console) -> None:
         console.print(f"{side.upper()}: {cmp[side]['dir']} (agent {meta.get('agent', '?')}): "
                       f"{_summary_line(cmp[side]['summary'])}")
     console.print(f"resolved by both: {len(cmp['both'])}, only A: {len(cmp['only_a'])}, only B: {len(cmp['only_b'])}")
+
+
+def comparison_markdown(cmp: dict[str, Any]) -> str:
+    """``compare``'s result as Markdown: both summaries, then one row per task."""
+    lines = ["# Eval comparison", ""]
+    for side in ("a", "b"):
+        meta = cmp[side]["meta"]
+        lines.append(f"- **{side.upper()}**: `{cmp[side]['dir']}` (agent `{meta.get('agent', '?')}`"
+                     + (f", model `{meta['model']}`" if meta.get("model") else "") + f"): "
+                     + _summary_line(cmp[side]["summary"]))
+    lines += [f"- resolved by both: {len(cmp['both'])}, only A: {len(cmp['only_a'])}, only B: {len(cmp['only_b'])}",
+              "", "| task | A status | A wall s | A tokens out | B status | B wall s | B tokens out |",
+              "|---|---|---|---|---|---|---|"]
+    for row in cmp["tasks"]:
+        cells = [row["instance_id"]]
+        for side in ("a", "b"):
+            r = row[side]
+            cells += ["-", "-", "-"] if r is None else [r["status"], f"{r['wall_s']:.1f}", str(r["tokens_out"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

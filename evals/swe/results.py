@@ -81,7 +81,7 @@ class RunStore:
         and task file as before. Returns the results already recorded (empty for a fresh run)."""
         self.check(meta, resume)
         if resume:
-            return self.load()
+            return self.load(repair=True)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         return {}
@@ -89,8 +89,9 @@ class RunStore:
     def meta(self) -> dict[str, Any]:
         return json.loads(self.meta_path.read_text(encoding="utf-8")) if self.meta_path.exists() else {}
 
-    def load(self) -> dict[str, TaskResult]:
-        """Results recorded so far (the last one wins); a torn last line from a crash is dropped."""
+    def load(self, repair: bool = False) -> dict[str, TaskResult]:
+        """Results recorded so far (the last one wins); torn lines from a crash are skipped, and with ``repair``
+        also removed from the file, so the next append starts on a fresh line."""
         results: dict[str, TaskResult] = {}
         if not self.results_path.exists():
             return results
@@ -102,8 +103,8 @@ class RunStore:
                 continue
             results[result.instance_id] = result
             good.append(line)
-        # Rewrite without torn lines, so the next append starts on a fresh line.
-        self.results_path.write_text("".join(f"{ln}\n" for ln in good), encoding="utf-8")
+        if repair:
+            self.results_path.write_text("".join(f"{ln}\n" for ln in good), encoding="utf-8")
         return results
 
     def append(self, result: TaskResult, model_patch: str | None, model_name: str) -> None:

@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--url", help="for --agent agent: an OpenAI-compatible server instead of a local model")
     p.add_argument("--remote-model", help="model id on the --url server (default: its first)")
     p.add_argument("--workers", type=int, default=1, help="tasks run at the same time (default 1)")
-    p.add_argument("--out", type=Path, help="run folder (default: freetoken-evals/<tasks>-<agent>-<time>)")
+    p.add_argument("--out", type=Path, help="run folder (default: freetoken-evals/<tasks>-<agent>-<time>); with "
+                                            "--compare: where compare.md and compare.json are written")
     p.add_argument("--resume", action="store_true", help="continue the run in --out: run only tasks without a result")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (resolved, total, ...)")
     p.add_argument("--tasks", help="comma-separated instance ids (or substrings) to run")
@@ -118,12 +119,18 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
-    from freetoken_agent.evals.swe.report import compare, ordered, print_comparison, print_table, write_reports
+    from freetoken_agent.evals.swe.report import (
+        compare, comparison_markdown, ordered, print_comparison, print_table, write_reports,
+    )
     from freetoken_agent.evals.swe.results import RunStore, TaskResult
     from freetoken_agent.evals.swe.task import load_tasks
 
     if args.compare:
         cmp = compare(*args.compare)
+        if args.out is not None:  # keep the comparison next to the runs
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "compare.json").write_text(json.dumps(cmp, indent=2) + "\n", encoding="utf-8")
+            (args.out / "compare.md").write_text(comparison_markdown(cmp), encoding="utf-8")
         if args.json:
             print(json.dumps(cmp, indent=2))
         else:

@@ -79,5 +79,8 @@ def test_compare_two_runs(runs: dict[str, Path], capsys: pytest.CaptureFixture[s
     n = len(suite_tasks("builtin"))
     assert len(cmp["only_a"]) == n and cmp["only_b"] == [] and cmp["both"] == []
     assert cmp["a"]["summary"]["resolved"] == n and cmp["b"]["summary"]["resolved"] == 0
-    code, out, _ = freetoken("eval", "--compare", str(runs["gold"]), str(runs["empty"]), capsys=capsys)
+    code, out, _ = freetoken("eval", "--compare", str(runs["gold"]), str(runs["empty"]), "--out",
+                             str(runs["gold"].parent / "cmp"), capsys=capsys)
     assert code == 0 and "only A: " + str(n) in out
+    md = (runs["gold"].parent / "cmp" / "compare.md").read_text()
+    assert f"only A: {n}" in md and md.count("| resolved | ") == n and md.count("| unresolved | ") == n
