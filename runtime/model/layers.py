@@ -49,18 +49,22 @@ def attention_scores(
     t, h, dh = q.shape
     s, hkv, dv = v.shape
     g = h // hkv
-    qg = q.reshape(t, hkv, g, dh).permute(1, 2, 0, 3).reshape(hkv, g * t, dh)  # [Hkv, G*T, Dh]
-    scores = torch.matmul(qg, k.permute(1, 2, 0)).view(h, t, s) * spec.scale  # [H, T, S]
     k_pos = torch.arange(s, device=q.device)
     allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
     if spec.sliding_window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
+    if sinks is None:
+        # fused kernel: no [H, T, S] score tensor is materialized twice
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=spec.scale,
+            enable_gqa=g > 1,
+        )  # [H, T, Dv]
+        return out.transpose(0, 1).reshape(t, h * dv)
+    qg = q.reshape(t, hkv, g, dh).permute(1, 2, 0, 3).reshape(hkv, g * t, dh)  # [Hkv, G*T, Dh]
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).view(h, t, s) * spec.scale  # [H, T, S]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
-    else:
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
     out = torch.matmul(probs.view(hkv, g * t, s), v.permute(1, 0, 2))  # [Hkv, G*T, Dv]
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
 
@@ -78,6 +82,8 @@ def gqa_attention(
     q = q.view(t, spec.num_heads, spec.head_dim)
     k = k.view(t, spec.num_kv_heads, spec.head_dim)
     v = v.view(t, spec.num_kv_heads, spec.v_head_dim)
+    if spec.v_scale != 1.0:
+        v = v * spec.v_scale
     if spec.qk_norm == "head" and not spec.qk_norm_after_rope:
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     if rotary is not None:
@@ -87,7 +93,21 @@ def gqa_attention(
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     k_all, v_all = cache.append(layer, k, v)
     out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"))
+    if spec.output_gate != "none":
+        out = output_gate(out, x, w, spec)
     return linear(out, w, "o_proj")
+
+
+def output_gate(out: torch.Tensor, x: torch.Tensor, w: Weights, spec: AttentionSpec) -> torch.Tensor:
+    """Gate the attention output [T, H*Dv] by act(gate(x)), per channel or per head."""
+    t, h = out.shape[0], spec.num_heads
+    g = linear(x, w, "gate")
+    if spec.output_gate_bias:
+        g = g.view(t, h, -1) + w["gate_bias"][None, :, None]
+    g = F.softplus(g.float()).to(out.dtype) if spec.output_gate == "softplus" else torch.sigmoid(g)
+    if spec.output_gate_per_head:
+        return (out.view(t, h, -1) * g.view(t, h, 1)).reshape(t, -1)
+    return out * g.reshape(t, -1)
 
 
 def mla_attention(
