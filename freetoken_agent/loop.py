@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from freetoken_agent import chat
-from freetoken_agent.backends.base import GenerateRequest, GenerationDone
+from freetoken_agent.backends.base import GenerateRequest, GenerationDone, SessionBackend
 from freetoken_agent.errors import (
     BackendError, RunCancelled, RunEnded, StepLimitExceeded, TimeLimitExceeded, TokenLimitExceeded,
 )
@@ -294,7 +294,11 @@ class AgentRun:
     def _set_phase(self, phase: Phase, expected_s: float | None = None, always_hint: bool = False) -> Any:
         if phase is self.phase and not always_hint:
             return None
-        self.agent.backend.hint(phase, expected_s, session=self.run_id)
+        backend = self.agent.backend
+        if isinstance(backend, SessionBackend):
+            backend.hint(phase, expected_s, session=self.run_id)
+        else:
+            backend.hint(phase, expected_s)
         if phase is self.phase:
             return None
         self.phase = phase
@@ -311,7 +315,8 @@ class AgentRun:
         return event
 
     def _finish(self, stop_reason: str, error: str | None) -> RunResult:
-        self.agent.backend.end_session(self.run_id)
+        if isinstance(self.agent.backend, SessionBackend):
+            self.agent.backend.end_session(self.run_id)
         if not self.final_message:
             last = next((m for m in reversed(self.messages) if m["role"] == "assistant"), None)
             self.final_message = str(last["content"]) if last else ""

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from freetoken_agent.backends.base import Backend, BackendEvent, GenerateRequest, GenerationDone, TextBackend, TextChunk
+from freetoken_agent.backends.base import (
+    Backend, BackendEvent, GenerateRequest, GenerationDone, SessionBackend, TextBackend, TextChunk,
+)
 
 if TYPE_CHECKING:
     from freetoken_agent.backends.local import LocalEngine
@@ -23,7 +25,7 @@ _LAZY = {
 }
 
 __all__ = ["Backend", "BackendEvent", "GenerateRequest", "GenerationDone", "LocalEngine", "OpenAICompatible",
-           "ScriptedBackend", "TextBackend", "TextChunk"]
+           "ScriptedBackend", "SessionBackend", "TextBackend", "TextChunk"]
 
 
 def __getattr__(name: str) -> Any:

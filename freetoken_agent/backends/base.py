@@ -52,16 +52,29 @@ class Backend(Protocol):
         """Stream parsed events for ``request``; the last one is a :class:`GenerationDone`."""
         ...
 
-    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
-        """The next phase of the agent in conversation ``session`` (a no-op for backends that cannot use it)."""
-        ...
-
-    def end_session(self, session: str) -> None:
-        """Conversation ``session`` is over: release what was kept for it."""
+    def hint(self, phase: Phase, expected_s: float | None = None) -> None:
+        """The next phase of the agent (a no-op for backends that cannot use it)."""
         ...
 
     def stats(self) -> dict[str, Any] | None:
         """Engine statistics for the run summary, or None."""
+        ...
+
+
+@runtime_checkable
+class SessionBackend(Backend, Protocol):
+    """A backend that keeps state per conversation (``GenerateRequest.session``; the agent's run id).
+
+    Its ``hint`` also takes the conversation, and ``end_session`` releases what was kept for it (the loop calls
+    it when a run ends). The agent loop checks for this protocol; other backends get plain hints.
+    """
+
+    def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
+        """The next phase of conversation ``session`` (or of the backend as a whole when None)."""
+        ...
+
+    def end_session(self, session: str) -> None:
+        """Conversation ``session`` is over."""
         ...
 
 

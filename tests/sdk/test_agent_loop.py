@@ -195,3 +195,26 @@ def test_each_run_is_one_backend_session_closed_at_the_end(repo: Path) -> None:
     sessions = [r.session for r in backend.requests]
     assert sessions[0] == sessions[1] != sessions[2] and sessions[0].startswith("run-")
     assert backend.ended == [sessions[0], sessions[2]]
+
+
+class PlainBackend:
+    """A user backend with only the basic protocol: no sessions, two-argument hints."""
+
+    def __init__(self) -> None:
+        self.inner = ScriptedBackend([hermes_call("list_files", {}), "done"])
+        self.hints: list = []
+
+    def generate(self, request):  # noqa: ANN001, ANN201
+        return self.inner.generate(request)
+
+    def hint(self, phase, expected_s=None):  # noqa: ANN001, ANN201
+        self.hints.append(phase)
+
+    def stats(self):  # noqa: ANN201
+        return None
+
+
+def test_a_backend_without_sessions_still_works(repo: Path) -> None:
+    backend = PlainBackend()
+    result = anyio.run(Agent.coding(backend, workspace=repo).run, "x")
+    assert result.ok and backend.hints == [Phase.PLAN, Phase.TOOL, Phase.PLAN]
