@@ -89,8 +89,11 @@ def route(
         top, ids = torch.topk(logits, top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1) * spec.scaling
     logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [T, E]
+    if spec.logit_softcap > 0:
+        logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
     scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(logits)
-    choice = scores + correction.float().reshape(-1) if correction is not None else scores
+    base = logits if spec.correction_on_logits else scores
+    choice = base + correction.float().reshape(-1) if correction is not None else base
     if spec.n_group > 1:
         t, e = choice.shape
         grouped = choice.view(t, spec.n_group, e // spec.n_group)  # [T, G, E/G]

@@ -65,6 +65,14 @@ class AttentionSpec:
     lora_bias: bool = False
     qk_norm_after_rope: bool = False
     """Apply the per-head q/k norm after rotary instead of before (Hunyuan)."""
+    v_scale: float = 1.0
+    """Values are multiplied by this before attention (MiMo-V2)."""
+    output_gate: Literal["none", "sigmoid", "softplus"] = "none"
+    """The attention output (before ``o_proj``) is multiplied by act(gate(x)), x being the attention input."""
+    output_gate_per_head: bool = False
+    """The gate has one value per head (else one per output channel)."""
+    output_gate_bias: bool = False
+    """A learned per-head bias is added to the gate logits (Beam)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,10 @@ class RouterSpec:
     scaling: float = 1.0
     bias: bool = False
     """The router linear has a bias (GPT-OSS)."""
+    correction_on_logits: bool = False
+    """The correction bias is added to the raw logits (not the scores) for selection (Kolibri)."""
+    logit_softcap: float = 0.0
+    """If > 0, router logits become ``cap * tanh(logits / cap)`` before scoring."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,11 @@ class WeightNames:
     fused_qkv: str | None = None
     """One projection holding q, k and v rows (in that order) instead of three (Bailing, DBRX)."""
     o_proj: str = "o_proj"
+    sinks: str = "sinks"
+    output_gate: str = "gate_proj"
+    output_gate_bias: str = "gate_bias"
+    correction_at_layer: bool = False
+    """The correction bias lives at ``model.layers.{i}.{correction_bias}`` rather than under the MoE prefix."""
 
 
 @dataclass(frozen=True)

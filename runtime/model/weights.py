@@ -116,7 +116,12 @@ class _Loader:
             w["q_norm.weight"] = self.take(f"{prefix}.{names.q_norm}.weight", (q_dim,))
             w["k_norm.weight"] = self.take(f"{prefix}.{names.k_norm}.weight", (k_dim,))
         if a.sinks:
-            w["sinks"] = self.take(f"{prefix}.sinks", (a.num_heads,))
+            w["sinks"] = self.take(f"{prefix}.{names.sinks}", (a.num_heads,))
+        if a.output_gate != "none":
+            n_gate = a.num_heads if a.output_gate_per_head else a.num_heads * a.v_head_dim
+            self.linear(w, prefix, names.output_gate, n_gate, d, False, key="gate")
+            if a.output_gate_bias:
+                w["gate_bias"] = self.take(f"{prefix}.{names.output_gate_bias}", (a.num_heads,))
         return w
 
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
@@ -139,7 +144,7 @@ class _Loader:
             router["bias"] = self.take(f"{prefix}.{names.router}.bias", (m.num_experts,))
         correction = None
         if m.router.correction_bias:
-            name = f"{prefix}.{names.correction_bias}"
+            name = f"{layer_prefix if names.correction_at_layer else prefix}.{names.correction_bias}"
             shape = self.stored_shape(name) or (m.num_experts,)
             if shape not in ((m.num_experts,), (1, m.num_experts)):
                 raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{m.num_experts}]")

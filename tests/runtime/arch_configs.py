@@ -124,7 +124,12 @@ def shrink(model_type: str, defaults: dict[str, Any], n: int = N_LAYERS) -> dict
 
 
 # Per-type adjustments on top of ``shrink`` (applied last).
-OVERRIDES: dict[str, dict[str, Any]] = {}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # 16 * 0.334 rotates an odd channel count; the real head_dim (192) gives an even one
+    "mimo_v2_flash": dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+}
 
 
 def make_config(model_type: str, **overrides: Any) -> Any:

@@ -119,3 +119,89 @@ def sarvam_moe(cfg: Config) -> ModelSpec:
                         k_norm="key_layernorm")
     return _model(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), names=names,
                   ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("mimo_v2_flash")
+def mimo_v2_flash(cfg: Config) -> ModelSpec:
+    types, kv = _types(cfg), int(cfg["num_key_value_heads"])
+    head_dim = int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
+
+    def attn(i: int) -> Any:
+        sliding = types[i] == "sliding_attention"
+        return _gqa(cfg, layer_type=types[i], num_kv_heads=kv * 2 if sliding else kv,
+                    v_head_dim=int(_opt(cfg, "v_head_dim", default=head_dim)),
+                    qkv_bias=bool(cfg.get("attention_bias", False)), sinks=sliding,
+                    sliding_window=cfg.get("sliding_window") if sliding else None,
+                    v_scale=float(_opt(cfg, "attention_value_scale", default=1.0)))
+
+    names = WeightNames(sinks="attention_sink_bias")
+    return _model(cfg, moe_layers(cfg, attn, sigmoid_router(cfg)), names=names, ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("afmoe")
+def afmoe(cfg: Config) -> ModelSpec:
+    types = _types(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+
+    def attn(i: int) -> Any:
+        local = types[i] == "sliding_attention"
+        return _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", output_gate="sigmoid",
+                    sliding_window=cfg.get("sliding_window") if local else None,
+                    **({} if local else {"rope": None}))
+
+    router = sigmoid_router(cfg, n_group=1, topk_group=1, norm_topk=True)
+    names = WeightNames(router="router.gate", correction_bias="expert_bias", attn_out_norm="post_attention_layernorm",
+                        ffn_in_norm="pre_mlp_layernorm", ffn_out_norm="post_mlp_layernorm")
+    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+
+
+@adapter("laguna")
+def laguna(cfg: Config) -> ModelSpec:
+    types = _types(cfg)
+    heads = cfg.get("num_attention_heads_per_layer") or [cfg["num_attention_heads"]] * len(types)
+    bias = bool(cfg.get("attention_bias", False))
+    gating = cfg.get("gating", True)
+    per_head = gating is True or gating == "per-head"
+
+    def attn(i: int) -> Any:
+        return _gqa(cfg, layer_type=types[i], num_heads=int(heads[i]), qkv_bias=bias, o_bias=bias, qk_norm="head",
+                    output_gate="softplus" if gating else "none", output_gate_per_head=per_head,
+                    sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention" else None)
+
+    router = sigmoid_router(cfg, n_group=1, topk_group=1, norm_topk=True, norm_eps=0.0,
+                            scaling=float(cfg.get("moe_routed_scaling_factor") or 1.0),
+                            logit_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0))
+    names = WeightNames(shared="shared_expert", correction_bias="experts.e_score_correction_bias", output_gate="g_proj")
+    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+
+
+@adapter("flint")
+def flint(cfg: Config) -> ModelSpec:
+    types = _types(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+
+    def attn(i: int) -> Any:
+        sliding = types[i] == "sliding_attention"
+        return _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", sinks=True,
+                    sliding_window=cfg.get("sliding_window") if sliding else None,
+                    **({} if sliding else {"rope": None}))
+
+    router = RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", True)))
+    names = WeightNames(shared="shared_expert", sinks="softmax_offset")
+    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+
+
+@adapter("kolibri1")
+def kolibri1(cfg: Config) -> ModelSpec:
+    types, window = _types(cfg), cfg.get("sliding_window")
+
+    def attn(i: int) -> Any:
+        sliding = types[i] == "sliding_attention"
+        return _gqa(cfg, qk_norm="head", sliding_window=window if sliding else None,
+                    **({} if window is None or sliding else {"rope": None}))
+
+    router = RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", False)), correction_bias=True,
+                        correction_on_logits=True)
+    names = WeightNames(correction_bias="moe.router.expert_bias", correction_at_layer=True,
+                        attn_out_norm="post_attn_norm", ffn_out_norm="post_ffn_norm")
+    return _model(cfg, moe_layers(cfg, attn, router), names=names)
