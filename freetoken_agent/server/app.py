@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextChunk
+from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
 from freetoken_agent.server.protocol import (
     RequestError, chat_request, completion_request, envelope, error_body, new_id, usage_dict,
@@ -77,14 +77,14 @@ class OpenAIServer:
         except RequestError as exc:
             return JSONResponse(error_body(str(exc)), status_code=400)
         req.session = self.session_key
-        if not hasattr(self.backend, "stream_text"):
+        if not isinstance(self.backend, TextBackend):
             return JSONResponse(error_body("this backend serves chat completions only"), status_code=400)
         rid = new_id("cmpl")
         if body.get("stream"):
             return StreamingResponse(_sse(self._text_chunks(req, rid)), media_type="text/event-stream")
         text, done = [], GenerationDone("stop")
         async with self._lock:
-            async for item in self.backend.stream_text(req):  # type: ignore[attr-defined]
+            async for item in self.backend.stream_text(req):
                 if isinstance(item, TextChunk):
                     text.append(item.text)
                 else:
@@ -155,8 +155,10 @@ class OpenAIServer:
                            usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
 
     async def _text_chunks(self, req: GenerateRequest, rid: str) -> AsyncIterator[dict]:
+        backend = self.backend
+        assert isinstance(backend, TextBackend)  # checked by ``completions``
         async with self._lock:
-            async for item in self.backend.stream_text(req):  # type: ignore[attr-defined]
+            async for item in backend.stream_text(req):
                 if isinstance(item, TextChunk):
                     yield envelope("text_completion", rid, self.model_id,
                                    [{"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}])

@@ -149,3 +149,10 @@ def test_streamed_bad_call_then_good_call(served) -> None:
     # the unreadable call comes back as text; the good one is call 0 with complete arguments
     assert list(calls) == [0] and json.loads(calls[0]["arguments"]) == {"path": "ok.py"}
     assert '"path": }' in text
+
+
+def test_completions_need_a_text_backend() -> None:
+    with serve_in_thread(OpenAICompatible("http://127.0.0.1:9/v1", model="m"), "proxy") as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="serves chat completions only"):
+            client.completions.create(model="proxy", prompt="x")
