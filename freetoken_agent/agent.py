@@ -117,7 +117,7 @@ class Agent:
         return anyio.run(self.run, task)
 
     def cancel(self) -> None:
-        """Stop every run of this agent promptly (generation and running tools); call it from the event loop.
+        """Stop every run of this agent promptly (generation and running tools). Safe from any thread.
 
         Each cancelled run ends with ``stop_reason == "cancelled"`` and a consistent trajectory.
         """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from freetoken_agent import chat
 from freetoken_agent.backends.base import GenerateRequest, GenerationDone, SessionBackend
@@ -89,14 +92,27 @@ class AgentRun:
         self._cancelled = False
         self._deadline = math.inf
         self._started = 0.0
+        self._loop: tuple[int, Any] | None = None  # (thread id, event-loop token) of the running run
         self._done = False
         self._pending_note: str | None = None  # a format-error note sent after this step's tool results
 
     # ----------------------------------------------------------------------------------------------- control
     def cancel(self) -> None:
-        """Stop generation or the running tool now; the run ends with ``stop_reason == "cancelled"``."""
+        """Stop generation or the running tool now; the run ends with ``stop_reason == "cancelled"``.
+
+        Safe from any thread: from another thread the cancellation is handed to the run's event loop.
+        """
         self._cancelled = True
-        self.ctx.cancel()
+        self.ctx.cancel()  # thread-safe: process tools watch this event
+        if self._loop is None or threading.get_ident() == self._loop[0]:
+            self._cancel_scope()
+            return
+        try:
+            anyio.from_thread.run_sync(self._cancel_scope, token=self._loop[1])
+        except RuntimeError:  # the loop has already finished: nothing left to interrupt
+            pass
+
+    def _cancel_scope(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
 
@@ -104,6 +120,7 @@ class AgentRun:
         """The run, as events."""
         limits = self.agent.limits
         self._started = time.monotonic()
+        self._loop = (threading.get_ident(), anyio.lowlevel.current_token())
         if limits.max_wall_s is not None:
             self._deadline = anyio.current_time() + limits.max_wall_s
         if self._path is not None:

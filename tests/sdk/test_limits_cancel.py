@@ -122,3 +122,16 @@ def test_scripted_backend_running_out_ends_the_run(repo: Path) -> None:
     backend = ScriptedBackend([hermes_call("list_files", {})])
     result = anyio.run(Agent.coding(backend, workspace=repo).run, "x")
     assert result.stop_reason == "backend_error" and "no output left" in result.error
+
+
+def test_cancel_from_another_thread(repo: Path) -> None:
+    import threading
+
+    backend = ScriptedBackend([LONG], delay_s=0.01)
+    agent = Agent.coding(backend, workspace=repo)
+    timer = threading.Timer(0.3, agent.cancel)
+    timer.start()
+    start = time.monotonic()
+    result = anyio.run(agent.run, "talk")
+    timer.join()
+    assert result.stop_reason == "cancelled" and time.monotonic() - start < 2
