@@ -155,9 +155,10 @@ def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float,
             continue
         if run.running is None:
             # The process finished (or hung outside any test): whatever did not report is settled as missing.
-            if run.returncode is None:
+            hung = [t for t in batch if t not in resolved_now]
+            if run.returncode is None and hung:
                 result.notes.append(f"killed after {timeout_s:g}s with no test running (collection hang?)")
-                result.timed_out.extend(t for t in batch if t not in resolved_now)
+                result.timed_out.extend(hung)
             elif not resolved_now:
                 result.notes.append(f"pytest exited {run.returncode} without running {batch[0]}")
             pending = [t for t in pending if t not in batch]

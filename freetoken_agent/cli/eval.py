@@ -1,4 +1,4 @@
-"""``freetoken eval``: run SWE-style tasks locally and report resolved rate, time, tokens and engine stats.
+"""Run SWE-style tasks locally (no Docker) and report resolved rate, time, tokens and engine stats.
 
     freetoken eval builtin --agent gold                       # validate the harness (must be 100%)
     freetoken eval builtin --agent agent --model DIR --out runs/a
