@@ -1,0 +1,205 @@
+"""Decode tok/s at q4: our engine vs llama.cpp (``llama-cpp-python``) on the same weights, written as GGUF.
+
+A random-weight ``qwen3_moe`` of >= 1B parameters (64 experts, top-8, hidden 2048, expert intermediate 768) is written
+as a bf16 safetensors folder. Our engine loads it with ``quant="q4"``; the GGUF file gets the same dense weights (F32)
+and the engine's own Q4_0 expert blocks byte for byte (our block layout is GGUF's), so both sides compute with
+identical weights. Decode tok/s = N / (t(prompt + N+1 tokens) - t(prompt + 1 token)), rounds alternate A/B, medians.
+
+    python -m freetoken_agent.evals.perf.bench_gguf_decode [--threads 1] [--tokens 16] [--rounds 3] [--json]
+
+Needs ``pip install llama-cpp-python gguf``; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG: dict[str, Any] = dict(
+    vocab_size=8192, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False, hidden_act="silu",
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+)  # fmt: skip
+
+
+def write_checkpoint(folder: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
+    """The random bf16 checkpoint (HF names), written once per folder."""
+    config = config or CONFIG
+    from safetensors.torch import save_file
+
+    from freetoken_agent.runtime.model.adapters import spec_from_config
+    from freetoken_agent.runtime.model.weights import expected_tensors
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in expected_tensors(spec_from_config(config)).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            std = (1.0 / shape[-1]) ** 0.5
+            tensors[name] = (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def write_gguf(engine: Any, folder: Path, out: Path) -> Path:
+    """GGUF (arch ``qwen3moe``) with the checkpoint's dense weights and the engine's Q4_0 expert blocks."""
+    import gguf
+    from safetensors import safe_open
+
+    c = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    # a plain SentencePiece-style vocabulary: unk/bos/eos, 256 byte tokens, then filler pieces
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(c["vocab_size"] - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (c["vocab_size"] - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    i_dim = c["moe_intermediate_size"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        def f32(name: str) -> Any:
+            return f.get_tensor(name).float().numpy()
+
+        w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
+        w.add_tensor("output_norm.weight", f32("model.norm.weight"))
+        w.add_tensor("output.weight", f32("lm_head.weight"))
+        for layer in range(c["num_hidden_layers"]):
+            p, b = f"model.layers.{layer}", f"blk.{layer}"
+            w.add_tensor(f"{b}.attn_norm.weight", f32(f"{p}.input_layernorm.weight"))
+            w.add_tensor(f"{b}.ffn_norm.weight", f32(f"{p}.post_attention_layernorm.weight"))
+            for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+                w.add_tensor(f"{b}.{theirs}.weight", f32(f"{p}.self_attn.{ours}.weight"))
+            w.add_tensor(f"{b}.attn_q_norm.weight", f32(f"{p}.self_attn.q_norm.weight"))
+            w.add_tensor(f"{b}.attn_k_norm.weight", f32(f"{p}.self_attn.k_norm.weight"))
+            w.add_tensor(f"{b}.ffn_gate_inp.weight", f32(f"{p}.mlp.gate.weight"))
+            b13, b2 = engine.decoder.experts[layer].inner._blocks()  # [E, 2I, nb, 18], [E, D, nbI, 18]
+            e = b13.shape[0]
+            q4 = gguf.GGMLQuantizationType.Q4_0
+            w.add_tensor(f"{b}.ffn_gate_exps.weight", b13[:, :i_dim].reshape(e, i_dim, -1).numpy(), raw_dtype=q4)
+            w.add_tensor(f"{b}.ffn_up_exps.weight", b13[:, i_dim:].reshape(e, i_dim, -1).numpy(), raw_dtype=q4)
+            w.add_tensor(f"{b}.ffn_down_exps.weight", b2.reshape(e, b2.shape[1], -1).numpy(), raw_dtype=q4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def measure(folder: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32) -> dict[str, Any]:
+    """Load both engines, then alternate decode timings; also compare their first greedy tokens."""
+    import llama_cpp
+
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.kernels import ops
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    ours = Engine.from_pretrained(folder, quant="q4", threads=threads)
+    ops.set_threads(threads)
+    load_s = time.perf_counter() - t0
+    gguf_path = folder / "model-q4_0.gguf"
+    if not gguf_path.is_file():
+        write_gguf(ours, folder, gguf_path)
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=256, n_batch=64, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(259, CONFIG["vocab_size"], (prompt_len,), generator=gen).tolist()
+    follow = torch.randint(259, CONFIG["vocab_size"], (tokens + 1,), generator=gen).tolist()
+
+    def run_ours(n: int) -> None:
+        ours.generate(prompt, max_new_tokens=n, stop_token_ids=[])
+
+    def run_llama(n: int) -> None:
+        llm.reset()
+        llm.eval(prompt)
+        for tok in follow[:n]:
+            llm.eval([tok])
+
+    def span(fn: Any, n: int) -> float:
+        s = time.perf_counter()
+        fn(n)
+        return time.perf_counter() - s
+
+    run_ours(2), run_llama(2)
+    rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+    for _ in range(rounds):
+        for label, fn in (("ours", run_ours), ("llama.cpp", run_llama)):
+            rates[label].append(tokens / max(span(fn, tokens + 1) - span(fn, 1), 1e-9))
+    # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
+    ours_ids = ours.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids
+    llm.reset()
+    theirs_ids = []
+    for tok in llm.generate(prompt, temp=0.0, top_k=1):
+        theirs_ids.append(tok)
+        if len(theirs_ids) == 8:
+            break
+    agree = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b), 8)
+    params = sum(p.numel() for p in _params(folder))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "params": params, "threads": threads, "tokens": tokens, "rounds": rounds, "load_s": round(load_s, 1),
+        "ours_tok_s": round(med["ours"], 2), "llama_cpp_tok_s": round(med["llama.cpp"], 2),
+        "ratio": round(med["ours"] / med["llama.cpp"], 3), "rates": rates,
+        "greedy_prefix_agreement": agree, "ours_ids": ours_ids, "llama_ids": theirs_ids,
+    }  # fmt: skip
+
+
+def _params(folder: Path) -> list[torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return [torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/freetoken-bench-gguf", help="where the checkpoint and GGUF are cached")
+    ap.add_argument("--threads", default="1", help="comma-separated thread counts")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    folder = write_checkpoint(Path(args.dir) / "qwen3_moe-1b")
+    results = [measure(folder, int(t), args.tokens, args.rounds) for t in args.threads.split(",")]
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        for r in results:
+            print(f"{r['params'] / 1e9:.2f}B params, {r['threads']} thread(s): ours {r['ours_tok_s']} tok/s, "
+                  f"llama.cpp {r['llama_cpp_tok_s']} tok/s, ratio {r['ratio']}, "
+                  f"greedy agreement {r['greedy_prefix_agreement']}/8")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""Our Q4_0 expert blocks are GGUF's: a GGUF written from the engine's own blocks runs in llama.cpp and gives the
+same logits as our engine (up to llama.cpp's int8 activations and fp16 KV cache). Skipped without llama-cpp-python
+and gguf (optional benchmark peers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional benchmark peer)")
+pytest.importorskip("gguf", reason="gguf not installed (optional, writes the peer's model file)")
+
+from freetoken_agent.evals.perf.bench_gguf_decode import CONFIG, write_checkpoint, write_gguf  # noqa: E402
+from freetoken_agent.runtime.engine import Engine  # noqa: E402
+
+TINY = {**CONFIG, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "num_hidden_layers": 2, "intermediate_size": 512}  # fmt: skip
+
+
+def test_llama_cpp_runs_our_q4_blocks_with_matching_logits(tmp_path: Path) -> None:
+    folder = write_checkpoint(tmp_path / "tiny", seed=2, config=TINY)
+    engine = Engine.from_pretrained(folder, quant="q4")
+    for backend in engine.decoder.experts:
+        backend.inner.dequant_threshold = 1  # fp32 activations on our side
+    gguf_path = write_gguf(engine, folder, tmp_path / "tiny-q4_0.gguf")
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    prompt = torch.randint(259, 512, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm.eval(prompt)
+    theirs = torch.tensor(llm.scores[: len(prompt)], dtype=torch.float32)
+    ours = engine.logits(prompt)
+    corr = torch.corrcoef(torch.stack([ours.flatten(), theirs.flatten()]))[0, 1]
+    assert float(corr) > 0.999  # measured 1.0000 (max |diff| 0.04 at logit std 1.0)
+    assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.75
