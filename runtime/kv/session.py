@@ -249,7 +249,10 @@ class Session:
     def hint(self, phase: Phase | str, expected_s: float | None = None) -> str:
         """Phase hint from the agent. A ``tool`` phase pauses the session (see ``pause``); returns the decision."""
         self.engine.hint(phase, expected_s)
-        return self.pause(expected_s) if str(getattr(phase, "value", phase)) == "tool" else "keep"
+        if str(getattr(phase, "value", phase)) == "tool":
+            return self.pause(expected_s)
+        self.resume()  # the tool is done: bring offloaded KV back before the next turn asks for it
+        return "keep"
 
     def pause(self, expected_s: float | None) -> str:
         """A tool runs for about ``expected_s`` seconds: keep, offload to host, or drop this session's KV."""

@@ -105,8 +105,10 @@ def test_pause_policy_keeps_offloads_and_drops(engine: Engine) -> None:
     s.generate(conv, max_new_tokens=1, stop_token_ids=[])
     assert manager.pressure() >= 0.5
     assert s.pause(None) == "keep"  # unknown duration: keep
-    decision = s.pause(3600.0)  # long pause under pressure: reloading beats recomputing on this machine
-    assert decision == "offload" and manager.stats.offloads == 1
+    decision = s.hint("tool", 3600.0)  # long pause under pressure: reloading beats recomputing on this machine
+    assert decision == "offload" and manager.stats.offloads == 1 and manager.host.num_used > 0  # type: ignore
+    s.hint("plan")  # the tool finished: KV comes back before the next turn
+    assert manager.stats.restores == 1 and manager.host.num_used == 0  # type: ignore[union-attr]
     out = s.generate(conv + [5], max_new_tokens=2, stop_token_ids=[])
     assert manager.stats.restores == 1
     assert out.token_ids == engine.generate(conv + [5], max_new_tokens=2, stop_token_ids=[]).token_ids
