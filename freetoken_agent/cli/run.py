@@ -12,8 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="run the coding agent on a task, with a live view",
                               description="Run the coding agent on TASK inside a workspace folder.")
     p.add_argument("task", help="what the agent should do")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a local Hugging Face model folder (runs in this process)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model folder, 'builtin' (default) or 'synthetic:ARCH' (runs in this process)")
     src.add_argument("--url", help="an OpenAI-compatible server instead, e.g. http://localhost:8000/v1")
     p.add_argument("--remote-model", default=None, help="model id on the server (default: its first)")
     p.add_argument("--workspace", default=".", help="folder the tools may read and change (default: .)")
@@ -41,8 +41,6 @@ def _limits_ok(args: argparse.Namespace) -> None:
         raise CLIError("--max-wall must be positive")
     if not Path(args.workspace).is_dir():
         raise CLIError(f"workspace {args.workspace!r} is not a folder")
-    if args.model and not Path(args.model).is_dir():
-        raise CLIError(f"model folder {args.model!r} does not exist")
 
 
 def _threads(count: int | None) -> None:
@@ -67,12 +65,14 @@ def run(args: argparse.Namespace) -> int:
 
     _limits_ok(args)
     console = Console(stderr=False)
-    if args.model:
+    if not args.url:
         from freetoken_agent.backends.local import LocalEngine
+        from freetoken_agent.runtime.models import resolve_model
 
         _threads(args.threads)
-        with console.status(f"loading {args.model}"):
-            backend = LocalEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+        folder = resolve_model(args.model)
+        with console.status(f"loading {folder.name}"):
+            backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype)
     else:
         from freetoken_agent.backends.openai_compat import OpenAICompatible
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a local model over an OpenAI-compatible HTTP API",
                               description="Serve /v1/models, /v1/chat/completions (streaming, tools) and "
                                           "/v1/completions for a local model folder.")
-    p.add_argument("--model", required=True, help="a Hugging Face model folder")
+    p.add_argument("--model", default=None, help="model folder, 'builtin' (default) or 'synthetic:ARCH'")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--name", default=None, help="model id clients use (default: the folder name)")
@@ -26,18 +25,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def serve(args: argparse.Namespace) -> int:
     from freetoken_agent.cli import CLIError
 
-    folder = Path(args.model)
-    if not folder.is_dir():
-        raise CLIError(f"model folder {args.model!r} does not exist")
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
     if args.default_max_tokens < 1:
         raise CLIError("--default-max-tokens must be at least 1")
     from freetoken_agent.backends.local import LocalEngine
     from freetoken_agent.cli.run import _threads
+    from freetoken_agent.runtime.models import resolve_model
     from freetoken_agent.server import serve as run_server
 
     _threads(args.threads)
+    folder = resolve_model(args.model)
     backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype)
     name = args.name or folder.resolve().name
     print(f"serving {name} ({backend.tool_format} tool calls) on http://{args.host}:{args.port}/v1",

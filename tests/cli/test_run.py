@@ -69,7 +69,7 @@ def test_live_view_against_a_served_model_fixes_the_bug(freetoken, workspace: Pa
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["run", "x", "--model", "/nonexistent/model"], "model folder '/nonexistent/model' does not exist"),
+    (["run", "x", "--model", "/nonexistent/model"], "model folder not found: /nonexistent/model"),
     (["run", "x", "--url", "http://127.0.0.1:9/v1", "--workspace", "/nonexistent/ws"], "is not a folder"),
     (["run", "x", "--url", "http://127.0.0.1:9/v1", "--max-steps", "0"], "--max-steps must be at least 1"),
     (["replay", "/nonexistent/run.jsonl"], "cannot read trajectory"),
@@ -92,3 +92,12 @@ def test_replay_of_a_killed_run(freetoken, tmp_path: Path, capsys: pytest.Captur
                     + "\n" + '{"type": "mess')  # the writer died mid-line
     assert freetoken(["replay", str(path)]) == 0
     assert "killed" in capsys.readouterr().out
+
+
+def test_run_on_the_default_model(freetoken, workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No --model: the built-in model (or its random-weight stand-in) runs the agent within its limits."""
+    code = freetoken(["run", "Say hi.", "--workspace", str(workspace), "--max-steps", "1", "--max-step-tokens", "4",
+                      "--json", "--threads", "1"])
+    final = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert final["type"] == "run_finished" and final["stop_reason"] in ("done", "max_steps")
+    assert code == (0 if final["stop_reason"] == "done" else 1)

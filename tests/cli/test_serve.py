@@ -92,4 +92,4 @@ def test_missing_model_folder_is_one_line() -> None:
     proc = subprocess.run([sys.executable, "-c", LAUNCH, "serve", "--model", "/nonexistent/m"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "freetoken serve: error: model folder '/nonexistent/m' does not exist"
+    assert proc.stderr.strip() == "freetoken serve: error: model folder not found: /nonexistent/m"
