@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 PROTOCOL_VERSION = 1
 
@@ -30,7 +30,8 @@ class ClientCapabilities(WireModel):
 
 
 class InitializeParams(WireModel):
-    protocol_version: int = Field(alias="protocolVersion", ge=0, le=65535)
+    protocol_version: Annotated[StrictInt, Field(ge=0, le=65535)] | StrictStr = Field(alias="protocolVersion")
+    """An integer; early clients sent a date string (a legacy version, answered with ours like any other)."""
     client_capabilities: ClientCapabilities = Field(ClientCapabilities(), alias="clientCapabilities")
     client_info: dict[str, Any] | None = Field(None, alias="clientInfo")
 
