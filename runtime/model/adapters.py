@@ -370,7 +370,7 @@ def _deepseek_layers(cfg: Config, attn_for: Callable[[int], AttentionSpec], sigm
     ]
 
 
-def _mla(cfg: Config) -> AttentionSpec:
+def _mla(cfg: Config, **overrides: Any) -> AttentionSpec:
     nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     head_dim = nope + rope_dim
     interleave = cfg["model_type"] == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
@@ -380,13 +380,15 @@ def _mla(cfg: Config) -> AttentionSpec:
     if p["rope_type"] != "default" and p.get("mscale_all_dim"):
         m = 0.1 * float(p["mscale_all_dim"]) * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
         scale *= m * m
-    return AttentionSpec(
+    fields: dict[str, Any] = dict(
         kind="mla", num_heads=int(cfg["num_attention_heads"]), num_kv_heads=int(cfg["num_attention_heads"]),
         head_dim=head_dim, v_head_dim=int(cfg["v_head_dim"]), scale=scale, rope=rope,
         o_bias=bool(cfg.get("attention_bias", False)), q_lora_rank=cfg.get("q_lora_rank"),
         kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_dim=nope, qk_rope_dim=rope_dim,
         lora_bias=bool(cfg.get("attention_bias", False)),
     )
+    fields.update(overrides)
+    return AttentionSpec(**fields)
 
 
 @adapter("deepseek_v2", "deepseek_v3")

@@ -84,6 +84,8 @@ class Decoder:
             if mw.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
             out = out + shared
+        if mw.output_norm is not None:
+            out = rms_norm(out, mw.output_norm, self.spec.norm_eps)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,14 @@ def attention_scores(
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
 
 
+def position_scaled(q: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Llama-4-style long-context query scaling (identity when ``q_scale_beta`` is 0)."""
+    if spec.q_scale_beta <= 0:
+        return q
+    scale = 1 + spec.q_scale_beta * torch.log1p(torch.floor(positions.float() / spec.q_scale_period))
+    return q * scale.to(q.dtype)[:, None, None]
+
+
 def gqa_attention(
     x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache,
     positions: torch.Tensor, eps: float,
@@ -133,6 +141,6 @@ def mla_attention(
     s = latent_all.shape[0]
     kv = linear(latent_all, w, "kv_b_proj").view(s, h, nope + dv)  # [S, H, nope + Dv]
     k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
-    q_full = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dh]
+    q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
     out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None)
     return linear(out, w, "o_proj")

@@ -73,6 +73,9 @@ class AttentionSpec:
     """The gate has one value per head (else one per output channel)."""
     output_gate_bias: bool = False
     """A learned per-head bias is added to the gate logits (Beam)."""
+    q_scale_beta: float = 0.0
+    """If > 0, queries are scaled by ``1 + beta * log(1 + floor(pos / q_scale_period))`` (Llama-4-style)."""
+    q_scale_period: int = 1
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class MoESpec:
     shared: MLPSpec | None = None
     shared_gate: bool = False
     """Shared-expert output is scaled by sigmoid(linear(x)) (Qwen2-MoE)."""
+    output_norm: bool = False
+    """RMSNorm over the block output (routed + shared), weights at ``model.layers.{i}.{names.moe_output_norm}``."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,7 @@ class WeightNames:
     sinks: str = "sinks"
     output_gate: str = "gate_proj"
     output_gate_bias: str = "gate_bias"
+    moe_output_norm: str = "post_mlp_layernorm"
     correction_at_layer: bool = False
     """The correction bias lives at ``model.layers.{i}.{correction_bias}`` rather than under the MoE prefix."""
 

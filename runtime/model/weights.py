@@ -28,6 +28,7 @@ class MoEWeights:
     experts: TorchExperts
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_gate: torch.Tensor | None = None  # [1, D]
+    output_norm: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -153,6 +154,8 @@ class _Loader:
         if m.shared is not None:
             base = layer_prefix if names.shared_at_layer else prefix
             weights.shared = self.mlp(f"{base}.{names.shared}", m.shared, d)
+        if m.output_norm:
+            weights.output_norm = self.take(f"{layer_prefix}.{names.moe_output_norm}.weight", (d,))
         if m.shared_gate:
             weights.shared_gate = self.take(f"{prefix}.{names.shared_gate}.weight", (1, d))
         return weights

@@ -129,6 +129,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mimo_v2_flash": dict(rope_parameters={
         "full_attention": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # head_dim * partial_rotary_factor must equal qk_rope_head_dim, as in the real config (128 * 0.5 = 64)
+    "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 
 
