@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
+
+import regex
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
@@ -15,6 +17,7 @@ MAX_ENTRIES = 500
 MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024
 MAX_MATCH_LINE_CHARS = 300
 MAX_SCANNED_FILES = 20_000
+SEARCH_BUDGET_S = 30.0  # a pathological regex or a giant tree stops with a note instead of stalling the agent
 
 
 def _folder(ctx: ToolContext, path: str) -> Path:
@@ -71,18 +74,27 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200
     cap = max(1, min(max_results, MAX_ENTRIES))
     found: list[str] = []
     more = False
+    visited = 0
     for entry, is_dir in walk(ctx.workspace.root, folder):
         if is_dir:
             continue
+        visited += 1
+        if visited > MAX_SCANNED_FILES:
+            more = True
+            break
         rel = entry.relative_to(folder).as_posix()
         if matcher.match(rel):
             if len(found) >= cap:
                 more = True
                 break
             found.append(ctx.workspace.relative(entry))
+    note = f"[stopped after {cap} matches]"
+    if visited > MAX_SCANNED_FILES:
+        note = f"[stopped after looking at {MAX_SCANNED_FILES} files; narrow the path]"
     if not found:
-        return ToolResult(content=f"No files match {pattern!r}.", data={"paths": []})
-    lines = found + ([f"[stopped after {cap} matches]"] if more else [])
+        text = f"No files match {pattern!r}." + (f"\n{note}" if more else "")
+        return ToolResult(content=text, data={"paths": [], "truncated": more})
+    lines = found + ([note] if more else [])
     return ToolResult(content="\n".join(lines), data={"paths": found, "truncated": more})
 
 
@@ -108,8 +120,10 @@ def search(
         max_results: Stop after this many matching lines (at most 500).
     """
     try:
-        regex = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
-    except re.error as exc:
+        # the `regex` package (re-compatible syntax) because its matches take a timeout: Python's re cannot be
+        # interrupted, and a pattern such as (a|aa)+$ backtracks for ages on one line
+        compiled = regex.compile(pattern, regex.IGNORECASE if ignore_case else 0)
+    except regex.error as exc:
         raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from None
     target = _folder(ctx, path)
     matcher = compile_glob(file_glob, anchored=False) if file_glob and file_glob.strip().strip("/") else None
@@ -121,8 +135,9 @@ def search(
         files = (entry for entry, is_dir in walk(ctx.workspace.root, target) if not is_dir and not entry.is_symlink())
     lines: list[str] = []
     paths: list[str] = []
-    more = False
+    stop: str | None = None  # why the search ended early: "matches", "files" or "time"
     skipped = scanned = 0
+    deadline = time.monotonic() + SEARCH_BUDGET_S
     for file in files:
         if ctx.cancelled:
             raise ToolError("search cancelled")
@@ -130,7 +145,7 @@ def search(
             continue
         scanned += 1
         if scanned > MAX_SCANNED_FILES:
-            more = True
+            stop = "files"
             break
         relative = file.name if file == target else file.relative_to(target).as_posix()
         if matcher is not None and not matcher.match(relative):
@@ -147,25 +162,32 @@ def search(
         rel = ctx.workspace.relative(file)
         hit = False
         for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
-            if regex.search(line):
+            try:
+                found = compiled.search(line, timeout=max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                stop = "time"
+                break
+            if found:
                 if len(lines) >= cap:
-                    more = True
+                    stop = "matches"
                     break
                 text = line if len(line) <= MAX_MATCH_LINE_CHARS else line[:MAX_MATCH_LINE_CHARS] + " [...]"
                 lines.append(f"{rel}:{number}: {text}")
                 hit = True
         if hit:
             paths.append(rel)
-        if more:
+        if stop:
             break
     notes: list[str] = []
-    if scanned > MAX_SCANNED_FILES:
+    if stop == "files":
         notes.append(f"[stopped after scanning {MAX_SCANNED_FILES} files; narrow the path or file_glob]")
-    elif more:
+    elif stop == "time":
+        notes.append(f"[stopped after {SEARCH_BUDGET_S:g} s; simplify the pattern or narrow the path]")
+    elif stop == "matches":
         notes.append(f"[stopped after {cap} matching lines; narrow the pattern or the path]")
     if skipped:
         notes.append(f"[{skipped} file(s) over {MAX_SEARCH_FILE_BYTES // (1024 * 1024)} MB were not searched]")
     if not lines:
         return ToolResult(content="\n".join([f"No matches for {pattern!r}."] + notes), data={"paths": [], "matches": 0})
     content = "\n".join(lines + notes)
-    return ToolResult(content=content, data={"paths": paths, "matches": len(lines), "truncated": more})
+    return ToolResult(content=content, data={"paths": paths, "matches": len(lines), "truncated": stop is not None})

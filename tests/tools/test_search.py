@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from freetoken_agent.tools import ToolContext, ToolRegistry
 from freetoken_agent.tools import ignore as ignore_module
+from freetoken_agent.tools import search as search_module
 from freetoken_agent.tools.ignore import is_ignored, parse_gitignore
 
 pytestmark = pytest.mark.anyio
@@ -148,3 +150,21 @@ async def test_glob_patterns_with_gitignore_specials(root: Path, ctx: ToolContex
     assert (await registry.call("glob", {"pattern": "dir/*"}, ctx)).content == "dir/f.txt"
     found = await registry.call("search", {"pattern": "x", "file_glob": "#*"}, ctx)
     assert found.content == "#notes.txt:1: x"
+
+
+async def test_search_and_glob_budgets(
+    root: Path, ctx: ToolContext, registry: ToolRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for index in range(30):
+        (root / f"f{index:02}.txt").write_text("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa!\n" * 3)
+    monkeypatch.setattr(search_module, "MAX_SCANNED_FILES", 10)
+    many = await registry.call("glob", {"pattern": "*.md"}, ctx)
+    assert many.content == "No files match '*.md'.\n[stopped after looking at 10 files; narrow the path]"
+    scanned = await registry.call("search", {"pattern": "zzz"}, ctx)
+    assert scanned.content.endswith("[stopped after scanning 10 files; narrow the path or file_glob]")
+    monkeypatch.setattr(search_module, "MAX_SCANNED_FILES", 20_000)
+    monkeypatch.setattr(search_module, "SEARCH_BUDGET_S", 0.5)
+    start = time.monotonic()
+    slow = await registry.call("search", {"pattern": r"(a|aa)+$"}, ctx)  # backtracks for ages on one line
+    assert time.monotonic() - start < 4.0
+    assert slow.content.endswith("[stopped after 0.5 s; simplify the pattern or narrow the path]")
