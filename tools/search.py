@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import regex
-
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
 from freetoken_agent.tools.files import SNIFF_BYTES, looks_binary
