@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio.to_thread
-
 from freetoken_agent.evals.swe.gitops import apply_patch
 from freetoken_agent.evals.swe.task import Task
 

@@ -45,6 +45,7 @@ def git(cwd: Path, *args: str, input: str | None = None, timeout: float = 300.0)
     try:
         proc = subprocess.run(
             ["git", "-c", "core.autocrlf=false", "-c", "init.defaultBranch=main", *args],
+            check=False,
             cwd=cwd,
             input=input,
             capture_output=True,
@@ -112,7 +113,7 @@ def patch_files(patch: str) -> list[str]:
         if line.startswith("diff --git "):
             parts = line.split(" ")
             if len(parts) >= 4:
-                path = parts[3][2:] if parts[3].startswith("b/") else parts[3]
+                path = parts[3].removeprefix("b/")
                 files.append(path)
     return files
 

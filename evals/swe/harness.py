@@ -19,13 +19,19 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
-
 from freetoken_agent.evals.swe.agents import AgentOutcome, EvalAgent, TaskSkipped
 from freetoken_agent.evals.swe.gitops import GitError, apply_patch, checkout, diff_against
 from freetoken_agent.evals.swe.grading import is_resolved, split
 from freetoken_agent.evals.swe.results import ERROR, RESOLVED, SKIPPED, UNRESOLVED, RunStore, TaskResult
 from freetoken_agent.evals.swe.task import Task
-from freetoken_agent.evals.swe.testrun import ExecutedTests, default_python, run_commands, run_pytest, run_watched, subprocess_env
+from freetoken_agent.evals.swe.testrun import (
+    ExecutedTests,
+    default_python,
+    run_commands,
+    run_pytest,
+    run_watched,
+    subprocess_env,
+)
 
 
 @dataclass
@@ -60,7 +66,8 @@ def resolve_repo(task: Task, repos_dir: Path | None) -> str:
 @functools.lru_cache(maxsize=8)
 def _has_pytest(python: str) -> bool:
     try:
-        return subprocess.run([python, "-c", "import pytest"], capture_output=True, timeout=120).returncode == 0
+        proc = subprocess.run([python, "-c", "import pytest"], check=False, capture_output=True, timeout=120)
+        return proc.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -101,16 +108,16 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
         ws = tmp / "workspace"
         base = await anyio.to_thread.run_sync(_prepare, repo, task.base_commit, ws, task, python, tdir / "setup.log")
         await _work(task, agent, ws, tdir, config.agent_timeout_s or task.agent_timeout_s, result)
-        patch = await anyio.to_thread.run_sync(diff_against, ws, base)
-        (tdir / "model.patch").write_text(patch, encoding="utf-8")
-        result.patch_bytes = len(patch.encode())
+        patch = diff = await anyio.to_thread.run_sync(diff_against, ws, base)
+        (tdir / "model.patch").write_text(diff, encoding="utf-8")
+        result.patch_bytes = len(diff.encode())
         shutil.rmtree(ws, ignore_errors=True)
 
         t_tests = time.monotonic()
         ev = tmp / "eval"
         await anyio.to_thread.run_sync(_prepare, repo, base, ev, task, python, tdir / "setup.log")
         try:
-            await anyio.to_thread.run_sync(apply_patch, ev, patch)
+            await anyio.to_thread.run_sync(apply_patch, ev, diff)
         except GitError as exc:
             result.status, result.reason = UNRESOLVED, f"the agent's patch does not apply: {exc}"
             return result, patch
@@ -123,7 +130,7 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
         run = await anyio.to_thread.run_sync(_run_tests, task, ev, python, config.test_timeout_s or task.test_timeout_s,
                                              tdir / "tests.log", tmp / "scratch")
         result.tests_s = time.monotonic() - t_tests
-        _score(task, run, patch, result)
+        _score(task, run, diff, result)
         return result, patch
     except TaskSkipped as exc:
         result.status, result.reason = SKIPPED, str(exc)

@@ -7,11 +7,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from freetoken_agent.evals.swe.results import ERROR, RESOLVED, SKIPPED, RunStore, TaskResult
 from freetoken_agent.evals.swe.task import EvalError
+from rich.console import Console
+from rich.table import Table
 
 ENGINE_COLUMNS = [("ttft_s", "TTFT s"), ("prefix_hit_rate", "prefix hit"), ("expert_hit_rate", "expert hit")]
 
@@ -182,7 +181,7 @@ def comparison_markdown(cmp: dict[str, Any]) -> str:
     for side in ("a", "b"):
         meta = cmp[side]["meta"]
         lines.append(f"- **{side.upper()}**: `{cmp[side]['dir']}` (agent `{meta.get('agent', '?')}`"
-                     + (f", model `{meta['model']}`" if meta.get("model") else "") + f"): "
+                     + (f", model `{meta['model']}`" if meta.get("model") else "") + "): "
                      + _summary_line(cmp[side]["summary"]))
     lines += [f"- resolved by both: {len(cmp['both'])}, only A: {len(cmp['only_a'])}, only B: {len(cmp['only_b'])}",
               "", "| task | A status | A wall s | A tokens out | B status | B wall s | B tokens out |",

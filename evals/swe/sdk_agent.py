@@ -7,7 +7,6 @@ engine statistics a local backend reports (prefix and expert hit rates) to the t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path

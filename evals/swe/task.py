@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
 from freetoken_agent.runtime.errors import FreeTokenError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class EvalError(FreeTokenError):

@@ -120,7 +120,12 @@ def run(args: argparse.Namespace) -> int:
 
     from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
     from freetoken_agent.evals.swe.report import (
-        compare, comparison_markdown, ordered, print_comparison, print_table, write_reports,
+        compare,
+        comparison_markdown,
+        ordered,
+        print_comparison,
+        print_table,
+        write_reports,
     )
     from freetoken_agent.evals.swe.results import RunStore, TaskResult
     from freetoken_agent.evals.swe.task import load_tasks

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from freetoken_agent.evals.suites import materialize_suite, suite_tasks
 from freetoken_agent.evals.swe.gitops import patch_files
 from freetoken_agent.evals.swe.task import load_tasks
+
 from tests.evals.swe.support import freetoken, read_results
 
 KINDS = {"off-by-one", "wrong-condition", "missing-case", "wrong-api", "multi-file"}

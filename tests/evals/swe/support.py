@@ -7,9 +7,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-import freetoken_agent.cli as cli
 from freetoken_agent.evals.swe.gitops import git
+
+from freetoken_agent import cli
 
 
 def freetoken(*argv: str, capsys: pytest.CaptureFixture[str] | None = None) -> tuple[int, str, str]:

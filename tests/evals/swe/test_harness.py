@@ -8,11 +8,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-
 from freetoken_agent.evals.swe.agents import AgentOutcome, GoldAgent
 from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
 from freetoken_agent.evals.swe.results import RunStore
 from freetoken_agent.evals.swe.task import Task, load_tasks
+
 from tests.evals.swe.support import diff, freetoken, make_repo, read_results
 
 FAST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}

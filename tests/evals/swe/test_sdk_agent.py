@@ -6,10 +6,6 @@ import json
 from pathlib import Path
 
 import anyio
-
-from freetoken_agent import Agent
-from freetoken_agent.backends.base import GenerateRequest
-from freetoken_agent.backends.scripted import ScriptedBackend
 from freetoken_agent.evals.suites import suite_tasks
 from freetoken_agent.evals.suites.spec import materialize
 from freetoken_agent.evals.swe.harness import HarnessConfig, run_pending
@@ -17,6 +13,10 @@ from freetoken_agent.evals.swe.report import engine_value, markdown
 from freetoken_agent.evals.swe.results import RunStore
 from freetoken_agent.evals.swe.sdk_agent import SDKAgent
 from freetoken_agent.evals.swe.task import Task, load_tasks
+
+from freetoken_agent import Agent
+from freetoken_agent.backends.base import GenerateRequest
+from freetoken_agent.backends.scripted import ScriptedBackend
 
 
 def call(name: str, arguments: dict) -> str:

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from freetoken_agent.evals.swe.task import EvalError, load_tasks
+
 from tests.evals.swe.support import freetoken, read_results
 from tests.evals.swe.test_harness import calc_task, write_jsonl
 
