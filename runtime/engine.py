@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from freetoken_agent.runtime.checkpoint.reader import CheckpointReader, load_config
+from freetoken_agent.runtime.checkpoint.reader import load_config
 from freetoken_agent.runtime.errors import FreeTokenError, TokenizerError
 from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams, StopChecker
 from freetoken_agent.runtime.kv.cache import KVCache
@@ -125,11 +125,12 @@ class Engine:
         """
         path = Path(path)
         from freetoken_agent.runtime.kernels.apply import check_quant, quantize_experts
+        from freetoken_agent.runtime.quant.native import open_checkpoint
 
         quant = check_quant(quant)
         n_threads = configure_threads(threads)
         spec = spec_from_config(load_config(path))
-        reader = CheckpointReader(path)
+        reader = open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
         torch_dtype = _dtype(dtype)
         show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
         if show:
