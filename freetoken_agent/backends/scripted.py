@@ -30,9 +30,9 @@ def _count_words(messages: list[dict[str, Any]]) -> int:
 class ScriptedBackend(TextBackend):
     """Answers each model call with the next scripted turn, streamed word by word (one word = one "token").
 
-    ``requests``, ``hints`` and ``ended`` record what the loop sent, so a test or demo can show exactly what the model saw.
-    ``delay_s`` sleeps between tokens (to exercise cancellation and time limits). When the script runs out, the
-    call fails with :class:`~freetoken_agent.errors.BackendError`.
+    ``requests``, ``hints`` and ``ended`` record what the loop sent, so a test or demo can show exactly what the
+    model saw. ``delay_s`` sleeps between tokens (to exercise cancellation and time limits). When the script runs
+    out, the call fails with :class:`~freetoken_agent.errors.BackendError`.
     """
 
     def __init__(self, turns: Iterable[Turn], tool_format: str = "hermes", delay_s: float = 0.0) -> None:

@@ -160,7 +160,7 @@ class Glm45:
 
 
 class DeepSeek:
-    """DeepSeek-V3 (``function<｜tool▁sep｜>NAME\\n```json ...```」) and V3.1 (``NAME<｜tool▁sep｜>{json}``)."""
+    """DeepSeek-V3 (``function<｜tool▁sep｜>NAME``, then fenced JSON) and V3.1 (``NAME<｜tool▁sep｜>{json}``)."""
 
     name = "deepseek"
     start = "<｜tool▁calls▁begin｜>"

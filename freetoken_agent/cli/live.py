@@ -62,7 +62,8 @@ class LiveView:
             status = ("error: " if event.is_error else "ok: ") + _short(event.content, 60)
             self.calls[event.call_id] = [event.name, args, status]
         elif isinstance(event, InvalidOutput):
-            self.calls[f"invalid-{event.step}-{len(self.calls)}"] = ["?", "(unreadable)", "error: " + _short(event.message)]
+            key = f"invalid-{event.step}-{len(self.calls)}"
+            self.calls[key] = ["?", "(unreadable)", "error: " + _short(event.message)]
         elif isinstance(event, StepFinished):
             self.tokens += event.usage.completion_tokens
             self._step_deltas = 0

@@ -49,7 +49,8 @@ def replay(args: argparse.Namespace) -> int:
                 console.print(escape(_clip(str(message["content"]), args.full)))
             for call in message.get("tool_calls") or []:
                 fn = call.get("function", {})
-                console.print(f"  → [bold]{escape(fn.get('name', '?'))}[/] {escape(_clip(fn.get('arguments', ''), args.full, 300))}")
+                arguments = _clip(fn.get("arguments", ""), args.full, 300)
+                console.print(f"  → [bold]{escape(fn.get('name', '?'))}[/] {escape(arguments)}")
         elif kind == "phase_changed":
             console.print(f"[dim]· phase {record.get('phase')}"
                           + (f" (expected {record['expected_s']} s)" if record.get("expected_s") else "") + "[/]")

@@ -1,4 +1,4 @@
-"""``freetoken serve`` in a real subprocess on a tiny local checkpoint, used by the ``openai`` client and by an agent."""
+"""``freetoken serve`` in a real subprocess on a tiny checkpoint, used by the ``openai`` client and by an agent."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _free_port() -> int:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = shared_tiny_qwen3_moe(tmp_path_factory)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", str(model), "--port", str(port), "--name", "tiny-moe",
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", str(model), "--port", str(port),
+                             "--name", "tiny-moe",
                              "--default-max-tokens", "16", "--threads", "1"], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 120
