@@ -78,7 +78,12 @@ class Decoder:
             observe(i, ids)
         backend = self.experts[i]
         assert backend is not None
-        out = backend.forward(x, ids, weights.to(x.dtype) if x.dtype != torch.float32 else weights)
+        weights = weights.to(x.dtype) if x.dtype != torch.float32 else weights
+        if moe.scale_input:  # each chosen expert sees x scaled by its weight; outputs are summed unweighted
+            ones = torch.ones_like(weights[:, :1])
+            out = sum(backend.forward(x * weights[:, k : k + 1], ids[:, k : k + 1], ones) for k in range(ids.shape[1]))
+        else:
+            out = backend.forward(x, ids, weights)
         if moe.shared is not None:
             shared = mlp(x, mw.shared, moe.shared)
             if mw.shared_gate is not None:

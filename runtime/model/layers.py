@@ -24,6 +24,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
 
@@ -53,6 +58,8 @@ def attention_scores(
     allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
     if spec.sliding_window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
+    if spec.chunk_size is not None:
+        allowed &= (k_pos[None, :] // spec.chunk_size) == (q_pos[:, None] // spec.chunk_size)
     if sinks is None:
         # fused kernel: no [H, T, S] score tensor is materialized twice
         out = F.scaled_dot_product_attention(
@@ -73,7 +80,8 @@ def position_scaled(q: torch.Tensor, positions: torch.Tensor, spec: AttentionSpe
     """Llama-4-style long-context query scaling (identity when ``q_scale_beta`` is 0)."""
     if spec.q_scale_beta <= 0:
         return q
-    scale = 1 + spec.q_scale_beta * torch.log1p(torch.floor(positions.float() / spec.q_scale_period))
+    steps = torch.floor((positions.float() + spec.q_scale_offset) / spec.q_scale_period)
+    scale = 1 + spec.q_scale_beta * torch.log1p(steps)
     return q * scale.to(q.dtype)[:, None, None]
 
 
@@ -99,6 +107,9 @@ def gqa_attention(
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
     if spec.qk_norm == "head" and spec.qk_norm_after_rope:
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
+    if spec.qk_norm == "head_unit":
+        q, k = unit_rms_norm(q, eps), unit_rms_norm(k, eps)
+    q = position_scaled(q, positions, spec)
     k_all, v_all = cache.append(layer, k, v)
     out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"))
     if spec.output_gate != "none":

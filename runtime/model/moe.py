@@ -87,7 +87,8 @@ def route(
     if spec.topk_before_scoring:
         logits = F.linear(x, weight, bias).float()  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)
-        return ids, torch.softmax(top, dim=-1) * spec.scaling
+        weights = torch.sigmoid(top) if spec.scoring == "sigmoid" else torch.softmax(top, dim=-1)
+        return ids, weights * spec.scaling
     logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [T, E]
     if spec.logit_softcap > 0:
         logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap

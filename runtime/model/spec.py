@@ -50,8 +50,9 @@ class AttentionSpec:
     rope: RopeSpec | None
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: Literal["none", "head", "full"] = "none"
-    """RMSNorm on q and k: per head (``head``, weight [head_dim]) or over the whole projection (``full``)."""
+    qk_norm: Literal["none", "head", "full", "head_unit"] = "none"
+    """RMSNorm on q and k: per head (``head``, weight [head_dim]), over the whole projection (``full``), or per head
+    without weights (``head_unit``, Llama 4's L2 norm)."""
     sinks: bool = False
     """A learned per-head logit that joins the softmax and is then dropped (GPT-OSS)."""
     clip_qkv: float | None = None
@@ -76,6 +77,10 @@ class AttentionSpec:
     q_scale_beta: float = 0.0
     """If > 0, queries are scaled by ``1 + beta * log(1 + floor(pos / q_scale_period))`` (Llama-4-style)."""
     q_scale_period: int = 1
+    q_scale_offset: int = 0
+    """Added to the position before the floor division (Llama 4 NoPE temperature tuning uses 1)."""
+    chunk_size: int | None = None
+    """Chunked local attention: a query sees only keys in its own chunk of ``chunk_size`` positions (Llama 4)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class MoESpec:
     shared: MLPSpec | None = None
     shared_gate: bool = False
     """Shared-expert output is scaled by sigmoid(linear(x)) (Qwen2-MoE)."""
+    scale_input: bool = False
+    """The routing weight scales the expert's input instead of its output (Llama 4)."""
     output_norm: bool = False
     """RMSNorm over the block output (routed + shared), weights at ``model.layers.{i}.{names.moe_output_norm}``."""
 
@@ -152,6 +159,8 @@ class WeightNames:
     """Where an architecture keeps its tensors inside a layer (relative to ``model.layers.{i}.``)."""
 
     moe_prefix: str = "mlp"
+    mlp: str = "mlp"
+    """Prefix of a dense layer's MLP."""
     router: str = "gate"
     """Module holding the router weight (``{router}.weight``)."""
     correction_bias: str = "gate.e_score_correction_bias"

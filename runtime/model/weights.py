@@ -111,7 +111,7 @@ class _Loader:
             for leaf, n_out in zip(("q_proj", "k_proj", "v_proj"), sizes):
                 self.linear(w, prefix, leaf, n_out, d, a.qkv_bias)
         self.linear(w, prefix, names.o_proj, d, a.num_heads * a.v_head_dim, a.o_bias, key="o_proj")
-        if a.qk_norm != "none":
+        if a.qk_norm in ("head", "full"):
             q_dim = a.head_dim if a.qk_norm == "head" else a.num_heads * a.head_dim
             k_dim = a.head_dim if a.qk_norm == "head" else a.num_kv_heads * a.head_dim
             w["q_norm.weight"] = self.take(f"{prefix}.{names.q_norm}.weight", (q_dim,))
@@ -233,7 +233,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
         else:
             assert layer.mlp is not None
-            lw.mlp = ld.mlp(f"{p}.mlp", layer.mlp, d)
+            lw.mlp = ld.mlp(f"{p}.{n.mlp}", layer.mlp, d)
         layers.append(lw)
         if on_layer is not None:
             on_layer(i)

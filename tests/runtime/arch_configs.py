@@ -130,6 +130,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "full_attention": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
     # head_dim * partial_rotary_factor must equal qk_rope_head_dim, as in the real config (128 * 0.5 = 64)
+    # moe_layers holds layer indices (not one entry per layer); a small floor_scale exercises NoPE temperature tuning
+    "llama4_text": dict(moe_layers=[0, 2], floor_scale=4, attn_scale=0.5),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -1,0 +1,44 @@
+"""Llama 4 text: sigmoid top-k router scaling the expert input, chunked local attention, NoPE layers with
+temperature tuning, weightless qk norm, dense/MoE interleave."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, adapter
+from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
+
+
+@adapter("llama4_text")
+def llama4_text(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="sigmoid", topk_before_scoring=True), activation=act,  # type: ignore[arg-type]
+        shared=MLPSpec(int(cfg["intermediate_size"]), act), scale_input=True,  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]), act)  # type: ignore[arg-type]
+    moe_layers = set(cfg.get("moe_layers") or range(n))
+    use_rope = cfg.get("no_rope_layers") or [1] * n
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    bias = bool(cfg.get("attention_bias", False))
+    layers = []
+    for i in range(n):
+        fields: dict[str, Any] = dict(qkv_bias=bias, o_bias=bias, style="interleaved")
+        if types[i] == "chunked_attention" and cfg.get("attention_chunk_size"):
+            fields["chunk_size"] = int(cfg["attention_chunk_size"])
+        if use_rope[i]:
+            if cfg.get("use_qk_norm"):
+                fields.update(qk_norm="head_unit", qk_norm_after_rope=True)
+        else:
+            fields["rope"] = None
+            if cfg.get("attn_temperature_tuning"):
+                fields.update(q_scale_beta=float(cfg["attn_scale"]), q_scale_period=int(cfg["floor_scale"]),
+                              q_scale_offset=1)
+        attn = _gqa(cfg, **fields)
+        layers.append(LayerSpec(attention=attn, moe=moe) if i in moe_layers else LayerSpec(attention=attn, mlp=dense))
+    names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", router="router", shared="shared_expert",
+                        gate_up_layout="concat_transposed")
+    return _model(cfg, layers, names=names)
