@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from freetoken_agent.evals.suites import materialize_suite, suite_tasks
+from freetoken_agent.evals.suites import suite_tasks
 from freetoken_agent.evals.swe.gitops import patch_files
 from freetoken_agent.evals.swe.task import load_tasks
 
@@ -28,15 +28,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def test_suite_shape(tmp_path: Path) -> None:
+def test_suite_shape(runs: dict[str, Path]) -> None:
     specs = suite_tasks("builtin")
     assert len(specs) >= 20
     assert {s.kind for s in specs} == KINDS
     assert len({s.name for s in specs}) == len(specs)
-    tasks = load_tasks(materialize_suite("builtin", tmp_path / "a"))
-    again = load_tasks(materialize_suite("builtin", tmp_path / "b"))
+    tasks = load_tasks(runs["gold"] / "suite" / "builtin.jsonl")
+    again = load_tasks(runs["empty"] / "suite" / "builtin.jsonl")
     # Fixed author and dates: the base commits are the same on every machine and every build.
-    assert [t.base_commit for t in tasks] == [t.base_commit for t in again]
+    assert len(tasks) == len(specs) and [t.base_commit for t in tasks] == [t.base_commit for t in again]
     multi = [t for t in tasks if t.kind == "multi-file"]
     assert len(multi) >= 4 and all(len(patch_files(t.patch)) >= 2 for t in multi)
     for t in tasks:
