@@ -75,8 +75,9 @@ def _stats(backend: Any) -> dict[str, Any]:
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Per-task engine statistics from the engine's cumulative ones: counters (tokens, seconds, requests, hits)
-    become the difference over the task; rates and settings stay as reported at the end. With several workers
-    sharing one engine the differences include the other tasks' work."""
+    become the difference over the task, hit rates are recomputed from those differences when the counters are
+    there, and other rates and settings stay as reported at the end. With several workers sharing one engine
+    the differences include the other tasks' work."""
     out: dict[str, Any] = {}
     for key, value in after.items():
         old = before.get(key)
@@ -87,7 +88,23 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
             out[key] = round(value - old, 6)
         else:
             out[key] = value
+    _task_rates(out, before)
     return out
+
+
+def _task_rates(delta: dict[str, Any], before: dict[str, Any]) -> None:
+    """Recompute ``<name>_hit_rate`` over the task from its counters when the engine reports them:
+    ``<name>_hits`` / ``<name>_misses``, or ``<name>_hit_tokens`` / ``prefill_tokens`` (tokens reused vs computed)."""
+    for key in list(delta):
+        if not key.endswith("_hit_rate") or not before:
+            continue
+        name = key[: -len("_hit_rate")]
+        pairs = [(f"{name}_hits", f"{name}_misses"), (f"{name}_hit_tokens", "prefill_tokens")]
+        for hit_key, miss_key in pairs:
+            hits, misses = delta.get(hit_key), delta.get(miss_key)
+            if isinstance(hits, (int, float)) and isinstance(misses, (int, float)):
+                delta[key] = round(hits / (hits + misses), 4) if hits + misses else None
+                break
 
 
 def coding_agent_factory(backend_factory: Callable[[], Backend], **options: Any) -> AgentFactory:

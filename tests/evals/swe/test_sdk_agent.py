@@ -88,12 +88,19 @@ def test_engine_stats_become_per_task_differences() -> None:
     from freetoken_agent.evals.swe.sdk_agent import stats_delta
 
     before = {"requests": 3, "prefill_s": 1.5, "prefill_tok_s": 900.0, "threads": 2, "phase": "plan",
-              "kv": {"prefix_hits": 10, "prefix_hit_rate": 0.5}, "phase_hints": {"plan": 1}}
+              "kv": {"prefix_hit_tokens": 10, "prefill_tokens": 30, "prefix_hit_rate": 0.25},
+              "experts": {"expert_hits": 5, "expert_misses": 5, "expert_hit_rate": 0.5}, "phase_hints": {"plan": 1}}
     after = {"requests": 5, "prefill_s": 2.0, "prefill_tok_s": 950.0, "threads": 2, "phase": "tool",
-             "kv": {"prefix_hits": 16, "prefix_hit_rate": 0.6}, "phase_hints": {"plan": 3, "tool": 1}}
+             "kv": {"prefix_hit_tokens": 40, "prefill_tokens": 40, "prefix_hit_rate": 0.5},
+             "experts": {"expert_hits": 14, "expert_misses": 6, "expert_hit_rate": 0.7},
+             "phase_hints": {"plan": 3, "tool": 1}}
     assert stats_delta(before, after) == {
         "requests": 2, "prefill_s": 0.5, "prefill_tok_s": 950.0, "threads": 2, "phase": "tool",
-        "kv": {"prefix_hits": 6, "prefix_hit_rate": 0.6}, "phase_hints": {"plan": 2, "tool": 1}}
+        # hit rates over this task: 30 of 40 prompt tokens reused, 9 of 10 expert lookups resident
+        "kv": {"prefix_hit_tokens": 30, "prefill_tokens": 10, "prefix_hit_rate": 0.75},
+        "experts": {"expert_hits": 9, "expert_misses": 1, "expert_hit_rate": 0.9},
+        "phase_hints": {"plan": 2, "tool": 1}}
+    assert stats_delta({}, after) == after  # the first task on a fresh engine: the totals are the task's
 
 
 def test_agent_timeout_becomes_the_agents_wall_limit(tmp_path: Path) -> None:
