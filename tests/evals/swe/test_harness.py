@@ -154,3 +154,32 @@ def test_cli_resume_and_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     ]:
         code, _, err = freetoken("eval", *argv, capsys=capsys)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+FACTORY = '''
+import json
+
+from freetoken_agent import Agent
+from freetoken_agent.backends.scripted import ScriptedBackend
+
+
+def call(name, arguments):
+    return "<tool_call>\\n" + json.dumps({"name": name, "arguments": arguments}) + "\\n</tool_call>"
+
+
+def make_agent(task, workspace):
+    edit = {"path": "calc/__init__.py", "old_string": "a - b", "new_string": "a + b"}
+    return Agent.coding(ScriptedBackend([call("edit_file", edit), "done"]), workspace=workspace)
+'''
+
+
+def test_cli_runs_a_user_agent_factory_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "my_agent.py").write_text(FACTORY)
+    jsonl = write_jsonl(tmp_path / "t.jsonl", [calc_task(tmp_path, "calc")])
+    code, out, err = freetoken("eval", str(jsonl), "--agent", f"{tmp_path / 'my_agent.py'}:make_agent", "--json",
+                               "--out", str(tmp_path / "run"), capsys=capsys)
+    assert code == 0, err
+    assert json.loads(out)["resolved"] == 1
+    assert read_results(tmp_path / "run")["calc"]["turns"] == 2
+    code, _, err = freetoken("eval", str(jsonl), "--agent", f"{tmp_path / 'my_agent.py'}:nope", capsys=capsys)
+    assert code == 2 and "has no function 'nope'" in err
