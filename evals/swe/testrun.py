@@ -133,7 +133,8 @@ def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float,
         env["FREETOKEN_EVAL_REPORT"] = str(events_path)
         cmd = [python, "-m", "pytest", "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--rootdir", str(workspace),
                "--continue-on-collection-errors", "-q", "-rfE", *batch]
-        run = run_watched(cmd, workspace, env, log, timeout_s, events_path, first_timeout_s=max(timeout_s, 30.0))
+        # Startup and collection get more time than one test: large repositories import slowly.
+        run = run_watched(cmd, workspace, env, log, timeout_s, events_path, first_timeout_s=max(timeout_s, 120.0))
         new = {e["nodeid"]: e["status"] for e in run.events if e["event"] == "end"}
         reported.update(new)
         broken = {e["nodeid"] for e in run.events if e["event"] == "collect_error"}
