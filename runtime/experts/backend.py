@@ -1,0 +1,179 @@
+"""``ManagedExperts``: the ``ExpertsBackend`` of one MoE layer whose experts live in the ``ExpertStore``'s tiers.
+
+Legend: T tokens, K experts per token, E experts, D hidden, S slots.
+
+A step: count tokens per expert → tell the policy (heat) → settle last step's prefetch guesses → start the
+gate look-ahead prefetch for the next MoE layer → plan each expert's path → compute.
+
+Exactness: float experts are computed one by one in expert-id order with the same ops as ``TorchExperts`` and
+accumulated in the same order, so outputs are bitwise those of the unbudgeted engine whatever tier each expert
+came from. Quantized experts run ``QuantizedExperts`` (the C kernels) over the whole host pool with slot ids; the
+fused kernel accumulates a token's experts in id order, so slot ids can reorder that fp32 sum (differences
+~1e-7 relative; tokens identical in practice, not guaranteed bitwise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNeed
+from freetoken_agent.runtime.experts.layout import SlotViews
+from freetoken_agent.runtime.experts.store import ExpertStore
+from freetoken_agent.runtime.model.moe import activate
+from freetoken_agent.runtime.model.spec import MoESpec
+
+Lookahead = Callable[[torch.Tensor], list[int]]
+"""Predicts the next MoE layer's experts from this layer's input ``x [T, D]``."""
+
+
+class ManagedExperts:
+    """Routed experts of MoE layer ``layer``, served from the store's tiers under the planner's choices."""
+
+    def __init__(
+        self, layer: int, spec: MoESpec, store: ExpertStore, planner: ExecutionPlanner,
+        next_layer: int | None = None, lookahead: Lookahead | None = None,
+    ) -> None:  # fmt: skip
+        self.layer, self.spec, self.store, self.planner = layer, spec, store, planner
+        self.next_layer, self.lookahead = next_layer, lookahead
+        self.layout = store.host.layout
+        self._views: dict[str, tuple[int, SlotViews, object]] = {}
+
+    # ---------------------------------------------------------------- views over the pools
+
+    def _pool_views(self, tier: str) -> tuple[SlotViews, object]:
+        """Typed views of a tier's pool (and a ``QuantizedExperts`` over it for quantized layouts), cached."""
+        pool = self.store.host if tier == "host" else self.store.device
+        assert pool is not None
+        cached = self._views.get(tier)
+        if cached is not None and cached[0] == pool.generation:
+            return cached[1], cached[2]
+        views = self.layout.views(pool.data)
+        qe = None
+        if self.layout.quantized and pool.device.type == "cpu":
+            from functools import partial
+
+            from freetoken_agent.runtime.kernels.experts import QuantizedExperts
+
+            assert views.w13 is not None and views.w2 is not None
+            qe = QuantizedExperts(self.layout.fmt, views.w13, views.w2, self.layout.hidden,
+                                  self.layout.intermediate, self.layout.packed)
+            if self.spec.activation != "silu":
+                qe.activation = partial(activate, moe=self.spec)
+            qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
+        self._views[tier] = (pool.generation, views, qe)
+        return views, qe
+
+    def _float_expert(self, views: SlotViews, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """One float expert on its tokens, exactly as ``TorchExperts`` computes it: ``x [n, D] → [n, D]``."""
+        assert views.gate_up is not None and views.down is not None
+        h = x @ views.gate_up[slot].T  # [n, 2I]
+        if views.gate_up_bias is not None:
+            h = h + views.gate_up_bias[slot]
+        h = activate(h, self.spec) @ views.down[slot].T  # [n, D]
+        if views.down_bias is not None:
+            h = h + views.down_bias[slot]
+        return h
+
+    def _quant_expert(self, tier: str, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """One quantized expert on its tokens (fp32 in/out) from slot ``slot`` of ``tier``."""
+        views, qe = self._pool_views(tier)
+        if qe is not None:
+            big = x.shape[0] >= qe.dequant_threshold or not qe.packed  # type: ignore[attr-defined]
+            return qe._expert_dense(slot, x) if big else qe._expert_kernel(slot, x)  # type: ignore[attr-defined]
+        raise NotImplementedError("quantized experts on a non-CPU device tier need the GPU kernels")
+
+    # ---------------------------------------------------------------- the step
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], topk_ids [T, K], topk_weights [T, K] → Σ_k w_k · expert_k(x) as [T, D]."""
+        store, layer = self.store, self.layer
+        counts_t = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)  # [E]
+        hit = counts_t.nonzero().flatten().tolist()
+        counts = {e: int(counts_t[e]) for e in hit}
+        store.host.policy.observe(layer, counts)
+        if store.device is not None:
+            store.device.policy.observe(layer, counts)
+        store.prefetch.settle(layer, set(hit))
+        needs = [ExpertNeed(e, counts[e], store.device is not None and store.device.is_ready((layer, e)),
+                            store.host.is_ready((layer, e))) for e in hit]
+        room = None if store.device is None else store.device.capacity_for_step()
+        plan = self.planner.plan(needs, room)
+        for e, path in plan.paths.items():
+            store.planner_counts[path] += 1
+        if self.layout.quantized and store.device is None:
+            return self._quant_host_step(x, topk_ids, topk_weights, hit)
+        out = self._per_expert_step(x, topk_ids, topk_weights, counts_t, plan.paths)
+        self._prefetch_next(x)
+        return out
+
+    def _prefetch_next(self, x: torch.Tensor) -> None:
+        """Gate look-ahead: guess the next MoE layer's experts from this layer's input and start reading them.
+
+        Called once this step's experts are in use (so the reads cannot evict them); decode only (T ≤ 4).
+        """
+        if self.lookahead is not None and self.next_layer is not None and x.shape[0] <= 4:
+            self.store.prefetch_host(self.next_layer, self.lookahead(x))
+
+    def _per_expert_step(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts_t: torch.Tensor,
+        paths: dict[int, str],
+    ) -> torch.Tensor:  # fmt: skip
+        """Experts one at a time in id order (the ``TorchExperts`` order), each from the tier its path names."""
+        store, layer = self.store, self.layer
+        xin = x.float() if self.layout.quantized else x
+        out = torch.zeros_like(xin)
+        flat_ids = topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // topk_ids.shape[1]
+        weight_of = topk_weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts_t.tolist()):
+            if n == 0:
+                continue
+            tokens = token_of[start : start + n]
+            tier = "host" if paths[e] == "host" else "device"
+            t0 = time.perf_counter()
+            slot = store.acquire_host((layer, e)) if tier == "host" else store.acquire_device((layer, e))
+            pool = store.host if tier == "host" else store.device
+            assert pool is not None
+            xe = xin[tokens] if xin.device == pool.device else xin[tokens].to(pool.device)
+            try:
+                if self.layout.quantized:
+                    h = self._quant_expert(tier, slot, xe)
+                else:
+                    h = self._float_expert(self._pool_views(tier)[0], slot, xe)
+                h = h.to(out.device)
+            finally:
+                store.release_host(slot) if tier == "host" else store.release_device(slot)
+            if tier == "host":
+                self.planner.cost.observe_host(self.layout.blob_bytes, n, time.perf_counter() - t0)
+            out.index_add_(0, tokens, (h * weight_of[start : start + n, None]).to(out.dtype))
+            start += n
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _quant_host_step(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hit: list[int]
+    ) -> torch.Tensor:
+        """All experts in host slots at once, then one ``QuantizedExperts`` call over the pool with slot ids."""
+        store, layer = self.store, self.layer
+        room = store.host.capacity_for_step()
+        if len(hit) > room:  # the pool cannot hold the whole step: experts one by one
+            counts_t = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)
+            return self._per_expert_step(x, topk_ids, topk_weights, counts_t, {e: "host" for e in hit})
+        slot_of = torch.zeros(self.spec.num_experts, dtype=torch.long)
+        slots = []
+        try:
+            for e in hit:
+                s = store.acquire_host((layer, e))
+                slots.append(s)
+                slot_of[e] = s
+            self._prefetch_next(x)  # overlaps the reads with this step's compute
+            _, qe = self._pool_views("host")
+            out = qe.forward(x.float(), slot_of[topk_ids], topk_weights.float())  # type: ignore[attr-defined]
+        finally:
+            for s in slots:
+                store.release_host(s)
+        return out if out.dtype == x.dtype else out.to(x.dtype)

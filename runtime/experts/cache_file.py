@@ -1,0 +1,161 @@
+"""The disk tier: an expert-major cache file, one contiguous aligned blob per (layer, expert).
+
+File layout: ``FTEXPRT1`` magic, a little-endian u64 header length, a JSON header (layout, MoE layer indices,
+experts per layer, blob stride), zero padding to ``PAGE``; then blob ``(j, e)`` of the j-th MoE layer at
+``data_start + (j * E + e) * stride`` (``stride`` is a multiple of ``PAGE``, so every blob starts page-aligned).
+
+It is written once per (checkpoint, format) from ``ExpertSource`` one expert at a time — the checkpoint is never
+materialized — into a temp file renamed into place, so a crash never leaves a half-written cache behind. Reads are
+plain ``pread`` into a slot row; ``drop_cache=True`` also tells the OS to drop the pages it just read, so the cache
+file costs no page-cache memory beyond the budget (and "disk" reads really come from the disk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
+from freetoken_agent.runtime.errors import CorruptCheckpointError
+from freetoken_agent.runtime.experts.layout import ExpertLayout
+
+MAGIC = b"FTEXPRT1"
+PAGE = 4096
+VERSION = 1
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def cache_root() -> Path:
+    """``$FREETOKEN_CACHE/experts`` (default ``~/.cache/freetoken/experts``)."""
+    return Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken")) / "experts"
+
+
+def cache_key(model_path: Path, layout: ExpertLayout) -> str:
+    """Identifies a cache file: the checkpoint's files (names, sizes, mtimes) and the blob layout."""
+    h = hashlib.sha256(f"v{VERSION}".encode())
+    for f in sorted(model_path.glob("*.safetensors")) + [model_path / "config.json"]:
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(json.dumps(layout.to_json(), sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+class ExpertCacheFile:
+    """An open expert cache file: ``read_into(j, e, row)`` fills one slot row with expert ``e`` of MoE layer ``j``."""
+
+    def __init__(self, path: Path, drop_cache: bool = False) -> None:
+        self.path = path
+        self.drop_cache = drop_cache
+        try:
+            with path.open("rb") as fh:
+                head = fh.read(16)
+                if len(head) < 16 or head[:8] != MAGIC:
+                    raise CorruptCheckpointError(f"{path}: not an expert cache file")
+                (n,) = struct.unpack("<Q", head[8:16])
+                meta = json.loads(fh.read(n).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpointError(f"{path}: unreadable expert cache file ({exc})") from None
+        self.layout = ExpertLayout(**meta["layout"])
+        self.layers: list[int] = meta["layers"]
+        self.num_experts: int = meta["num_experts"]
+        self.stride: int = meta["stride"]
+        self.data_start: int = meta["data_start"]
+        expected = self.data_start + len(self.layers) * self.num_experts * self.stride
+        if path.stat().st_size < expected:
+            raise CorruptCheckpointError(f"{path}: truncated expert cache file")
+        self._index = {layer: j for j, layer in enumerate(self.layers)}
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def offset(self, layer: int, expert: int) -> int:
+        return self.data_start + (self._index[layer] * self.num_experts + expert) * self.stride
+
+    def read_into(self, layer: int, expert: int, row: torch.Tensor) -> int:
+        """Read one blob into ``row`` (contiguous uint8 of at least ``blob_bytes``); returns bytes read."""
+        n = self.layout.blob_bytes
+        view = memoryview(row.numpy()).cast("B")[:n]
+        off = self.offset(layer, expert)
+        got = os.preadv(self._fd, [view], off)
+        if got != n:
+            raise CorruptCheckpointError(f"{self.path}: short read of expert {expert} of layer {layer}")
+        if self.drop_cache:
+            os.posix_fadvise(self._fd, off, n, os.POSIX_FADV_DONTNEED)
+        return n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of expert data (all layers, all experts)."""
+        return len(self.layers) * self.num_experts * self.layout.blob_bytes
+
+
+def write_cache_file(
+    path: Path,
+    layout: ExpertLayout,
+    layers: list[int],
+    num_experts: int,
+    load: Callable[[int, int], ExpertTensors],
+    on_expert: Callable[[], None] | None = None,
+) -> Path:
+    """Write the cache file: ``load(layer, e)`` gives each expert, normalized; one expert in memory at a time."""
+    stride = _round(layout.blob_bytes, PAGE)
+    meta = {"layout": layout.to_json(), "layers": layers, "num_experts": num_experts, "stride": stride}
+    # data_start depends on the header length, which contains data_start: fix it at one page past the header
+    probe = json.dumps({**meta, "data_start": 0}).encode()
+    data_start = _round(16 + len(probe) + 32, PAGE)
+    header = json.dumps({**meta, "data_start": data_start}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            fh.write(b"\0" * (data_start - fh.tell()))
+            pad = b"\0" * (stride - layout.blob_bytes)
+            for layer in layers:
+                for e in range(num_experts):
+                    fh.write(layout.encode(load(layer, e)).numpy().tobytes())
+                    fh.write(pad)
+                    if on_expert is not None:
+                        on_expert()
+        tmp.replace(path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def open_or_write(
+    path: Path, layout: ExpertLayout, layers: list[int], num_experts: int,
+    load: Callable[[int, int], ExpertTensors], drop_cache: bool = False,
+) -> tuple[ExpertCacheFile, bool]:  # fmt: skip
+    """Open the cache file at ``path``, writing it first when missing or unreadable; returns (file, written)."""
+    if path.is_file():
+        try:
+            f = ExpertCacheFile(path, drop_cache)
+            if f.layout == layout and f.layers == layers and f.num_experts == num_experts:
+                return f, False
+            f.close()
+        except CorruptCheckpointError:
+            pass
+    write_cache_file(path, layout, layers, num_experts, load)
+    return ExpertCacheFile(path, drop_cache), True
+
+
+def iter_keys(layers: Iterable[int], num_experts: int) -> list[tuple[int, int]]:
+    return [(layer, e) for layer in layers for e in range(num_experts)]

@@ -1,0 +1,154 @@
+"""The byte layout of one expert ("blob"): how it is stored in the cache file and in a slot.
+
+Legend: ``S`` slots, ``D`` hidden, ``I`` expert intermediate size.
+
+Every tier holds experts as equal-size blobs, so one read (or one DMA) moves one expert and a pool of ``S`` slots is
+one ``uint8 [S, stride]`` tensor. ``ExpertLayout.views(pool)`` gives typed per-slot views with no copy:
+
+- float formats (``float32``/``bfloat16``/``float16``): ``gate_up [S, 2I, D]``, ``down [S, D, I]`` in that dtype;
+- ``q4_0``/``q8_0``: ``w13 [S, b13]`` and ``w2 [S, b2]`` bytes in the CPU kernels' tile layout (or plain GGUF blocks
+  when the kernels are unavailable), exactly as ``QuantizedExperts`` holds them, so its kernels run on a pool;
+- optional biases (``gate_up_bias [S, 2I]``, ``down_bias [S, D]``) after the weights, in fp32 for quantized blobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
+from freetoken_agent.runtime.errors import FreeTokenError
+
+FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANT_FORMATS = ("q4_0", "q8_0")
+ALIGN = 64
+"""Slot row alignment in bytes (cache-line; typed views need rows aligned to the element size)."""
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class SlotViews:
+    """Typed views of a slot pool (no copies); quantized pools fill ``w13``/``w2``, float pools ``gate_up``/``down``."""
+
+    gate_up: torch.Tensor | None = None  # [S, 2I, D]
+    down: torch.Tensor | None = None  # [S, D, I]
+    w13: torch.Tensor | None = None  # [S, b13] uint8
+    w2: torch.Tensor | None = None  # [S, b2] uint8
+    gate_up_bias: torch.Tensor | None = None  # [S, 2I]
+    down_bias: torch.Tensor | None = None  # [S, D]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Format and shapes of one expert blob; ``blob_bytes`` of payload in a row of ``stride`` bytes."""
+
+    fmt: str
+    hidden: int
+    intermediate: int
+    bias: bool = False
+    packed: bool = False
+    """Quantized blobs only: tile layout of the C kernels (True) or plain GGUF blocks (False)."""
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FLOAT_FORMATS and self.fmt not in QUANT_FORMATS:
+            raise FreeTokenError(f"unknown expert storage format {self.fmt!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt in QUANT_FORMATS
+
+    def _weight_bytes(self) -> tuple[int, int]:
+        d, i = self.hidden, self.intermediate
+        if not self.quantized:
+            es = FLOAT_FORMATS[self.fmt].itemsize
+            return 2 * i * d * es, d * i * es
+        from freetoken_agent.runtime.kernels.ops import packed_bytes
+        from freetoken_agent.runtime.quant.blocks import BLOCK, BLOCK_BYTES
+
+        if self.packed:
+            return packed_bytes(self.fmt, 2 * i, d), packed_bytes(self.fmt, d, i)
+        p = BLOCK_BYTES[self.fmt]
+        return 2 * i * -(-d // BLOCK) * p, d * -(-i // BLOCK) * p
+
+    @property
+    def _bias_itemsize(self) -> int:
+        return 4 if self.quantized else FLOAT_FORMATS[self.fmt].itemsize
+
+    @property
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """Byte ranges of each part inside a blob."""
+        b13, b2 = self._weight_bytes()
+        out = {"gate_up": (0, b13), "down": (_round(b13, ALIGN), _round(b13, ALIGN) + b2)}
+        if self.bias:
+            es = self._bias_itemsize
+            start = _round(out["down"][1], ALIGN)
+            out["gate_up_bias"] = (start, start + 2 * self.intermediate * es)
+            start = _round(out["gate_up_bias"][1], ALIGN)
+            out["down_bias"] = (start, start + self.hidden * es)
+        return out
+
+    @property
+    def blob_bytes(self) -> int:
+        return max(end for _, end in self.offsets.values())
+
+    @property
+    def stride(self) -> int:
+        """Bytes per slot row (payload rounded up to the alignment)."""
+        return _round(self.blob_bytes, ALIGN)
+
+    # ---------------------------------------------------------------- encode / view
+
+    def encode(self, t: ExpertTensors) -> torch.Tensor:
+        """One normalized expert → its blob (uint8 ``[blob_bytes]``); quantizes when the format says so."""
+        out = torch.zeros(self.blob_bytes, dtype=torch.uint8)
+        parts: dict[str, torch.Tensor] = {}
+        if self.quantized:
+            from freetoken_agent.runtime.kernels.layout import pack_blocks
+            from freetoken_agent.runtime.quant.blocks import quantize
+
+            for name, w in (("gate_up", t.gate_up), ("down", t.down)):
+                blocks = quantize(w.float(), self.fmt).blocks  # [N, nb, P]
+                parts[name] = pack_blocks(blocks) if self.packed else blocks.reshape(-1)
+            bias_dtype = torch.float32
+        else:
+            dtype = FLOAT_FORMATS[self.fmt]
+            parts = {"gate_up": t.gate_up.to(dtype).contiguous(), "down": t.down.to(dtype).contiguous()}
+            bias_dtype = dtype
+        if self.bias:
+            if t.gate_up_bias is None or t.down_bias is None:
+                raise FreeTokenError("this expert layout stores biases but the expert has none")
+            parts["gate_up_bias"] = t.gate_up_bias.to(bias_dtype).contiguous()
+            parts["down_bias"] = t.down_bias.to(bias_dtype).contiguous()
+        for name, (a, b) in self.offsets.items():
+            raw = parts[name].reshape(-1).view(torch.uint8)
+            if raw.numel() != b - a:
+                raise FreeTokenError(f"expert part {name} has {raw.numel()} bytes, layout expects {b - a}")
+            out[a:b] = raw
+        return out
+
+    def views(self, pool: torch.Tensor) -> SlotViews:
+        """Typed views of ``pool`` (uint8 ``[S, stride]``)."""
+        s, d, i = pool.shape[0], self.hidden, self.intermediate
+        off = self.offsets
+
+        def typed(name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            a, b = off[name]
+            return pool[:, a:b].view(dtype).view(s, *shape)
+
+        bias_dtype = torch.float32 if self.quantized else FLOAT_FORMATS[self.fmt]
+        gub = typed("gate_up_bias", bias_dtype, 2 * i) if self.bias else None
+        db = typed("down_bias", bias_dtype, d) if self.bias else None
+        if self.quantized:
+            (a13, b13), (a2, b2) = off["gate_up"], off["down"]
+            return SlotViews(w13=pool[:, a13:b13], w2=pool[:, a2:b2], gate_up_bias=gub, down_bias=db)
+        dtype = FLOAT_FORMATS[self.fmt]
+        return SlotViews(gate_up=typed("gate_up", dtype, 2 * i, d), down=typed("down", dtype, d, i),
+                         gate_up_bias=gub, down_bias=db)
+
+    def to_json(self) -> dict[str, object]:
+        return {"fmt": self.fmt, "hidden": self.hidden, "intermediate": self.intermediate, "bias": self.bias,
+                "packed": self.packed}

@@ -1,0 +1,159 @@
+"""A fixed pool of equal-size expert slots on one tier, with a slot table ``(layer, expert) → slot``.
+
+The pool is one ``uint8 [S, stride]`` tensor (no fragmentation; a quantized layer's kernels run over the whole
+pool with slot ids). Its bytes are claimed from the tier's ``MemoryBudget`` before allocation. Slots are
+``free``, ``loading`` (a reader is filling them; others wait on an event), or ``ready``. A slot is evictable when
+it is ready, not in use by the step being computed (``use``/``unuse`` counts) and its key is not pinned; the
+policy picks among evictable slots. Thread-safe: the prefetch thread claims and fills slots concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from freetoken_agent.runtime.experts.layout import ExpertLayout
+from freetoken_agent.runtime.experts.policies import Key, ResidencyPolicy
+from freetoken_agent.runtime.memory import Reservation
+
+
+class SlotPool:
+    """``n_slots`` expert slots of one tier (``host`` or ``device``), managed by a residency policy."""
+
+    def __init__(
+        self, tier: str, layout: ExpertLayout, n_slots: int, device: torch.device | str,
+        reservation: Reservation, policy: ResidencyPolicy, pin_memory: bool = False,
+    ) -> None:  # fmt: skip
+        self.tier, self.layout, self.device, self.policy = tier, layout, torch.device(device), policy
+        self.reservation = reservation
+        self.pin_memory = pin_memory
+        self.lock = threading.RLock()
+        self.pinned: set[Key] = set()
+        self.generation = 0
+        """Bumped when the pool tensor is reallocated (views over it must be rebuilt)."""
+        self.hits = self.misses = self.evictions = 0
+        self._allocate(n_slots)
+
+    def _allocate(self, n_slots: int) -> None:
+        self.reservation.grow(n_slots * self.layout.stride)  # raises before any allocation when it does not fit
+        pin = self.pin_memory and self.device.type == "cpu"
+        self.data = torch.empty(n_slots, self.layout.stride, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        self.n_slots = n_slots
+        self.table: dict[Key, int] = {}
+        self.owner: list[Key | None] = [None] * n_slots
+        self.free = list(range(n_slots - 1, -1, -1))
+        self.loading: dict[int, threading.Event] = {}
+        self.in_use = [0] * n_slots
+        self.generation += 1
+
+    # ---------------------------------------------------------------- lookups
+
+    def slot_of(self, key: Key) -> int | None:
+        """The slot holding ``key`` (ready or loading), without touching the policy."""
+        return self.table.get(key)
+
+    def wait_ready(self, slot: int) -> float:
+        """Block until ``slot`` is filled; returns the seconds waited (0 when ready)."""
+        ev = self.loading.get(slot)
+        if ev is None:
+            return 0.0
+        import time
+
+        t0 = time.perf_counter()
+        ev.wait()
+        return time.perf_counter() - t0
+
+    def is_ready(self, key: Key) -> bool:
+        s = self.table.get(key)
+        return s is not None and s not in self.loading
+
+    # ---------------------------------------------------------------- claiming
+
+    def _evictable(self, protect: set[int]) -> Iterable[Key]:
+        for s, key in enumerate(self.owner):
+            if key is not None and not self.in_use[s] and s not in self.loading and s not in protect \
+                    and key not in self.pinned:
+                yield key
+
+    def claim(self, key: Key, protect: Iterable[int] = ()) -> int | None:
+        """A slot for ``key`` (marked loading; fill it, then ``ready``), evicting if needed; None if all are busy."""
+        with self.lock:
+            assert key not in self.table, f"{key} already has a slot"
+            if self.free:
+                s = self.free.pop()
+            else:
+                victim = self.policy.victim(self._evictable(set(protect)))
+                if victim is None:
+                    return None
+                s = self.table.pop(victim)
+                self.policy.forget(victim)
+                self.evictions += 1
+            self.owner[s] = key
+            self.table[key] = s
+            self.loading[s] = threading.Event()
+            return s
+
+    def ready(self, slot: int) -> None:
+        with self.lock:
+            ev = self.loading.pop(slot, None)
+            key = self.owner[slot]
+            if key is not None:
+                self.policy.touch(key)
+        if ev is not None:
+            ev.set()
+
+    def abandon(self, slot: int) -> None:
+        """Give back a claimed slot whose fill failed."""
+        with self.lock:
+            key = self.owner[slot]
+            if key is not None:
+                self.table.pop(key, None)
+            self.owner[slot] = None
+            self.free.append(slot)
+            ev = self.loading.pop(slot, None)
+        if ev is not None:
+            ev.set()
+
+    def use(self, slot: int) -> None:
+        with self.lock:
+            self.in_use[slot] += 1
+            key = self.owner[slot]
+            if key is not None:
+                self.policy.touch(key)
+
+    def unuse(self, slot: int) -> None:
+        with self.lock:
+            self.in_use[slot] -= 1
+
+    def capacity_for_step(self) -> int:
+        """Slots a step may hold at once: all but the pinned and loading ones."""
+        with self.lock:
+            return self.n_slots - len(self.pinned) - len(self.loading)
+
+    # ---------------------------------------------------------------- resize (elastic boundary)
+
+    def resize(self, n_slots: int) -> int:
+        """Reallocate with ``n_slots`` (contents dropped, pins kept as keys to reload); returns bytes freed.
+
+        The old tensor is released before the new one is claimed and allocated, so the tier never holds both.
+        """
+        with self.lock:
+            if self.loading or any(self.in_use):
+                raise RuntimeError("cannot resize a slot pool while slots are loading or in use")
+            before = self.n_slots * self.layout.stride
+            for key in list(self.table):
+                self.policy.forget(key)
+            del self.data
+            self.reservation.shrink(before)
+            self._allocate(n_slots)
+            return before - n_slots * self.layout.stride
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.layout.stride
+
+    def resident(self) -> list[Key]:
+        with self.lock:
+            return [k for k, s in self.table.items() if s not in self.loading]

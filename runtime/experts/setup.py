@@ -1,0 +1,216 @@
+"""Load a model under a memory budget: dense weights first, then the expert tiers in what is left.
+
+``load_managed`` reads the dense weights (attention, embeddings, norms, routers, shared experts) and claims their
+bytes from the budget, writes/opens the expert-major cache file (one expert in memory at a time), sizes the host
+slot pool (and the device pool, real or simulated) from the remaining budget, and returns a ``Managed`` whose
+``install(decoder)`` swaps every MoE layer's backend for ``ManagedExperts``. The routed experts are never loaded
+as a whole.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetoken_agent.runtime.checkpoint.experts import ExpertSource
+from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
+from freetoken_agent.runtime.errors import FreeTokenError, UnexpectedTensorError
+from freetoken_agent.runtime.execution.cost import CostModel, Rates
+from freetoken_agent.runtime.execution.planner import ExecutionPlanner
+from freetoken_agent.runtime.experts.backend import ManagedExperts
+from freetoken_agent.runtime.experts.cache_file import cache_key, cache_root, open_or_write
+from freetoken_agent.runtime.experts.layout import ExpertLayout
+from freetoken_agent.runtime.experts.policies import Key, make_policy
+from freetoken_agent.runtime.experts.pool import SlotPool
+from freetoken_agent.runtime.experts.store import ExpertStore
+from freetoken_agent.runtime.memory import Budget, BudgetExceededError, MemoryBudget, format_bytes
+from freetoken_agent.runtime.model import weights as weights_mod
+from freetoken_agent.runtime.model.moe import TorchExperts, route
+from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
+
+
+@dataclass
+class ResidencyConfig:
+    """How experts are kept: policy, prefetch, pins, tiers. Defaults suit a CPU-only machine."""
+
+    policy: str = "lru"
+    """``lru``, ``heat`` or ``phase`` (see ``runtime/experts/policies.py``)."""
+    prefetch: bool = True
+    """Gate look-ahead: read the next MoE layer's predicted experts while this one computes (decode)."""
+    pin: tuple[Key, ...] = ()
+    """(layer, expert) pairs kept in host slots for good."""
+    kv_reserve: int = 0
+    """Host bytes set aside for the KV pool before the expert pool is sized (movable later)."""
+    simulate_device: bool = False
+    """A device tier made of CPU memory under ``budget.device`` (tests and planner studies on CPU machines)."""
+    drop_page_cache: bool = False
+    """Drop the cache file's pages after each read, so disk reads are real and the page cache holds nothing."""
+    cache_path: Path | None = None
+    """Expert cache file (default: ``$FREETOKEN_CACHE/experts/<key>.ftx``)."""
+    rates: Rates | None = None
+    """Cost-model rates (default: the cached hardware profile, else built-in guesses)."""
+
+
+class _DenseLoader(weights_mod._Loader):
+    """The strict loader, except routed experts: it records each MoE layer's ``ExpertSource`` instead."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(reader, dtype, device)
+        self.sources: dict[int, ExpertSource] = {}
+
+    def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
+        source = ExpertSource(self.reader, prefix, m, names, d)  # validates every expert tensor's shape
+        before = set(self.reader.used)
+        source.load(0)
+        new = self.reader.used - before
+        for name in new:  # mark the other experts' tensors used too (per-expert layouts name each expert)
+            if ".experts.0." in name:
+                self.reader.used.update(name.replace(".experts.0.", f".experts.{k}.") for k in range(m.num_experts))
+        self.sources[int(prefix.split(".")[2])] = source
+        empty = torch.empty(0, dtype=self.dtype)
+        return TorchExperts(m, empty, empty)
+
+
+def _tensor_bytes(obj: Any, seen: set[int]) -> int:
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() == 0 or obj.data_ptr() in seen:
+            return 0
+        seen.add(obj.data_ptr())
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(obj, f), seen) for f in obj.__dataclass_fields__)
+    return 0
+
+
+@dataclass
+class Managed:
+    """What ``load_managed`` returns: dense weights, the store, and how to wire it into a decoder."""
+
+    weights: weights_mod.ModelWeights
+    store: ExpertStore
+    planner: ExecutionPlanner
+    ledgers: dict[str, MemoryBudget]
+    spec: ModelSpec
+    dense_bytes: int
+    written: bool
+    backends: list[ManagedExperts] = field(default_factory=list)
+
+    def install(self, decoder: Any) -> None:
+        """Replace ``decoder.experts[i]`` of every MoE layer with a ``ManagedExperts`` over the store."""
+        moe_layers = [i for i, layer in enumerate(self.spec.layers) if layer.moe is not None]
+        for j, i in enumerate(moe_layers):
+            nxt = moe_layers[j + 1] if j + 1 < len(moe_layers) else None
+            look = _lookahead(decoder, nxt) if nxt is not None and self.store._executor is not None else None
+            moe = self.spec.layers[i].moe
+            assert moe is not None
+            backend = ManagedExperts(i, moe, self.store, self.planner, nxt, look)
+            decoder.experts[i] = backend
+            self.backends.append(backend)
+
+
+def _lookahead(decoder: Any, layer: int) -> Any:
+    moe = decoder.spec.layers[layer].moe
+    mw = decoder.weights.layers[layer].moe
+
+    def predict(x: torch.Tensor) -> list[int]:
+        ids, _ = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
+        return ids.unique().tolist()
+
+    return predict
+
+
+def _storage_format(quant: str, dtype: torch.dtype) -> tuple[str, bool]:
+    if quant in ("q4_0", "q8_0"):
+        from freetoken_agent.runtime.kernels import build
+
+        return quant, build.load() is not None
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], False
+
+
+def load_managed(
+    spec: ModelSpec, reader: CheckpointReader, path: Path, dtype: torch.dtype, device: str, quant: str,
+    budget: Budget | None, config: ResidencyConfig | None = None,
+) -> Managed:  # fmt: skip
+    """Dense weights + expert tiers sized from ``budget`` (see the module docstring)."""
+    config = config or ResidencyConfig()
+    budget = budget or Budget()
+    ledgers = budget.ledgers()
+    policy_name = config.policy
+    make_policy(policy_name)  # validate the name before any work
+    loader = _DenseLoader(reader, dtype, device)
+    weights = weights_mod._walk(spec, loader, None)
+    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
+    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
+    if unexpected:
+        raise UnexpectedTensorError(f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture")
+    moe_layers = sorted(loader.sources)
+    if not moe_layers:
+        raise FreeTokenError(f"{path} has no MoE layers: there are no experts to manage")
+    dense_tier = "host" if torch.device(device).type == "cpu" else "device"
+    dense_bytes = _tensor_bytes(weights, set())
+    ledgers[dense_tier].reserve("dense", dense_bytes)
+    ledgers["host"].reserve("kv", config.kv_reserve)
+
+    first = spec.layers[moe_layers[0]].moe
+    assert first is not None
+    shapes = {(spec.layers[i].moe.intermediate, spec.layers[i].moe.num_experts, spec.layers[i].moe.expert_bias)  # type: ignore[union-attr]
+              for i in moe_layers}
+    if len(shapes) != 1:
+        raise FreeTokenError("expert residency needs every MoE layer to have the same expert shape and count")
+    fmt, packed = _storage_format(quant, dtype)
+    layout = ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, packed)
+
+    def load(layer: int, e: int) -> Any:
+        t = loader.sources[layer].load(e)
+        cast = lambda v: None if v is None else v.to(dtype)  # noqa: E731  (what the unbudgeted engine holds)
+        return type(t)(cast(t.gate_up), cast(t.down), cast(t.gate_up_bias), cast(t.down_bias))
+
+    file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
+    disk, written = open_or_write(file_path, layout, moe_layers, first.num_experts, load, config.drop_page_cache)
+    total = len(moe_layers) * first.num_experts
+    top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
+
+    def slots_in(ledger: MemoryBudget, label: str) -> int:
+        if ledger.limit is None:
+            return total
+        n = min(total, ledger.free // layout.stride)  # type: ignore[operator]
+        need = top_k + len(config.pin)
+        if n < need:
+            raise BudgetExceededError(
+                f"{label} budget {format_bytes(ledger.limit)} is too small: after {format_bytes(ledger.used)} of "
+                f"dense weights/KV, {n} expert slots of {format_bytes(layout.stride)} fit; one MoE step needs {need}"
+            )
+        return n
+
+    host_pool = SlotPool("host", layout, slots_in(ledgers["host"], "host memory"), "cpu",
+                         ledgers["host"].reserve("experts"), make_policy(policy_name),
+                         pin_memory=torch.cuda.is_available() and torch.device(device).type == "cuda")
+    dev_pool = None
+    if config.simulate_device or torch.device(device).type != "cpu":
+        if config.simulate_device and ledgers["device"].limit is None:
+            raise FreeTokenError("a simulated device tier needs a device budget (--device-memory)")
+        dev_dev = "cpu" if config.simulate_device else device
+        dev_pool = SlotPool("device", layout, slots_in(ledgers["device"], "device memory"), dev_dev,
+                            ledgers["device"].reserve("experts"), make_policy(policy_name))
+    store = ExpertStore(disk, host_pool, dev_pool, ledgers, prefetch=config.prefetch)
+    if config.pin:
+        store.pin(list(config.pin))
+    rates = config.rates or _profile_rates()
+    planner = ExecutionPlanner(CostModel(rates), layout.blob_bytes, dev_pool is not None)
+    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written)
+
+
+def _profile_rates() -> Rates:
+    """Rates from the cached hardware profile when there is one (never runs the probe here)."""
+    from freetoken_agent.runtime.hardware import cached_profile
+
+    profile = cached_profile()
+    return profile.rates() if profile is not None else Rates()

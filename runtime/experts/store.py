@@ -1,0 +1,220 @@
+"""The expert store: tiers (device slots ← host slots ← disk cache file), loading, prefetch, pinning, counters.
+
+``acquire_host(key)`` returns a ready host slot holding the expert (reading it from the cache file on a miss) and
+marks it in use until ``release``; ``acquire_device`` does the same on the device tier, copying from a host slot.
+``prefetch_host(keys)`` starts background reads into host slots; a later ``acquire_host`` of a key still loading
+waits for it (counted as stall time). Every byte moved and every hit/miss is counted per tier.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
+from freetoken_agent.runtime.experts.policies import Key
+from freetoken_agent.runtime.experts.pool import SlotPool
+from freetoken_agent.runtime.memory import MemoryBudget
+
+
+@dataclass
+class TierCounters:
+    """Traffic of one tier."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0
+    seconds_in: float = 0.0
+
+    def snapshot(self) -> dict[str, object]:
+        total = self.hits + self.misses
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": round(self.hits / total, 4) if total else None,
+                "bytes_in": self.bytes_in, "seconds_in": round(self.seconds_in, 4)}
+
+
+@dataclass
+class PrefetchCounters:
+    """Gate look-ahead prefetches: issued reads, and whether the predicted expert was then used."""
+
+    issued: int = 0
+    used: int = 0
+    wasted: int = 0
+    dropped: int = 0
+    """Predictions not issued because every slot was busy."""
+    pending: dict[int, set[int]] = field(default_factory=dict)
+
+    def settle(self, layer: int, hit: set[int]) -> None:
+        issued = self.pending.pop(layer, set())
+        self.used += len(issued & hit)
+        self.wasted += len(issued - hit)
+
+    def snapshot(self) -> dict[str, object]:
+        done = self.used + self.wasted
+        return {"issued": self.issued, "used": self.used, "wasted": self.wasted, "dropped": self.dropped,
+                "accuracy": round(self.used / done, 4) if done else None}
+
+
+class ExpertStore:
+    """All experts of a model across tiers, under the budgets' ledgers."""
+
+    def __init__(
+        self, disk: ExpertCacheFile, host: SlotPool, device: SlotPool | None, ledgers: dict[str, MemoryBudget],
+        prefetch: bool = True,
+    ) -> None:  # fmt: skip
+        self.disk, self.host, self.device, self.ledgers = disk, host, device, ledgers
+        self.counters = {"host": TierCounters(), "device": TierCounters(), "disk": TierCounters()}
+        self.prefetch = PrefetchCounters()
+        self.stall_s = 0.0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-prefetch") if prefetch else None
+        self.planner_counts: dict[str, int] = {"resident": 0, "fetch": 0, "host": 0}
+
+    # ---------------------------------------------------------------- host tier
+
+    def _fill_host(self, key: Key, slot: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            n = self.disk.read_into(key[0], key[1], self.host.data[slot])
+        except BaseException:
+            self.host.abandon(slot)
+            raise
+        c = self.counters["disk"]
+        c.bytes_in += n
+        c.seconds_in += time.perf_counter() - t0
+        self.host.ready(slot)
+
+    def acquire_host(self, key: Key) -> int:
+        """A ready host slot holding ``key``, marked in use (call ``release_host``)."""
+        pool = self.host
+        while True:
+            with pool.lock:
+                slot = pool.slot_of(key)
+                if slot is not None:
+                    pool.use(slot)
+                    loading = slot in pool.loading
+                else:
+                    slot = pool.claim(key)
+                    if slot is not None:
+                        pool.in_use[slot] += 1
+                    loading = False
+            if slot is None:  # every slot busy: only prefetch fills can be in flight; wait for one and retry
+                if not pool.loading:
+                    raise FreeTokenError(
+                        f"host expert pool of {pool.n_slots} slots is too small for one MoE step "
+                        f"({len(pool.pinned)} pinned); raise --host-memory"
+                    )
+                self.stall_s += pool.wait_ready(next(iter(pool.loading)))
+                continue
+            break
+        if loading:
+            self.stall_s += pool.wait_ready(slot)
+            self.counters["host"].hits += 1  # a prefetched expert: counted as a hit, the wait as stall
+        elif pool.is_ready(key):
+            self.counters["host"].hits += 1
+        else:
+            self.counters["host"].misses += 1
+            t0 = time.perf_counter()
+            self._fill_host(key, slot)
+            self.stall_s += time.perf_counter() - t0
+        return slot
+
+    def release_host(self, slot: int) -> None:
+        self.host.unuse(slot)
+
+    def prefetch_host(self, layer: int, experts: list[int]) -> None:
+        """Start background reads of experts of ``layer`` that are not in host slots (gate look-ahead)."""
+        if self._executor is None:
+            return
+        issued: set[int] = set()
+        for e in experts:
+            key = (layer, e)
+            with self.host.lock:
+                if self.host.slot_of(key) is not None:
+                    continue
+                slot = self.host.claim(key)
+            if slot is None:
+                self.prefetch.dropped += 1
+                continue
+            issued.add(e)
+            self.prefetch.issued += 1
+            self._executor.submit(self._fill_host, key, slot)
+        if issued:
+            self.prefetch.pending.setdefault(layer, set()).update(issued)
+
+    def pin(self, keys: list[Key]) -> None:
+        """Load ``keys`` into host slots and never evict them."""
+        room = self.host.n_slots - len(self.host.pinned) - 1
+        if len(keys) > room:
+            raise FreeTokenError(f"cannot pin {len(keys)} experts: the host pool has room for {room}")
+        for key in keys:
+            slot = self.acquire_host(key)
+            self.host.pinned.add(key)
+            self.release_host(slot)
+
+    # ---------------------------------------------------------------- device tier
+
+    def acquire_device(self, key: Key) -> int:
+        """A device slot holding ``key`` (copied from a host slot on a miss), marked in use."""
+        dev = self.device
+        assert dev is not None
+        with dev.lock:
+            slot = dev.slot_of(key)
+            if slot is not None:
+                dev.use(slot)
+        if slot is not None:
+            self.counters["device"].hits += 1
+            return slot
+        with dev.lock:
+            slot = dev.claim(key)
+            if slot is None:
+                raise FreeTokenError(f"device expert pool of {dev.n_slots} slots is too small for one MoE step")
+            dev.in_use[slot] += 1
+        hslot = self.acquire_host(key)
+        t0 = time.perf_counter()
+        try:
+            dev.data[slot].copy_(self.host.data[hslot], non_blocking=False)
+        finally:
+            self.release_host(hslot)
+        dt = time.perf_counter() - t0
+        c = self.counters["device"]
+        c.misses += 1
+        c.bytes_in += self.host.layout.blob_bytes
+        c.seconds_in += dt
+        self.stall_s += dt
+        dev.ready(slot)
+        return slot
+
+    def release_device(self, slot: int) -> None:
+        assert self.device is not None
+        self.device.unuse(slot)
+
+    # ---------------------------------------------------------------- stats
+
+    def drain(self) -> None:
+        """Wait for in-flight prefetches (tests, shutdown)."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+
+    def stats(self) -> dict[str, object]:
+        tiers: dict[str, object] = {}
+        for name, pool in (("host", self.host), ("device", self.device)):
+            if pool is None:
+                continue
+            ledger = self.ledgers[name]
+            tiers[name] = {**self.counters[name].snapshot(), "slots": pool.n_slots, "slot_bytes": pool.layout.stride,
+                           "evictions": pool.evictions, "pinned": len(pool.pinned), "limit": ledger.limit,
+                           "used": ledger.used, "peak": ledger.peak}
+        disk = self.counters["disk"]
+        tiers["disk"] = {"file": str(self.disk.path), "bytes": self.disk.nbytes, "bytes_read": disk.bytes_in,
+                         "read_s": round(disk.seconds_in, 4),
+                         "read_gbps": round(disk.bytes_in / disk.seconds_in / 1e9, 3) if disk.seconds_in else None}
+        return {"policy": self.host.policy.name, "tiers": tiers, "prefetch": self.prefetch.snapshot(),
+                "planner": dict(self.planner_counts), "stall_s": round(self.stall_s, 4),
+                "budget": {n: b.snapshot() for n, b in self.ledgers.items()}}
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self.disk.close()

@@ -1,0 +1,152 @@
+"""One hard memory budget per tier (``device``, ``host``), shared by dense weights, the KV pool and expert slots.
+
+A ``MemoryBudget`` is the ledger of one tier: named ``Reservation`` objects draw bytes from it, and the sum of what
+they hold can never exceed the limit (``reserve``/``grow`` raise ``BudgetExceededError`` instead). Order of
+claims (see DESIGN §4.5): dense weights first, then the KV pool and the expert-slot pool. The boundary between the
+two pools moves at run time with ``MemoryBudget.move(src, dst, nbytes)``: the source's ``on_shrink`` callback must
+free the bytes first (the expert pool evicts slots), so the limit holds at every instant.
+
+``Budget`` bundles the two tiers; it is built from user flags (``--device-memory 8GB --host-memory 16GB``) via
+``Budget.from_strings`` or from the hardware probe. ``None`` limits mean "unlimited" (still accounted).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freetoken_agent.runtime.errors import FreeTokenError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class BudgetExceededError(FreeTokenError):
+    """A claim would take a tier past its limit (a bug in the caller's sizing, or a budget too small)."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"64MB"`` / ``"8GB"`` / ``"1.5GiB"`` / ``"4096"`` → bytes (decimal units; ``KiB/MiB/GiB`` binary)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise FreeTokenError(f"cannot read memory size {text!r}; write e.g. 64MB, 8GB or 1.5GiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise FreeTokenError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Human-readable bytes (binary units), ``unlimited`` for None."""
+    if n is None:
+        return "unlimited"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class Reservation:
+    """Bytes one owner holds in a tier. ``grow``/``shrink`` change it; the tier's limit is checked on growth."""
+
+    def __init__(self, budget: MemoryBudget, name: str, on_shrink: Callable[[int], int] | None = None) -> None:
+        self.budget, self.name, self.nbytes = budget, name, 0
+        self.on_shrink = on_shrink
+        """``(nbytes) -> freed``: asked by ``MemoryBudget.move`` to give bytes back (e.g. evict expert slots)."""
+
+    def grow(self, nbytes: int) -> None:
+        self.budget._claim(self, nbytes)
+
+    def shrink(self, nbytes: int) -> None:
+        self.budget._claim(self, -min(nbytes, self.nbytes))
+
+    def __repr__(self) -> str:
+        return f"Reservation({self.budget.tier}/{self.name}: {format_bytes(self.nbytes)})"
+
+
+class MemoryBudget:
+    """The ledger of one memory tier: a hard ``limit`` (or None), named reservations, current and peak use."""
+
+    def __init__(self, tier: str, limit: int | None) -> None:
+        self.tier, self.limit = tier, limit
+        self.reservations: dict[str, Reservation] = {}
+        self.used = 0
+        self.peak = 0
+        self.moves: list[tuple[str, str, int]] = []
+        """Every boundary move ``(src, dst, bytes)``, in order (shown in stats)."""
+        self._lock = threading.Lock()
+
+    @property
+    def free(self) -> int | None:
+        return None if self.limit is None else self.limit - self.used
+
+    def reserve(self, name: str, nbytes: int = 0, on_shrink: Callable[[int], int] | None = None) -> Reservation:
+        """A new named reservation holding ``nbytes`` (raises ``BudgetExceededError`` when they do not fit)."""
+        if name in self.reservations:
+            raise ValueError(f"{self.tier} budget already has a reservation named {name!r}")
+        r = Reservation(self, name, on_shrink)
+        self._claim(r, nbytes)
+        self.reservations[name] = r
+        return r
+
+    def release(self, name: str) -> None:
+        r = self.reservations.pop(name, None)
+        if r is not None:
+            self._claim(r, -r.nbytes)
+
+    def _claim(self, r: Reservation, delta: int) -> None:
+        with self._lock:
+            if delta > 0 and self.limit is not None and self.used + delta > self.limit:
+                raise BudgetExceededError(
+                    f"{self.tier} memory budget {format_bytes(self.limit)} exceeded: {r.name} asks "
+                    f"{format_bytes(delta)} more with {format_bytes(self.used)} in use"
+                )
+            r.nbytes += delta
+            self.used += delta
+            self.peak = max(self.peak, self.used)
+
+    def move(self, src: str, dst: str, nbytes: int) -> int:
+        """Move up to ``nbytes`` from reservation ``src`` to ``dst`` (the KV ↔ expert-slot boundary).
+
+        ``src.on_shrink(nbytes)`` frees what it can first (returns the bytes freed); only those move. Returns them.
+        """
+        s, d = self.reservations[src], self.reservations[dst]
+        freed = s.on_shrink(nbytes) if s.on_shrink is not None else min(nbytes, s.nbytes)
+        freed = max(0, min(freed, s.nbytes))
+        s.shrink(freed)
+        d.grow(freed)
+        self.moves.append((src, dst, freed))
+        return freed
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "limit": self.limit, "used": self.used, "peak": self.peak,
+            "reservations": {n: r.nbytes for n, r in self.reservations.items()},
+            "moves": [list(m) for m in self.moves[-8:]],
+        }
+
+
+@dataclass
+class Budget:
+    """Memory limits per tier in bytes (None = unlimited). ``device`` is unused on a CPU-only machine."""
+
+    device: int | None = None
+    host: int | None = None
+
+    @classmethod
+    def from_strings(cls, device: str | None = None, host: str | None = None) -> Budget:
+        """From CLI flags such as ``--device-memory 8GB --host-memory 16GB`` (missing flags: unlimited)."""
+        return cls(parse_bytes(device) if device else None, parse_bytes(host) if host else None)
+
+    @property
+    def limited(self) -> bool:
+        return self.device is not None or self.host is not None
+
+    def ledgers(self) -> dict[str, MemoryBudget]:
+        """Fresh ledgers for both tiers (one per engine)."""
+        return {"device": MemoryBudget("device", self.device), "host": MemoryBudget("host", self.host)}
