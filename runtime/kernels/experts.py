@@ -8,11 +8,15 @@ expert. Where the C kernels load the blobs are in their tile layout, else in pla
 
 ``forward`` picks a path per expert by the tokens routed to it: few tokens (decode) → one fused C call for all of
 them (int8 activations); at least ``dequant_threshold`` tokens (prefill) → dequantize that expert to fp32 once and
-use ``torch.mm``, which on CPUs without fast int8 dot products beats every quantized kernel measured.
+use ``torch.mm``. Where that crossover lies depends on the CPU (on a first-generation Zen without VNNI the fp32 path
+won from ~32-64 tokens; on a Zen 4 with AVX-512 VNNI the int8 kernel still wins at 256), so it is measured once per
+process (``crossover_tokens``); ``$FREETOKEN_DEQUANT_THRESHOLD`` pins it.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,7 +26,42 @@ from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format,
 from . import build, ops
 from .layout import pack_blocks, unpack_blocks
 
-DEFAULT_DEQUANT_THRESHOLD = 32
+MAX_DEQUANT_THRESHOLD = 1024
+_crossover: list[int] = []
+
+
+def crossover_tokens() -> int:
+    """Tokens per expert from which dequantize + ``torch.mm`` beats the C kernel on this machine (measured once)."""
+    env = os.environ.get("FREETOKEN_DEQUANT_THRESHOLD", "")
+    if env.isdigit():
+        return max(1, int(env))
+    if _crossover:
+        return _crossover[0]
+    value = MAX_DEQUANT_THRESHOLD
+    if build.load() is None:
+        value = 1
+    else:
+        w = ops.PackedWeight.from_blocks(quantize(torch.randn(512, 1024), "q4", refine=False))
+        buf = torch.empty(512, 1024)
+        for m in (16, 64, 256):
+            x = torch.randn(m, 1024)
+            kernel = _best_of(lambda: ops.linear(w, x))
+            dense = _best_of(lambda: torch.mm(x, ops.dequantize(w, buf).t()))
+            if dense < kernel:
+                value = m
+                break
+    _crossover.append(value)
+    return value
+
+
+def _best_of(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class QuantizedExperts:
@@ -36,7 +75,7 @@ class QuantizedExperts:
         hidden: int,
         intermediate: int,
         packed: bool,
-        dequant_threshold: int = DEFAULT_DEQUANT_THRESHOLD,
+        dequant_threshold: int | None = None,
     ) -> None:
         """Prefer ``from_float`` / ``from_blocks``; ``w13``/``w2`` are the expert-major byte tensors.
 
@@ -52,7 +91,18 @@ class QuantizedExperts:
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts = w13.shape[0]
         self.packed = packed
-        self.dequant_threshold = dequant_threshold
+        self._threshold = dequant_threshold
+
+    @property
+    def dequant_threshold(self) -> int:
+        """Tokens per expert from which an expert runs as dequantize + ``torch.mm`` (default: measured)."""
+        if self._threshold is None:
+            self._threshold = crossover_tokens()
+        return self._threshold
+
+    @dequant_threshold.setter
+    def dequant_threshold(self, value: int) -> None:
+        self._threshold = max(1, int(value))
 
     # ---------------------------------------------------------------- construction
 

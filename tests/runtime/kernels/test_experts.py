@@ -74,6 +74,7 @@ def test_mixed_prefill_and_decode_experts() -> None:
     ids[:, 0] = 0
     ids[:, 1] = torch.randint(1, 8, (40,))
     qe = QuantizedExperts.from_float(gate_up, down, "q4")
+    qe.dequant_threshold = 32
     g, w = qe.dequantize()
     ref = reference(g, w, x, ids, wts)
     out = qe.forward(x, ids, wts)
@@ -112,6 +113,17 @@ def test_thread_count_does_not_change_results() -> None:
             assert torch.equal(qe.forward(x, ids, wts), one)
     finally:
         ops.set_threads(before)
+
+
+@needs_kernels
+def test_crossover_is_measured_once_and_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    from freetoken_agent.runtime.kernels import experts as mod
+
+    first = mod.crossover_tokens()
+    assert 1 <= first <= mod.MAX_DEQUANT_THRESHOLD and mod.crossover_tokens() == first
+    monkeypatch.setenv("FREETOKEN_DEQUANT_THRESHOLD", "7")
+    qe = QuantizedExperts.from_float(torch.randn(2, 8, 32), torch.randn(2, 32, 4), "q8")
+    assert qe.dequant_threshold == 7
 
 
 @pytest.mark.parametrize("fmt", ["q8", "q4"])

@@ -52,8 +52,9 @@ def test_linear_matches_fp32_matmul_of_dequantized_weights(fmt: str, shape: tupl
     for isa in isas:
         ops.set_isa(isa)
         outs[isa] = ops.linear(pw, x)
-        # int8 activations (absmax/127 per 32 values) cost ~0.5% relative error on random data
-        assert _rel(outs[isa], ref) < 0.012, isa
+        # int8 activations (absmax/127 per 32 values) cost ~0.5% relative error on random data (more on the
+        # 5-output, 1-block shapes); a wrong layout or scale gives O(1)
+        assert _rel(outs[isa], ref) < 0.03, isa
     for isa in isas:  # every ISA path computes the same integer sums: agreement to fp32 rounding
         torch.testing.assert_close(outs[isa], outs["portable"], rtol=1e-4, atol=1e-4)
 
