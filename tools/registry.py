@@ -7,6 +7,7 @@ written for the model; ``call`` itself never raises for them.
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -93,7 +94,9 @@ class ToolRegistry:
         found = self._tools.get(name)
         if found is None:
             available = ", ".join(self._tools) or "(none)"
-            return ToolResult.error(f"Unknown tool '{name}'. Available tools: {available}.")
+            close = difflib.get_close_matches(name, list(self._tools), n=1, cutoff=0.6)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            return ToolResult.error(f"Unknown tool '{name}'.{hint} Available tools: {available}.")
         started = time.monotonic()
         result = await found.invoke(arguments, ctx)
         elapsed = time.monotonic() - started

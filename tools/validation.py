@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jsonschema
@@ -20,9 +21,12 @@ def jsonschema_errors(validator: jsonschema.Draft202012Validator, args: dict[str
     messages: list[str] = []
     for error in sorted(validator.iter_errors(args), key=lambda e: (list(map(str, e.path)), e.message)):
         if error.validator == "additionalProperties":
-            extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
-            allowed = ", ".join(error.schema.get("properties", {})) or "(none)"
-            messages.append(f"unexpected field(s) {', '.join(map(repr, extra))} (allowed: {allowed})")
+            known = list(error.schema.get("properties", {}))
+            extra = sorted(set(error.instance) - set(known))
+            allowed = ", ".join(known) or "(none)"
+            hints = [f"'{key}' to '{close[0]}'" for key in extra if (close := _close(key, known))]
+            hint = f"; rename {', '.join(hints)}" if hints else ""
+            messages.append(f"unexpected field(s) {', '.join(map(repr, extra))} (allowed: {allowed}){hint}")
         elif error.validator == "required":
             messages.append(f"missing required field {error.message.split(' is a required')[0]}")
         else:
@@ -30,6 +34,14 @@ def jsonschema_errors(validator: jsonschema.Draft202012Validator, args: dict[str
         if len(messages) >= MAX_ERRORS:
             break
     return messages
+
+
+def _close(key: str, known: list[str]) -> list[str]:
+    """A known name close to ``key``: spelling (difflib) or containment (``file_path`` → ``path``)."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return close
+    return [name for name in known if name in key or key in name][:1]
 
 
 def pydantic_errors(exc: pydantic.ValidationError) -> list[str]:
@@ -46,7 +58,7 @@ def _type_of(schema: dict[str, Any]) -> str:
         kind = schema["type"]
         if kind == "array" and isinstance(schema.get("items"), dict):
             return f"array of {_type_of(schema['items'])}"
-        return "/".join(kind) if isinstance(kind, list) else str(kind)
+        return " or ".join(kind) if isinstance(kind, list) else str(kind)
     if "enum" in schema:
         return "one of " + ", ".join(map(repr, schema["enum"]))
     for key in ("anyOf", "oneOf"):

@@ -321,3 +321,13 @@ async def test_writing_tools_ask_for_approval(tmp_path: Path) -> None:
     sync_ctx = ToolContext(Workspace(tmp_path), approve=lambda tool_, arguments: False)  # plain callables work too
     assert (await registry.call("run_shell", {"command": "touch x"}, sync_ctx)).is_error
     assert not (tmp_path / "x").exists()
+
+
+async def test_near_misses_get_suggestions(ctx: ToolContext) -> None:
+    registry = ToolRegistry(coding_tools())
+    unknown = await registry.call("readfile", {}, ctx)
+    assert unknown.content.startswith("Unknown tool 'readfile'. Did you mean 'read_file'? Available tools: read_file,")
+    renamed = await registry.call("edit_file", {"file_path": "a", "old_str": "x", "new_string": "y"}, ctx)
+    assert renamed.is_error
+    assert "missing required field 'old_string'; missing required field 'path'" in renamed.content
+    assert "rename 'file_path' to 'path', 'old_str' to 'old_string'" in renamed.content
