@@ -30,7 +30,7 @@ from freetoken_agent.acp.schema import (
 from freetoken_agent.acp.session import AcpSession, prompt_text
 from freetoken_agent.acp.stdio import DEFAULT_MAX_MESSAGE_BYTES, LineReader, MessageWriter
 from freetoken_agent.agent import CODING_INSTRUCTIONS, Agent, Limits, Sampling
-from freetoken_agent.backends.base import Backend, GenerateRequest
+from freetoken_agent.backends.base import Backend, GenerateRequest, SessionBackend
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 ACP_INSTRUCTIONS = CODING_INSTRUCTIONS + (
@@ -58,10 +58,12 @@ class AcpOptions:
 
 
 class _SerialBackend:
-    """One generation at a time across sessions (the engine and scripted backends are not reentrant)."""
+    """One generation at a time across sessions (the scripted backend is not reentrant; the engine serializes its
+    own). Conversation-scoped hints and ``end_session`` reach a backend that keeps per-conversation state."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
+        self._per_session = isinstance(inner, SessionBackend)
         self._lock = anyio.Lock()
 
     async def generate(self, request: GenerateRequest) -> Any:
@@ -69,8 +71,15 @@ class _SerialBackend:
             async for event in self.inner.generate(request):
                 yield event
 
-    def hint(self, phase: Any, expected_s: float | None = None) -> None:
-        self.inner.hint(phase, expected_s)
+    def hint(self, phase: Any, expected_s: float | None = None, session: str | None = None) -> None:
+        if self._per_session:
+            self.inner.hint(phase, expected_s, session=session)  # type: ignore[call-arg]
+        else:
+            self.inner.hint(phase, expected_s)
+
+    def end_session(self, session: str) -> None:
+        if self._per_session:
+            self.inner.end_session(session)  # type: ignore[attr-defined]
 
     def stats(self) -> dict[str, Any] | None:
         return self.inner.stats()

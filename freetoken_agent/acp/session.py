@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse
 from freetoken_agent.acp.jsonrpc import RpcError
 from freetoken_agent.acp.permissions import ALLOW_ALWAYS, ALLOW_ONCE, AcpToolRegistry, permission_options
 from freetoken_agent.acp.schema import ContentBlock, MediaBlock, ResourceBlock, ResourceLinkBlock, TextResource
-from freetoken_agent.acp.updates import TurnReporter, ToolCallState
+from freetoken_agent.acp.updates import ToolCallState, TurnReporter, prefix_hit_tokens
 from freetoken_agent.events import RunFinished
 from freetoken_agent.loop import AgentRun
 from freetoken_agent.result import RunResult
@@ -144,7 +144,7 @@ class AcpSession:
             assert self.registry is not None
             reporter = self.reporter = TurnReporter(self.send, self.workspace, turn.number, context_size(),
                                                     self.registry.kind_of, agent.backend.stats)
-            before = agent.backend.stats() or {}
+            before = prefix_hit_tokens(agent.backend.stats())
             result = await self._consume(turn, agent, task, reporter)
             partial = "".join(reporter.partial) if result.stop_reason == "cancelled" else ""
         finally:
@@ -159,9 +159,9 @@ class AcpSession:
         usage: dict[str, Any] = {"inputTokens": result.usage.prompt_tokens,
                                  "outputTokens": result.usage.completion_tokens,
                                  "totalTokens": result.usage.total_tokens}
-        after = result.engine_stats or {}
-        if "reused_tokens" in after:
-            usage["cachedReadTokens"] = max(0, int(after["reused_tokens"]) - int(before.get("reused_tokens", 0)))
+        after = prefix_hit_tokens(result.engine_stats)
+        if after is not None:  # prompt tokens this turn took from the engine's prefix cache
+            usage["cachedReadTokens"] = max(0, after - (before or 0))
         return {"stopReason": STOP_REASONS.get(result.stop_reason, "end_turn"), "usage": usage,
                 "_meta": {"freetoken": {"stopReason": result.stop_reason, "steps": result.steps,
                                         "error": result.error}}}

@@ -39,13 +39,27 @@ class ToolCallState:
     done: bool = False
 
 
+def prefix_hit_tokens(stats: dict[str, Any] | None) -> int | None:
+    """Prompt tokens served from the engine's prefix cache so far (None when the backend has no engine)."""
+    if not stats:
+        return None
+    kv = stats.get("kv")
+    if isinstance(kv, dict) and "prefix_hit_tokens" in kv:
+        return int(kv["prefix_hit_tokens"] or 0)
+    return int(stats["reused_tokens"]) if "reused_tokens" in stats else None
+
+
 def engine_summary(stats: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Engine stats for ``_meta``, with the prefix hit rate (reused / (reused + prefilled) prompt tokens)."""
+    """Engine stats for ``_meta``, with the prefix hit rate (cached / all prompt tokens) at the top level."""
     if not stats:
         return None
     summary = dict(stats)
-    reused, prefilled = int(stats.get("reused_tokens") or 0), int(stats.get("prompt_tokens") or 0)
-    summary["prefix_hit_rate"] = round(reused / (reused + prefilled), 4) if reused + prefilled else 0.0
+    kv = stats.get("kv")
+    if isinstance(kv, dict) and kv.get("prefix_hit_rate") is not None:
+        summary["prefix_hit_rate"] = kv["prefix_hit_rate"]
+    else:
+        reused, prefilled = int(stats.get("reused_tokens") or 0), int(stats.get("prompt_tokens") or 0)
+        summary["prefix_hit_rate"] = round(reused / (reused + prefilled), 4) if reused + prefilled else 0.0
     return summary
 
 

@@ -16,6 +16,7 @@ import acp
 from acp.schema import AllowedOutcome, DeniedOutcome, RequestPermissionResponse
 
 REPO = Path(__file__).resolve().parents[2]
+SHUTDOWN_S = 20.0  # how long the client waits for the agent to exit after closing its stdin (then terminates it)
 
 
 def freetoken_command() -> list[str]:
@@ -91,7 +92,8 @@ async def acp_agent(*args: str, client: RecordingClient | None = None, stderr_pa
     stderr_file = open(stderr_path or os.devnull, "wb")  # noqa: SIM115 - closed below
     try:
         async with acp.spawn_agent_process(client, command[0], *command[1:], "acp", *args, env=child_env(),
-                                           transport_kwargs={"stderr": stderr_file.fileno()}) as (conn, process):
+                                           transport_kwargs={"stderr": stderr_file.fileno(),
+                                                             "shutdown_timeout": SHUTDOWN_S}) as (conn, process):
             yield conn, process, client
     finally:
         stderr_file.close()

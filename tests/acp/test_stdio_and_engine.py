@@ -13,7 +13,7 @@ import acp
 import anyio
 import pytest
 
-from tests.acp.support import RecordingClient, child_env, freetoken_command, write_script
+from tests.acp.support import SHUTDOWN_S, RecordingClient, child_env, freetoken_command, write_script
 from tests.sdk.tiny_checkpoint import shared_tiny_qwen3_moe
 
 STRAY = """
@@ -71,7 +71,8 @@ def test_engine_path_on_a_tiny_checkpoint(tiny: Path, tmp_path: Path) -> None:
 
     async def drive() -> tuple[float, list]:
         async with acp.spawn_agent_process(client, "bash", "-c", f"{command} | tee {tee}", env=child_env(),
-                                           transport_kwargs={"stderr": subprocess.DEVNULL}) as (conn, _):
+                                           transport_kwargs={"stderr": subprocess.DEVNULL,
+                                                             "shutdown_timeout": SHUTDOWN_S}) as (conn, _):
             started = time.monotonic()
             await conn.initialize(protocol_version=1)
             handshake = time.monotonic() - started
@@ -87,6 +88,8 @@ def test_engine_path_on_a_tiny_checkpoint(tiny: Path, tmp_path: Path) -> None:
         assert result.stop_reason in ("end_turn", "max_turn_requests")
         assert 0 < result.usage.output_tokens <= 12 and result.usage.cached_read_tokens is not None
     assert second.usage.input_tokens > first.usage.input_tokens  # the second turn carries the first
+    # ... and its prompt starts with the first turn's, which the engine's prefix cache serves
+    assert second.usage.cached_read_tokens > 0
     usage = [u for _, u in client.updates if u.session_update == "usage_update"]
     engine = usage[-1].field_meta["freetoken"]["engine"]
     assert engine["requests"] >= 2 and engine["generated_tokens"] > 0 and "prefix_hit_rate" in engine
@@ -103,7 +106,8 @@ def test_a_model_that_cannot_load_fails_the_prompt_not_the_server(tmp_path: Path
     async def drive() -> None:
         async with acp.spawn_agent_process(client, *freetoken_command(), "acp", "--model", str(empty),
                                            "--no-sessions", env=child_env(),
-                                           transport_kwargs={"stderr": subprocess.DEVNULL}) as (conn, _):
+                                           transport_kwargs={"stderr": subprocess.DEVNULL,
+                                                             "shutdown_timeout": SHUTDOWN_S}) as (conn, _):
             await conn.initialize(protocol_version=1)
             sid = (await conn.new_session(cwd=str(tmp_path), mcp_servers=[])).session_id
             for _ in range(2):
