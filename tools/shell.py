@@ -92,7 +92,7 @@ def _test_targets(ctx: ToolContext, paths: list[str]) -> list[str]:
     return targets
 
 
-@tool(kind="execute", expected_s=20.0)
+@tool(kind="execute", writes=True, expected_s=20.0)  # writes: test code can do anything the user can
 async def run_tests(
     ctx: ToolContext, paths: list[str] | None = None, keyword: str | None = None, timeout_s: float | None = None
 ) -> ToolResult:

@@ -24,3 +24,20 @@ def test_exports_are_not_shadowed_by_submodules() -> None:
         return "pong"
 
     assert isinstance(ping, Tool)
+
+
+def test_coding_tool_metadata() -> None:
+    from freetoken_agent.tools import coding_tools
+
+    table = {t.name: (t.kind, t.writes) for t in coding_tools()}
+    assert table == {
+        "read_file": ("read", False),
+        "write_file": ("edit", True),
+        "edit_file": ("edit", True),
+        "list_files": ("read", False),
+        "glob": ("search", False),
+        "search": ("search", False),
+        "run_shell": ("execute", True),  # commands and test code can change anything: clients should ask first
+        "run_tests": ("execute", True),
+    }
+    assert all(t.description and t.parameters["additionalProperties"] is False for t in coding_tools())
