@@ -18,6 +18,8 @@ class KVCache:
         self.length = 0
         """Positions already cached (the position of the next token)."""
         self._pending = 0
+        self._states: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
+        self._pending_states: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
         """Append this step's tensors for ``layer`` (each [T, ...]) and return views of all cached positions."""
@@ -40,6 +42,37 @@ class KVCache:
         """Commit the tokens appended by the current forward (called once after all layers)."""
         self.length += self._pending
         self._pending = 0
+        for layer, tensors in self._pending_states.items():
+            self._states[layer] = (self.length, tensors)
+        self._pending_states.clear()
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """The recurrent state of ``layer`` (Gated DeltaNet, Mamba, short conv, ...) at position ``length``.
+
+        None before the layer's first forward. A recurrent state summarizes every earlier position and cannot be
+        rewound, so after ``truncate`` to an earlier position it raises; a prefix cache must snapshot the states at
+        the positions it wants to reuse (at least at the end of each turn) and restore them with ``set_state``.
+        """
+        entry = self._states.get(layer)
+        if entry is None:
+            if self.length:
+                raise ValueError(f"layer {layer} has no recurrent state for position {self.length}")
+            return None
+        position, tensors = entry
+        if position != self.length:
+            raise ValueError(
+                f"layer {layer} holds its recurrent state for position {position}, not {self.length}: "
+                "recurrent layers cannot be rewound without a snapshot"
+            )
+        return tensors
+
+    def set_state(self, layer: int, *tensors: torch.Tensor) -> None:
+        """Record ``layer``'s state after the current forward; it becomes the state for ``length`` at ``advance()``.
+
+        To restore a snapshot taken at position p: ``truncate(p)``, ``set_state`` for each recurrent layer, then
+        ``advance()`` (with nothing appended it only commits the states at p).
+        """
+        self._pending_states[layer] = tensors
 
     def truncate(self, length: int) -> None:
         """Forget positions ≥ ``length`` (e.g. to re-decode after a divergence)."""
@@ -48,4 +81,5 @@ class KVCache:
         self.length = length
 
     def nbytes(self) -> int:
-        return sum(t.element_size() * t.numel() for store in self._store if store for t in store)
+        kv = sum(t.element_size() * t.numel() for store in self._store if store for t in store)
+        return kv + sum(t.element_size() * t.numel() for _, ts in self._states.values() for t in ts)

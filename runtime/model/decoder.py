@@ -10,10 +10,15 @@ import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import gqa_attention, mla_attention, mlp, rms_norm
+from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
 from freetoken_agent.runtime.model.moe import ExpertsBackend, route
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
+
+
+MIXERS = {"gated_deltanet": gated_deltanet}
+"""Recurrent mixer kind → ``fn(x, weights, spec, layer, cache, eps) -> [T, D]``."""
 
 
 class Decoder:
@@ -48,9 +53,12 @@ class Decoder:
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
-            attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
             x = self._norm(h, lw, "attn_in")
-            x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+            if layer.recurrent is not None:
+                x = MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
+            else:
+                attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
+                x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
             x = self._norm(x, lw, "attn_out")
             h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
             x = self._norm(h, lw, "ffn_in")

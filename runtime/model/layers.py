@@ -91,6 +91,10 @@ def gqa_attention(
 ) -> torch.Tensor:
     t = x.shape[0]
     q, k, v = linear(x, w, "q_proj"), linear(x, w, "k_proj"), linear(x, w, "v_proj")
+    gate = None
+    if spec.q_gate:  # per head [query | gate]
+        q, gate = q.view(t, spec.num_heads, 2 * spec.head_dim).chunk(2, dim=-1)
+        q, gate = q.reshape(t, -1), gate.reshape(t, -1)
     if spec.qk_norm == "full":
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     if spec.clip_qkv is not None:
@@ -112,6 +116,8 @@ def gqa_attention(
     q = position_scaled(q, positions, spec)
     k_all, v_all = cache.append(layer, k, v)
     out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"))
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
     if spec.output_gate != "none":
         out = output_gate(out, x, w, spec)
     return linear(out, w, "o_proj")

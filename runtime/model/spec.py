@@ -74,6 +74,8 @@ class AttentionSpec:
     """The gate has one value per head (else one per output channel)."""
     output_gate_bias: bool = False
     """A learned per-head bias is added to the gate logits (Beam)."""
+    q_gate: bool = False
+    """``q_proj`` holds per head [query | gate]; the output is multiplied by sigmoid(gate) (Qwen3-Next)."""
     q_scale_beta: float = 0.0
     """If > 0, queries are scaled by ``1 + beta * log(1 + floor(pos / q_scale_period))`` (Llama-4-style)."""
     q_scale_period: int = 1
@@ -146,12 +148,30 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class RecurrentSpec:
+    """A recurrent sequence mixer used instead of attention in some layers of hybrid models."""
+
+    kind: Literal["gated_deltanet"]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    layout: Literal["grouped", "split"] = "grouped"
+    """Gated DeltaNet projections: ``grouped`` = Qwen3-Next ``in_proj_qkvz``/``in_proj_ba`` grouped per key head;
+    ``split`` = separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5)."""
+    conv_bias: bool = False
+
+
+@dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: attention then either a dense MLP or an MoE block."""
+    """One decoder layer: a sequence mixer (attention, or ``recurrent`` when set) then a dense MLP or an MoE block."""
 
     attention: AttentionSpec
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None
+    recurrent: RecurrentSpec | None = None
+    """When set, this layer mixes tokens with a recurrent mixer instead of ``attention`` (which is then unused)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +211,8 @@ class WeightNames:
     output_gate: str = "gate_proj"
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
+    recurrent: str = "linear_attn"
+    """Prefix of a recurrent mixer's tensors inside a layer."""
     correction_at_layer: bool = False
     """The correction bias lives at ``model.layers.{i}.{correction_bias}`` rather than under the MoE prefix."""
 
@@ -204,6 +226,8 @@ class ModelSpec:
     hidden_size: int
     layers: tuple[LayerSpec, ...]
     norm_eps: float = 1e-6
+    norm_weight_offset: float = 0.0
+    """Added to every RMSNorm weight at load time (zero-centered norms ``x·(1+w)``: Qwen3-Next, Gemma)."""
     tie_embeddings: bool = False
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0

@@ -15,7 +15,15 @@ from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from freetoken_agent.runtime.model.moe import TorchExperts
-from freetoken_agent.runtime.model.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, WeightNames
+from freetoken_agent.runtime.model.spec import (
+    AttentionSpec,
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    RecurrentSpec,
+    WeightNames,
+)
 
 # Tensors some exporters write that carry no weights we need.
 _ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
@@ -50,6 +58,8 @@ class ModelWeights:
 
 
 class _Loader:
+    norm_offset = 0.0
+
     def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
         self.reader, self.dtype, self.device = reader, dtype, device
 
@@ -74,6 +84,29 @@ class _Loader:
         out[f"{key}.weight"] = self.take(f"{prefix}.{leaf}.weight", (n_out, n_in))
         if bias:
             out[f"{key}.bias"] = self.take(f"{prefix}.{leaf}.bias", (n_out,))
+
+    def norm(self, name: str, dim: int) -> torch.Tensor:
+        weight = self.take(name, (dim,))
+        return weight + self.norm_offset if self.norm_offset else weight
+
+    def recurrent(self, prefix: str, r: RecurrentSpec, d: int) -> dict[str, torch.Tensor]:
+        w: dict[str, torch.Tensor] = {}
+        hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
+        conv_dim = 2 * hk * dk + hv * dv
+        if r.layout == "grouped":
+            self.linear(w, prefix, "in_proj_qkvz", 2 * hk * dk + 2 * hv * dv, d, False)
+            self.linear(w, prefix, "in_proj_ba", 2 * hv, d, False)
+        else:
+            for leaf, n_out in (("in_proj_qkv", conv_dim), ("in_proj_z", hv * dv), ("in_proj_b", hv), ("in_proj_a", hv)):
+                self.linear(w, prefix, leaf, n_out, d, False)
+        w["conv1d.weight"] = self.take(f"{prefix}.conv1d.weight", (conv_dim, 1, r.conv_kernel))
+        if r.conv_bias:
+            w["conv1d.bias"] = self.take(f"{prefix}.conv1d.bias", (conv_dim,))
+        w["dt_bias"] = self.take(f"{prefix}.dt_bias", (hv,))
+        w["A_log"] = self.take(f"{prefix}.A_log", (hv,))
+        w["norm.weight"] = self.take(f"{prefix}.norm.weight", (dv,))
+        self.linear(w, prefix, "out_proj", d, hv * dv, False)
+        return w
 
     def mlp(self, prefix: str, spec: MLPSpec, d: int) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
@@ -100,7 +133,8 @@ class _Loader:
             self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
             self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
             return w
-        sizes = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim)
+        sizes = (a.num_heads * a.head_dim * (2 if a.q_gate else 1), a.num_kv_heads * a.head_dim,
+                 a.num_kv_heads * a.v_head_dim)
         if names.fused_qkv:
             fused: dict[str, torch.Tensor] = {}
             self.linear(fused, prefix, names.fused_qkv, sum(sizes), d, a.qkv_bias, key="qkv")
@@ -114,8 +148,8 @@ class _Loader:
         if a.qk_norm in ("head", "full"):
             q_dim = a.head_dim if a.qk_norm == "head" else a.num_heads * a.head_dim
             k_dim = a.head_dim if a.qk_norm == "head" else a.num_kv_heads * a.head_dim
-            w["q_norm.weight"] = self.take(f"{prefix}.{names.q_norm}.weight", (q_dim,))
-            w["k_norm.weight"] = self.take(f"{prefix}.{names.k_norm}.weight", (k_dim,))
+            w["q_norm.weight"] = self.norm(f"{prefix}.{names.q_norm}.weight", q_dim)
+            w["k_norm.weight"] = self.norm(f"{prefix}.{names.k_norm}.weight", k_dim)
         if a.sinks:
             w["sinks"] = self.take(f"{prefix}.{names.sinks}", (a.num_heads,))
         if a.output_gate != "none":
@@ -217,6 +251,7 @@ class _Recorder(_Loader):
 
 
 def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWeights:  # type: ignore[valid-type]
+    ld.norm_offset = spec.norm_weight_offset
     d, v = spec.hidden_size, spec.vocab_size
     embed = ld.take(f"{spec.names.embed}.weight", (v, d))
     layers = []
@@ -226,8 +261,9 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
                  "ffn_out": n.ffn_out_norm}
         lw = LayerWeights(
-            norms={role: ld.take(f"{p}.{name}.weight", (d,)) for role, name in roles.items() if name},
-            attn=ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
+            norms={role: ld.norm(f"{p}.{name}.weight", d) for role, name in roles.items() if name},
+            attn=ld.recurrent(f"{p}.{n.recurrent}", layer.recurrent, d) if layer.recurrent is not None
+            else ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
         )
         if layer.moe is not None:
             lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
@@ -237,7 +273,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         layers.append(lw)
         if on_layer is not None:
             on_layer(i)
-    norm = ld.take("model.norm.weight", (d,))
+    norm = ld.norm("model.norm.weight", d)
     if spec.tie_embeddings:
         lm_head = embed
         ld.mark_used("lm_head.weight")  # some exporters store the tied copy anyway

@@ -1,0 +1,50 @@
+"""Hybrid models: recurrent mixers (Gated DeltaNet, ...) interleaved with attention layers."""
+
+from __future__ import annotations
+
+from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, _opt, adapter
+from freetoken_agent.runtime.model.spec import (
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    RecurrentSpec,
+    RouterSpec,
+    WeightNames,
+)
+
+
+def _deltanet(cfg: Config, layout: str) -> RecurrentSpec:
+    return RecurrentSpec(
+        kind="gated_deltanet", num_k_heads=int(cfg["linear_num_key_heads"]),
+        num_v_heads=int(cfg["linear_num_value_heads"]), head_k_dim=int(cfg["linear_key_head_dim"]),
+        head_v_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        layout=layout,  # type: ignore[arg-type]
+    )
+
+
+@adapter("qwen3_next")
+def qwen3_next(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    moe = MoESpec(
+        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        router=RouterSpec(scoring="softmax", norm_topk=bool(cfg.get("norm_topk_prob", True))),
+        activation=act,  # type: ignore[arg-type]
+        shared=MLPSpec(shared, act) if shared else None, shared_gate=bool(shared),  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]), act)  # type: ignore[arg-type]
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    step, mlp_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm="head", q_gate=True)
+    recurrent = _deltanet(cfg, "grouped")
+    layers = []
+    for i in range(n):
+        is_moe = i not in mlp_only and (i + 1) % step == 0
+        layers.append(LayerSpec(attention=attn, recurrent=recurrent if types[i] == "linear_attention" else None,
+                                moe=moe if is_moe else None, mlp=None if is_moe else dense))
+    names = WeightNames(shared="shared_expert")
+    return _model(cfg, layers, names=names, norm_weight_offset=1.0,
+                  ignored_tensors=(r"^mtp\.",))

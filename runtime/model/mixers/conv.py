@@ -1,0 +1,22 @@
+"""Causal depthwise 1-D convolution with a carried state (the short convolution in front of recurrent mixers).
+
+Legend: T new tokens, C channels, K kernel width. The state holds the last K-1 inputs of the previous forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None, silu: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, C], weight [C, K] (or [C, 1, K]), state [K-1, C] or None → (y [T, C], new state [K-1, C])."""
+    w = weight.reshape(weight.shape[0], -1)
+    k = w.shape[1]
+    if state is None:
+        state = x.new_zeros((k - 1, x.shape[1]))
+    full = torch.cat([state.to(x.dtype), x], dim=0)  # [K-1+T, C]
+    y = F.conv1d(full.T[None], w[:, None, :], bias, groups=w.shape[0])[0].T  # [T, C]
+    return (F.silu(y) if silu else y), full[full.shape[0] - (k - 1) :].clone()

@@ -1,0 +1,81 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5-MoE, ...): short causal conv, then a per-head delta-rule recurrence.
+
+Legend: T tokens, Hk key heads, Hv value heads (r = Hv / Hk), Dk / Dv head dims. The cache holds per layer the conv
+state [K-1, 2·Hk·Dk + Hv·Dv] and the recurrent state [Hv, Dk, Dv] for the position ``cache.length``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.mixers.conv import causal_conv
+from freetoken_agent.runtime.model.spec import RecurrentSpec
+
+Weights = dict[str, torch.Tensor]
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrence over T steps. q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] (fp32); state [H, Dk, Dv]."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        memory = (state * k[t][:, :, None]).sum(dim=-2)  # [H, Dv]
+        delta = (v[t] - memory) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = (state * q[t][:, :, None]).sum(dim=-2)
+    return out, state
+
+
+def _split_grouped(spec: RecurrentSpec, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3-Next's layout: projections grouped per key head as [q | k | v (r heads) | z (r heads)]."""
+    t, hk, r = qkvz.shape[0], spec.num_k_heads, spec.num_v_heads // spec.num_k_heads
+    dk, dv = spec.head_k_dim, spec.head_v_dim
+    q, k, v, z = qkvz.view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+    b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
+    return (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, -1, dv), b.reshape(t, -1),
+            a.reshape(t, -1))
+
+
+def gated_deltanet(
+    x: torch.Tensor, w: Weights, spec: RecurrentSpec, layer: int, cache: KVCache, eps: float
+) -> torch.Tensor:
+    t = x.shape[0]
+    hk, hv, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+    if spec.layout == "grouped":
+        q, k, v, z, b, a = _split_grouped(spec, F.linear(x, w["in_proj_qkvz.weight"]), F.linear(x, w["in_proj_ba.weight"]))
+        mixed = torch.cat([q, k, v], dim=-1)
+    else:
+        mixed = F.linear(x, w["in_proj_qkv.weight"])
+        z = F.linear(x, w["in_proj_z.weight"]).view(t, hv, dv)
+        b, a = F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"])
+    state = cache.get_state(layer)
+    conv_state, rec_state = (None, None) if state is None else state
+    mixed, conv_state = causal_conv(mixed, w["conv1d.weight"], w.get("conv1d.bias"), conv_state)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+    beta = torch.sigmoid(b.float())
+    g = -w["A_log"].float().exp() * F.softplus(a.float() + w["dt_bias"].float())
+    if hv != hk:
+        q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+    q, k = _l2norm(q.float()) * dk**-0.5, _l2norm(k.float())
+    if rec_state is None:
+        rec_state = torch.zeros(hv, dk, dv, dtype=torch.float32, device=x.device)
+    out, rec_state = delta_rule(q, k, v.float(), g, beta, rec_state)
+    cache.set_state(layer, conv_state, rec_state)
+    out = gated_rms_norm(out, z, w["norm.weight"], eps).to(x.dtype)
+    return F.linear(out.reshape(t, hv * dv), w["out_proj.weight"])
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · rmsnorm(x) · silu(gate), normalized over the last dim (per head)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype)) * F.silu(gate.float())
