@@ -89,6 +89,13 @@ def checkout(repo: str, commit: str, dest: Path) -> str:
     return git(dest, "rev-parse", "HEAD").strip()
 
 
+def snapshot(workspace: Path, message: str) -> str:
+    """Commit the work tree as it is (caches excluded) and return the commit."""
+    git(workspace, "add", "-A", "--", ".", *JUNK_PATHSPECS)
+    git(workspace, "commit", "-q", "--allow-empty", "--no-verify", "-m", message)
+    return git(workspace, "rev-parse", "HEAD").strip()
+
+
 def diff_against(workspace: Path, base: str) -> str:
     """The workspace's changes since ``base`` as a binary-safe unified diff, new files included."""
     git(workspace, "add", "-A", "--", ".", *JUNK_PATHSPECS)

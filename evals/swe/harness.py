@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 from freetoken_agent.evals.swe.agents import AgentOutcome, EvalAgent, TaskSkipped
-from freetoken_agent.evals.swe.gitops import GitError, apply_patch, checkout, diff_against
+from freetoken_agent.evals.swe.gitops import GitError, apply_patch, checkout, diff_against, snapshot
 from freetoken_agent.evals.swe.grading import is_resolved, split
 from freetoken_agent.evals.swe.results import ERROR, RESOLVED, SKIPPED, UNRESOLVED, RunStore, TaskResult
 from freetoken_agent.evals.swe.task import Task
@@ -72,8 +72,10 @@ def _has_pytest(python: str) -> bool:
         return False
 
 
-def _prepare(repo: str, commit: str, dest: Path, task: Task, python: str, log: Path) -> str:
-    """Fresh checkout + setup commands; an environment that cannot be built makes the task skipped."""
+def _prepare(repo: str, commit: str, dest: Path, task: Task, python: str, log: Path) -> tuple[str, str]:
+    """Fresh checkout + setup commands; an environment that cannot be built makes the task skipped. Returns the
+    checked-out commit and the commit of the tree after setup (the same when there is no setup), so files the
+    setup writes never count as the agent's changes."""
     try:
         base = checkout(repo, commit, dest)
     except GitError as exc:
@@ -86,7 +88,7 @@ def _prepare(repo: str, commit: str, dest: Path, task: Task, python: str, log: P
             raise TaskSkipped(f"setup command {command!r} {status} (see setup.log)")
     if task.test_command is None and not _has_pytest(python):
         raise TaskSkipped(f"pytest is not installed for {python}")
-    return base
+    return base, snapshot(dest, "after setup") if task.setup else base
 
 
 def _run_tests(task: Task, ws: Path, python: str, timeout_s: float, log: Path, scratch: Path) -> ExecutedTests:
@@ -106,9 +108,10 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
     try:
         repo = resolve_repo(task, config.repos_dir)
         ws = tmp / "workspace"
-        base = await anyio.to_thread.run_sync(_prepare, repo, task.base_commit, ws, task, python, tdir / "setup.log")
+        base, ready = await anyio.to_thread.run_sync(_prepare, repo, task.base_commit, ws, task, python,
+                                                     tdir / "setup.log")
         await _work(task, agent, ws, tdir, config.agent_timeout_s or task.agent_timeout_s, result)
-        patch = diff = await anyio.to_thread.run_sync(diff_against, ws, base)
+        patch = diff = await anyio.to_thread.run_sync(diff_against, ws, ready)
         (tdir / "model.patch").write_text(diff, encoding="utf-8")
         result.patch_bytes = len(diff.encode())
         shutil.rmtree(ws, ignore_errors=True)

@@ -26,7 +26,7 @@ def summarize(results: list[TaskResult]) -> dict[str, Any]:
         "skipped": count[SKIPPED],
         "errors": count[ERROR],
         "resolved_rate": count[RESOLVED] / ran if ran else 0.0,
-        "wall_s": round(sum(r.wall_s for r in results), 3),
+        "wall_s": round(sum(r.wall_s for r in results), 3),  # summed over tasks (workers overlap them)
         "turns": sum(r.turns for r in results),
         "tokens_in": sum(r.tokens_in for r in results),
         "tokens_out": sum(r.tokens_out for r in results),
@@ -76,7 +76,7 @@ def task_rows(results: list[TaskResult]) -> tuple[list[str], list[list[str]]]:
 def _summary_line(summary: dict[str, Any]) -> str:
     return (f"resolved {summary['resolved']}/{summary['total'] - summary['skipped']} "
             f"({100 * summary['resolved_rate']:.1f}%), skipped {summary['skipped']}, errors {summary['errors']}, "
-            f"wall {summary['wall_s']:.1f}s, tokens {summary['tokens_in']} in / {summary['tokens_out']} out")
+            f"task time {summary['wall_s']:.1f}s, tokens {summary['tokens_in']} in / {summary['tokens_out']} out")
 
 
 def markdown(results: list[TaskResult], meta: dict[str, Any]) -> str:

@@ -183,3 +183,28 @@ def test_cli_runs_a_user_agent_factory_from_a_file(tmp_path: Path, capsys: pytes
     assert read_results(tmp_path / "run")["calc"]["turns"] == 2
     code, _, err = freetoken("eval", str(jsonl), "--agent", f"{tmp_path / 'my_agent.py'}:nope", capsys=capsys)
     assert code == 2 and "has no function 'nope'" in err
+
+
+SETUP_TEST = """
+
+def test_setup_ran():
+    assert open("generated.txt").read() == "from setup\\n"
+"""
+
+
+def test_setup_commands_run_in_both_checkouts_and_never_count_as_changes(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    ok = calc_task(tmp_path, "setup_ok", SETUP_TEST, setup=["echo 'from setup' > generated.txt"],
+                   PASS_TO_PASS=["tests/test_calc.py::test_ok", "tests/test_calc.py::test_setup_ran"])
+    broken = calc_task(tmp_path, "setup_broken", setup=["echo building; exit 3"])
+    jsonl = write_jsonl(tmp_path / "t.jsonl", [ok, broken])
+    code, out, _ = freetoken("eval", str(jsonl), "--agent", "gold", "--workers", "2", "--json",
+                             "--out", str(tmp_path / "run"), capsys=capsys)
+    assert code == 0 and json.loads(out)["resolved"] == 1 and json.loads(out)["skipped"] == 1
+    res = read_results(tmp_path / "run")
+    assert res["setup_ok"]["status"] == "resolved"
+    patch = (tmp_path / "run" / "tasks" / "setup_ok" / "model.patch").read_text()
+    assert "calc/__init__.py" in patch and "generated.txt" not in patch
+    assert res["setup_broken"]["status"] == "skipped"
+    assert res["setup_broken"]["reason"] == "setup command 'echo building; exit 3' exited 3 (see setup.log)"
+    assert "building" in (tmp_path / "run" / "tasks" / "setup_broken" / "setup.log").read_text()
