@@ -140,7 +140,13 @@ class Tool:
         errors = jsonschema_errors(self._validator, args)
         if errors:
             return ToolResult.error(_invalid(self, errors))
-        if ctx is not None and not await ctx.allowed(self, args):
+        try:
+            allowed = ctx is None or await ctx.allowed(self, args)
+        except Exception as exc:  # the client's permission hook failed: do not run the tool, and say why
+            return ToolResult.error(
+                f"Tool '{self.name}' was not run: the permission check failed ({type(exc).__name__}: {exc})."
+            )
+        if not allowed:
             return ToolResult.error(
                 f"The user declined to run '{self.name}' with these arguments. Do not retry the same call; "
                 "choose another approach or ask the user.",
@@ -173,7 +179,6 @@ class Tool:
                 f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
             )
         return _cap(_to_result(value), ctx)
-
 
     def _drop_null_defaults(self, args: dict[str, Any]) -> dict[str, Any]:
         """Treat ``null`` for an optional parameter that does not accept null as "use the default".

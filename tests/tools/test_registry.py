@@ -331,3 +331,13 @@ async def test_near_misses_get_suggestions(ctx: ToolContext) -> None:
     assert renamed.is_error
     assert "missing required field 'old_string'; missing required field 'path'" in renamed.content
     assert "rename 'file_path' to 'path', 'old_str' to 'old_string'" in renamed.content
+
+
+async def test_failing_permission_hook_blocks_the_call(tmp_path: Path) -> None:
+    def broken(tool_: Tool, arguments: dict[str, object]) -> bool:
+        raise RuntimeError("prompt window closed")
+
+    ctx = ToolContext(Workspace(tmp_path), approve=broken)
+    result = await ToolRegistry(coding_tools()).call("write_file", {"path": "a.txt", "content": "x"}, ctx)
+    assert result.is_error and not (tmp_path / "a.txt").exists()
+    assert "permission check failed (RuntimeError: prompt window closed)" in result.content
