@@ -122,10 +122,14 @@ def build_signature(fn: Callable[..., Any], name: str, description: str | None =
         info = pydantic.Field(default=default, description=doc.params.get(param.name))
         fields[param.name] = (annotation, info)
     model_name = "".join(part.capitalize() for part in re.split(r"\W+|_", name) if part) + "Args"
-    model = pydantic.create_model(  # type: ignore[call-overload]
-        model_name or "ToolArgs", __config__=pydantic.ConfigDict(extra="forbid"), **fields
-    )
-    parameters = _clean_schema(model.model_json_schema())
+    try:
+        model = pydantic.create_model(  # type: ignore[call-overload]
+            model_name or "ToolArgs", __config__=pydantic.ConfigDict(extra="forbid"), **fields
+        )
+        parameters = _clean_schema(model.model_json_schema())
+    except pydantic.PydanticUserError as exc:  # a parameter type with no JSON form
+        first = str(exc).splitlines()[0]
+        raise TypeError(f"tool {name!r}: a parameter type cannot be expressed as JSON Schema ({first})") from exc
     text = description if description is not None else doc.description
     return Signature(model=model, parameters=parameters, context_param=context_param, description=text)
 

@@ -140,6 +140,8 @@ def test_writes_implies_edit_kind_and_description_override() -> None:
         ("def f(**kw: int) -> str: return ''", "*args/**kwargs"),
         ("def f(a: int, /) -> str: return ''", "positional-only"),
         ("def f(a: 'Missing') -> str: return ''", "cannot resolve type hints"),
+        ("import threading\ndef f(lock: threading.Lock) -> str: return ''", "cannot be expressed as JSON Schema"),
+        ("from typing import Callable\ndef f(cb: Callable[[], int]) -> str: return ''", "cannot be expressed"),
     ],
 )
 def test_unsupported_signatures_fail_at_definition(source: str, message: str) -> None:
