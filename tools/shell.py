@@ -32,7 +32,9 @@ def _ended(outcome: ProcessOutcome, timeout_s: float, what: str) -> str:
 async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = None) -> ToolResult:
     """Run a shell command (bash) in the workspace root and return its exit code and output (stdout+stderr).
 
-    Stdin is closed; background processes are killed when the command ends; long output keeps its head and tail.
+    Each call starts a fresh shell in the workspace root: cd and exported variables do not carry over (chain them:
+    'cd src && make'). Stdin is closed; background processes are killed when the command ends; long output keeps
+    its head and tail.
 
     Args:
         command: The command line, e.g. 'ls -la' or 'python script.py'.
