@@ -71,9 +71,9 @@ def _write_atomic(target: Path, text: str) -> None:
 
 @tool(kind="read")
 def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | None = None) -> ToolResult:
-    """Read a text file from the workspace; lines are shown with their numbers (``   12\\tcode``).
+    """Read a text file from the workspace. Each line is shown as its number, a tab, then the text.
 
-    Long files are cut at 2000 lines per call: read further with ``start_line``. Binary files are refused.
+    Long files are cut at 2000 lines per call: read further with start_line. Binary files are refused.
 
     Args:
         path: File path, relative to the workspace root.
