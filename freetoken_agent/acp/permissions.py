@@ -45,6 +45,10 @@ class PermissionAsker(Protocol):
 
     reporter: TurnReporter | None
 
+    async def read_buffer(self, arguments: dict[str, Any], ctx: ToolContext | None) -> ToolResult | None:
+        """``read_file`` served from the editor's buffer, or None to read from disk."""
+        ...
+
     async def permit(self, state: ToolCallState) -> str | None:
         """None to run the call, or the refusal message the model reads."""
         ...
@@ -65,7 +69,13 @@ class AcpToolRegistry(ToolRegistry):
         reporter = self.session.reporter
         if reporter is None or name not in self:
             return await super().call(name, arguments, ctx)
-        state = reporter.claim(name, show.decode_arguments(arguments))
+        args = show.decode_arguments(arguments)
+        state = reporter.claim(name, args)
+        if name == "read_file":
+            from_editor = await self.session.read_buffer(args, ctx)
+            if from_editor is not None:
+                reporter.running(state)
+                return from_editor
         if needs_permission(self.get(name)):
             refusal = await self.session.permit(state)
             if refusal is not None:

@@ -104,6 +104,7 @@ class AcpServer:
         self._backend: _SerialBackend | None = None
         self._context_size = 0
         self._load_error: str | None = None
+        self._client_reads = False  # the client offered fs/read_text_file in initialize
 
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
@@ -145,7 +146,8 @@ class AcpServer:
 
     # ------------------------------------------------------------------------------------------- handshake
     async def initialize(self, params: dict[str, Any]) -> dict[str, Any]:
-        InitializeParams.model_validate(params)
+        request = InitializeParams.model_validate(params)
+        self._client_reads = request.client_capabilities.fs.read_text_file
         self._start_loading()
         from freetoken_agent import __version__
 
@@ -190,6 +192,7 @@ class AcpServer:
             tools = await holder.start(self._group, servers, str(session.workspace.root))
         from freetoken_agent.tools import coding_tools
 
+        session.client_reads_buffers = self._client_reads
         session.registry = AcpToolRegistry([*coding_tools(), plan_tool(session.send), *tools], session)
         self.sessions[session.id] = session
         self._start_loading()

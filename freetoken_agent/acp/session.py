@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
+from freetoken_agent.acp.buffers import read_via_client
 from freetoken_agent.acp.jsonrpc import RpcError
 from freetoken_agent.acp.permissions import ALLOW_ALWAYS, ALLOW_ONCE, AcpToolRegistry, permission_options
 from freetoken_agent.acp.schema import ContentBlock, MediaBlock, ResourceBlock, ResourceLinkBlock, TextResource
@@ -20,7 +21,7 @@ from freetoken_agent.acp.updates import ToolCallState, TurnReporter, prefix_hit_
 from freetoken_agent.events import RunFinished
 from freetoken_agent.loop import AgentRun
 from freetoken_agent.result import RunResult
-from freetoken_agent.tools import Workspace
+from freetoken_agent.tools import ToolContext, ToolResult, Workspace
 
 if TYPE_CHECKING:
     from freetoken_agent.agent import Agent
@@ -122,6 +123,7 @@ class AcpSession:
         self.turns = 0
         self.reporter: TurnReporter | None = None
         self.registry: AcpToolRegistry | None = None
+        self.client_reads_buffers = False  # the client offered fs/read_text_file
         self._turn: _Turn | None = None
 
     # ------------------------------------------------------------------------------------------ notifications
@@ -213,6 +215,13 @@ class AcpSession:
             return f"The user cancelled the turn before '{state.name}' ran; the call was not run."
         return (f"The user rejected this call to '{state.name}'; it was not run. Do not repeat it; ask the user "
                 "or take a different approach.")
+
+    async def read_buffer(self, arguments: dict[str, Any], ctx: ToolContext | None) -> ToolResult | None:
+        """``read_file`` from the editor's buffer (unsaved edits included) when the client offers it."""
+        if not self.client_reads_buffers:
+            return None
+        limit = ctx.max_output_chars if ctx is not None else ToolContext.max_output_chars
+        return await read_via_client(self.conn, self.id, self.workspace, arguments, limit)
 
     # ---------------------------------------------------------------------------------------------- storage
     def record(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import acp
-from acp.schema import AllowedOutcome, DeniedOutcome, RequestPermissionResponse
+from acp.schema import AllowedOutcome, DeniedOutcome, ReadTextFileResponse, RequestPermissionResponse
 
 REPO = Path(__file__).resolve().parents[2]
 SHUTDOWN_S = 20.0  # how long the client waits for the agent to exit after closing its stdin (then terminates it)
@@ -56,6 +56,8 @@ class RecordingClient:
     updates: list[tuple[str, Any]] = field(default_factory=list)
     permissions: list[Any] = field(default_factory=list)
     on_update: Callable[[Any], Any] | None = None
+    buffers: dict[str, str] = field(default_factory=dict)  # path -> unsaved editor text (fs/read_text_file)
+    reads: list[tuple[str, int | None, int | None]] = field(default_factory=list)
 
     async def request_permission(self, options: list[Any], session_id: str, tool_call: Any,
                                  **kwargs: Any) -> RequestPermissionResponse:
@@ -64,6 +66,14 @@ class RecordingClient:
         if choice == "cancelled":
             return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
         return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id=choice))
+
+    async def read_text_file(self, path: str, session_id: str, limit: int | None = None, line: int | None = None,
+                             **kwargs: Any) -> ReadTextFileResponse:
+        self.reads.append((path, line, limit))
+        if path not in self.buffers:
+            raise acp.RequestError.resource_not_found(path)
+        lines = self.buffers[path].splitlines(keepends=True)[(line or 1) - 1:]
+        return ReadTextFileResponse(content="".join(lines[:limit] if limit else lines))
 
     async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
         self.updates.append((session_id, update))

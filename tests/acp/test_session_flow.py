@@ -8,6 +8,7 @@ from pathlib import Path
 import acp
 import anyio
 import pytest
+from acp.schema import ClientCapabilities, FileSystemCapabilities
 
 from tests.acp.support import RecordingClient, acp_agent, start_session, tool_call, write_script
 
@@ -212,3 +213,22 @@ async def test_modes_read_only_refuses_without_asking(tmp_path: Path, ws: Path) 
         result = await conn.prompt(session_id=sid, prompt=[acp.text_block("Write a file.")])
     assert result.stop_reason == "end_turn" and not client.permissions and not (ws / "new.txt").exists()
     assert client.kinds()[0] == "current_mode_update"
+
+
+async def test_reads_go_through_the_editor_buffer_when_the_client_offers_it(tmp_path: Path, ws: Path) -> None:
+    (ws / "notes.txt").write_text("on disk\n")
+    script = write_script(tmp_path, [tool_call("read_file", {"path": "calc.py", "start_line": 2}),
+                                     tool_call("read_file", {"path": "notes.txt"}), "Read both."])
+    calc = str(ws.resolve() / "calc.py")
+    client = RecordingClient(buffers={calc: "def add(a, b):\n    return a + b  # unsaved edit\n"})
+    async with acp_agent("--scripted", str(script), "--no-sessions", client=client) as (conn, _, _client):
+        await conn.initialize(protocol_version=1, client_capabilities=ClientCapabilities(
+            fs=FileSystemCapabilities(read_text_file=True)))
+        sid = (await conn.new_session(cwd=str(ws), mcp_servers=[])).session_id
+        result = await conn.prompt(session_id=sid, prompt=[acp.text_block("Read.")])
+    assert result.stop_reason == "end_turn" and not client.permissions
+    assert client.reads[0] == (calc, 2, 2000)
+    done = [u for _, u in client.updates if u.session_update == "tool_call_update" and u.status == "completed"]
+    assert done[0].content[-1].content.text.startswith("     2\t    return a + b  # unsaved edit")
+    assert "editor's buffer" in done[0].content[-1].content.text
+    assert "on disk" in done[1].content[-1].content.text  # the editor has no buffer for it: read from disk
