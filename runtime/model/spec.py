@@ -157,9 +157,12 @@ class RecurrentSpec:
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int = 4
-    layout: Literal["grouped", "split"] = "grouped"
+    layout: Literal["grouped", "split", "fused"] = "grouped"
     """Gated DeltaNet projections: ``grouped`` = Qwen3-Next ``in_proj_qkvz``/``in_proj_ba`` grouped per key head;
-    ``split`` = separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5)."""
+    ``split`` = separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5); ``fused`` = one
+    ``in_proj`` holding [qkv | z | b | a] rows."""
+    norm: str = "norm"
+    """Name of the gated output norm inside the mixer."""
     conv_bias: bool = False
 
 

@@ -96,6 +96,8 @@ class _Loader:
         if r.layout == "grouped":
             self.linear(w, prefix, "in_proj_qkvz", 2 * hk * dk + 2 * hv * dv, d, False)
             self.linear(w, prefix, "in_proj_ba", 2 * hv, d, False)
+        elif r.layout == "fused":
+            self.linear(w, prefix, "in_proj", conv_dim + hv * dv + 2 * hv, d, False)
         else:
             for leaf, n_out in (("in_proj_qkv", conv_dim), ("in_proj_z", hv * dv), ("in_proj_b", hv), ("in_proj_a", hv)):
                 self.linear(w, prefix, leaf, n_out, d, False)
@@ -104,7 +106,7 @@ class _Loader:
             w["conv1d.bias"] = self.take(f"{prefix}.conv1d.bias", (conv_dim,))
         w["dt_bias"] = self.take(f"{prefix}.dt_bias", (hv,))
         w["A_log"] = self.take(f"{prefix}.A_log", (hv,))
-        w["norm.weight"] = self.take(f"{prefix}.norm.weight", (dv,))
+        w["norm.weight"] = self.take(f"{prefix}.{r.norm}.weight", (dv,))
         self.linear(w, prefix, "out_proj", d, hv * dv, False)
         return w
 

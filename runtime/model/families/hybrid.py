@@ -14,16 +14,16 @@ from freetoken_agent.runtime.model.spec import (
 )
 
 
-def _deltanet(cfg: Config, layout: str) -> RecurrentSpec:
+def _deltanet(cfg: Config, layout: str, norm: str = "norm") -> RecurrentSpec:
     return RecurrentSpec(
         kind="gated_deltanet", num_k_heads=int(cfg["linear_num_key_heads"]),
         num_v_heads=int(cfg["linear_num_value_heads"]), head_k_dim=int(cfg["linear_key_head_dim"]),
         head_v_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        layout=layout,  # type: ignore[arg-type]
+        layout=layout, norm=norm,  # type: ignore[arg-type]
     )
 
 
-@adapter("qwen3_next")
+@adapter("qwen3_next", "qwen3_5_moe_text")
 def qwen3_next(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
     act = _act(cfg)
@@ -39,7 +39,7 @@ def qwen3_next(cfg: Config) -> ModelSpec:
     types = cfg.get("layer_types") or ["full_attention"] * n
     step, mlp_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
     attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm="head", q_gate=True)
-    recurrent = _deltanet(cfg, "grouped")
+    recurrent = _deltanet(cfg, "grouped" if cfg["model_type"] == "qwen3_next" else "split")
     layers = []
     for i in range(n):
         is_moe = i not in mlp_only and (i + 1) % step == 0
@@ -48,3 +48,27 @@ def qwen3_next(cfg: Config) -> ModelSpec:
     names = WeightNames(shared="shared_expert")
     return _model(cfg, layers, names=names, norm_weight_offset=1.0,
                   ignored_tensors=(r"^mtp\.",))
+
+
+@adapter("lara_mini")
+def lara_mini(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    moe = MoESpec(
+        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        router=RouterSpec(scoring="softmax", norm_topk=bool(cfg.get("norm_topk_prob", True))),
+        activation=act, shared=MLPSpec(shared, act) if shared else None,  # type: ignore[arg-type]
+    )
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    recurrent = _deltanet(cfg, "fused", norm="out_norm")
+    bias = bool(cfg.get("attention_bias", False))
+    layers = []
+    for i in range(n):
+        sliding = types[i] == "sliding_attention"  # only sliding layers use rotary positions
+        attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head",
+                    sliding_window=cfg.get("sliding_window") if sliding else None, **({} if sliding else {"rope": None}))
+        layers.append(LayerSpec(attention=attn, moe=moe,
+                                recurrent=recurrent if types[i] == "linear_attention" else None))
+    return _model(cfg, layers, names=WeightNames(shared="shared_expert"))

@@ -52,6 +52,9 @@ def gated_deltanet(
     if spec.layout == "grouped":
         q, k, v, z, b, a = _split_grouped(spec, F.linear(x, w["in_proj_qkvz.weight"]), F.linear(x, w["in_proj_ba.weight"]))
         mixed = torch.cat([q, k, v], dim=-1)
+    elif spec.layout == "fused":
+        mixed, z, b, a = F.linear(x, w["in_proj.weight"]).split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
+        z = z.reshape(t, hv, dv)
     else:
         mixed = F.linear(x, w["in_proj_qkv.weight"])
         z = F.linear(x, w["in_proj_z.weight"]).view(t, hv, dv)
