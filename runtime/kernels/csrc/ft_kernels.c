@@ -126,6 +126,33 @@ void ft_set_spin_us(int us) { g_pool.spin_us = us < 0 ? 0 : us; }
 
 /* ---------------------------------------------------------------- public: linear and dequantize */
 
+/* Tile rows against `count` activation rows (row i = tok ? tok[i] : first + i); the 8 outputs for row i go to
+ * out + i * out_stride. Four rows at a time through the 4-token kernel where the ISA has one. */
+static void dot_rows(tile_dot_fn dot, tile_dot4_fn dot4, const uint8_t *tile, int64_t nb, const qact *a,
+                     const int64_t *tok, int64_t first, int64_t count, float *out, int64_t out_stride) {
+    int64_t i = 0;
+    if (dot4)
+        for (; i + 4 <= count; i += 4) {
+            const int8_t *q[4];
+            const float *d[4], *s[4];
+            float *o[4];
+            for (int u = 0; u < 4; u++) {
+                int64_t r = tok ? tok[i + u] : first + i + u;
+                q[u] = a->q + r * nb * QK;
+                d[u] = a->d + r * nb;
+                s[u] = a->s + r * nb;
+                o[u] = out + (i + u) * out_stride;
+            }
+            dot4(tile, nb, q, d, s, o);
+        }
+    for (; i < count; i++) {
+        int64_t r = tok ? tok[i] : first + i;
+        dot(tile, nb, a->q + r * nb * QK, a->d + r * nb, a->s + r * nb, out + i * out_stride);
+    }
+}
+
+
+
 #define ROWS_PER_ITEM 16 /* 2 tiles: ~5-10 us of work at K=2048, enough to amortize the item hand-out */
 
 typedef struct {
@@ -134,18 +161,21 @@ typedef struct {
     const qact *a;
     float *y;
     tile_dot_fn dot;
+    tile_dot4_fn dot4;
 } linear_ctx;
 
 static void linear_item(void *p, int64_t item) {
     const linear_ctx *c = (const linear_ctx *)p;
-    float o[TR];
+    float o[64 * TR];
     int64_t t0 = item * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR, ntiles = (c->n + TR - 1) / TR;
     if (t1 > ntiles) t1 = ntiles;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = c->w + t * c->tile_stride;
-        for (int64_t i = 0; i < c->m; i++) {
-            c->dot(tile, c->nb, c->a->q + i * c->nb * QK, c->a->d + i * c->nb, c->a->s + i * c->nb, o);
-            for (int r = 0; r < TR && t * TR + r < c->n; r++) c->y[i * c->n + t * TR + r] = o[r];
+        for (int64_t i0 = 0; i0 < c->m; i0 += 64) {
+            int64_t cnt = c->m - i0 < 64 ? c->m - i0 : 64;
+            dot_rows(c->dot, c->dot4, tile, c->nb, c->a, NULL, i0, cnt, o, TR);
+            for (int64_t i = 0; i < cnt; i++)
+                for (int r = 0; r < TR && t * TR + r < c->n; r++) c->y[(i0 + i) * c->n + t * TR + r] = o[i * TR + r];
         }
     }
 }
@@ -156,7 +186,7 @@ int ft_linear(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, i
     if (!qact_alloc(&a, m, k)) { qact_free(&a); return -1; }
     for (int64_t i = 0; i < m; i++)
         quantize_row(x + i * k, k, a.nb, a.q + i * a.nb * QK, a.d + i * a.nb, a.s + i * a.nb);
-    linear_ctx c = {w, n, k, m, a.nb, a.nb * tile_block_bytes(fmt), &a, y, pick_tile_dot(fmt)};
+    linear_ctx c = {w, n, k, m, a.nb, a.nb * tile_block_bytes(fmt), &a, y, pick_tile_dot(fmt), pick_tile_dot4(fmt)};
     ft_parallel_for(linear_item, &c, (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
     qact_free(&a);
     return 0;
@@ -251,6 +281,7 @@ double ft_read_bandwidth(const uint8_t *buf, int64_t bytes, int reps) {
 typedef struct {
     int fmt;
     tile_dot_fn dot;
+    tile_dot4_fn dot4;
     const uint8_t *w13, *w2;
     int64_t w13_stride, w2_stride, D, I, nbD, nbI, n13, chunks13;
     int64_t n_groups;
@@ -261,6 +292,7 @@ typedef struct {
     float *h;   /* [S, n13] gate|up outputs (n13 = 2I padded to tiles) */
     float *y;   /* [S, nD] down outputs per slot (nD = D padded to tiles) */
     int64_t nD, chunks2, n_slots;
+    int64_t *t_start, *t_slots; /* token t's slots: t_slots[t_start[t] .. t_start[t+1]) */
     float *out; /* [T, D] */
 } moe_ctx;
 
@@ -271,12 +303,11 @@ static void moe_gate_up_item(void *p, int64_t item) {
     int64_t tile_stride = c->nbD * tile_block_bytes(c->fmt), ntiles = c->n13 / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t s = c->g_start[g]; s < c->g_start[g + 1]; s++) {
-            int64_t tok = c->s_token[s];
-            c->dot(base + t * tile_stride, c->nbD, c->qx.q + tok * c->nbD * QK, c->qx.d + tok * c->nbD,
-                   c->qx.s + tok * c->nbD, c->h + s * c->n13 + t * TR);
-        }
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+        dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbD, &c->qx, c->s_token + s0, 0, n,
+                 c->h + s0 * c->n13 + t * TR, c->n13);
+    }
 }
 
 static void moe_act_item(void *p, int64_t s) {
@@ -308,18 +339,19 @@ static void moe_down_item(void *p, int64_t item) {
     int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt), ntiles = c->nD / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t s = c->g_start[g]; s < c->g_start[g + 1]; s++)
-            c->dot(base + t * tile_stride, c->nbI, c->qa.q + s * c->nbI * QK, c->qa.d + s * c->nbI,
-                   c->qa.s + s * c->nbI, c->y + s * c->nD + t * TR);
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+        dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbI, &c->qa, NULL, s0, n, c->y + s0 * c->nD + t * TR,
+                 c->nD);
+    }
 }
 
-/* out[t, :] = sum over t's slots of weight * y[s, :]; item = one token (slots of a token are found by scan) */
+/* out[t, :] = sum over t's slots of weight * y[s, :]; item = one token */
 static void moe_combine_item(void *p, int64_t t) {
     const moe_ctx *c = (const moe_ctx *)p;
     float *o = c->out + t * c->D;
-    for (int64_t s = 0; s < c->n_slots; s++) {
-        if (c->s_token[s] != t) continue;
+    for (int64_t k = c->t_start[t]; k < c->t_start[t + 1]; k++) {
+        const int64_t s = c->t_slots[k];
         const float w = c->s_weight[s], *y = c->y + s * c->nD;
         for (int64_t j = 0; j < c->D; j++) o[j] += w * y[j];
     }
@@ -365,6 +397,7 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     if (S == 0) goto done;
     c.fmt = fmt;
     c.dot = pick_tile_dot(fmt);
+    c.dot4 = pick_tile_dot4(fmt);
     c.w13 = w13; c.w2 = w2; c.w13_stride = w13_stride; c.w2_stride = w2_stride;
     c.D = D; c.I = I; c.nbD = (D + QK - 1) / QK; c.nbI = (I + QK - 1) / QK;
     c.n13 = (2 * I + TR - 1) / TR * TR;
@@ -374,6 +407,18 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     c.nD = (D + TR - 1) / TR * TR;
     c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     c.n_slots = S;
+    c.t_start = (int64_t *)calloc((size_t)T + 1, sizeof(int64_t));
+    c.t_slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S + 1));
+    if (!c.t_start || !c.t_slots) { rc = -1; goto done; }
+    for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
+    for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
+    {
+        int64_t *cursor = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1));
+        if (!cursor) { rc = -1; goto done; }
+        memcpy(cursor, c.t_start, sizeof(int64_t) * (size_t)(T + 1));
+        for (int64_t s = 0; s < S; s++) c.t_slots[cursor[s_token[s]]++] = s;
+        free(cursor);
+    }
     c.h = (float *)malloc(sizeof(float) * (size_t)(S * c.n13));
     c.y = (float *)malloc(sizeof(float) * (size_t)(S * c.nD));
     if (!c.h || !c.y || !qact_alloc(&c.qx, T, D) || !qact_alloc(&c.qa, S, I)) { rc = -1; goto done; }
@@ -386,7 +431,7 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
     else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
 done:
-    free(c.h); free(c.y); qact_free(&c.qx); qact_free(&c.qa);
+    free(c.h); free(c.y); free(c.t_start); free(c.t_slots); qact_free(&c.qx); qact_free(&c.qa);
     free(count); free(g_expert); free(g_start); free(s_token); free(s_weight);
     return rc;
 }

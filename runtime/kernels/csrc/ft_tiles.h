@@ -183,6 +183,114 @@ FT_VNNI static void tile_dot_q4_vnni(const uint8_t *t, int64_t nb, const int8_t 
     _mm256_storeu_ps(out, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr, acc));
 }
 
+/* Four tokens against one tile at once: the weight chunk is unpacked once and meets four activation rows, so
+ * M > 1 (prefill, several tokens on one expert) costs less than four single-token passes. out[i][r] as in
+ * tile_dot; token i's quantized row is aq[i] / ad[i] / as[i]. */
+typedef void (*tile_dot4_fn)(const uint8_t *tile, int64_t nb, const int8_t *const *aq, const float *const *ad,
+                             const float *const *as, float *const *out);
+
+#define FT_DOT4_EPILOGUE(ZERO)                                                                                 \
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[i], _mm256_fnmadd_ps(_mm256_set1_ps(ZERO), corr[i], acc[i]));
+
+FT_VNNI static void tile_dot4_q4_vnni(const uint8_t *t, int64_t nb, const int8_t *const *aq,
+                                      const float *const *ad, const float *const *as, float *const *out) {
+    __m256 acc[4], corr[4];
+    for (int i = 0; i < 4; i++) acc[i] = corr[i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 128) {
+        __m256i s[4];
+        for (int i = 0; i < 4; i++) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            for (int i = 0; i < 4; i++) {
+                const int8_t *a = aq[i] + b * QK + 8 * j;
+                s[i] = _mm256_dpbusd_epi32(s[i], lo, _mm256_set1_epi32(load_i32(a)));
+                s[i] = _mm256_dpbusd_epi32(s[i], hi, _mm256_set1_epi32(load_i32(a + 4)));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int i = 0; i < 4; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dw, _mm256_set1_ps(ad[i][b])), acc[i]);
+            corr[i] = _mm256_fmadd_ps(dw, _mm256_set1_ps(as[i][b]), corr[i]);
+        }
+    }
+    FT_DOT4_EPILOGUE(8.f)
+}
+
+FT_VNNI static void tile_dot4_q8_vnni(const uint8_t *t, int64_t nb, const int8_t *const *aq,
+                                      const float *const *ad, const float *const *as, float *const *out) {
+    __m256 acc[4], corr[4];
+    for (int i = 0; i < 4; i++) acc[i] = corr[i] = _mm256_setzero_ps();
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 256) {
+        __m256i s[4];
+        for (int i = 0; i < 4; i++) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j)), flip);
+            for (int i = 0; i < 4; i++)
+                s[i] = _mm256_dpbusd_epi32(s[i], w, _mm256_set1_epi32(load_i32(aq[i] + b * QK + 4 * j)));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int i = 0; i < 4; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dw, _mm256_set1_ps(ad[i][b])), acc[i]);
+            corr[i] = _mm256_fmadd_ps(dw, _mm256_set1_ps(as[i][b]), corr[i]);
+        }
+    }
+    FT_DOT4_EPILOGUE(128.f)
+}
+
+FT_AVX2 static void tile_dot4_q4_avx2(const uint8_t *t, int64_t nb, const int8_t *const *aq,
+                                      const float *const *ad, const float *const *as, float *const *out) {
+    __m256 acc[4], corr[4];
+    for (int i = 0; i < 4; i++) acc[i] = corr[i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 128) {
+        __m256i s16[4];
+        for (int i = 0; i < 4; i++) s16[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            for (int i = 0; i < 4; i++) {
+                const int8_t *a = aq[i] + b * QK + 8 * j;
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a))));
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 4))));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int i = 0; i < 4; i++) {
+            const __m256 sf = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+            acc[i] = _mm256_fmadd_ps(sf, _mm256_mul_ps(dw, _mm256_set1_ps(ad[i][b])), acc[i]);
+            corr[i] = _mm256_fmadd_ps(dw, _mm256_set1_ps(as[i][b]), corr[i]);
+        }
+    }
+    FT_DOT4_EPILOGUE(8.f)
+}
+
+FT_AVX2 static void tile_dot4_q8_avx2(const uint8_t *t, int64_t nb, const int8_t *const *aq,
+                                      const float *const *ad, const float *const *as, float *const *out) {
+    (void)as;
+    __m256 acc[4], corr[4];
+    for (int i = 0; i < 4; i++) acc[i] = corr[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, t += 16 + 256) {
+        __m256i s[4];
+        for (int i = 0; i < 4; i++) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            for (int i = 0; i < 4; i++) {
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(aq[i] + b * QK + 4 * j)), w);
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int i = 0; i < 4; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dw, _mm256_set1_ps(ad[i][b])), acc[i]);
+    }
+    FT_DOT4_EPILOGUE(0.f)
+}
+
 /* One row of one tile-block to 32 fp32 values (the prefill path's dequantize). */
 FT_AVX2 static void tile_row_dequant_avx2(int fmt, const uint8_t *tb, int r, float *out) {
     const uint8_t *q = tb + 2 * TR + 4 * r;
@@ -235,6 +343,17 @@ static tile_dot_fn pick_tile_dot(int fmt) {
     if (g_isa == FT_ISA_AVX2) return fmt == FT_Q4 ? tile_dot_q4_avx2 : tile_dot_q8_avx2;
 #endif
     return fmt == FT_Q4 ? tile_dot_q4_c : tile_dot_q8_c;
+}
+
+/* The 4-token variant, or NULL on the portable path (callers then loop the 1-token kernel). */
+static tile_dot4_fn pick_tile_dot4(int fmt) {
+    if (g_isa < 0) g_isa = detect_isa();
+#ifdef FT_X86
+    if (g_isa == FT_ISA_AVX512VNNI) return fmt == FT_Q4 ? tile_dot4_q4_vnni : tile_dot4_q8_vnni;
+    if (g_isa == FT_ISA_AVX2) return fmt == FT_Q4 ? tile_dot4_q4_avx2 : tile_dot4_q8_avx2;
+#endif
+    (void)fmt;
+    return NULL;
 }
 
 #endif
