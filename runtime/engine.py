@@ -101,6 +101,7 @@ class Engine:
         self.threads = torch.get_num_threads()
         self._kv: Any = None
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
+        self.residency: Any = None  # runtime.experts.store.ExpertStore when loaded under a memory budget
 
     # ------------------------------------------------------------------------------------------------ loading
 
@@ -114,11 +115,17 @@ class Engine:
         progress: bool | None = None,
         threads: int | None = None,
         quant: str = "none",
+        budget: Any = None,
+        residency: Any = None,
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
         ``quant``: ``none``, ``q8`` or ``q4`` — routed experts quantized at load (Q8_0 / Q4_0 blocks, CPU kernels
         in ``runtime/kernels``); dense weights stay in ``dtype``.
+
+        ``budget`` (``runtime.memory.Budget``) / ``residency`` (``runtime.experts.setup.ResidencyConfig``): keep
+        routed experts in budgeted tiers (slots ← expert cache file) instead of loading them all; see
+        ``runtime/experts/``. ``engine.residency`` is then the ``ExpertStore``.
 
         ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
@@ -133,7 +140,13 @@ class Engine:
         reader = open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
         torch_dtype = _dtype(dtype)
         show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
-        if show:
+        managed = None
+        if budget is not None or residency is not None:
+            from freetoken_agent.runtime.experts.setup import load_managed
+
+            managed = load_managed(spec, reader, path, torch_dtype, device, quant, budget, residency)
+            weights = managed.weights
+        elif show:
             from rich.progress import Progress
 
             with Progress(transient=True) as bar:
@@ -156,7 +169,11 @@ class Engine:
                 gen_cfg = {}
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
-        engine.quant = quantize_experts(engine.decoder, quant)
+        if managed is not None:
+            managed.install(engine.decoder)
+            engine.residency = managed.store
+        else:
+            engine.quant = quantize_experts(engine.decoder, quant)
         return engine
 
     # ------------------------------------------------------------------------------------------------ text
@@ -374,4 +391,5 @@ class Engine:
             "phase": s.phase,
             "phase_hints": dict(s.phase_hints),
             "kv": self._kv.snapshot() if self._kv is not None else None,
+            "residency": self.residency.stats() if self.residency is not None else None,
         }

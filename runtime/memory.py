@@ -57,7 +57,7 @@ class Reservation:
     def __init__(self, budget: MemoryBudget, name: str, on_shrink: Callable[[int], int] | None = None) -> None:
         self.budget, self.name, self.nbytes = budget, name, 0
         self.on_shrink = on_shrink
-        """``(nbytes) -> freed``: asked by ``MemoryBudget.move`` to give bytes back (e.g. evict expert slots)."""
+        """``(nbytes) -> freed``: asked by ``MemoryBudget.move`` to free memory and shrink this reservation."""
 
     def grow(self, nbytes: int) -> None:
         self.budget._claim(self, nbytes)
@@ -113,12 +113,15 @@ class MemoryBudget:
     def move(self, src: str, dst: str, nbytes: int) -> int:
         """Move up to ``nbytes`` from reservation ``src`` to ``dst`` (the KV ↔ expert-slot boundary).
 
-        ``src.on_shrink(nbytes)`` frees what it can first (returns the bytes freed); only those move. Returns them.
+        ``src.on_shrink(nbytes)``, when set, frees what it can and shrinks ``src`` itself (returns the bytes freed);
+        only those move. Returns them.
         """
         s, d = self.reservations[src], self.reservations[dst]
-        freed = s.on_shrink(nbytes) if s.on_shrink is not None else min(nbytes, s.nbytes)
-        freed = max(0, min(freed, s.nbytes))
-        s.shrink(freed)
+        if s.on_shrink is not None:  # the owner frees memory and shrinks its own reservation
+            freed = s.on_shrink(nbytes)
+        else:
+            freed = min(nbytes, s.nbytes)
+            s.shrink(freed)
         d.grow(freed)
         self.moves.append((src, dst, freed))
         return freed

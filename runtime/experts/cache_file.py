@@ -56,6 +56,7 @@ class ExpertCacheFile:
     def __init__(self, path: Path, drop_cache: bool = False) -> None:
         self.path = path
         self.drop_cache = drop_cache
+        self._fd = -1
         try:
             with path.open("rb") as fh:
                 head = fh.read(16)

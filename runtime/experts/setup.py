@@ -201,6 +201,7 @@ def load_managed(
         dev_pool = SlotPool("device", layout, slots_in(ledgers["device"], "device memory"), dev_dev,
                             ledgers["device"].reserve("experts"), make_policy(policy_name))
     store = ExpertStore(disk, host_pool, dev_pool, ledgers, prefetch=config.prefetch)
+    host_pool.reservation.on_shrink = store.shrink_host
     if config.pin:
         store.pin(list(config.pin))
     rates = config.rates or _profile_rates()

@@ -152,6 +152,41 @@ class ExpertStore:
             self.host.pinned.add(key)
             self.release_host(slot)
 
+    # ---------------------------------------------------------------- elastic boundary (KV <-> expert slots)
+
+    def shrink_host(self, nbytes: int) -> int:
+        """Give up whole host slots worth at least ``nbytes`` (contents dropped, pins reloaded); returns bytes freed.
+
+        Installed as the ``experts`` reservation's ``on_shrink``, so ``ledgers["host"].move("experts", "kv", n)``
+        moves the boundary without reloading the model.
+        """
+        pool = self.host
+        self.drain()
+        stride = pool.layout.stride
+        keep = max(len(pool.pinned) + 1, pool.n_slots - -(-nbytes // stride))
+        pins = sorted(pool.pinned)
+        freed = pool.resize(keep)
+        pool.pinned.clear()
+        if pins:
+            self.pin(pins)
+        return freed
+
+    def grow_host(self, nbytes: int, source: str = "kv") -> int:
+        """Take ``nbytes`` (whole slots) from reservation ``source`` of the host ledger into more expert slots."""
+        pool, ledger = self.host, self.ledgers["host"]
+        self.drain()
+        n = min(nbytes, ledger.reservations[source].nbytes) // pool.layout.stride
+        if n <= 0:
+            return 0
+        ledger.reservations[source].shrink(n * pool.layout.stride)
+        pins = sorted(pool.pinned)
+        pool.resize(pool.n_slots + n)
+        pool.pinned.clear()
+        if pins:
+            self.pin(pins)
+        ledger.moves.append((source, "experts", n * pool.layout.stride))
+        return n * pool.layout.stride
+
     # ---------------------------------------------------------------- device tier
 
     def acquire_device(self, key: Key) -> int:
