@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 _LAZY = {"AcpOptions": "freetoken_agent.acp.server", "AcpServer": "freetoken_agent.acp.server",
          "reserve_stdout": "freetoken_agent.acp.stdio"}
 
-__all__ = sorted(_LAZY)
+__all__ = ["AcpOptions", "AcpServer", "reserve_stdout"]
 
 
 def __getattr__(name: str) -> Any:

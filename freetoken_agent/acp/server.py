@@ -24,13 +24,21 @@ from freetoken_agent.acp.jsonrpc import INTERNAL_ERROR, Connection, RpcError
 from freetoken_agent.acp.mcp_bridge import McpHolder
 from freetoken_agent.acp.permissions import MODES, AcpToolRegistry, plan_tool
 from freetoken_agent.acp.schema import (
-    PROTOCOL_VERSION, AuthenticateParams, InitializeParams, LoadSessionParams, McpServer, NewSessionParams,
-    PromptParams, SessionParams, SetModeParams,
+    PROTOCOL_VERSION,
+    AuthenticateParams,
+    InitializeParams,
+    LoadSessionParams,
+    McpServer,
+    NewSessionParams,
+    PromptParams,
+    SessionParams,
+    SetModeParams,
 )
 from freetoken_agent.acp.session import AcpSession, prompt_text
 from freetoken_agent.acp.stdio import DEFAULT_MAX_MESSAGE_BYTES, LineReader, MessageWriter
 from freetoken_agent.agent import CODING_INSTRUCTIONS, Agent, Limits, Sampling
 from freetoken_agent.backends.base import Backend, GenerateRequest, SessionBackend
+from freetoken_agent.runtime.errors import FreeTokenError
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 ACP_INSTRUCTIONS = CODING_INSTRUCTIONS + (
@@ -122,8 +130,7 @@ class AcpServer:
         try:
             backend, size = await anyio.to_thread.run_sync(self.options.backend_factory, abandon_on_cancel=True)
         except Exception as exc:  # a bad model folder, a broken checkpoint: every prompt reports it
-            self._load_error = f"{type(exc).__name__}: {exc}" if not str(exc).startswith(type(exc).__name__) \
-                else str(exc)
+            self._load_error = str(exc) if isinstance(exc, FreeTokenError) else f"{type(exc).__name__}: {exc}"
             print(f"freetoken acp: the model did not load: {self._load_error}", file=sys.stderr)
         else:
             self._backend, self._context_size = _SerialBackend(backend), size

@@ -24,8 +24,8 @@ from freetoken_agent.result import RunResult
 from freetoken_agent.tools import ToolContext, ToolResult, Workspace
 
 if TYPE_CHECKING:
-    from freetoken_agent.agent import Agent
     from freetoken_agent.acp.jsonrpc import Connection
+    from freetoken_agent.agent import Agent
 
 STOP_REASONS = {"done": "end_turn", "max_steps": "max_turn_requests", "max_tokens": "max_tokens",
                 "wall_time": "max_turn_requests", "cancelled": "cancelled"}

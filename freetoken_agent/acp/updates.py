@@ -119,7 +119,8 @@ class TurnReporter:
             if not state.claimed and not state.done and state.name == name:
                 break
         else:  # a call run without a start event (a loop that sends calls whole): introduce it now
-            state = ToolCallState(f"t{self.turn}-extra-{len(self.calls)}", name, show.acp_kind(name, self.kind_of(name)))
+            kind = show.acp_kind(name, self.kind_of(name))
+            state = ToolCallState(f"t{self.turn}-extra-{len(self.calls)}", name, kind)
             self.calls[state.acp_id] = state
             self.send({"sessionUpdate": "tool_call", "toolCallId": state.acp_id, "title": name, "kind": state.kind,
                        "status": "pending"})

@@ -56,12 +56,15 @@ class RecordingClient:
     updates: list[tuple[str, Any]] = field(default_factory=list)
     permissions: list[Any] = field(default_factory=list)
     on_update: Callable[[Any], Any] | None = None
+    on_permission: Callable[[], Any] | None = None  # awaited before answering (e.g. to cancel the turn)
     buffers: dict[str, str] = field(default_factory=dict)  # path -> unsaved editor text (fs/read_text_file)
     reads: list[tuple[str, int | None, int | None]] = field(default_factory=list)
 
     async def request_permission(self, options: list[Any], session_id: str, tool_call: Any,
                                  **kwargs: Any) -> RequestPermissionResponse:
         self.permissions.append((session_id, tool_call, options))
+        if self.on_permission is not None:
+            await self.on_permission()
         choice = self.answers.pop(0) if self.answers else "reject-once"
         if choice == "cancelled":
             return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))

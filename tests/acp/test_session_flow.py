@@ -232,3 +232,26 @@ async def test_reads_go_through_the_editor_buffer_when_the_client_offers_it(tmp_
     assert done[0].content[-1].content.text.startswith("     2\t    return a + b  # unsaved edit")
     assert "editor's buffer" in done[0].content[-1].content.text
     assert "on disk" in done[1].content[-1].content.text  # the editor has no buffer for it: read from disk
+
+
+async def test_cancel_while_a_permission_request_is_open(tmp_path: Path, ws: Path) -> None:
+    script = write_script(tmp_path, [tool_call("edit_file", FIX), "Next turn."])
+    client = RecordingClient(answers=["cancelled"])
+    async with acp_agent("--scripted", str(script), "--no-sessions", client=client) as (conn, _, _client):
+        sid = await start_session(conn, ws)
+
+        async def user_presses_stop() -> None:  # an editor cancels the turn, then answers the open request
+            await conn.cancel(session_id=sid)
+
+        client.on_permission = user_presses_stop
+        with anyio.fail_after(10):
+            first = await conn.prompt(session_id=sid, prompt=[acp.text_block("Fix add.")])
+        assert first.stop_reason == "cancelled"
+        assert (ws / "calc.py").read_text() == CALC
+        call_id = next(u.tool_call_id for _, u in client.updates if u.session_update == "tool_call")
+        assert client.tool_updates(call_id)[-1].status == "failed"
+        client.on_permission = None
+        client.updates.clear()
+        second = await conn.prompt(session_id=sid, prompt=[acp.text_block("Go on.")])
+    # the cancelled call got a result in the history, so the conversation stays valid for the next turn
+    assert second.stop_reason == "end_turn" and client.text() == "Next turn."
