@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import gqa_attention, mla_attention, mlp, rms_norm
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
+from freetoken_agent.runtime.model.mixers.short_conv import short_conv
 from freetoken_agent.runtime.model.moe import ExpertsBackend, route
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 
 
-MIXERS = {"gated_deltanet": gated_deltanet}
+MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv}
 """Recurrent mixer kind → ``fn(x, weights, spec, layer, cache, eps) -> [T, D]``."""
 
 

@@ -94,6 +94,8 @@ class MLPSpec:
     bias: bool = False
     fused: bool = False
     """Granite-style ``input_linear`` [2I, D] (gate rows then up rows) and ``output_linear`` instead of three."""
+    leaves: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Checkpoint names of (gate, up, down), e.g. ``("w1", "w3", "w2")``."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class MoESpec:
 class RecurrentSpec:
     """A recurrent sequence mixer used instead of attention in some layers of hybrid models."""
 
-    kind: Literal["gated_deltanet"]
+    kind: Literal["gated_deltanet", "short_conv"]
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
@@ -214,6 +216,7 @@ class WeightNames:
     output_gate: str = "gate_proj"
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
+    final_norm: str = "model.norm"
     recurrent: str = "linear_attn"
     """Prefix of a recurrent mixer's tensors inside a layer."""
     correction_at_layer: bool = False

@@ -91,6 +91,13 @@ class _Loader:
 
     def recurrent(self, prefix: str, r: RecurrentSpec, d: int) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
+        if r.kind == "short_conv":
+            self.linear(w, prefix, "in_proj", 3 * d, d, r.conv_bias)
+            w["conv.weight"] = self.take(f"{prefix}.conv.weight", (d, 1, r.conv_kernel))
+            if r.conv_bias:
+                w["conv.bias"] = self.take(f"{prefix}.conv.bias", (d,))
+            self.linear(w, prefix, "out_proj", d, d, r.conv_bias)
+            return w
         hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
         conv_dim = 2 * hk * dk + hv * dv
         if r.layout == "grouped":
@@ -116,9 +123,10 @@ class _Loader:
             self.linear(w, prefix, "input_linear", 2 * spec.intermediate, d, spec.bias)
             self.linear(w, prefix, "output_linear", d, spec.intermediate, spec.bias)
             return w
-        self.linear(w, prefix, "gate_proj", spec.intermediate, d, spec.bias)
-        self.linear(w, prefix, "up_proj", spec.intermediate, d, spec.bias)
-        self.linear(w, prefix, "down_proj", d, spec.intermediate, spec.bias)
+        gate, up, down = spec.leaves
+        self.linear(w, prefix, gate, spec.intermediate, d, spec.bias, key="gate_proj")
+        self.linear(w, prefix, up, spec.intermediate, d, spec.bias, key="up_proj")
+        self.linear(w, prefix, down, d, spec.intermediate, spec.bias, key="down_proj")
         return w
 
     def attention(self, prefix: str, a: AttentionSpec, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
@@ -275,7 +283,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         layers.append(lw)
         if on_layer is not None:
             on_layer(i)
-    norm = ld.norm("model.norm.weight", d)
+    norm = ld.norm(f"{spec.names.final_norm}.weight", d)
     if spec.tie_embeddings:
         lm_head = embed
         ld.mark_used("lm_head.weight")  # some exporters store the tied copy anyway

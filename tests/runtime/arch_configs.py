@@ -132,6 +132,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # head_dim * partial_rotary_factor must equal qk_rope_head_dim, as in the real config (128 * 0.5 = 64)
     # moe_layers holds layer indices (not one entry per layer); a small floor_scale exercises NoPE temperature tuning
     "llama4_text": dict(moe_layers=[0, 2], floor_scale=4, attn_scale=0.5),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"]),  # the default (None) does not build
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -72,3 +72,33 @@ def lara_mini(cfg: Config) -> ModelSpec:
         layers.append(LayerSpec(attention=attn, moe=moe,
                                 recurrent=recurrent if types[i] == "linear_attention" else None))
     return _model(cfg, layers, names=WeightNames(shared="shared_expert"))
+
+
+@adapter("lfm2_moe")
+def lfm2_moe(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    w = ("w1", "w3", "w2")
+    bias = bool(cfg.get("use_expert_bias", True))
+    moe = MoESpec(
+        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        router=RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", True)), norm_eps=1e-6,
+                          correction_bias=bias, scaling=float(cfg.get("routed_scaling_factor") or 1.0)),
+        activation=act,  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), act, leaves=w)  # type: ignore[arg-type]
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    conv = RecurrentSpec(kind="short_conv", num_k_heads=1, num_v_heads=1, head_k_dim=0, head_v_dim=0,
+                         conv_kernel=int(cfg.get("conv_L_cache", 3)), conv_bias=bool(cfg.get("conv_bias", False)))
+    attn = _gqa(cfg, qk_norm="head")
+    first_dense = int(cfg.get("num_dense_layers") or 0)
+    layers = [
+        LayerSpec(attention=attn, recurrent=conv if types[i] == "conv" else None,
+                  moe=moe if i >= first_dense else None, mlp=dense if i < first_dense else None)
+        for i in range(n)
+    ]
+    names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", correction_bias="expert_bias",
+                        attn_in_norm="operator_norm", ffn_in_norm="ffn_norm", q_norm="q_layernorm",
+                        k_norm="k_layernorm", o_proj="out_proj", recurrent="conv", final_norm="model.embedding_norm")
+    return _model(cfg, layers, names=names, norm_eps=float(cfg.get("norm_eps", 1e-5)))
