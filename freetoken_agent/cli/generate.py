@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from freetoken_agent.cli.budget import add_budget_flags, engine_kwargs, format_residency
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streams tokens)")
@@ -24,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: free cores)")
     p.add_argument("--quant", default="none", choices=["none", "q8", "q4"], help="quantize routed experts at load")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON at the end")
+    p.add_argument("--stats", action="store_true", help="print engine stats (residency tiers, prefetch) at the end")
+    add_budget_flags(p)
     p.set_defaults(func=run)
 
 
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if is_synthetic(path):
         print(f"note: {path.name} is a synthetic checkpoint with RANDOM weights: expect gibberish", file=sys.stderr)
     engine = Engine.from_pretrained(path, dtype=args.dtype, require_tokenizer=args.prompt_ids is None,
-                                    threads=args.threads, quant=args.quant)
+                                    threads=args.threads, quant=args.quant, **engine_kwargs(args))
     ids = _prompt_ids(args, engine)
     events = engine.iter_generate(
         ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -72,4 +76,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(f"[{len(out_ids)} tokens, {reason}; prefill {stats['prefill_tok_s']} tok/s, "
               f"decode {stats['decode_tok_s']} tok/s]", file=sys.stderr)
+        if args.stats:
+            for line in ([json.dumps(stats)] if stats["residency"] is None else format_residency(stats["residency"])):
+                print(line, file=sys.stderr)
     return 0

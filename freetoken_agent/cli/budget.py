@@ -1,0 +1,50 @@
+"""Memory-budget flags shared by every command that loads a model: ``--device-memory``, ``--host-memory``,
+``--residency-policy``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword arguments
+(empty when no flag was given, so the unbudgeted load path is unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_budget_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory budget (expert residency)")
+    g.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="hard limit on accelerator memory, e.g. 8GB (experts beyond it live in host slots)")
+    g.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="hard limit on host memory for weights and expert slots, e.g. 16GB or 64MB "
+                        "(experts beyond it stream from the expert cache file on disk)")
+    g.add_argument("--residency-policy", default=None, choices=["lru", "heat", "phase"],
+                   help="which expert leaves a full slot pool (default lru)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none given)."""
+    device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
+    if device is None and host is None and policy is None:
+        return {}
+    from freetoken_agent.runtime.experts.setup import ResidencyConfig
+    from freetoken_agent.runtime.memory import Budget
+
+    return {"budget": Budget.from_strings(device, host), "residency": ResidencyConfig(policy=policy or "lru")}
+
+
+def format_residency(stats: dict[str, Any]) -> list[str]:
+    """Human-readable lines for ``engine.stats()["residency"]``."""
+    from freetoken_agent.runtime.memory import format_bytes
+
+    lines = [f"residency: policy {stats['policy']}, stall {stats['stall_s']} s, planner {stats['planner']}"]
+    for name, t in stats["tiers"].items():
+        if name == "disk":
+            lines.append(f"  disk: read {format_bytes(t['bytes_read'])} of {format_bytes(t['bytes'])} "
+                         f"({t['read_gbps']} GB/s) from {t['file']}")
+        else:
+            lines.append(f"  {name}: hit rate {t['hit_rate']} ({t['hits']} hits, {t['misses']} misses), "
+                         f"{t['slots']} slots, {t['evictions']} evictions, peak {format_bytes(t['peak'])} "
+                         f"of {format_bytes(t['limit'])}")
+    p = stats["prefetch"]
+    lines.append(f"  prefetch: {p['issued']} issued, {p['used']} used, {p['wasted']} wasted "
+                 f"(accuracy {p['accuracy']})")
+    return lines
