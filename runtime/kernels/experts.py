@@ -141,9 +141,12 @@ class QuantizedExperts:
         if two_i % 2 or tuple(down.shape) != (e, d, two_i // 2):
             raise FreeTokenError(f"down must be [E, D, I] = [{e}, {d}, {two_i // 2}], got {tuple(down.shape)}")
         i = two_i // 2
-        q13 = quantize(gate_up.reshape(e * two_i, d), fmt).blocks.reshape(e, two_i, -1, BLOCK_BYTES[canonical_format(fmt)])
-        q2 = quantize(down.reshape(e * d, i), fmt).blocks.reshape(e, d, -1, BLOCK_BYTES[canonical_format(fmt)])
-        return cls.from_blocks(q13, q2, fmt, d, i, use_kernels)
+        p = BLOCK_BYTES[canonical_format(fmt)]
+        # a few experts at a time: the quantizer's temporaries stay a few times one chunk, not the whole layer
+        step = max(1, (64 << 20) // max(1, two_i * d * 4))
+        q13 = torch.cat([quantize(gate_up[a : a + step].reshape(-1, d), fmt).blocks for a in range(0, e, step)])
+        q2 = torch.cat([quantize(down[a : a + step].reshape(-1, i), fmt).blocks for a in range(0, e, step)])
+        return cls.from_blocks(q13.reshape(e, two_i, -1, p), q2.reshape(e, d, -1, p), fmt, d, i, use_kernels)
 
     # ---------------------------------------------------------------- views
 
