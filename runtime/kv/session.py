@@ -36,6 +36,9 @@ class KVStats:
     drops: int = 0
     ttft_s: list[float] = field(default_factory=list)
     """Time to first token of each turn, in order."""
+    background_prefill_tokens: int = 0
+    """Tokens prefilled ahead of a turn (during tool pauses) by ``Session.prefill``."""
+    background_prefill_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class KVManager:
             "offloads": s.offloads,
             "restores": s.restores,
             "drops": s.drops,
+            "background_prefill_tokens": s.background_prefill_tokens,
+            "background_prefill_s": round(s.background_prefill_s, 4),
             "ttft_s": [round(t, 5) for t in s.ttft_s[-64:]],
         }
 
@@ -140,8 +145,11 @@ class Session:
 
     # ------------------------------------------------------------------------------------------------ turns
 
-    def _prepare(self, prompt: list[int]) -> int:
-        """Align the cache with ``prompt``; returns how many prompt positions are reused."""
+    def _prepare(self, prompt: list[int], keep_one: bool = True) -> int:
+        """Align the cache with ``prompt``; returns how many prompt positions are reused.
+
+        With ``keep_one`` at least one prompt token is left unfed (its logits start the reply).
+        """
         stats = self.manager.stats
         self.resume()
         common = _lcp(prompt, self.log)
@@ -153,10 +161,39 @@ class Session:
         if match.length > len(self.log):
             self.cache.adopt(match.pages, match.length)
             self.log = list(prompt[: match.length])
-        if len(self.log) >= len(prompt):  # keep one token to feed: its logits start the reply
-            self.cache.truncate(len(prompt) - 1)
-            del self.log[len(prompt) - 1 :]
+        limit = len(prompt) - 1 if keep_one else len(prompt)
+        if len(self.log) > limit:
+            self.cache.truncate(limit)
+            del self.log[limit:]
         return len(self.log)
+
+    def prefill(self, prefix: list[int]) -> int:
+        """Prefill ``prefix`` (e.g. the conversation plus tool output streamed so far) without generating.
+
+        Called while a tool runs, so that when it ends only the tail is left to prefill. If the final prompt
+        tokenizes the boundary differently, the next turn falls back to the longest common prefix. Returns how
+        many tokens were fed now.
+        """
+        import torch
+
+        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+
+        prefix = [int(t) for t in prefix]
+        self.engine._check_ids(prefix)
+        reused = self._prepare(prefix, keep_one=False)
+        ids = torch.tensor(prefix)
+        t0 = time.perf_counter()
+        try:
+            for i in range(reused, len(prefix), PREFILL_CHUNK):
+                self.engine.decoder.forward(ids[i : i + PREFILL_CHUNK], self.cache)
+        finally:
+            self.log = prefix[: self.cache.length]
+            self._publish()
+        stats = self.manager.stats
+        stats.prefilled_tokens += len(prefix) - reused
+        stats.background_prefill_tokens += len(prefix) - reused
+        stats.background_prefill_s += time.perf_counter() - t0
+        return len(prefix) - reused
 
     def _publish(self) -> None:
         """Share the full pages of this session's log through the radix tree and pin that path."""

@@ -115,3 +115,23 @@ def test_pause_policy_keeps_offloads_and_drops(engine: Engine) -> None:
     s.close()
     manager.radix.clear()
     assert manager.pool.num_used == 0 and manager.host.num_used == 0  # type: ignore[union-attr]
+
+
+def test_prefill_during_tool_pause_leaves_only_the_tail(engine: Engine) -> None:
+    manager = engine.kv_manager(KVConfig(page_size=4, device_pages=128))
+    s = engine.session()
+    conv = list(range(3, 40))
+    reply = s.generate(conv, max_new_tokens=3, stop_token_ids=[])
+    conv = conv + reply.token_ids
+    streamed = [11, 12, 13, 14, 15, 16]
+    assert s.prefill(conv + streamed[:4]) == 1 + 4  # the unfed last reply token + 4 streamed tool-output tokens
+    assert s.prefill(conv + streamed[:4]) == 0  # idempotent
+    before = manager.stats.prefilled_tokens
+    final = conv + [11, 12, 99] + streamed[3:] + [7]  # the final prompt re-tokenized a boundary differently
+    out = s.generate(final, max_new_tokens=3, stop_token_ids=[])
+    assert manager.stats.prefilled_tokens - before == len(final) - len(conv) - 2
+    assert out.token_ids == engine.generate(final, max_new_tokens=3, stop_token_ids=[]).token_ids
+    assert manager.stats.background_prefill_tokens == 5
+    s.close()
+    manager.radix.clear()
+    assert manager.pool.num_used == 0
