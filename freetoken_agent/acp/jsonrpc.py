@@ -93,18 +93,27 @@ class Connection:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._group: anyio.abc.TaskGroup | None = None
+        self._inflight = 0  # requests being handled
 
-    async def serve(self) -> None:
-        """Handle messages until stdin closes, then stop every task still running."""
-        async with anyio.create_task_group() as group:
-            self._group = group
-            group.start_soon(self.writer.run)
-            async for line in self.reader:
-                self._receive(line)
-            for pending in self._pending.values():
-                pending.error = {"code": INTERNAL_ERROR, "message": "the client closed the connection"}
-                pending.done.set()
-            group.cancel_scope.cancel()
+    async def serve(self, on_eof: Callable[[], None] | None = None, grace_s: float = 5.0) -> None:
+        """Handle messages until stdin closes; then call ``on_eof`` (e.g. to cancel running turns), give requests
+        in flight ``grace_s`` seconds to answer, stop the rest, and write out every queued message."""
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(self.writer.run)
+            async with anyio.create_task_group() as handlers:
+                self._group = handlers
+                async for line in self.reader:
+                    self._receive(line)
+                for pending in self._pending.values():
+                    pending.error = {"code": INTERNAL_ERROR, "message": "the client closed the connection"}
+                    pending.done.set()
+                if on_eof is not None:
+                    on_eof()
+                with anyio.move_on_after(grace_s):
+                    while self._inflight:
+                        await anyio.sleep(0.01)
+                handlers.cancel_scope.cancel()
+            self.writer.close()
 
     # ----------------------------------------------------------------------------------------------- outgoing
     def notify(self, method: str, params: dict[str, Any]) -> None:
@@ -183,6 +192,7 @@ class Connection:
         if handler is None:
             self._reply_error(request_id, METHOD_NOT_FOUND, f"method not found: {method[:100]}")
             return
+        self._inflight += 1  # counted from now, so a request not yet started still gets its grace at EOF
         self._group.start_soon(self._run_request, request_id, method, handler, params)
 
     def _response(self, message: dict[str, Any]) -> None:
@@ -214,6 +224,8 @@ class Connection:
             except (TypeError, ValueError) as exc:
                 self._reply_error(request_id, INTERNAL_ERROR, f"internal error in {method}: unserializable "
                                                               f"result ({exc})")
+        finally:
+            self._inflight -= 1
 
     async def _run_notification(self, method: str, handler: Handler, params: dict[str, Any]) -> None:
         try:

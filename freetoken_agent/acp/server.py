@@ -117,8 +117,15 @@ class AcpServer:
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
             self._group = group
-            await self.conn.serve()
+            await self.conn.serve(on_eof=self._client_left)
             group.cancel_scope.cancel()
+
+    def _client_left(self) -> None:
+        """stdin closed: cancel running turns (their prompts answer ``cancelled``) and stop MCP servers."""
+        for session in self.sessions.values():
+            session.cancel()
+        for holder in self._mcp.values():
+            holder.stop()
 
     # ------------------------------------------------------------------------------------------------ model
     def _start_loading(self) -> None:

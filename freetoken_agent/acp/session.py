@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 from freetoken_agent.acp.buffers import read_via_client
-from freetoken_agent.acp.jsonrpc import RpcError
+from freetoken_agent.acp.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, RpcError
 from freetoken_agent.acp.permissions import ALLOW_ALWAYS, ALLOW_ONCE, AcpToolRegistry, permission_options
 from freetoken_agent.acp.schema import ContentBlock, MediaBlock, ResourceBlock, ResourceLinkBlock, TextResource
 from freetoken_agent.acp.updates import ToolCallState, TurnReporter, prefix_hit_tokens
@@ -136,7 +137,7 @@ class AcpSession:
                      context_size: Callable[[], int]) -> dict[str, Any]:
         """Run one turn; returns the ``session/prompt`` result (``stopReason`` and this turn's ``usage``)."""
         if self._turn is not None:
-            raise RpcError(-32600, f"session {self.id} is already running a prompt; cancel it or wait")
+            raise RpcError(INVALID_REQUEST, f"session {self.id} is already running a prompt; cancel it or wait")
         self.turns += 1
         turn = self._turn = _Turn(self.turns)  # registered before any await, so a cancel that follows finds it
         try:
@@ -157,7 +158,7 @@ class AcpSession:
         self.history = repaired_history(result.messages, partial)
         self.save()
         if result.stop_reason == "backend_error":
-            raise RpcError(-32603, f"the model failed: {result.error}")
+            raise RpcError(INTERNAL_ERROR, f"the model failed: {result.error}")
         usage: dict[str, Any] = {"inputTokens": result.usage.prompt_tokens,
                                  "outputTokens": result.usage.completion_tokens,
                                  "totalTokens": result.usage.total_tokens}
@@ -232,10 +233,14 @@ class AcpSession:
         """Write the session to ``<store>/<id>.json`` (atomically), so ``session/load`` can resume it later."""
         if self.store is None:
             return
-        self.store.mkdir(parents=True, exist_ok=True)
         tmp = self.store / f".{self.id}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.record(), ensure_ascii=False, default=str), encoding="utf-8")
-        os.replace(tmp, self.store / f"{self.id}.json")
+        try:
+            self.store.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.record(), ensure_ascii=False, default=str), encoding="utf-8")
+            os.replace(tmp, self.store / f"{self.id}.json")
+        except OSError as exc:  # the turn itself succeeded; only session/load will miss it
+            print(f"freetoken acp: cannot save session {self.id} in {self.store}: {exc.strerror or exc}",
+                  file=sys.stderr)
 
     def restore(self, record: dict[str, Any]) -> None:
         self.history = list(record.get("history") or [])

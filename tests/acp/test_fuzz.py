@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import random
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -227,3 +229,31 @@ def test_a_thousand_malformed_messages_get_errors_and_never_corrupt_stdout(tmp_p
     assert {-32700, -32600, -32601, -32602, -32002} <= codes, why
     assert len(barrage.lines) >= 1000
     assert b"Traceback" not in stderr, why
+
+
+def test_requests_sent_just_before_stdin_closes_are_all_answered(tmp_path: Path) -> None:
+    """A one-shot pipeline (``printf ... | freetoken acp``): every request gets its reply before the agent exits;
+    a prompt still generating when stdin closes is cancelled and answers ``cancelled``."""
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    (sessions / "sess_saved.json").write_text(json.dumps({"id": "sess_saved", "cwd": str(tmp_path), "history": []}))
+    script = write_script(tmp_path, [" ".join(["slow"] * 500)], delay_s=0.02)  # 10 s if never cancelled
+    lines = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}},
+             {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": str(tmp_path), "mcpServers": []}},
+             {"jsonrpc": "2.0", "id": 3, "method": "no/such"},
+             {"jsonrpc": "2.0", "id": 4, "method": "session/load",
+              "params": {"sessionId": "sess_saved", "cwd": str(tmp_path), "mcpServers": []}},
+             {"jsonrpc": "2.0", "id": 5, "method": "session/prompt",
+              "params": {"sessionId": "sess_saved", "prompt": [{"type": "text", "text": "Go."}]}}]
+    started = time.monotonic()
+    done = subprocess.run([*freetoken_command(), "acp", "--scripted", str(script), "--sessions", str(sessions)],
+                          input="".join(json.dumps(m) + "\n" for m in lines).encode(), capture_output=True,
+                          env=child_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 8
+    replies = {m["id"]: m for m in map(json.loads, done.stdout.splitlines()) if "id" in m}
+    assert replies[1]["result"]["protocolVersion"] == 1
+    assert replies[2]["result"]["sessionId"].startswith("sess_")
+    assert replies[3]["error"]["code"] == -32601
+    assert "modes" in replies[4]["result"]
+    assert replies[5]["result"]["stopReason"] == "cancelled"
