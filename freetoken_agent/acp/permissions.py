@@ -79,7 +79,6 @@ class AcpToolRegistry(ToolRegistry):
         if needs_permission(self.get(name)):
             refusal = await self.session.permit(state)
             if refusal is not None:
-                reporter.rejected(state)
                 return ToolResult.error(refusal)
         reporter.running(state)
         previous = ctx.on_output if ctx is not None else None

@@ -31,7 +31,6 @@ class ToolCallState:
     kind: str = "other"
     arguments: dict[str, Any] = field(default_factory=dict)
     claimed: bool = False
-    rejected: bool = False
     path: Path | None = None
     before: str | None = None
     output: list[str] = field(default_factory=list)
@@ -145,9 +144,6 @@ class TurnReporter:
 
     def running(self, state: ToolCallState) -> None:
         self._update(state, status="in_progress")
-
-    def rejected(self, state: ToolCallState) -> None:
-        state.rejected = True
 
     def output(self, state: ToolCallState, text: str) -> None:
         """Live output of a process tool (throttled; the full result comes when the call finishes)."""
