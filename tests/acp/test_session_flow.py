@@ -255,3 +255,19 @@ async def test_cancel_while_a_permission_request_is_open(tmp_path: Path, ws: Pat
         second = await conn.prompt(session_id=sid, prompt=[acp.text_block("Go on.")])
     # the cancelled call got a result in the history, so the conversation stays valid for the next turn
     assert second.stop_reason == "end_turn" and client.text() == "Next turn."
+
+
+async def test_thinking_channels_stream_as_thought_chunks(tmp_path: Path, ws: Path) -> None:
+    turn = ("<|channel|>analysis<|message|>The sign is wrong.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Change - to +.<|return|>")
+    script = tmp_path / "harmony.json"
+    script.write_text(json.dumps({"turns": [turn], "tool_format": "harmony"}))
+    client = RecordingClient()
+    async with acp_agent("--scripted", str(script), "--no-sessions", client=client) as (conn, _, _client):
+        sid = await start_session(conn, ws)
+        result = await conn.prompt(session_id=sid, prompt=[acp.text_block("Why does it fail?")])
+    assert result.stop_reason == "end_turn"
+    assert client.text("agent_thought_chunk") == "The sign is wrong."
+    assert client.text() == "Change - to +."
+    kinds = [k for k in client.kinds() if k != "usage_update"]
+    assert kinds.index("agent_message_chunk") > max(i for i, k in enumerate(kinds) if k == "agent_thought_chunk")
