@@ -153,11 +153,15 @@ class MoESpec:
 class RecurrentSpec:
     """A recurrent sequence mixer used instead of attention in some layers of hybrid models."""
 
-    kind: Literal["gated_deltanet", "short_conv"]
+    kind: Literal["gated_deltanet", "short_conv", "mamba2"]
     num_k_heads: int
+    """Gated DeltaNet: key heads; Mamba-2: groups of B/C."""
     num_v_heads: int
+    """Gated DeltaNet: value heads; Mamba-2: SSM heads."""
     head_k_dim: int
+    """Gated DeltaNet: key head dim; Mamba-2: state size N."""
     head_v_dim: int
+    """Gated DeltaNet: value head dim; Mamba-2: channels per head P."""
     conv_kernel: int = 4
     layout: Literal["grouped", "split", "fused"] = "grouped"
     """Gated DeltaNet projections: ``grouped`` = Qwen3-Next ``in_proj_qkvz``/``in_proj_ba`` grouped per key head;
@@ -165,6 +169,10 @@ class RecurrentSpec:
     ``in_proj`` holding [qkv | z | b | a] rows."""
     norm: str = "norm"
     """Name of the gated output norm inside the mixer."""
+    norm_groups: int = 1
+    """Mamba-2: the gated RMSNorm normalizes this many equal channel groups separately."""
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    proj_bias: bool = False
     conv_bias: bool = False
 
 

@@ -99,6 +99,17 @@ class _Loader:
             self.linear(w, prefix, "out_proj", d, d, r.conv_bias)
             return w
         hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
+        if r.kind == "mamba2":
+            inner, conv_dim = hv * dv, hv * dv + 2 * hk * dk
+            self.linear(w, prefix, "in_proj", inner + conv_dim + hv, d, r.proj_bias)
+            w["conv1d.weight"] = self.take(f"{prefix}.conv1d.weight", (conv_dim, 1, r.conv_kernel))
+            if r.conv_bias:
+                w["conv1d.bias"] = self.take(f"{prefix}.conv1d.bias", (conv_dim,))
+            for leaf in ("dt_bias", "A_log", "D"):
+                w[leaf] = self.take(f"{prefix}.{leaf}", (hv,))
+            w["norm.weight"] = self.take(f"{prefix}.{r.norm}.weight", (inner,))
+            self.linear(w, prefix, "out_proj", d, inner, r.proj_bias)
+            return w
         conv_dim = 2 * hk * dk + hv * dv
         if r.layout == "grouped":
             self.linear(w, prefix, "in_proj_qkvz", 2 * hk * dk + 2 * hv * dv, d, False)

@@ -133,6 +133,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # moe_layers holds layer indices (not one entry per layer); a small floor_scale exercises NoPE temperature tuning
     "llama4_text": dict(moe_layers=[0, 2], floor_scale=4, attn_scale=0.5),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"]),  # the default (None) does not build
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -102,3 +102,52 @@ def lfm2_moe(cfg: Config) -> ModelSpec:
                         attn_in_norm="operator_norm", ffn_in_norm="ffn_norm", q_norm="q_layernorm",
                         k_norm="k_layernorm", o_proj="out_proj", recurrent="conv", final_norm="model.embedding_norm")
     return _model(cfg, layers, names=names, norm_eps=float(cfg.get("norm_eps", 1e-5)))
+
+
+def _float(value: object) -> float:
+    """transformers writes non-finite floats as ``{"__float__": "Infinity"}``."""
+    return float(value["__float__"] if isinstance(value, dict) else value)  # type: ignore[index,arg-type]
+
+
+def _mamba2(cfg: Config, prefix: str = "mamba_") -> RecurrentSpec:
+    """Mamba-2 spec from Granite-style (``mamba_*``) or Nemotron-style (unprefixed) config fields."""
+    g = lambda *names: _opt(cfg, *names)  # noqa: E731
+    heads = int(g(f"{prefix}n_heads", "mamba_num_heads"))
+    head_dim = int(g(f"{prefix}d_head", "mamba_head_dim"))
+    groups = int(g(f"{prefix}n_groups", "n_groups"))
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return RecurrentSpec(
+        kind="mamba2", num_k_heads=groups, num_v_heads=heads, head_k_dim=int(g(f"{prefix}d_state", "ssm_state_size")),
+        head_v_dim=head_dim, conv_kernel=int(g(f"{prefix}d_conv", "conv_kernel")),
+        conv_bias=bool(g(f"{prefix}conv_bias", "use_conv_bias")), proj_bias=bool(g(f"{prefix}proj_bias", "use_bias")),
+        norm_groups=groups, dt_limit=(_float(limit[0]), _float(limit[1])),
+    )
+
+
+@adapter("granitemoehybrid")
+def granitemoehybrid(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    shared = int(cfg.get("shared_intermediate_size") or 0)
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="none", topk_before_scoring=True),
+        activation=act, shared=MLPSpec(shared, act, fused=True) if shared else None,  # type: ignore[arg-type]
+    )
+    types = cfg.get("layer_types") or ["attention"] * n
+    bias = bool(cfg.get("attention_bias", False))
+    rope = cfg.get("position_embedding_type") == "rope"
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)),
+                **({} if rope else {"rope": None}))
+    mamba = _mamba2(cfg)
+    layers = [LayerSpec(attention=attn, moe=moe, recurrent=mamba if types[i] in ("mamba", "linear_attention") else None)
+              for i in range(n)]
+    names = WeightNames(moe_prefix="block_sparse_moe", router="router.layer", shared="shared_mlp",
+                        shared_at_layer=True, fused_names=("input_linear.weight", "output_linear.weight"),
+                        recurrent="mamba")
+    return _model(
+        cfg, layers, names=names,
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+    )
