@@ -151,8 +151,7 @@ class AcpServer:
             raise RpcError(INTERNAL_ERROR, f"the model did not load: {self._load_error}")
         opts = self.options
         trajectory = None
-        if opts.trajectory_dir is not None:
-            opts.trajectory_dir.mkdir(parents=True, exist_ok=True)
+        if opts.trajectory_dir is not None:  # a folder: one file per run (the CLI created it)
             trajectory = str(opts.trajectory_dir) + os.sep
         return Agent(backend=self._backend, tools=session.registry or [], instructions=opts.instructions,
                      workspace=session.workspace.root, limits=opts.limits, sampling=opts.sampling,

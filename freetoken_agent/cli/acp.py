@@ -122,13 +122,19 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise CLIError("--threads must be at least 1")
     sessions = None if args.no_sessions else Path(args.sessions) if args.sessions else _default_sessions_dir()
+    trajectory = Path(args.trajectory) if args.trajectory else None
+    if trajectory is not None:
+        try:
+            trajectory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CLIError(f"cannot create the trajectory folder {trajectory}: {exc.strerror or exc}") from None
     options = AcpOptions(
         backend_factory=_backend_factory(args),
         limits=Limits(max_steps=args.max_steps, max_tokens=args.max_tokens, max_tokens_per_step=args.max_step_tokens,
                       max_wall_s=args.max_wall),
         sampling=Sampling(temperature=args.temperature, seed=args.seed),
         mode=args.mode, sessions_dir=sessions,
-        trajectory_dir=Path(args.trajectory) if args.trajectory else None,
+        trajectory_dir=trajectory,
         tool_timeout_s=args.tool_timeout, max_message_bytes=args.max_message_bytes)
     server = AcpServer(options, read_fd=0, write_fd=protocol_fd)
     anyio.run(server.run)

@@ -204,7 +204,8 @@ def test_a_thousand_malformed_messages_get_errors_and_never_corrupt_stdout(tmp_p
     why = f"seed={seed}; stderr tail: {stderr[-2000:].decode('utf-8', 'replace')}"
     assert code == 0, why
     responses = []
-    for raw in out:  # every byte on stdout is a protocol message
+    for raw in out:  # every byte on stdout is a protocol message, one per line
+        assert raw.endswith(b"\n") and raw.count(b"\n") == 1, why
         message = json.loads(raw)
         assert message.get("jsonrpc") == "2.0" and "id" in message, why
         assert ("result" in message) != ("error" in message), why
