@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.execution.cost import CostModel
 
 PATHS = ("resident", "fetch", "host")
+MODES = ("adaptive", "fetch", "host")
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,12 @@ class Plan:
 class ExecutionPlanner:
     """Splits a step's experts into resident / fetch / host using a ``CostModel``."""
 
-    def __init__(self, cost: CostModel, expert_bytes: int, has_device: bool) -> None:
-        self.cost, self.expert_bytes, self.has_device = cost, expert_bytes, has_device
+    def __init__(self, cost: CostModel, expert_bytes: int, has_device: bool, mode: str = "adaptive") -> None:
+        """``mode``: ``adaptive`` (the cost model decides), ``fetch`` (every cold expert is copied to the device:
+        the reference server's slot-pool behaviour) or ``host`` (cold experts always on the CPU: static placement)."""
+        if mode not in MODES:
+            raise FreeTokenError(f"unknown planner mode {mode!r}; expected one of {', '.join(MODES)}")
+        self.cost, self.expert_bytes, self.has_device, self.mode = cost, expert_bytes, has_device, mode
         self.decisions = {p: 0 for p in PATHS}
 
     def plan(self, needs: list[ExpertNeed], device_room: int | None = None) -> Plan:
@@ -66,7 +72,8 @@ class ExecutionPlanner:
                 host_done = plan.host_s + disk + cost.host_seconds(b, need.tokens)
                 fetch_ready = max(copy_queue + cost.copy_seconds(b) + disk, 0.0)
                 device_done = max(plan.device_s, fetch_ready) + cost.device_seconds(need.tokens)
-                path = "fetch" if room > 0 and device_done < host_done else "host"
+                faster = device_done < host_done if self.mode == "adaptive" else self.mode == "fetch"
+                path = "fetch" if room > 0 and faster else "host"
             if path == "resident":
                 plan.device_s += cost.device_seconds(need.tokens)
             elif path == "fetch":

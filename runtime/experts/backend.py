@@ -83,7 +83,27 @@ class ManagedExperts:
         if qe is not None:
             big = x.shape[0] >= qe.dequant_threshold or not qe.packed  # type: ignore[attr-defined]
             return qe._expert_dense(slot, x) if big else qe._expert_kernel(slot, x)  # type: ignore[attr-defined]
-        raise NotImplementedError("quantized experts on a non-CPU device tier need the GPU kernels")
+        # a GPU slot: dequantize with torch ops where the bytes are, then a plain matmul (no C kernels there)
+        gate_up, down = self._dequantize(views, slot)
+        return self._float_expert(SlotViews(gate_up=gate_up[None], down=down[None],
+                                            gate_up_bias=None if views.gate_up_bias is None else views.gate_up_bias[slot][None],
+                                            down_bias=None if views.down_bias is None else views.down_bias[slot][None]),
+                                  0, x.to(gate_up.dtype))
+
+    def _dequantize(self, views: SlotViews, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(gate_up [2I, D], down [D, I])`` of a quantized slot, with torch ops on the slot's device."""
+        from freetoken_agent.runtime.kernels.layout import unpack_blocks
+        from freetoken_agent.runtime.quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, dequantize
+
+        lay = self.layout
+        d, i, p = lay.hidden, lay.intermediate, BLOCK_BYTES[lay.fmt]
+        assert views.w13 is not None and views.w2 is not None
+        out = []
+        for raw, (n, k) in ((views.w13[slot], (2 * i, d)), (views.w2[slot], (d, i))):
+            nb = -(-k // BLOCK)
+            blocks = unpack_blocks(raw, n, nb, p) if lay.packed else raw.reshape(n, nb, p)
+            out.append(dequantize(BlockQuantized(lay.fmt, (n, k), blocks)))
+        return out[0], out[1]
 
     # ---------------------------------------------------------------- the step
 

@@ -22,7 +22,7 @@ from freetoken_agent.runtime.errors import FreeTokenError, UnexpectedTensorError
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner
 from freetoken_agent.runtime.experts.backend import ManagedExperts
-from freetoken_agent.runtime.experts.cache_file import cache_key, cache_root, open_or_write
+from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile, cache_key, cache_root, open_or_write
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool
@@ -53,6 +53,10 @@ class ResidencyConfig:
     """Expert cache file (default: ``$FREETOKEN_CACHE/experts/<key>.ftx``)."""
     rates: Rates | None = None
     """Cost-model rates (default: the cached hardware profile, else built-in guesses)."""
+    planner: str = "adaptive"
+    """``adaptive`` (cost model), ``fetch`` (always copy cold experts to the device) or ``host`` (always CPU)."""
+    device_tier: bool = True
+    """With a GPU engine: keep a device slot pool (False = every routed expert on the CPU, ``--n-cpu-moe`` style)."""
 
 
 class _DenseLoader(weights_mod._Loader):
@@ -175,8 +179,17 @@ def load_managed(
 
     file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
     disk, written = open_or_write(file_path, layout, moe_layers, first.num_experts, load, config.drop_page_cache)
-    total = len(moe_layers) * first.num_experts
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
+    store, planner = build_store(disk, ledgers, top_k, device, config)
+    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written)
+
+
+def build_store(
+    disk: ExpertCacheFile, ledgers: dict[str, MemoryBudget], top_k: int, device: str, config: ResidencyConfig
+) -> tuple[ExpertStore, ExecutionPlanner]:
+    """Size the slot pools from what the ledgers have left (dense weights/KV already claimed); store + planner."""
+    layout = disk.layout
+    total = len(disk.layers) * disk.num_experts
 
     def slots_in(ledger: MemoryBudget, label: str) -> int:
         if ledger.limit is None:
@@ -190,23 +203,24 @@ def load_managed(
             )
         return n
 
+    on_gpu = torch.device(device).type != "cpu"
     host_pool = SlotPool("host", layout, slots_in(ledgers["host"], "host memory"), "cpu",
-                         ledgers["host"].reserve("experts"), make_policy(policy_name),
-                         pin_memory=torch.cuda.is_available() and torch.device(device).type == "cuda")
+                         ledgers["host"].reserve("experts"), make_policy(config.policy),
+                         pin_memory=on_gpu and torch.cuda.is_available())
     dev_pool = None
-    if config.simulate_device or torch.device(device).type != "cpu":
+    if config.simulate_device or (on_gpu and config.device_tier):
         if config.simulate_device and ledgers["device"].limit is None:
             raise FreeTokenError("a simulated device tier needs a device budget (--device-memory)")
-        dev_dev = "cpu" if config.simulate_device else device
-        dev_pool = SlotPool("device", layout, slots_in(ledgers["device"], "device memory"), dev_dev,
-                            ledgers["device"].reserve("experts"), make_policy(policy_name))
+        dev_pool = SlotPool("device", layout, slots_in(ledgers["device"], "device memory"),
+                            "cpu" if config.simulate_device else device, ledgers["device"].reserve("experts"),
+                            make_policy(config.policy))
     store = ExpertStore(disk, host_pool, dev_pool, ledgers, prefetch=config.prefetch)
     host_pool.reservation.on_shrink = store.shrink_host
     if config.pin:
         store.pin(list(config.pin))
     rates = config.rates or _profile_rates()
-    planner = ExecutionPlanner(CostModel(rates), layout.blob_bytes, dev_pool is not None)
-    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written)
+    planner = ExecutionPlanner(CostModel(rates), layout.blob_bytes, dev_pool is not None, config.planner)
+    return store, planner
 
 
 def _profile_rates() -> Rates:

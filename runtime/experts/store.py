@@ -43,17 +43,35 @@ class PrefetchCounters:
     wasted: int = 0
     dropped: int = 0
     """Predictions not issued because every slot was busy."""
+    paused: int = 0
+    """Look-ahead steps skipped because recent accuracy was below ``min_accuracy`` (wasted reads cost bandwidth)."""
+    recent: float = 1.0
+    """EMA of the fraction of issued prefetches that were used."""
+    min_accuracy: float = 0.5
+    probe_every: int = 16
+    """While paused, one look-ahead in this many still runs, so accuracy keeps being measured."""
     pending: dict[int, set[int]] = field(default_factory=dict)
 
     def settle(self, layer: int, hit: set[int]) -> None:
         issued = self.pending.pop(layer, set())
-        self.used += len(issued & hit)
-        self.wasted += len(issued - hit)
+        if not issued:
+            return
+        used = len(issued & hit)
+        self.used += used
+        self.wasted += len(issued) - used
+        self.recent = 0.9 * self.recent + 0.1 * used / len(issued)
+
+    def should_issue(self) -> bool:
+        """Whether to act on this look-ahead: yes while predictions pay off, else only every ``probe_every``."""
+        if self.recent >= self.min_accuracy:
+            return True
+        self.paused += 1
+        return self.paused % self.probe_every == 0
 
     def snapshot(self) -> dict[str, object]:
         done = self.used + self.wasted
         return {"issued": self.issued, "used": self.used, "wasted": self.wasted, "dropped": self.dropped,
-                "accuracy": round(self.used / done, 4) if done else None}
+                "paused": self.paused, "accuracy": round(self.used / done, 4) if done else None}
 
 
 class ExpertStore:
@@ -124,7 +142,7 @@ class ExpertStore:
 
     def prefetch_host(self, layer: int, experts: list[int]) -> None:
         """Start background reads of experts of ``layer`` that are not in host slots (gate look-ahead)."""
-        if self._executor is None:
+        if self._executor is None or not self.prefetch.should_issue():
             return
         issued: set[int] = set()
         for e in experts:
