@@ -67,6 +67,11 @@ class LoadSessionParams(WireModel):
     mcp_servers: list[McpServer] = Field(default_factory=list, alias="mcpServers")
 
 
+class ListSessionsParams(WireModel):
+    cwd: str | None = None
+    cursor: str | None = None
+
+
 class SessionParams(WireModel):
     """Any request that only names a session (``session/cancel``, ``session/close``)."""
 

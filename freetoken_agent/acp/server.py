@@ -7,9 +7,7 @@ the background once the client has initialized, so the handshake answers at once
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from freetoken_agent.acp.schema import (
     PROTOCOL_VERSION,
     AuthenticateParams,
     InitializeParams,
+    ListSessionsParams,
     LoadSessionParams,
     McpServer,
     NewSessionParams,
@@ -36,11 +35,11 @@ from freetoken_agent.acp.schema import (
 )
 from freetoken_agent.acp.session import AcpSession, prompt_text
 from freetoken_agent.acp.stdio import DEFAULT_MAX_MESSAGE_BYTES, LineReader, MessageWriter
+from freetoken_agent.acp.store import SessionStore
 from freetoken_agent.agent import CODING_INSTRUCTIONS, Agent, Limits, Sampling
 from freetoken_agent.backends.base import Backend, GenerateRequest, SessionBackend
 from freetoken_agent.runtime.errors import FreeTokenError
 
-_SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 ACP_INSTRUCTIONS = CODING_INSTRUCTIONS + (
     " You are running inside the user's editor: be brief, and for multi-step work keep a plan with update_plan.")
 
@@ -100,8 +99,9 @@ class AcpServer:
         self.options = options
         requests = {"initialize": self.initialize, "authenticate": self.authenticate,
                     "session/new": self.new_session, "session/load": self.load_session,
-                    "session/resume": self.resume_session, "session/prompt": self.prompt,
-                    "session/set_mode": self.set_mode, "session/close": self.close_session}
+                    "session/resume": self.resume_session, "session/list": self.list_sessions,
+                    "session/prompt": self.prompt, "session/set_mode": self.set_mode,
+                    "session/close": self.close_session}
         self.conn = Connection(LineReader(read_fd, options.max_message_bytes), MessageWriter(write_fd), requests,
                                {"session/cancel": self.cancel})
         self.sessions: dict[str, AcpSession] = {}
@@ -113,6 +113,7 @@ class AcpServer:
         self._context_size = 0
         self._load_error: str | None = None
         self._client_reads = False  # the client offered fs/read_text_file in initialize
+        self.store = SessionStore(options.sessions_dir) if options.sessions_dir is not None else None
 
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
@@ -165,12 +166,12 @@ class AcpServer:
         from freetoken_agent import __version__
 
         session_caps: dict[str, Any] = {"close": {}}
-        if self.options.sessions_dir is not None:
-            session_caps["resume"] = {}
+        if self.store is not None:
+            session_caps.update(resume={}, list={})
         return {
             "protocolVersion": PROTOCOL_VERSION,
             "agentCapabilities": {
-                "loadSession": self.options.sessions_dir is not None,
+                "loadSession": self.store is not None,
                 "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
                 "mcpCapabilities": {"http": False, "sse": False},
                 "sessionCapabilities": session_caps,
@@ -213,35 +214,23 @@ class AcpServer:
     async def new_session(self, params: dict[str, Any]) -> dict[str, Any]:
         request = NewSessionParams.model_validate(params)
         session = AcpSession(self.conn, self._cwd(request.cwd), mode=self.options.mode,
-                             store=self.options.sessions_dir)
+                             store=self.store)
         await self._open(session, request.mcp_servers)
         session.save()
         return {"sessionId": session.id, "modes": self._modes(session)}
 
-    def _stored(self, session_id: str) -> dict[str, Any]:
-        folder = self.options.sessions_dir
-        if folder is None:
-            raise RpcError.not_found("this agent does not keep sessions (start it with --sessions DIR)")
-        if not _SESSION_ID.match(session_id):
-            raise RpcError.not_found(f"unknown session {session_id[:100]!r}")
-        path = folder / f"{session_id}.json"
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise RpcError.not_found(f"unknown session {session_id!r}") from None
-        except (OSError, ValueError) as exc:
-            raise RpcError(INTERNAL_ERROR, f"session {session_id!r} cannot be read: {exc}") from None
-        if not isinstance(record, dict):
-            raise RpcError(INTERNAL_ERROR, f"session {session_id!r} is not a session record")
-        return record
+    def _store(self) -> SessionStore:
+        if self.store is None:
+            raise RpcError.not_found("this agent does not keep sessions (it was started with --no-sessions)")
+        return self.store
 
     async def _reopen(self, session_id: str, cwd: str, servers: list[McpServer]) -> AcpSession:
         live = self.sessions.get(session_id)
         if live is not None:
             return live
-        record = self._stored(session_id)
+        record = self._store().load(session_id)
         session = AcpSession(self.conn, self._cwd(cwd), session_id=session_id, mode=self.options.mode,
-                             store=self.options.sessions_dir)
+                             store=self.store)
         session.restore(record)
         await self._open(session, servers)
         return session
@@ -251,6 +240,10 @@ class AcpServer:
         session = await self._reopen(request.session_id, request.cwd, request.mcp_servers)
         await session.replay()
         return {"modes": self._modes(session)}
+
+    async def list_sessions(self, params: dict[str, Any]) -> dict[str, Any]:
+        request = ListSessionsParams.model_validate(params)
+        return self._store().list(request.cwd, request.cursor)
 
     async def resume_session(self, params: dict[str, Any]) -> dict[str, Any]:
         request = LoadSessionParams.model_validate(params)

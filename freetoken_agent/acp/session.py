@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,6 +16,7 @@ from freetoken_agent.acp.buffers import read_via_client
 from freetoken_agent.acp.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, RpcError
 from freetoken_agent.acp.permissions import ALLOW_ALWAYS, ALLOW_ONCE, AcpToolRegistry, permission_options
 from freetoken_agent.acp.schema import ContentBlock, MediaBlock, ResourceBlock, ResourceLinkBlock, TextResource
+from freetoken_agent.acp.store import SessionStore
 from freetoken_agent.acp.updates import ToolCallState, TurnReporter, prefix_hit_tokens
 from freetoken_agent.events import RunFinished
 from freetoken_agent.loop import AgentRun
@@ -113,7 +112,7 @@ class AcpSession:
     """One editor session: ``cwd`` is the workspace root; prompts continue one conversation."""
 
     def __init__(self, conn: Connection, cwd: Path, session_id: str | None = None, mode: str = "ask",
-                 store: Path | None = None) -> None:
+                 store: SessionStore | None = None) -> None:
         self.conn = conn
         self.id = session_id or f"sess_{uuid.uuid4().hex[:16]}"
         self.workspace = Workspace(cwd)
@@ -226,21 +225,16 @@ class AcpSession:
 
     # ---------------------------------------------------------------------------------------------- storage
     def record(self) -> dict[str, Any]:
-        return {"id": self.id, "cwd": str(self.workspace.root), "mode": self.mode, "turns": self.turns,
+        """What is saved: the conversation and the session's settings."""
+        first = next((str(m.get("content") or "") for m in self.history if m.get("role") == "user"), "")
+        title = " ".join(first.split())[:80]
+        return {"id": self.id, "cwd": str(self.workspace.root), "title": title, "mode": self.mode, "turns": self.turns,
                 "always_allowed": sorted(self.always_allowed), "history": self.history, "saved": time.time()}
 
     def save(self) -> None:
-        """Write the session to ``<store>/<id>.json`` (atomically), so ``session/load`` can resume it later."""
-        if self.store is None:
-            return
-        tmp = self.store / f".{self.id}.{os.getpid()}.tmp"
-        try:
-            self.store.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.record(), ensure_ascii=False, default=str), encoding="utf-8")
-            os.replace(tmp, self.store / f"{self.id}.json")
-        except OSError as exc:  # the turn itself succeeded; only session/load will miss it
-            print(f"freetoken acp: cannot save session {self.id} in {self.store}: {exc.strerror or exc}",
-                  file=sys.stderr)
+        """Save the session (after every turn) so ``session/load`` can resume it later."""
+        if self.store is not None:
+            self.store.save(self.record())
 
     def restore(self, record: dict[str, Any]) -> None:
         self.history = list(record.get("history") or [])

@@ -17,7 +17,7 @@ from tests.acp.support import child_env, freetoken_command, write_script
 
 LIMIT = 64 * 1024  # --max-message-bytes for this server, so oversized lines stay cheap to send
 KNOWN = ["initialize", "authenticate", "session/new", "session/load", "session/resume", "session/prompt",
-         "session/set_mode", "session/close"]
+         "session/set_mode", "session/close", "session/list"]
 NULL = "null-id"  # expectation: one error response whose id is null
 
 
@@ -97,6 +97,7 @@ class Barrage:
                                                                   [{"type": "image"}], "text", self.junk()])},
             "session/set_mode": lambda: {"sessionId": "nope", "modeId": self.junk()},
             "session/close": lambda: {"sessionId": self.junk()},
+            "session/list": lambda: {"cwd": self.junk(), "cursor": "not-a-number"},  # this server keeps none
         }
         # random junk as params, except for initialize, where junk may be a valid version (0) by chance
         junk = self.junk() if method != "initialize" else bad[method]()

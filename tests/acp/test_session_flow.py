@@ -47,6 +47,7 @@ async def test_handshake_declares_capabilities_and_opens_a_session(tmp_path: Pat
         assert init.protocol_version == 1
         caps = init.agent_capabilities
         assert caps.load_session is True and caps.prompt_capabilities.embedded_context is True
+        assert caps.session_capabilities.list is not None and caps.session_capabilities.resume is not None
         assert caps.prompt_capabilities.image is False and caps.mcp_capabilities.http is False
         assert init.agent_info.name == "freetoken-agent" and init.auth_methods == []
         await conn.authenticate(method_id="none")
@@ -193,6 +194,9 @@ async def test_a_saved_session_loads_in_a_new_process_and_replays(tmp_path: Path
         await conn.initialize(protocol_version=1)
         with pytest.raises(acp.RequestError):
             await conn.load_session(cwd=str(ws), session_id="sess_missing", mcp_servers=[])
+        listed = await conn.list_sessions(cwd=str(ws))
+        assert [(i.session_id, i.title) for i in listed.sessions] == [(sid, "Hello there")]
+        assert (await conn.list_sessions(cwd=str(tmp_path))).sessions == []
         await conn.load_session(cwd=str(ws), session_id=sid, mcp_servers=[])
         assert client.text("user_message_chunk") == "Hello there" and client.text() == "First reply."
         result = await conn.prompt(session_id=sid, prompt=[acp.text_block("Again")])
