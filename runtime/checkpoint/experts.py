@@ -47,6 +47,21 @@ class ExpertSource:
     def __init__(self, reader: CheckpointReader, prefix: str, moe: MoESpec, names: WeightNames, hidden: int) -> None:
         self.reader, self.prefix, self.moe = reader, prefix, moe
         e, i, d = moe.num_experts, moe.intermediate, hidden
+        if not moe.gated:  # up [E, I, D] + down [E, D, I]; the normalized gate_up holds only the up rows
+            up, dn = (f"{prefix}.{n}" for n in names.fused_names)
+            if up in reader:
+                _check(reader, up, (e, i, d))
+                _check(reader, dn, (e, d, i))
+                self._load = lambda k: ExpertTensors(reader.get_row(up, k), reader.get_row(dn, k))
+                self.layout = "fused-ungated"
+            else:
+                for k in range(e):
+                    _check(reader, f"{prefix}.experts.{k}.up_proj.weight", (i, d))
+                    _check(reader, f"{prefix}.experts.{k}.down_proj.weight", (d, i))
+                self._load = lambda k: ExpertTensors(*(reader.get(f"{prefix}.experts.{k}.{leaf}.weight")
+                                                       for leaf in ("up_proj", "down_proj")))
+                self.layout = "per-expert-ungated"
+            return
         self._load: Callable[[int], ExpertTensors]
         fused = [names.fused_names, ("experts.gate_up_proj", "experts.down_proj")]
         fused_found = next((f for f in fused if f"{prefix}.{f[0]}" in reader), None)

@@ -55,19 +55,26 @@ class Decoder:
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
-            x = self._norm(h, lw, "attn_in")
-            if layer.recurrent is not None:
-                x = MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
-            else:
-                attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
-                x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
-            x = self._norm(x, lw, "attn_out")
-            h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
-            x = self._norm(h, lw, "ffn_in")
-            x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
-            h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
+            if layer.parts != "ffn":
+                h = self._mix(i, h, lw, cache, positions)
+            if layer.parts != "mixer":
+                x = self._norm(h, lw, "ffn_in")
+                x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
+                h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
         cache.advance()
         return rms_norm(h, w.norm, spec.norm_eps)
+
+    def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        """Token-mixing half of layer ``i`` (attention or a recurrent mixer) with its norms and residual."""
+        spec, layer = self.spec, self.spec.layers[i]
+        x = self._norm(h, lw, "attn_in")
+        if layer.recurrent is not None:
+            x = MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
+        else:
+            attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
+            x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+        x = self._norm(x, lw, "attn_out")
+        return h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
 
     def _norm(self, x: torch.Tensor, lw: LayerWeights, role: str) -> torch.Tensor:
         weight = lw.norms.get(role)

@@ -15,7 +15,8 @@ from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
 Weights = dict[str, torch.Tensor]
 
-_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+        "relu2": lambda x: torch.square(F.relu(x))}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,6 +37,8 @@ def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
 def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
     """Gated MLP: down(act(gate(x)) * up(x))."""
     act = _ACT[spec.activation]
+    if not spec.gated:
+        return linear(act(linear(x, w, "up_proj")), w, "down_proj")
     if spec.fused:
         gate, up = linear(x, w, "input_linear").chunk(2, dim=-1)
         return linear(act(gate) * up, w, "output_linear")

@@ -25,7 +25,11 @@ class ExpertsBackend(Protocol):
 
 
 def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
-    """[N, 2I] (gate columns then up columns) → [N, I]."""
+    """[N, 2I] (gate columns then up columns) → [N, I]; ungated experts: [N, I] → [N, I]."""
+    if not moe.gated:
+        if moe.activation == "relu2":
+            return torch.square(F.relu(gate_up))
+        return F.silu(gate_up) if moe.activation == "silu" else F.gelu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if moe.activation == "swiglu_oai":
         gate = gate.clamp(max=moe.swiglu_limit)

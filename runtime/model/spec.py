@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu", "relu2"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class MLPSpec:
     """Granite-style ``input_linear`` [2I, D] (gate rows then up rows) and ``output_linear`` instead of three."""
     leaves: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """Checkpoint names of (gate, up, down), e.g. ``("w1", "w3", "w2")``."""
+    gated: bool = True
+    """False: a plain two-layer MLP down(act(up(x))) without a gate projection (Nemotron-H)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class MoESpec:
     top_k: int
     intermediate: int
     router: RouterSpec
-    activation: Literal["silu", "gelu", "swiglu_oai"] = "silu"
+    activation: Literal["silu", "gelu", "swiglu_oai", "relu2"] = "silu"
     """``swiglu_oai``: GPT-OSS clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -143,6 +145,8 @@ class MoESpec:
     shared: MLPSpec | None = None
     shared_gate: bool = False
     """Shared-expert output is scaled by sigmoid(linear(x)) (Qwen2-MoE)."""
+    gated: bool = True
+    """False: experts are down(act(up(x))); the normalized "gate_up" then holds only the up rows [I, D]."""
     scale_input: bool = False
     """The routing weight scales the expert's input instead of its output (Llama 4)."""
     output_norm: bool = False
@@ -185,6 +189,8 @@ class LayerSpec:
     moe: MoESpec | None = None
     recurrent: RecurrentSpec | None = None
     """When set, this layer mixes tokens with a recurrent mixer instead of ``attention`` (which is then unused)."""
+    parts: Literal["both", "mixer", "ffn"] = "both"
+    """Single-sublayer blocks (Nemotron-H): ``mixer`` = only the token mixer, ``ffn`` = only the MLP/MoE."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,7 @@ class WeightNames:
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
     final_norm: str = "model.norm"
+    layers: str = "model.layers"
     recurrent: str = "linear_attn"
     """Prefix of a recurrent mixer's tensors inside a layer."""
     correction_at_layer: bool = False

@@ -135,7 +135,8 @@ class _Loader:
             self.linear(w, prefix, "output_linear", d, spec.intermediate, spec.bias)
             return w
         gate, up, down = spec.leaves
-        self.linear(w, prefix, gate, spec.intermediate, d, spec.bias, key="gate_proj")
+        if spec.gated:
+            self.linear(w, prefix, gate, spec.intermediate, d, spec.bias, key="gate_proj")
         self.linear(w, prefix, up, spec.intermediate, d, spec.bias, key="up_proj")
         self.linear(w, prefix, down, d, spec.intermediate, spec.bias, key="down_proj")
         return w
@@ -263,9 +264,9 @@ class _Recorder(_Loader):
         return torch.empty(shape, device="meta")
 
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
+        leaves = (("gate_proj", (m.intermediate, d)),) if m.gated else ()
         for e in range(m.num_experts):
-            for leaf, shape in (("gate_proj", (m.intermediate, d)), ("up_proj", (m.intermediate, d)),
-                                ("down_proj", (d, m.intermediate))):
+            for leaf, shape in (*leaves, ("up_proj", (m.intermediate, d)), ("down_proj", (d, m.intermediate))):
                 self.take(f"{prefix}.experts.{e}.{leaf}.weight", shape)
         meta = torch.empty(0, device="meta")
         return TorchExperts(m, meta, meta)
@@ -277,16 +278,20 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     embed = ld.take(f"{spec.names.embed}.weight", (v, d))
     layers = []
     for i, layer in enumerate(spec.layers):
-        p = f"model.layers.{i}"
+        p = f"{spec.names.layers}.{i}"
         n = spec.names
         roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
                  "ffn_out": n.ffn_out_norm}
+        wanted = {"both": roles, "mixer": ("attn_in", "attn_out"), "ffn": ("ffn_in", "ffn_out")}[layer.parts]
         lw = LayerWeights(
-            norms={role: ld.norm(f"{p}.{name}.weight", d) for role, name in roles.items() if name},
-            attn=ld.recurrent(f"{p}.{n.recurrent}", layer.recurrent, d) if layer.recurrent is not None
+            norms={role: ld.norm(f"{p}.{name}.weight", d) for role, name in roles.items() if name and role in wanted},
+            attn={} if layer.parts == "ffn"
+            else ld.recurrent(f"{p}.{n.recurrent}", layer.recurrent, d) if layer.recurrent is not None
             else ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
         )
-        if layer.moe is not None:
+        if layer.parts == "mixer":
+            pass
+        elif layer.moe is not None:
             lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
         else:
             assert layer.mlp is not None

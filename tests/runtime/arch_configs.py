@@ -134,6 +134,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "llama4_text": dict(moe_layers=[0, 2], floor_scale=4, attn_scale=0.5),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"]),  # the default (None) does not build
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # relu² MLPs blow activations up at init 0.15; HF's chunked SSM scan then drifts ~2e-4 from the exact recurrence
+    "nemotron_h": dict(initializer_range=0.08),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

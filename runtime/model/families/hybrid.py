@@ -151,3 +151,36 @@ def granitemoehybrid(cfg: Config) -> ModelSpec:
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
         logits_divisor=float(cfg.get("logits_scaling", 1.0)),
     )
+
+
+@adapter("nemotron_h")
+def nemotron_h(cfg: Config) -> ModelSpec:
+    """Nemotron-H: every block is one sub-layer (Mamba-2, attention, MoE or a plain relu² MLP) with its own norm."""
+    act = str(cfg.get("mlp_hidden_act") or "relu2")
+    shared = int(cfg.get("moe_shared_expert_intermediate_size") or 0)
+    from freetoken_agent.runtime.model.families.sigmoid import sigmoid_router
+
+    moe = MoESpec(
+        num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]), router=sigmoid_router(cfg), activation=act,  # type: ignore[arg-type]
+        gated=False, shared=MLPSpec(shared, act, gated=False) if shared else None,  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), act, gated=False, bias=bool(cfg.get("mlp_bias")))  # type: ignore[arg-type]
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, rope=None)
+    mamba = _mamba2(cfg, prefix="mamba_")
+    layers = []
+    for kind in cfg.get("layers_block_type") or cfg["layer_types"]:
+        if kind in ("linear_attention", "mamba", "M"):
+            layers.append(LayerSpec(attention=attn, recurrent=mamba, parts="mixer"))
+        elif kind in ("full_attention", "attention", "*"):
+            layers.append(LayerSpec(attention=attn, parts="mixer"))
+        elif kind in ("moe", "E"):
+            layers.append(LayerSpec(attention=attn, moe=moe, parts="ffn"))
+        else:
+            layers.append(LayerSpec(attention=attn, mlp=dense, parts="ffn"))
+    names = WeightNames(layers="backbone.layers", embed="backbone.embeddings", final_norm="backbone.norm_f",
+                        attn="mixer", recurrent="mixer", moe_prefix="mixer", mlp="mixer", attn_in_norm="norm",
+                        ffn_in_norm="norm", fused_names=("experts.up_proj", "experts.down_proj"))
+    return _model(cfg, layers, names=names, norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                  ignored_tensors=(r"^mtp\.",))
