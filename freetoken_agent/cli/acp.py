@@ -26,8 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "the editor's initialize")
     src.add_argument("--url", default=None, help="an OpenAI-compatible server instead, e.g. http://localhost:8000/v1")
     src.add_argument("--scripted", default=None, metavar="FILE.json",
-                     help="play prepared model outputs (a JSON list of turns, or {\"turns\": [...], \"delay_s\": "
-                          "0.05, \"tool_format\": \"hermes\"}): demos, replays, tests")
+                     help="play prepared model outputs instead of a model: a JSON list of turns, {\"turns\": [...], "
+                          "\"delay_s\": 0.05, \"tool_format\": \"hermes\"}, or a trajectory .jsonl to replay")
     p.add_argument("--remote-model", default=None, help="model id on the --url server (default: its first)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -53,6 +53,16 @@ def _scripted(path: str) -> Any:
     from freetoken_agent.backends.scripted import ScriptedBackend
     from freetoken_agent.cli import CLIError
 
+    if path.endswith(".jsonl"):  # a recorded run: replay its assistant messages
+        from freetoken_agent.trajectory import TrajectoryError
+
+        try:
+            backend = ScriptedBackend.from_trajectory(path)
+        except TrajectoryError as exc:
+            raise CLIError(str(exc)) from None
+        if not backend.turns:
+            raise CLIError(f"trajectory {path} holds no assistant messages to replay")
+        return backend
     try:
         spec = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:

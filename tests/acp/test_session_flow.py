@@ -275,3 +275,21 @@ async def test_thinking_channels_stream_as_thought_chunks(tmp_path: Path, ws: Pa
     assert client.text() == "Change - to +."
     kinds = [k for k in client.kinds() if k != "usage_update"]
     assert kinds.index("agent_message_chunk") > max(i for i, k in enumerate(kinds) if k == "agent_thought_chunk")
+
+
+async def test_a_recorded_turn_replays_from_its_trajectory(tmp_path: Path, ws: Path) -> None:
+    script = write_script(tmp_path, [tool_call("edit_file", FIX, "Fixing it."), "Fixed."])
+    traj = tmp_path / "traj"
+    async with acp_agent("--scripted", str(script), "--no-sessions", "--mode", "auto",
+                         "--trajectory", str(traj)) as (conn, _, _client):
+        sid = await start_session(conn, ws)
+        await conn.prompt(session_id=sid, prompt=[acp.text_block("Fix add.")])
+    [recorded] = sorted(traj.glob("*.jsonl"))
+    (ws / "calc.py").write_text(CALC)  # back to the starting point, then replay the run in a fresh agent
+    client = RecordingClient()
+    async with acp_agent("--scripted", str(recorded), "--no-sessions", "--mode", "auto",
+                         client=client) as (conn, _, _client):
+        sid = await start_session(conn, ws)
+        result = await conn.prompt(session_id=sid, prompt=[acp.text_block("Fix add.")])
+    assert result.stop_reason == "end_turn" and client.text() == "Fixing it.Fixed."
+    assert (ws / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"

@@ -42,12 +42,17 @@ def test_reserved_stdout_carries_only_protocol_bytes() -> None:
     (["--scripted", "BAD_JSON"], "not valid JSON"),
     (["--scripted", "NOT_A_LIST"], "expected a list of turns"),
     (["--max-steps", "0", "--scripted", "OK"], "--max-steps must be at least 1"),
+    (["--scripted", "EMPTY_JSONL"], "holds no assistant messages"),
+    (["--scripted", "BROKEN_JSONL"], "not a JSON line"),
 ])
 def test_bad_options_fail_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "dict.json").write_text('{"turns": 5}')
+    (tmp_path / "empty.jsonl").write_text('{"type": "run_started", "task": "x"}\n')
+    (tmp_path / "broken.jsonl").write_text('{"type": "run_started"}\nnot json\n{"type": "x"}\n')
     write_script(tmp_path, ["hi"], name="ok.json")
-    swap = {"BAD_JSON": "bad.json", "NOT_A_LIST": "dict.json", "OK": "ok.json"}
+    swap = {"BAD_JSON": "bad.json", "NOT_A_LIST": "dict.json", "OK": "ok.json", "EMPTY_JSONL": "empty.jsonl",
+            "BROKEN_JSONL": "broken.jsonl"}
     args = [str(tmp_path / swap[a]) if a in swap else a for a in args]
     done = subprocess.run([*freetoken_command(), "acp", *args], capture_output=True, env=child_env(), timeout=60,
                           stdin=subprocess.DEVNULL)
