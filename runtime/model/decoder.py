@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import gqa_attention, mla_attention, mlp, rms_norm
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
+from freetoken_agent.runtime.model.mixers.mamba import mamba
 from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
 from freetoken_agent.runtime.model.mixers.short_conv import short_conv
 from freetoken_agent.runtime.model.moe import ExpertsBackend, route
@@ -19,7 +20,7 @@ from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 
 
-MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2}
+MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2, "mamba": mamba}
 """Recurrent mixer kind → ``fn(x, weights, spec, layer, cache, eps) -> [T, D]``."""
 
 

@@ -157,13 +157,13 @@ class MoESpec:
 class RecurrentSpec:
     """A recurrent sequence mixer used instead of attention in some layers of hybrid models."""
 
-    kind: Literal["gated_deltanet", "short_conv", "mamba2"]
+    kind: Literal["gated_deltanet", "short_conv", "mamba2", "mamba"]
     num_k_heads: int
-    """Gated DeltaNet: key heads; Mamba-2: groups of B/C."""
+    """Gated DeltaNet: key heads; Mamba-2: groups of B/C; Mamba: time-step rank."""
     num_v_heads: int
-    """Gated DeltaNet: value heads; Mamba-2: SSM heads."""
+    """Gated DeltaNet: value heads; Mamba-2: SSM heads; Mamba: inner channels."""
     head_k_dim: int
-    """Gated DeltaNet: key head dim; Mamba-2: state size N."""
+    """Gated DeltaNet: key head dim; Mamba-2 / Mamba: state size N."""
     head_v_dim: int
     """Gated DeltaNet: value head dim; Mamba-2: channels per head P."""
     conv_kernel: int = 4
@@ -177,6 +177,8 @@ class RecurrentSpec:
     """Mamba-2: the gated RMSNorm normalizes this many equal channel groups separately."""
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     proj_bias: bool = False
+    inner_norms: bool = False
+    """Mamba (Jamba): RMSNorms on the time step, B and C."""
     conv_bias: bool = False
 
 

@@ -99,6 +99,21 @@ class _Loader:
             self.linear(w, prefix, "out_proj", d, d, r.conv_bias)
             return w
         hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
+        if r.kind == "mamba":
+            inner, rank, n = r.num_v_heads, r.num_k_heads, r.head_k_dim
+            self.linear(w, prefix, "in_proj", 2 * inner, d, r.proj_bias)
+            w["conv1d.weight"] = self.take(f"{prefix}.conv1d.weight", (inner, 1, r.conv_kernel))
+            if r.conv_bias:
+                w["conv1d.bias"] = self.take(f"{prefix}.conv1d.bias", (inner,))
+            self.linear(w, prefix, "x_proj", rank + 2 * n, inner, False)
+            self.linear(w, prefix, "dt_proj", inner, rank, True)
+            w["A_log"] = self.take(f"{prefix}.A_log", (inner, n))
+            w["D"] = self.take(f"{prefix}.D", (inner,))
+            if r.inner_norms:
+                for leaf, size in (("dt_layernorm", rank), ("b_layernorm", n), ("c_layernorm", n)):
+                    w[f"{leaf}.weight"] = self.take(f"{prefix}.{leaf}.weight", (size,))
+            self.linear(w, prefix, "out_proj", d, inner, r.proj_bias)
+            return w
         if r.kind == "mamba2":
             inner, conv_dim = hv * dv, hv * dv + 2 * hk * dk
             self.linear(w, prefix, "in_proj", inner + conv_dim + hv, d, r.proj_bias)

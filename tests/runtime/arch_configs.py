@@ -136,6 +136,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"]),
     # relu² MLPs blow activations up at init 0.15; HF's chunked SSM scan then drifts ~2e-4 from the exact recurrence
     "nemotron_h": dict(initializer_range=0.08),
+    # the default periods put attention every 8th layer; with 3 layers: mamba, attention, mamba; MoE on 0 and 2
+    "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

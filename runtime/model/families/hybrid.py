@@ -184,3 +184,31 @@ def nemotron_h(cfg: Config) -> ModelSpec:
                         ffn_in_norm="norm", fused_names=("experts.up_proj", "experts.down_proj"))
     return _model(cfg, layers, names=names, norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
                   ignored_tensors=(r"^mtp\.",))
+
+
+@adapter("jamba")
+def jamba(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    moe = MoESpec(
+        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="softmax"), activation=act,  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), act)  # type: ignore[arg-type]
+    inner = int(cfg.get("mamba_expand", 2)) * int(cfg["hidden_size"])
+    rank = cfg.get("mamba_dt_rank") or "auto"
+    rank = -(-int(cfg["hidden_size"]) // 16) if rank == "auto" else int(rank)
+    mamba = RecurrentSpec(kind="mamba", num_k_heads=rank, num_v_heads=inner, head_k_dim=int(cfg["mamba_d_state"]),
+                          head_v_dim=0, conv_kernel=int(cfg["mamba_d_conv"]), conv_bias=bool(cfg["mamba_conv_bias"]),
+                          proj_bias=bool(cfg["mamba_proj_bias"]), inner_norms=True)
+    attn = _gqa(cfg, rope=None)
+    a_period, a_offset = int(cfg["attn_layer_period"]), int(cfg["attn_layer_offset"])
+    e_period, e_offset = int(cfg["expert_layer_period"]), int(cfg["expert_layer_offset"])
+    layers = [
+        LayerSpec(attention=attn, recurrent=None if i % a_period == a_offset else mamba,
+                  moe=moe if i % e_period == e_offset else None, mlp=None if i % e_period == e_offset else dense)
+        for i in range(n)
+    ]
+    names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", router="router", recurrent="mamba",
+                        ffn_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm")
+    return _model(cfg, layers, names=names)
