@@ -141,38 +141,65 @@ class ManagedExperts:
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts_t: torch.Tensor,
         paths: dict[int, str],
     ) -> torch.Tensor:  # fmt: skip
-        """Experts one at a time in id order (the ``TorchExperts`` order), each from the tier its path names."""
-        store, layer = self.store, self.layer
+        """Experts one at a time, each from the tier its path names; accumulated in id order (``TorchExperts``'s).
+
+        Host experts run on a worker thread while the device experts run here (the two overlap); host misses are
+        read one expert ahead (double buffering), never evicting an expert this step still needs.
+        """
         xin = x.float() if self.layout.quantized else x
-        out = torch.zeros_like(xin)
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // topk_ids.shape[1]
         weight_of = topk_weights.reshape(-1)[order]
+        spans: dict[int, tuple[int, int]] = {}
         start = 0
         for e, n in enumerate(counts_t.tolist()):
-            if n == 0:
-                continue
-            tokens = token_of[start : start + n]
-            tier = "host" if paths[e] == "host" else "device"
-            t0 = time.perf_counter()
-            slot = store.acquire_host((layer, e)) if tier == "host" else store.acquire_device((layer, e))
-            pool = store.host if tier == "host" else store.device
-            assert pool is not None
-            xe = xin[tokens] if xin.device == pool.device else xin[tokens].to(pool.device)
-            try:
-                if self.layout.quantized:
-                    h = self._quant_expert(tier, slot, xe)
-                else:
-                    h = self._float_expert(self._pool_views(tier)[0], slot, xe)
-                h = h.to(out.device)
-            finally:
-                store.release_host(slot) if tier == "host" else store.release_device(slot)
-            if tier == "host":
-                self.planner.cost.observe_host(self.layout.blob_bytes, n, time.perf_counter() - t0)
-            out.index_add_(0, tokens, (h * weight_of[start : start + n, None]).to(out.dtype))
-            start += n
+            if n:
+                spans[e] = (start, n)
+                start += n
+        host = [e for e in spans if paths[e] == "host"]
+        device = [e for e in spans if paths[e] != "host"]
+        parts: dict[int, torch.Tensor] = {}
+
+        def run(experts: list[int], tier: str) -> None:
+            keys = [(self.layer, e) for e in experts]
+            for j, e in enumerate(experts):
+                a, n = spans[e]
+                if tier == "host" and j + 1 < len(experts) and not self.store.host.is_ready(keys[j + 1]):
+                    self.store.read_ahead(keys[j + 1], keys[j:])
+                parts[e] = self._one(tier, keys[j], xin[token_of[a : a + n]], keys[j:]) * weight_of[a : a + n, None]
+
+        worker = None
+        if host and device:
+            worker = self.store.compute_pool.submit(run, host, "host")
+        elif host:
+            run(host, "host")
+        run(device, "device")
+        if worker is not None:
+            worker.result()
+        out = torch.zeros_like(xin)
+        for e, (a, n) in spans.items():
+            out.index_add_(0, token_of[a : a + n], parts[e].to(out.dtype))
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _one(self, tier: str, key: tuple[int, int], x: torch.Tensor, protect: list[tuple[int, int]]) -> torch.Tensor:
+        """One expert on its tokens ``x [n, D]`` from ``tier`` (acquired for the call) → ``[n, D]`` on x's device."""
+        store = self.store
+        t0 = time.perf_counter()
+        slot = store.acquire_host(key, protect) if tier == "host" else store.acquire_device(key)
+        pool = store.host if tier == "host" else store.device
+        assert pool is not None
+        try:
+            xe = x if x.device == pool.device else x.to(pool.device)
+            if self.layout.quantized:
+                h = self._quant_expert(tier, slot, xe)
+            else:
+                h = self._float_expert(self._pool_views(tier)[0], slot, xe)
+        finally:
+            store.release_host(slot) if tier == "host" else store.release_device(slot)
+        if tier == "host":
+            self.planner.cost.observe_host(self.layout.blob_bytes, x.shape[0], time.perf_counter() - t0)
+        return h.to(x.device)
 
     def _quant_host_step(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hit: list[int]
@@ -185,9 +212,13 @@ class ManagedExperts:
             return self._per_expert_step(x, topk_ids, topk_weights, counts_t, {e: "host" for e in hit})
         slot_of = torch.zeros(self.spec.num_experts, dtype=torch.long)
         slots = []
+        keys = [(layer, e) for e in hit]
+        missing = [k for k in keys if store.host.slot_of(k) is None]
+        for k in missing[1:]:  # read the other misses in the background while this thread reads the first
+            store.read_ahead(k, keys)
         try:
             for e in hit:
-                s = store.acquire_host((layer, e))
+                s = store.acquire_host((layer, e), keys)
                 slots.append(s)
                 slot_of[e] = s
             self._prefetch_next(x)  # overlaps the reads with this step's compute

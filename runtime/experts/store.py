@@ -9,6 +9,7 @@ waits for it (counted as stall time). Every byte moved and every hit/miss is cou
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -86,7 +87,11 @@ class ExpertStore:
         self.prefetch = PrefetchCounters()
         self.stall_s = 0.0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-prefetch") if prefetch else None
+        self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="ft-host-experts")
+        """Runs a step's host experts while the calling thread runs its device experts."""
         self.planner_counts: dict[str, int] = {"resident": 0, "fetch": 0, "host": 0}
+        self.read_aheads = 0
+        self._read_ahead: set[Key] = set()
 
     # ---------------------------------------------------------------- host tier
 
@@ -102,8 +107,15 @@ class ExpertStore:
         c.seconds_in += time.perf_counter() - t0
         self.host.ready(slot)
 
-    def acquire_host(self, key: Key) -> int:
-        """A ready host slot holding ``key``, marked in use (call ``release_host``)."""
+    def _protected(self, keys: Iterable[Key]) -> set[int]:
+        table = self.host.table
+        return {table[k] for k in keys if k in table}
+
+    def acquire_host(self, key: Key, protect: Iterable[Key] = ()) -> int:
+        """A ready host slot holding ``key``, marked in use (call ``release_host``).
+
+        ``protect``: keys this step still needs — a miss evicts them only when nothing else can go.
+        """
         pool = self.host
         while True:
             with pool.lock:
@@ -112,7 +124,9 @@ class ExpertStore:
                     pool.use(slot)
                     loading = slot in pool.loading
                 else:
-                    slot = pool.claim(key)
+                    slot = pool.claim(key, self._protected(protect)) if protect else None
+                    if slot is None:
+                        slot = pool.claim(key)
                     if slot is not None:
                         pool.in_use[slot] += 1
                     loading = False
@@ -127,7 +141,11 @@ class ExpertStore:
             break
         if loading:
             self.stall_s += pool.wait_ready(slot)
-            self.counters["host"].hits += 1  # a prefetched expert: counted as a hit, the wait as stall
+            if key in self._read_ahead:  # read early in this same step: a miss whose read overlapped compute
+                self._read_ahead.discard(key)
+                self.counters["host"].misses += 1
+            else:  # predicted by the look-ahead one layer earlier: a hit (the wait, if any, is stall)
+                self.counters["host"].hits += 1
         elif pool.is_ready(key):
             self.counters["host"].hits += 1
         else:
@@ -139,6 +157,24 @@ class ExpertStore:
 
     def release_host(self, slot: int) -> None:
         self.host.unuse(slot)
+
+    def read_ahead(self, key: Key, protect: Iterable[Key] = ()) -> bool:
+        """Start reading ``key`` in the background now (double buffering within a step); False if no slot was free.
+
+        Never evicts ``protect`` (this step's other experts). Counted as a miss when acquired, not as a prefetch.
+        """
+        if self._executor is None:
+            return False
+        with self.host.lock:
+            if self.host.slot_of(key) is not None:
+                return False
+            slot = self.host.claim(key, self._protected(protect))
+        if slot is None:
+            return False
+        self._read_ahead.add(key)
+        self.read_aheads += 1
+        self._executor.submit(self._fill_host, key, slot)
+        return True
 
     def prefetch_host(self, layer: int, experts: list[int]) -> None:
         """Start background reads of experts of ``layer`` that are not in host slots (gate look-ahead)."""
@@ -263,10 +299,12 @@ class ExpertStore:
                          "read_s": round(disk.seconds_in, 4),
                          "read_gbps": round(disk.bytes_in / disk.seconds_in / 1e9, 3) if disk.seconds_in else None}
         return {"policy": self.host.policy.name, "tiers": tiers, "prefetch": self.prefetch.snapshot(),
+                "read_ahead": self.read_aheads,
                 "planner": dict(self.planner_counts), "stall_s": round(self.stall_s, 4),
                 "budget": {n: b.snapshot() for n, b in self.ledgers.items()}}
 
     def close(self) -> None:
+        self.compute_pool.shutdown(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
