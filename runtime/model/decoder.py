@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.layers import gqa_attention, mla_attention, mlp, rms_norm
+from freetoken_agent.runtime.model.layers import gqa_attention, layer_norm, mla_attention, mlp, rms_norm
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
 from freetoken_agent.runtime.model.mixers.mamba import mamba
 from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
@@ -56,6 +56,10 @@ class Decoder:
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
+            if spec.parallel_block:
+                x = self._norm(h, lw, "attn_in")
+                h = h + self._mixer(i, x, lw, cache, positions) + self._ffn(i, x, lw)
+                continue
             if layer.parts != "ffn":
                 h = self._mix(i, h, lw, cache, positions)
             if layer.parts != "mixer":
@@ -63,23 +67,29 @@ class Decoder:
                 x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
                 h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
         cache.advance()
-        return rms_norm(h, w.norm, spec.norm_eps)
+        return self._norm(h, None, "final")
 
     def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
         """Token-mixing half of layer ``i`` (attention or a recurrent mixer) with its norms and residual."""
-        spec, layer = self.spec, self.spec.layers[i]
-        x = self._norm(h, lw, "attn_in")
-        if layer.recurrent is not None:
-            x = MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
-        else:
-            attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
-            x = attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
-        x = self._norm(x, lw, "attn_out")
+        spec = self.spec
+        x = self._norm(self._mixer(i, self._norm(h, lw, "attn_in"), lw, cache, positions), lw, "attn_out")
         return h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
 
-    def _norm(self, x: torch.Tensor, lw: LayerWeights, role: str) -> torch.Tensor:
-        weight = lw.norms.get(role)
-        return x if weight is None else rms_norm(x, weight, self.spec.norm_eps)
+    def _mixer(self, i: int, x: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        spec, layer = self.spec, self.spec.layers[i]
+        if layer.recurrent is not None:
+            return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
+        attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
+        return attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+
+    def _norm(self, x: torch.Tensor, lw: LayerWeights | None, role: str) -> torch.Tensor:
+        """A residual-stream norm of the spec's kind (``role`` "final": the model's last norm)."""
+        weight = self.weights.norm if lw is None else lw.norms.get(role)
+        if weight is None:
+            return x
+        if self.spec.norm_kind == "layer":
+            return layer_norm(x, weight, self.spec.norm_eps)
+        return rms_norm(x, weight, self.spec.norm_eps)
 
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         layer = self.spec.layers[i]
@@ -106,7 +116,7 @@ class Decoder:
             shared = mlp(x, mw.shared, moe.shared)
             if mw.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
-            out = out + shared
+            out = (out + shared) / 2 if moe.shared_average else out + shared
         if mw.output_norm is not None:
             out = rms_norm(out, mw.output_norm, self.spec.norm_eps)
         return out
@@ -117,4 +127,7 @@ class Decoder:
         out = F.linear(hidden, w.lm_head, w.lm_head_bias).float()
         if self.spec.logits_divisor != 1.0:
             out = out / self.spec.logits_divisor
+        if self.spec.final_logit_softcap > 0:
+            cap = self.spec.final_logit_softcap
+            out = torch.tanh(out / cap) * cap
         return out

@@ -25,6 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Mean-centred LayerNorm without bias, computed in fp32 (Cohere)."""
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -92,6 +92,8 @@ def route(
         logits = F.linear(x, weight, bias).float()  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)
         weights = torch.sigmoid(top) if spec.scoring == "sigmoid" else torch.softmax(top, dim=-1)
+        if spec.norm_topk and spec.scoring == "sigmoid":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.norm_eps)
         return ids, weights * spec.scaling
     logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [T, E]
     if spec.logit_softcap > 0:

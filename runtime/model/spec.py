@@ -149,6 +149,8 @@ class MoESpec:
     """False: experts are down(act(up(x))); the normalized "gate_up" then holds only the up rows [I, D]."""
     scale_input: bool = False
     """The routing weight scales the expert's input instead of its output (Llama 4)."""
+    shared_average: bool = False
+    """Routed and shared outputs are averaged instead of summed (Cohere 2 MoE)."""
     output_norm: bool = False
     """RMSNorm over the block output (routed + shared), weights at ``model.layers.{i}.{names.moe_output_norm}``."""
 
@@ -249,6 +251,12 @@ class ModelSpec:
     hidden_size: int
     layers: tuple[LayerSpec, ...]
     norm_eps: float = 1e-6
+    norm_kind: Literal["rms", "layer"] = "rms"
+    """Residual-stream norms: RMSNorm, or mean-centred LayerNorm without bias (Cohere)."""
+    parallel_block: bool = False
+    """Attention and FFN both read the same normed input and are added together (Cohere)."""
+    final_logit_softcap: float = 0.0
+    """If > 0, logits become ``cap * tanh(logits / cap)`` (after the divisor)."""
     norm_weight_offset: float = 0.0
     """Added to every RMSNorm weight at load time (zero-centered norms ``x·(1+w)``: Qwen3-Next, Gemma)."""
     tie_embeddings: bool = False

@@ -138,6 +138,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron_h": dict(initializer_range=0.08),
     # the default periods put attention every 8th layer; with 3 layers: mamba, attention, mamba; MoE on 0 and 2
     "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0),
+    # one dense prefix layer and a shared expert so both code paths run (defaults: all sparse, no shared expert)
+    "cohere2_moe": dict(mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_intermediate_size=96,
+                        num_shared_experts=1),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -109,3 +109,38 @@ def granite_shared(cfg: Config) -> ModelSpec:
         logits_divisor=float(cfg.get("logits_scaling", 1.0)),
         names=names,
     )
+
+
+@adapter("cohere2_moe")
+def cohere2_moe(cfg: Config) -> ModelSpec:
+    """Cohere 2 MoE: parallel attention + MoE from one LayerNorm, RoPE only on sliding layers, scaled logits."""
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    inter = int(cfg["intermediate_size"])
+    shared_n = int(cfg.get("num_shared_experts") or 0)
+    sigmoid = cfg.get("expert_selection_fn", "softmax") == "sigmoid"
+    moe = MoESpec(
+        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]), intermediate=inter,
+        router=RouterSpec(scoring="sigmoid" if sigmoid else "none", topk_before_scoring=True,
+                          norm_topk=sigmoid and bool(cfg.get("norm_topk_prob", True))),
+        activation=act, shared=MLPSpec(inter * shared_n, act) if shared_n else None,  # type: ignore[arg-type]
+        shared_average=cfg.get("shared_expert_combination_strategy") == "average",
+    )
+    dense = MLPSpec(int(cfg.get("prefix_dense_intermediate_size") or inter), act)  # type: ignore[arg-type]
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
+    bias = bool(cfg.get("attention_bias", False))
+    layers = []
+    for i in range(n):
+        sliding = types[i] == "sliding_attention"
+        force_rope = mlp_types[i] == "dense" and cfg.get("prefix_dense_sliding_window_pattern") == 1
+        attn = _gqa(cfg, style="interleaved", qkv_bias=bias, o_bias=bias,
+                    sliding_window=cfg.get("sliding_window") if sliding else None,
+                    **({} if sliding or force_rope else {"rope": None}))
+        layers.append(LayerSpec(attention=attn, moe=moe) if mlp_types[i] == "sparse" else
+                      LayerSpec(attention=attn, mlp=dense))
+    rms = cfg.get("rms_norm_eps") is not None
+    names = WeightNames(ffn_in_norm=None)
+    return _model(cfg, layers, names=names, parallel_block=True, norm_kind="rms" if rms else "layer",
+                  norm_eps=float(cfg["rms_norm_eps"] if rms else cfg.get("layer_norm_eps", 1e-5)),
+                  logits_divisor=1.0 / float(cfg.get("logit_scale") or 1.0))
