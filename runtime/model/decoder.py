@@ -88,7 +88,8 @@ class Decoder:
         if weight is None:
             return x
         if self.spec.norm_kind == "layer":
-            return layer_norm(x, weight, self.spec.norm_eps)
+            bias = self.weights.norm_bias if lw is None else lw.norms.get(f"{role}_bias")
+            return layer_norm(x, weight, self.spec.norm_eps, bias)
         return rms_norm(x, weight, self.spec.norm_eps)
 
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:

@@ -25,12 +25,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Mean-centred LayerNorm without bias, computed in fp32 (Cohere)."""
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean-centred LayerNorm, computed in fp32 (Cohere without bias, PhiMoE with)."""
     h = x.float()
     h = h - h.mean(-1, keepdim=True)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h).to(x.dtype)
+    h = weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+    return (h if bias is None else h + bias.float()).to(x.dtype)
 
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

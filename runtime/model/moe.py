@@ -88,6 +88,8 @@ def route(
     correction: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
+    if spec.scoring == "sparsemixer":
+        return _sparsemixer(F.linear(x, weight, bias).float(), spec.jitter_eps, top_k)
     if spec.topk_before_scoring:
         logits = F.linear(x, weight, bias).float()  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)
@@ -120,3 +122,18 @@ def route(
             denom = denom.clamp(min=spec.norm_min)
         weights = weights / denom
     return ids, weights * spec.scaling
+
+
+def _sparsemixer(scores: torch.Tensor, eps: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's inference-time SparseMixer: top-2, each weight a softmax over the logits near its maximum."""
+    if top_k != 2:
+        raise ValueError("sparsemixer routing is defined for top-2 only")
+    ids, weights, masked = [], [], scores
+    for _ in range(2):
+        top, idx = masked.max(dim=-1, keepdim=True)
+        factor = scores.abs().clamp(min=top)
+        gates = masked.masked_fill((top - scores) / factor > 2 * eps, float("-inf"))
+        weights.append(torch.softmax(gates, dim=-1).gather(-1, idx))
+        ids.append(idx)
+        masked = torch.scatter(scores, -1, idx, float("-inf"))
+    return torch.cat(ids, dim=-1), torch.cat(weights, dim=-1)

@@ -104,7 +104,7 @@ class MLPSpec:
 class RouterSpec:
     """How a token picks its experts and how their outputs are weighted."""
 
-    scoring: Literal["softmax", "sigmoid", "none"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "none", "sparsemixer"] = "softmax"
     """Score function applied to the router logits; ``none`` with ``topk_before_scoring``: softmax over the top-k."""
     topk_before_scoring: bool = False
     """Pick top-k on raw logits, then softmax over the chosen k (Mixtral-style renormalization, GPT-OSS, Granite)."""
@@ -125,6 +125,9 @@ class RouterSpec:
     """The router linear has a bias (GPT-OSS)."""
     correction_on_logits: bool = False
     """The correction bias is added to the raw logits (not the scores) for selection (Kolibri)."""
+    jitter_eps: float = 0.01
+    """``sparsemixer`` (PhiMoE, top-2): experts whose logit is relatively more than 2·eps below the max are masked
+    before the softmax that weights the argmax; the second expert repeats this without the first."""
     logit_softcap: float = 0.0
     """If > 0, router logits become ``cap * tanh(logits / cap)`` before scoring."""
 
@@ -252,7 +255,9 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     norm_eps: float = 1e-6
     norm_kind: Literal["rms", "layer"] = "rms"
-    """Residual-stream norms: RMSNorm, or mean-centred LayerNorm without bias (Cohere)."""
+    """Residual-stream norms: RMSNorm, or mean-centred LayerNorm (Cohere, PhiMoE)."""
+    norm_bias: bool = False
+    """LayerNorms have a bias (PhiMoE)."""
     parallel_block: bool = False
     """Attention and FFN both read the same normed input and are added together (Cohere)."""
     final_logit_softcap: float = 0.0

@@ -55,6 +55,7 @@ class ModelWeights:
     lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
     lm_head_bias: torch.Tensor | None
     layers: list[LayerWeights]
+    norm_bias: torch.Tensor | None = None
 
 
 class _Loader:
@@ -298,12 +299,15 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
                  "ffn_out": n.ffn_out_norm}
         wanted = {"both": roles, "mixer": ("attn_in", "attn_out"), "ffn": ("ffn_in", "ffn_out")}[layer.parts]
+        norm_names = {role: name for role, name in roles.items() if name and role in wanted}
         lw = LayerWeights(
-            norms={role: ld.norm(f"{p}.{name}.weight", d) for role, name in roles.items() if name and role in wanted},
+            norms={role: ld.norm(f"{p}.{name}.weight", d) for role, name in norm_names.items()},
             attn={} if layer.parts == "ffn"
             else ld.recurrent(f"{p}.{n.recurrent}", layer.recurrent, d) if layer.recurrent is not None
             else ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
         )
+        if spec.norm_bias:
+            lw.norms.update({f"{role}_bias": ld.take(f"{p}.{name}.bias", (d,)) for role, name in norm_names.items()})
         if layer.parts == "mixer":
             pass
         elif layer.moe is not None:
@@ -321,4 +325,5 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     else:
         lm_head = ld.take("lm_head.weight", (v, d))
     lm_head_bias = ld.take("lm_head.bias", (v,)) if spec.lm_head_bias else None
-    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers)
+    norm_bias = ld.take(f"{spec.names.final_norm}.bias", (d,)) if spec.norm_bias else None
+    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias)

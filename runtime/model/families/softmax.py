@@ -144,3 +144,19 @@ def cohere2_moe(cfg: Config) -> ModelSpec:
     return _model(cfg, layers, names=names, parallel_block=True, norm_kind="rms" if rms else "layer",
                   norm_eps=float(cfg["rms_norm_eps"] if rms else cfg.get("layer_norm_eps", 1e-5)),
                   logits_divisor=1.0 / float(cfg.get("logit_scale") or 1.0))
+
+
+@adapter("phimoe")
+def phimoe(cfg: Config) -> ModelSpec:
+    """PhiMoE: SparseMixer top-2 routing, LayerNorms with bias, optional lm_head bias."""
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="sparsemixer", jitter_eps=float(cfg.get("router_jitter_noise") or 0.01)),
+        activation=_act(cfg),  # type: ignore[arg-type]
+    )
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, sliding_window=cfg.get("sliding_window"))
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
+                  names=WeightNames(moe_prefix="block_sparse_moe"), norm_kind="layer", norm_bias=True,
+                  lm_head_bias=bool(cfg.get("lm_head_bias", False)))
