@@ -5,6 +5,7 @@ Layouts seen in the wild, all addressed here by ``(layer, expert)``:
 - fused 3-D tensors: ``experts.gate_up_proj`` [E, 2I, D] + ``experts.down_proj`` [E, D, I] (transformers ≥5),
   Granite's ``input_linear.weight`` / ``output_linear.weight`` (same shapes);
 - transposed fused: ``experts.gate_up_proj`` [E, D, 2I] (gate columns then up) + ``experts.down_proj`` [E, I, D];
+- DBRX: ``experts.mlp.w1`` / ``v1`` / ``w2``, each [E·I, D] (gate, up, down transposed);
 - GPT-OSS: ``experts.gate_up_proj`` [E, D, 2I] with gate/up interleaved by column, ``experts.down_proj`` [E, I, D],
   plus ``*_bias`` tensors.
 Normalized form: gate_up [2I, D] (gate rows, then up rows) and down [D, I] per expert, optional biases.
@@ -63,6 +64,14 @@ class ExpertSource:
                 self.layout = "per-expert-ungated"
             return
         self._load: Callable[[int], ExpertTensors]
+        if names.gate_up_layout == "dbrx":
+            w1, v1, w2 = (f"{prefix}.experts.mlp.{n}" for n in ("w1", "v1", "w2"))
+            for name in (w1, v1, w2):
+                _check(reader, name, (e * i, d))
+            rows = lambda name, k: reader._handle(name).get_slice(name)[k * i : (k + 1) * i]  # noqa: E731
+            self._load = lambda k: ExpertTensors(torch.cat([rows(w1, k), rows(v1, k)]), rows(w2, k).T)
+            self.layout = "dbrx"
+            return
         fused = [names.fused_names, ("experts.gate_up_proj", "experts.down_proj")]
         fused_found = next((f for f in fused if f"{prefix}.{f[0]}" in reader), None)
         if fused_found and names.gate_up_layout == "interleaved_transposed":

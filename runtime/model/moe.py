@@ -117,7 +117,8 @@ def route(
     ids = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if spec.norm_topk:
-        denom = weights.sum(dim=-1, keepdim=True) + spec.norm_eps
+        total = weights.sum(dim=-1, keepdim=True) if spec.norm_p == 1.0 else weights.norm(spec.norm_p, -1, True)
+        denom = total + spec.norm_eps
         if spec.norm_min is not None:
             denom = denom.clamp(min=spec.norm_min)
         weights = weights / denom

@@ -111,6 +111,8 @@ class RouterSpec:
     norm_topk: bool = False
     norm_eps: float = 0.0
     """Added to the top-k sum before dividing (DeepSeek-V3: 1e-20)."""
+    norm_p: float = 1.0
+    """Top-k weights are divided by their p-norm (1: their sum; DBRX allows other p)."""
     norm_min: float | None = None
     """Clamp the top-k sum from below before dividing (Ernie)."""
     correction_bias: bool = False
@@ -212,10 +214,11 @@ class WeightNames:
     correction_bias: str = "gate.e_score_correction_bias"
     shared: str = "shared_experts"
     shared_gate: str = "shared_expert_gate"
-    gate_up_layout: Literal["concat", "concat_transposed", "interleaved_transposed"] = "concat"
+    gate_up_layout: Literal["concat", "concat_transposed", "interleaved_transposed", "dbrx"] = "concat"
     """Fused 3-D layout: ``concat`` = [E, 2I, D] gate rows then up rows; ``interleaved_transposed`` = [E, D, 2I]
     with gate/up alternating columns and down stored as [E, I, D] (GPT-OSS); ``concat_transposed`` = [E, D, 2I] with
-    gate columns then up columns and down [E, I, D]."""
+    gate columns then up columns and down [E, I, D]; ``dbrx`` = ``experts.mlp.{w1,v1,w2}`` each [E·I, D] (gate, up,
+    transposed down)."""
     fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
     """Names of fused 3-D expert tensors under the MoE prefix (without ``.weight``)."""
     shared_at_layer: bool = False

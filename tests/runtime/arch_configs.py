@@ -141,6 +141,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # one dense prefix layer and a shared expert so both code paths run (defaults: all sparse, no shared expert)
     "cohere2_moe": dict(mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_intermediate_size=96,
                         num_shared_experts=1),
+    # nested sub-configs: the generic shrink only sees top-level fields; the attention config needs a rope theta
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 8, "moe_top_k": 2,
+                             "moe_normalize_expert_weights": 1.0}, max_seq_len=512),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

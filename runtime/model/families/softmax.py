@@ -160,3 +160,26 @@ def phimoe(cfg: Config) -> ModelSpec:
     return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
                   names=WeightNames(moe_prefix="block_sparse_moe"), norm_kind="layer", norm_bias=True,
                   lm_head_bias=bool(cfg.get("lm_head_bias", False)))
+
+
+@adapter("dbrx")
+def dbrx(cfg: Config) -> ModelSpec:
+    """DBRX: fused Wqkv with clip_qkv, bias-free LayerNorms, softmax top-k renormalized by a p-norm."""
+    attn_cfg, ffn = cfg.get("attn_config") or {}, cfg.get("ffn_config") or {}
+    d, heads = int(cfg["d_model"]), int(cfg["n_heads"])
+    flat = {**cfg, "hidden_size": d, "num_attention_heads": heads, "num_key_value_heads": attn_cfg.get("kv_n_heads", 1),
+            "rope_theta": attn_cfg.get("rope_theta", 10000.0), "max_position_embeddings": cfg.get("max_seq_len", 2048),
+            "num_hidden_layers": cfg["n_layers"]}
+    p = ffn.get("moe_normalize_expert_weights")
+    moe = MoESpec(
+        num_experts=int(ffn["moe_num_experts"]), top_k=int(ffn["moe_top_k"]), intermediate=int(ffn["ffn_hidden_size"]),
+        router=RouterSpec(scoring="softmax", norm_topk=p is not None, norm_p=float(p or 1.0)),
+        activation=str((ffn.get("ffn_act_fn") or {}).get("name", "silu")),  # type: ignore[arg-type]
+    )
+    attn = _gqa(flat, clip_qkv=attn_cfg.get("clip_qkv"))
+    names = WeightNames(layers="transformer.blocks", embed="transformer.wte", final_norm="transformer.norm_f",
+                        attn="norm_attn_norm.attn", fused_qkv="Wqkv", o_proj="out_proj", moe_prefix="ffn",
+                        router="router.layer", gate_up_layout="dbrx", attn_in_norm="norm_attn_norm.norm_1",
+                        ffn_in_norm="norm_attn_norm.norm_2")
+    return _model(flat, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["n_layers"]))], names=names,
+                  norm_kind="layer", norm_eps=1e-5)
