@@ -5,11 +5,12 @@ Legend: T tokens, K experts per token, E experts, D hidden, S slots.
 A step: count tokens per expert → tell the policy (heat) → settle last step's prefetch guesses → start the
 gate look-ahead prefetch for the next MoE layer → plan each expert's path → compute.
 
-Exactness: float experts are computed one by one in expert-id order with the same ops as ``TorchExperts`` and
-accumulated in the same order, so outputs are bitwise those of the unbudgeted engine whatever tier each expert
-came from. Quantized experts run ``QuantizedExperts`` (the C kernels) over the whole host pool with slot ids; the
-fused kernel accumulates a token's experts in id order, so slot ids can reorder that fp32 sum (differences
-~1e-7 relative; tokens identical in practice, not guaranteed bitwise).
+Exactness: outputs are bitwise those of the unbudgeted engine, whatever tier each expert came from and whatever
+slot it landed in. Float experts are computed one by one in expert-id order with the same ops as ``TorchExperts``
+and accumulated in the same order. Quantized experts on the host reproduce ``QuantizedExperts.forward``'s order:
+the fused C call sums a token's experts in the order of the ids it gets, so it runs over the slot pool only when
+the slots ascend with the expert ids, else as one call per expert accumulated in id order (same fp32 adds).
+With a device tier, quantized experts run one per call (tokens identical in the tests; not bitwise guaranteed).
 """
 
 from __future__ import annotations
@@ -207,9 +208,9 @@ class ManagedExperts:
         """All experts in host slots at once, then one ``QuantizedExperts`` call over the pool with slot ids."""
         store, layer = self.store, self.layer
         room = store.host.capacity_for_step()
-        if len(hit) > room:  # the pool cannot hold the whole step: experts one by one
-            counts_t = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)
-            return self._per_expert_step(x, topk_ids, topk_weights, counts_t, {e: "host" for e in hit})
+        if len(hit) > room:  # the pool cannot hold the whole step: experts one by one, acquired as they run
+            out = self._quant_pool_forward(x.float(), topk_ids, topk_weights.float(), None)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         slot_of = torch.zeros(self.spec.num_experts, dtype=torch.long)
         slots = []
         keys = [(layer, e) for e in hit]
@@ -222,9 +223,76 @@ class ManagedExperts:
                 slots.append(s)
                 slot_of[e] = s
             self._prefetch_next(x)  # overlaps the reads with this step's compute
-            _, qe = self._pool_views("host")
-            out = qe.forward(x.float(), slot_of[topk_ids], topk_weights.float())  # type: ignore[attr-defined]
+            out = self._quant_pool_forward(x.float(), topk_ids, topk_weights.float(), slot_of)
         finally:
             for s in slots:
                 store.release_host(s)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _quant_pool_forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``QuantizedExperts.forward`` over the host pool, with its exact fp32 accumulation order.
+
+        The fused C call sums a token's experts in the order of the ids it is given; slots are not in expert
+        order, so the light experts run as one fused call only when their slots happen to ascend with their ids,
+        else one call per expert (in id order) accumulated here — bitwise what the unbudgeted engine computes.
+        ``slot_of`` (expert → host slot, all acquired) is None when the step does not fit the pool: then each
+        expert is acquired just for its own call (the next one read ahead meanwhile).
+        """
+        _, qe = self._pool_views("host")
+        assert qe is not None
+        fmt, w13, w2, dims = qe.fmt, qe.w13, qe.w2, (qe.hidden, qe.intermediate)  # type: ignore[attr-defined]
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)  # [E]
+        threshold = qe.dequant_threshold if qe.packed else 1  # type: ignore[attr-defined]
+        hit = counts.nonzero().flatten().tolist()
+        decode = qe.fused and topk_ids.numel() < threshold  # type: ignore[attr-defined]
+        dense = [] if decode else [e for e in hit if counts[e] >= threshold]
+        light = [e for e in hit if e not in set(dense)]
+        out = torch.zeros_like(x)
+        order = [*light, *dense] if qe.fused else [*dense, *light]  # type: ignore[attr-defined]
+        keys = [(self.layer, e) for e in order]
+        held: dict[int, int] = {}
+
+        def slot(e: int) -> int:
+            if slot_of is not None:
+                return int(slot_of[e])
+            j = order.index(e)
+            if j + 1 < len(order) and not self.store.host.is_ready(keys[j + 1]):
+                self.store.read_ahead(keys[j + 1], keys[j:])
+            held[e] = self.store.acquire_host(keys[j], keys[j:])
+            return held[e]
+
+        def done(e: int) -> None:
+            if e in held:
+                self.store.release_host(held.pop(e))
+
+        if qe.fused:  # type: ignore[attr-defined]
+            from freetoken_agent.runtime.kernels import ops
+
+            light_slots = slot_of[light].tolist() if slot_of is not None else []
+            if light_slots and all(a < b for a, b in zip(light_slots, light_slots[1:])):
+                ids = slot_of[topk_ids]
+                if dense:
+                    is_dense = torch.zeros(self.spec.num_experts, dtype=torch.bool)
+                    is_dense[dense] = True
+                    ids = torch.where(is_dense[topk_ids], torch.full_like(ids, -1), ids)
+                out = ops.moe(fmt, w13, w2, dims, x, ids, topk_weights)
+            else:
+                for e in light:
+                    ids = torch.where(topk_ids == e, torch.full_like(topk_ids, slot(e)), torch.full_like(topk_ids, -1))
+                    try:
+                        out += ops.moe(fmt, w13, w2, dims, x, ids, topk_weights)
+                    finally:
+                        done(e)
+            light = []
+        dense_set = set(dense)
+        for e in dense + light:
+            tok, k = (topk_ids == e).nonzero(as_tuple=True)
+            s = slot(e)
+            try:
+                y = qe._expert_dense(s, x[tok]) if e in dense_set else qe._expert_kernel(s, x[tok])  # type: ignore[attr-defined]
+            finally:
+                done(e)
+            out.index_add_(0, tok, y * topk_weights[tok, k, None].to(torch.float32))
+        return out

@@ -29,6 +29,11 @@ def reference(model: Path) -> Engine:
     return Engine.from_pretrained(model)
 
 
+@pytest.fixture(scope="module")
+def q4_reference(model: Path) -> Engine:
+    return Engine.from_pretrained(model, quant="q4")
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path_factory.getbasetemp() / "ftcache"))
@@ -49,24 +54,28 @@ def check_budget(engine: Engine) -> None:
             assert ledger.peak <= ledger.limit
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     fraction=st.floats(0.2, 1.2),
     policy=st.sampled_from(["lru", "heat", "phase"]),
     prefetch=st.booleans(),
+    quant=st.sampled_from(["none", "q4"]),
     prompt=st.lists(st.integers(0, 511), min_size=1, max_size=40),
 )
-def test_budgeted_tokens_match_unbudgeted(model: Path, reference: Engine, fraction: float, policy: str,
-                                          prefetch: bool, prompt: list[int]) -> None:
-    want = reference.generate(prompt, max_new_tokens=NEW).token_ids
-    host = dense_bytes(model) + int(fraction * expert_bytes(reference))
+def test_budgeted_tokens_match_unbudgeted(model: Path, reference: Engine, q4_reference: Engine, fraction: float,
+                                          policy: str, prefetch: bool, quant: str, prompt: list[int]) -> None:
+    ref = q4_reference if quant == "q4" else reference
+    want = ref.generate(prompt, max_new_tokens=NEW).token_ids
+    experts = ref.quant.quant_bytes if quant == "q4" else expert_bytes(reference)
+    host = dense_bytes(model) + int(fraction * experts)
     try:
-        engine = Engine.from_pretrained(model, budget=Budget(host=host),
+        engine = Engine.from_pretrained(model, quant=quant, budget=Budget(host=host),
                                         residency=ResidencyConfig(policy=policy, prefetch=prefetch))
     except BudgetExceededError:
         assert fraction < 0.3  # only budgets below one MoE step's experts may refuse
         return
     assert engine.generate(prompt, max_new_tokens=NEW).token_ids == want
+    assert torch.equal(engine.logits(prompt), ref.logits(prompt))  # bitwise, not just the same argmax
     engine.residency.drain()
     check_budget(engine)
     stats = engine.stats()["residency"]
