@@ -51,6 +51,7 @@ class Decoder:
     def forward(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """token_ids [T] → final hidden states [T, D] (after the final norm); appends to ``cache``."""
         spec, w = self.spec, self.weights
+        self._scratch: dict = {}  # per-forward values shared between layers (sparse-attention indices)
         positions = torch.arange(cache.length, cache.length + token_ids.shape[0], device=self.device)
         h = F.embedding(token_ids.to(self.device), w.embed)
         if spec.embedding_multiplier != 1.0:
@@ -79,8 +80,10 @@ class Decoder:
         spec, layer = self.spec, self.spec.layers[i]
         if layer.recurrent is not None:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
-        attn = mla_attention if layer.attention.kind == "mla" else gqa_attention
-        return attn(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+        if layer.attention.kind == "mla":
+            return mla_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps,
+                                 self._scratch)
+        return gqa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
 
     def _norm(self, x: torch.Tensor, lw: LayerWeights | None, role: str) -> torch.Tensor:
         """A residual-stream norm of the spec's kind (``role`` "final": the model's last norm)."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.indexer import indexer_keys, topk_keep
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
@@ -60,8 +61,10 @@ def attention_scores(
     q_pos: torch.Tensor,
     spec: AttentionSpec,
     sinks: torch.Tensor | None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]."""
+    """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]; ``keep`` [T, S] further
+    restricts which keys each query sees (sparse attention)."""
     t, h, dh = q.shape
     s, hkv, dv = v.shape
     g = h // hkv
@@ -71,6 +74,8 @@ def attention_scores(
         allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
     if spec.chunk_size is not None:
         allowed &= (k_pos[None, :] // spec.chunk_size) == (q_pos[:, None] // spec.chunk_size)
+    if keep is not None:
+        allowed &= keep
     if sinks is None:
         # fused kernel: no [H, T, S] score tensor is materialized twice
         out = F.scaled_dot_product_attention(
@@ -148,27 +153,42 @@ def output_gate(out: torch.Tensor, x: torch.Tensor, w: Weights, spec: AttentionS
 
 def mla_attention(
     x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache,
-    positions: torch.Tensor, eps: float,
+    positions: torch.Tensor, eps: float, scratch: dict | None = None,
 ) -> torch.Tensor:
-    """DeepSeek multi-head latent attention; the cache holds the normalized latent and the shared rotary key."""
+    """DeepSeek multi-head latent attention; the cache holds the normalized latent and the shared rotary key (and,
+    with sparse attention, the indexer keys). ``scratch`` carries the indexer's choice to ``shared`` layers."""
     t, h = x.shape[0], spec.num_heads
     nope, rope_dim, dv = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
     if spec.q_lora_rank is None:
-        q = linear(x, w, "q_proj")
+        q = q_resid = linear(x, w, "q_proj")
     else:
-        q = linear(rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm.weight"], eps), w, "q_b_proj")
+        q_resid = rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm.weight"], eps)
+        q = linear(q_resid, w, "q_b_proj")
     q = q.view(t, h, nope + rope_dim)
     compressed = linear(x, w, "kv_a_proj_with_mqa")  # [T, rank + R]
     latent = rms_norm(compressed[:, : spec.kv_lora_rank], w["kv_a_layernorm.weight"], eps)  # [T, rank]
     k_rot = compressed[:, spec.kv_lora_rank :].reshape(t, 1, rope_dim)  # [T, 1, R]
     q_nope, q_rot = q[..., :nope], q[..., nope:]
+    cos = sin = torch.empty(0)
     if rotary is not None:
         cos, sin = rotary.cos_sin(positions)
         q_rot, k_rot = rotary.apply(q_rot, cos, sin), rotary.apply(k_rot, cos, sin)
-    latent_all, k_rot_all = cache.append(layer, latent, k_rot.reshape(t, rope_dim))
+    ix, keep = spec.indexer, None
+    if ix is not None and not ix.shared:
+        latent_all, k_rot_all, index_keys = cache.append(layer, latent, k_rot.reshape(t, rope_dim),
+                                                         indexer_keys(x, w, ix, rotary, cos, sin))
+        keep = topk_keep(x, q_resid, index_keys, w, ix, rotary, cos, sin, positions)
+        if scratch is not None:
+            scratch["index_keep"] = keep
+    else:
+        latent_all, k_rot_all = cache.append(layer, latent, k_rot.reshape(t, rope_dim))
+        if ix is not None:
+            keep = (scratch or {}).get("index_keep")
+            if keep is None:
+                raise ValueError(f"layer {layer} shares sparse-attention indices but no earlier layer computed them")
     s = latent_all.shape[0]
     kv = linear(latent_all, w, "kv_b_proj").view(s, h, nope + dv)  # [S, H, nope + Dv]
     k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
     q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
-    out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None)
+    out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None, keep)
     return linear(out, w, "o_proj")

@@ -85,12 +85,12 @@ class Rotary:
             self._cos, self._sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         return self._cos[positions], self._sin[positions]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate the first R channels of ``x`` [T, H, Dh]; cos/sin [T, R/2]."""
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str | None = None) -> torch.Tensor:
+        """Rotate the first R channels of ``x`` [T, H, Dh]; cos/sin [T, R/2] (``style`` overrides the spec's)."""
         r = self.spec.dim
         rot, rest = x[..., :r].float(), x[..., r:]
         c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
-        if self.spec.style == "half":
+        if (style or self.spec.style) == "half":
             a, b = rot[..., : r // 2], rot[..., r // 2 :]
             out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
         else:

@@ -36,6 +36,19 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class IndexerSpec:
+    """The DeepSeek-V3.2 lightning indexer: relu(q_i·k_i) summed over heads with learned per-token weights."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    rope_dim: int
+    rope_style: Literal["half", "interleaved"] = "half"
+    shared: bool = False
+    """Reuse the top-k chosen by the most recent indexer layer of this forward (GLM-5 ``shared`` layers)."""
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
 
@@ -64,6 +77,8 @@ class AttentionSpec:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     lora_bias: bool = False
+    indexer: IndexerSpec | None = None
+    """MLA + DeepSeek sparse attention: each query attends only to the top-k keys chosen by a lightweight indexer."""
     qk_norm_after_rope: bool = False
     """Apply the per-head q/k norm after rotary instead of before (Hunyuan)."""
     v_scale: float = 1.0

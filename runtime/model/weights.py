@@ -170,6 +170,14 @@ class _Loader:
             w["kv_a_layernorm.weight"] = self.take(f"{prefix}.kv_a_layernorm.weight", (a.kv_lora_rank,))
             self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
             self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
+            ix = a.indexer
+            if ix is not None and not ix.shared:
+                p = f"{prefix}.indexer"
+                self.linear(w, p, "wq_b", ix.num_heads * ix.head_dim, a.q_lora_rank or d, False, key="indexer.wq_b")
+                self.linear(w, p, "wk", ix.head_dim, d, False, key="indexer.wk")
+                w["indexer.k_norm.weight"] = self.take(f"{p}.k_norm.weight", (ix.head_dim,))
+                w["indexer.k_norm.bias"] = self.take(f"{p}.k_norm.bias", (ix.head_dim,))
+                self.linear(w, p, "weights_proj", ix.num_heads, d, False, key="indexer.weights_proj")
             return w
         sizes = (a.num_heads * a.head_dim * (2 if a.q_gate else 1), a.num_kv_heads * a.head_dim,
                  a.num_kv_heads * a.v_head_dim)

@@ -145,6 +145,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                  ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 8, "moe_top_k": 2,
                              "moe_normalize_expert_weights": 1.0}, max_seq_len=512),
+    # exercise a "shared" indexer layer and two MoE layers (the default prefix is three dense layers)
+    "glm_moe_dsa": dict(indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"]),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

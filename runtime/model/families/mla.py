@@ -6,7 +6,7 @@ from typing import Any
 
 from freetoken_agent.runtime.model.adapters import Config, _mla, _model, _mtp_ignored, _rope_params, adapter
 from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
-from freetoken_agent.runtime.model.spec import ModelSpec, WeightNames
+from freetoken_agent.runtime.model.spec import IndexerSpec, ModelSpec, WeightNames
 
 
 @adapter("sarvam_mla", "glm4_moe_lite")
@@ -32,3 +32,19 @@ def mistral4(cfg: Config) -> ModelSpec:
     attn = _mla(cfg, **fields)
     router = sigmoid_router(cfg, scoring="softmax", correction_bias=False)
     return _model(cfg, moe_layers(cfg, lambda i: attn, router), names=WeightNames())
+
+
+def _indexer(cfg: Config, i: int, style: str) -> IndexerSpec:
+    types = cfg.get("indexer_types") or ["full"] * int(cfg["num_hidden_layers"])
+    return IndexerSpec(num_heads=int(cfg["index_n_heads"]), head_dim=int(cfg["index_head_dim"]),
+                       topk=int(cfg["index_topk"]), rope_dim=int(cfg["qk_rope_head_dim"]),
+                       rope_style=style, shared=types[i] == "shared")  # type: ignore[arg-type]
+
+
+@adapter("deepseek_v32", "glm_moe_dsa")
+def deepseek_sparse(cfg: Config) -> ModelSpec:
+    """MLA with DeepSeek sparse attention (lightning indexer + top-k keys); GLM-5 rotates the indexer interleaved."""
+    style = "interleaved" if cfg["model_type"] == "glm_moe_dsa" else "half"
+    attns = [_mla(cfg, indexer=_indexer(cfg, i, style)) for i in range(int(cfg["num_hidden_layers"]))]
+    layers = moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg))
+    return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
