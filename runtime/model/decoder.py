@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import gqa_attention, layer_norm, mla_attention, mlp, rms_norm
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
+from freetoken_agent.runtime.model.mixers.lightning import lightning
 from freetoken_agent.runtime.model.mixers.mamba import mamba
 from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
 from freetoken_agent.runtime.model.mixers.short_conv import short_conv
@@ -20,7 +21,8 @@ from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 
 
-MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2, "mamba": mamba}
+MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2, "mamba": mamba,
+          "lightning": lightning}
 """Recurrent mixer kind → ``fn(x, weights, spec, layer, cache, eps) -> [T, D]``."""
 
 
@@ -65,16 +67,23 @@ class Decoder:
                 h = self._mix(i, h, lw, cache, positions)
             if layer.parts != "mixer":
                 x = self._norm(h, lw, "ffn_in")
+                if spec.residual_from_norm:
+                    h = x
                 x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
-                h = h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
+                h = self._residual(h, x, layer.residual_scales[2:])
         cache.advance()
         return self._norm(h, None, "final")
 
     def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
         """Token-mixing half of layer ``i`` (attention or a recurrent mixer) with its norms and residual."""
-        spec = self.spec
-        x = self._norm(self._mixer(i, self._norm(h, lw, "attn_in"), lw, cache, positions), lw, "attn_out")
-        return h + x * spec.residual_multiplier if spec.residual_multiplier != 1.0 else h + x
+        normed = self._norm(h, lw, "attn_in")
+        x = self._norm(self._mixer(i, normed, lw, cache, positions), lw, "attn_out")
+        return self._residual(normed if self.spec.residual_from_norm else h, x, self.spec.layers[i].residual_scales[:2])
+
+    def _residual(self, h: torch.Tensor, x: torch.Tensor, scales: tuple[float, ...]) -> torch.Tensor:
+        alpha, beta = scales
+        beta *= self.spec.residual_multiplier
+        return (h if alpha == 1.0 else h * alpha) + (x if beta == 1.0 else x * beta)
 
     def _mixer(self, i: int, x: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
         spec, layer = self.spec, self.spec.layers[i]

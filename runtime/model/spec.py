@@ -179,7 +179,7 @@ class MoESpec:
 class RecurrentSpec:
     """A recurrent sequence mixer used instead of attention in some layers of hybrid models."""
 
-    kind: Literal["gated_deltanet", "short_conv", "mamba2", "mamba"]
+    kind: Literal["gated_deltanet", "short_conv", "mamba2", "mamba", "lightning"]
     num_k_heads: int
     """Gated DeltaNet: key heads; Mamba-2: groups of B/C; Mamba: time-step rank."""
     num_v_heads: int
@@ -201,6 +201,10 @@ class RecurrentSpec:
     proj_bias: bool = False
     inner_norms: bool = False
     """Mamba (Jamba): RMSNorms on the time step, B and C."""
+    slopes: tuple[float, ...] = ()
+    """Lightning attention: per-head decay rates (state *= exp(-slope) per token)."""
+    norm_eps: float = 1e-6
+    """Lightning attention: eps of its output RMSNorm."""
     conv_bias: bool = False
 
 
@@ -213,6 +217,8 @@ class LayerSpec:
     moe: MoESpec | None = None
     recurrent: RecurrentSpec | None = None
     """When set, this layer mixes tokens with a recurrent mixer instead of ``attention`` (which is then unused)."""
+    residual_scales: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
+    """(mixer residual α, mixer output β, FFN residual α, FFN output β): h = α·r + β·f(·) (MiniMax)."""
     parts: Literal["both", "mixer", "ffn"] = "both"
     """Single-sublayer blocks (Nemotron-H): ``mixer`` = only the token mixer, ``ffn`` = only the MLP/MoE."""
 
@@ -276,6 +282,8 @@ class ModelSpec:
     """Residual-stream norms: RMSNorm, or mean-centred LayerNorm (Cohere, PhiMoE)."""
     norm_bias: bool = False
     """LayerNorms have a bias (PhiMoE)."""
+    residual_from_norm: bool = False
+    """The residual is the *normed* input of each sub-layer, not the raw stream (MiniMax-01)."""
     parallel_block: bool = False
     """Attention and FFN both read the same normed input and are added together (Cohere)."""
     final_logit_softcap: float = 0.0

@@ -100,6 +100,13 @@ class _Loader:
             self.linear(w, prefix, "out_proj", d, d, r.conv_bias)
             return w
         hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
+        if r.kind == "lightning":
+            inner = r.num_v_heads * r.head_v_dim
+            self.linear(w, prefix, "qkv_proj", 3 * inner, d, False)
+            self.linear(w, prefix, "output_gate", inner, d, False)
+            w["norm.weight"] = self.take(f"{prefix}.norm.weight", (inner,))
+            self.linear(w, prefix, "out_proj", d, inner, False)
+            return w
         if r.kind == "mamba":
             inner, rank, n = r.num_v_heads, r.num_k_heads, r.head_k_dim
             self.linear(w, prefix, "in_proj", 2 * inner, d, r.proj_bias)

@@ -147,6 +147,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                              "moe_normalize_expert_weights": 1.0}, max_seq_len=512),
     # exercise a "shared" indexer layer and two MoE layers (the default prefix is three dense layers)
     "glm_moe_dsa": dict(indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"]),
+    # non-trivial residual scales (all 1 by default) so the α/β path is exercised
+    "minimax": dict(linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
+                    mlp_alpha_factor=0.8, mlp_beta_factor=1.3),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

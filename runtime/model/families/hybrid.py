@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, _opt, adapter
 from freetoken_agent.runtime.model.spec import (
     LayerSpec,
@@ -212,3 +214,37 @@ def jamba(cfg: Config) -> ModelSpec:
     names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", router="router", recurrent="mamba",
                         ffn_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm")
     return _model(cfg, layers, names=names)
+
+
+def _lightning_slopes(heads: int, layer: int, num_layers: int) -> tuple[float, ...]:
+    """MiniMax-01's ALiBi-style decay per head, shrinking with depth."""
+    base = 1 / (2 ** (8 / heads))
+    factor = 1 - layer / (num_layers - 1 + 1e-5) + 1e-5
+    return tuple(float(torch.tensor(base, dtype=torch.float32) ** (h + 1) * factor) for h in range(heads))
+
+
+@adapter("minimax")
+def minimax(cfg: Config) -> ModelSpec:
+    """MiniMax-01: lightning (linear) attention layers interleaved with softmax attention; normed residuals."""
+    n = int(cfg["num_hidden_layers"])
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="softmax", norm_topk=True),
+        activation=_act(cfg),  # type: ignore[arg-type]
+    )
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    attn = _gqa(cfg)
+    f = lambda name: float(cfg.get(name, 1))  # noqa: E731
+    layers = []
+    for i in range(n):
+        linear = types[i] == "linear_attention"
+        kind = "linear_attn" if linear else "full_attn"
+        mixer = RecurrentSpec(kind="lightning", num_k_heads=heads, num_v_heads=heads, head_k_dim=head_dim,
+                              head_v_dim=head_dim, slopes=_lightning_slopes(heads, i, n)) if linear else None
+        scales = (f(f"{kind}_alpha_factor"), f(f"{kind}_beta_factor"), f("mlp_alpha_factor"), f("mlp_beta_factor"))
+        layers.append(LayerSpec(attention=attn, moe=moe, recurrent=mixer, residual_scales=scales))
+    names = WeightNames(moe_prefix="block_sparse_moe", recurrent="self_attn")
+    return _model(cfg, layers, names=names, residual_from_norm=True,
+                  ignored_tensors=(r"self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$",))
