@@ -5,7 +5,8 @@ the host budget. In one process, alternating, on the same expert cache file:
 
 - ``ours``: ``Engine(budget=Budget(host=...))`` — host slot pool sized by the budget, misses read from the cache file
   with ``pread`` (pages dropped after each read, so the page cache holds nothing beyond the budget), gate
-  look-ahead prefetch, per policy (``lru``, ``heat``, ``phase``; ``lru`` also without prefetch);
+  look-ahead prefetch, per policy (``lru``, ``heat``, ``phase``; ``lru/noprefetch`` without look-ahead;
+  ``lru/pagecache`` keeps the OS page cache, i.e. reads may come from RAM the budget does not count, as mmap's do);
 - ``mmap``: the cache file memory-mapped and the same C kernels run over the mapping (the OS page cache decides what
   stays). ``cold``: file pages dropped before the run; the mapping's resident bytes are reported — it is not held to
   the budget (there is no cgroup here), which is exactly the difference.
@@ -74,7 +75,8 @@ def run_one(model: Path, name: str, args: argparse.Namespace, host: int | None, 
 
     policy, _, variant = name.partition("/")
     mmap = policy == "mmap"
-    cfg = ResidencyConfig(policy="lru" if mmap else policy, prefetch=variant != "noprefetch", drop_page_cache=True)
+    cfg = ResidencyConfig(policy="lru" if mmap else policy, prefetch=variant != "noprefetch",
+                          drop_page_cache=variant != "pagecache")
     engine = Engine.from_pretrained(model, quant=args.quant, threads=args.threads,
                                     budget=Budget(host=None if mmap else host), residency=cfg)
     store = engine.residency
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--runs", default="lru,heat,phase,lru/noprefetch,mmap")
+    p.add_argument("--runs", default="mmap,lru,heat,phase,lru/noprefetch,lru/pagecache,mmap,lru")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from freetoken_agent.runtime.engine import Engine
