@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import gqa_attention, layer_norm, mla_attention, mlp, rms_norm
-from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
+from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet, kimi_delta
 from freetoken_agent.runtime.model.mixers.lightning import lightning
 from freetoken_agent.runtime.model.mixers.mamba import mamba
 from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
@@ -22,7 +22,7 @@ from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, Mo
 
 
 MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2, "mamba": mamba,
-          "lightning": lightning}
+          "lightning": lightning, "kda": kimi_delta}
 """Recurrent mixer kind → ``fn(x, weights, spec, layer, cache, eps) -> [T, D]``."""
 
 

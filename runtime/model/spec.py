@@ -179,7 +179,7 @@ class MoESpec:
 class RecurrentSpec:
     """A recurrent sequence mixer used instead of attention in some layers of hybrid models."""
 
-    kind: Literal["gated_deltanet", "short_conv", "mamba2", "mamba", "lightning"]
+    kind: Literal["gated_deltanet", "short_conv", "mamba2", "mamba", "lightning", "kda"]
     num_k_heads: int
     """Gated DeltaNet: key heads; Mamba-2: groups of B/C; Mamba: time-step rank."""
     num_v_heads: int

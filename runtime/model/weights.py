@@ -100,6 +100,21 @@ class _Loader:
             self.linear(w, prefix, "out_proj", d, d, r.conv_bias)
             return w
         hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
+        if r.kind == "kda":
+            h, dk = r.num_v_heads, r.head_k_dim
+            for name in "qkv":
+                self.linear(w, prefix, f"{name}_proj", h * dk, d, False)
+                w[f"{name}_conv1d.weight"] = self.take(f"{prefix}.{name}_conv1d.weight", (h * dk, 1, r.conv_kernel))
+            self.linear(w, prefix, "f_a_proj", dk, d, False)
+            self.linear(w, prefix, "f_b_proj", h * dk, dk, False)
+            self.linear(w, prefix, "g_a_proj", dk, d, False)
+            self.linear(w, prefix, "g_b_proj", h * dk, dk, False)
+            self.linear(w, prefix, "b_proj", h, d, False)
+            w["dt_bias"] = self.take(f"{prefix}.dt_bias", (h * dk,))
+            w["A_log"] = self.take(f"{prefix}.A_log", (1, 1, h, 1))
+            w["o_norm.weight"] = self.take(f"{prefix}.o_norm.weight", (dk,))
+            self.linear(w, prefix, "o_proj", d, h * dk, False)
+            return w
         if r.kind == "lightning":
             inner = r.num_v_heads * r.head_v_dim
             self.linear(w, prefix, "qkv_proj", 3 * inner, d, False)

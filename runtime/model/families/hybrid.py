@@ -248,3 +248,24 @@ def minimax(cfg: Config) -> ModelSpec:
     names = WeightNames(moe_prefix="block_sparse_moe", recurrent="self_attn")
     return _model(cfg, layers, names=names, residual_from_norm=True,
                   ignored_tensors=(r"self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$",))
+
+
+@adapter("kimi_linear")
+def kimi_linear(cfg: Config) -> ModelSpec:
+    """Kimi Linear: Kimi Delta Attention layers plus NoPE MLA layers, DeepSeek-V3 style MoE."""
+    from freetoken_agent.runtime.model.adapters import _mla
+    from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
+
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    kda = RecurrentSpec(kind="kda", num_k_heads=int(cfg["linear_num_heads"]), num_v_heads=int(cfg["linear_num_heads"]),
+                        head_k_dim=int(cfg["linear_head_dim"]), head_v_dim=int(cfg["linear_head_dim"]),
+                        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    attn = _mla(cfg, rope=None)
+    layers = [
+        LayerSpec(attention=spec.attention, mlp=spec.mlp, moe=spec.moe,
+                  recurrent=kda if types[i] == "linear_attention" else None)
+        for i, spec in enumerate(moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)))
+    ]
+    names = WeightNames(moe_prefix="block_sparse_moe", mlp="block_sparse_moe", recurrent="self_attn")
+    return _model(cfg, layers, names=names, max_position=int(cfg.get("model_max_length") or 4096))

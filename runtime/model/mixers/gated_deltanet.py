@@ -23,10 +23,12 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recurrence over T steps. q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] (fp32); state [H, Dk, Dv]."""
+    """Recurrence over T steps. q, k [T, H, Dk], v [T, H, Dv], beta [T, H], log-decay g [T, H] (per head) or
+    [T, H, Dk] (per key channel, Kimi Delta Attention), all fp32; state [H, Dk, Dv]."""
     out = torch.empty_like(v)
+    per_channel = g.dim() == 3
     for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
+        state = state * (g[t].exp()[:, :, None] if per_channel else g[t].exp()[:, None, None])
         memory = (state * k[t][:, :, None]).sum(dim=-2)  # [H, Dv]
         delta = (v[t] - memory) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
@@ -77,8 +79,37 @@ def gated_deltanet(
     return F.linear(out.reshape(t, hv * dv), w["out_proj.weight"])
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight · rmsnorm(x) · silu(gate), normalized over the last dim (per head)."""
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu"
+) -> torch.Tensor:
+    """weight · rmsnorm(x) · act(gate), normalized over the last dim (per head)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h.to(x.dtype)) * F.silu(gate.float())
+    g = torch.sigmoid(gate.float()) if act == "sigmoid" else F.silu(gate.float())
+    return (weight * h.to(x.dtype)) * g
+
+
+def kimi_delta(
+    x: torch.Tensor, w: Weights, spec: RecurrentSpec, layer: int, cache: KVCache, eps: float
+) -> torch.Tensor:
+    """Kimi Delta Attention: separate short convs on q, k, v, a per-channel forget gate, sigmoid-gated output norm."""
+    t, h, dk = x.shape[0], spec.num_v_heads, spec.head_k_dim
+    state = cache.get_state(layer)
+    convs, rec_state = ((None, None, None), None) if state is None else (state[:3], state[3])
+    parts, new_convs = [], []
+    for name, conv in zip("qkv", convs):
+        y, c = causal_conv(F.linear(x, w[f"{name}_proj.weight"]), w[f"{name}_conv1d.weight"], None, conv)
+        parts.append(y.view(t, h, dk).float())
+        new_convs.append(c)
+    q, k, v = parts
+    f = F.linear(F.linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).float() + w["dt_bias"].float()
+    g = -w["A_log"].float().exp().reshape(1, h, 1) * F.softplus(f.view(t, h, dk))  # [T, H, Dk]
+    beta = torch.sigmoid(F.linear(x, w["b_proj.weight"]).float())
+    q, k = _l2norm(q) * dk**-0.5, _l2norm(k)
+    if rec_state is None:
+        rec_state = torch.zeros(h, dk, dk, dtype=torch.float32, device=x.device)
+    out, rec_state = delta_rule(q, k, v, g, beta, rec_state)
+    cache.set_state(layer, *new_convs, rec_state)
+    gate = F.linear(F.linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"]).view(t, h, dk)
+    out = gated_rms_norm(out, gate, w["o_norm.weight"], eps, act="sigmoid").to(x.dtype)
+    return F.linear(out.reshape(t, h * dk), w["o_proj.weight"])
