@@ -191,4 +191,6 @@ def mla_attention(
     k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
     q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
     out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None, keep)
+    if spec.output_gate != "none":
+        out = output_gate(out, x, w, spec)
     return linear(out, w, "o_proj")

@@ -201,6 +201,11 @@ class RecurrentSpec:
     proj_bias: bool = False
     inner_norms: bool = False
     """Mamba (Jamba): RMSNorms on the time step, B and C."""
+    gate_lowrank: bool = True
+    """KDA: forget and output gates are low-rank (``f_a``/``f_b``, ``g_a``/``g_b``) rather than one projection."""
+    safe_gate_bound: float | None = None
+    """KDA "safe gate": log-decay = bound · sigmoid(exp(A_log) · f) instead of -exp(A_log) · softplus(f)."""
+    out_proj: str = "o_proj"
     slopes: tuple[float, ...] = ()
     """Lightning attention: per-head decay rates (state *= exp(-slope) per token)."""
     norm_eps: float = 1e-6

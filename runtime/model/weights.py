@@ -105,15 +105,17 @@ class _Loader:
             for name in "qkv":
                 self.linear(w, prefix, f"{name}_proj", h * dk, d, False)
                 w[f"{name}_conv1d.weight"] = self.take(f"{prefix}.{name}_conv1d.weight", (h * dk, 1, r.conv_kernel))
-            self.linear(w, prefix, "f_a_proj", dk, d, False)
-            self.linear(w, prefix, "f_b_proj", h * dk, dk, False)
-            self.linear(w, prefix, "g_a_proj", dk, d, False)
-            self.linear(w, prefix, "g_b_proj", h * dk, dk, False)
+            for gate in "fg":
+                if r.gate_lowrank:
+                    self.linear(w, prefix, f"{gate}_a_proj", dk, d, False)
+                    self.linear(w, prefix, f"{gate}_b_proj", h * dk, dk, False)
+                else:
+                    self.linear(w, prefix, f"{gate}_proj", h * dk, d, False)
             self.linear(w, prefix, "b_proj", h, d, False)
             w["dt_bias"] = self.take(f"{prefix}.dt_bias", (h * dk,))
-            w["A_log"] = self.take(f"{prefix}.A_log", (1, 1, h, 1))
+            w["A_log"] = self.take(f"{prefix}.A_log", (1, 1, h, 1) if r.gate_lowrank else (h,))
             w["o_norm.weight"] = self.take(f"{prefix}.o_norm.weight", (dk,))
-            self.linear(w, prefix, "o_proj", d, h * dk, False)
+            self.linear(w, prefix, r.out_proj, d, h * dk, False, key="o_proj")
             return w
         if r.kind == "lightning":
             inner = r.num_v_heads * r.head_v_dim
@@ -191,7 +193,10 @@ class _Loader:
             self.linear(w, prefix, "kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_dim, d, a.lora_bias)
             w["kv_a_layernorm.weight"] = self.take(f"{prefix}.kv_a_layernorm.weight", (a.kv_lora_rank,))
             self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
-            self.linear(w, prefix, "o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
+            self.linear(w, prefix, names.o_proj, d, a.num_heads * a.v_head_dim, a.o_bias, key="o_proj")
+            if a.output_gate != "none":
+                n_gate = a.num_heads if a.output_gate_per_head else a.num_heads * a.v_head_dim
+                self.linear(w, prefix, names.output_gate, n_gate, d, False, key="gate")
             ix = a.indexer
             if ix is not None and not ix.shared:
                 p = f"{prefix}.indexer"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, _opt, adapter
+from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, _mtp_ignored, _opt, adapter
 from freetoken_agent.runtime.model.spec import (
     LayerSpec,
     MLPSpec,
@@ -250,22 +250,33 @@ def minimax(cfg: Config) -> ModelSpec:
                   ignored_tensors=(r"self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$",))
 
 
-@adapter("kimi_linear")
+@adapter("kimi_linear", "bailing_hybrid")
 def kimi_linear(cfg: Config) -> ModelSpec:
-    """Kimi Linear: Kimi Delta Attention layers plus NoPE MLA layers, DeepSeek-V3 style MoE."""
+    """Kimi Linear / Bailing (Ling) hybrid: Kimi Delta Attention layers plus MLA layers, DeepSeek-V3 style MoE.
+
+    Kimi: low-rank gates, NoPE MLA. Bailing: full-rank gates with a bounded "safe" decay, rotary MLA whose output
+    is gated per head, Bailing tensor names."""
     from freetoken_agent.runtime.model.adapters import _mla
     from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
 
     n = int(cfg["num_hidden_layers"])
+    bailing = cfg["model_type"] == "bailing_hybrid"
     types = cfg.get("layer_types") or ["full_attention"] * n
     kda = RecurrentSpec(kind="kda", num_k_heads=int(cfg["linear_num_heads"]), num_v_heads=int(cfg["linear_num_heads"]),
                         head_k_dim=int(cfg["linear_head_dim"]), head_v_dim=int(cfg["linear_head_dim"]),
-                        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
-    attn = _mla(cfg, rope=None)
+                        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), gate_lowrank=not bailing,
+                        safe_gate_bound=float(cfg["kda_lower_bound"]) if bailing and cfg.get("kda_safe_gate") else None,
+                        out_proj="dense" if bailing else "o_proj")
+    attn = _mla(cfg, output_gate="sigmoid", output_gate_per_head=True) if bailing else _mla(cfg, rope=None)
     layers = [
         LayerSpec(attention=spec.attention, mlp=spec.mlp, moe=spec.moe,
                   recurrent=kda if types[i] == "linear_attention" else None)
         for i, spec in enumerate(moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)))
     ]
-    names = WeightNames(moe_prefix="block_sparse_moe", mlp="block_sparse_moe", recurrent="self_attn")
-    return _model(cfg, layers, names=names, max_position=int(cfg.get("model_max_length") or 4096))
+    if bailing:
+        names = WeightNames(embed="model.word_embeddings", attn="attention", recurrent="attention", o_proj="dense",
+                            output_gate="g_proj", correction_bias="gate.expert_bias")
+    else:
+        names = WeightNames(moe_prefix="block_sparse_moe", mlp="block_sparse_moe", recurrent="self_attn")
+    return _model(cfg, layers, names=names, max_position=int(cfg.get("model_max_length") or 4096),
+                  ignored_tensors=_mtp_ignored(cfg))

@@ -102,14 +102,24 @@ def kimi_delta(
         parts.append(y.view(t, h, dk).float())
         new_convs.append(c)
     q, k, v = parts
-    f = F.linear(F.linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).float() + w["dt_bias"].float()
-    g = -w["A_log"].float().exp().reshape(1, h, 1) * F.softplus(f.view(t, h, dk))  # [T, H, Dk]
+    f = _gate_proj(x, w, "f", spec).float() + w["dt_bias"].float()
+    rate = w["A_log"].float().exp().reshape(1, h, 1)
+    if spec.safe_gate_bound is not None:
+        g = spec.safe_gate_bound * torch.sigmoid(rate * f.view(t, h, dk))  # [T, H, Dk]
+    else:
+        g = -rate * F.softplus(f.view(t, h, dk))
     beta = torch.sigmoid(F.linear(x, w["b_proj.weight"]).float())
     q, k = _l2norm(q) * dk**-0.5, _l2norm(k)
     if rec_state is None:
         rec_state = torch.zeros(h, dk, dk, dtype=torch.float32, device=x.device)
     out, rec_state = delta_rule(q, k, v, g, beta, rec_state)
     cache.set_state(layer, *new_convs, rec_state)
-    gate = F.linear(F.linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"]).view(t, h, dk)
+    gate = _gate_proj(x, w, "g", spec).view(t, h, dk)
     out = gated_rms_norm(out, gate, w["o_norm.weight"], eps, act="sigmoid").to(x.dtype)
     return F.linear(out.reshape(t, h * dk), w["o_proj.weight"])
+
+
+def _gate_proj(x: torch.Tensor, w: Weights, name: str, spec: RecurrentSpec) -> torch.Tensor:
+    if spec.gate_lowrank:
+        return F.linear(F.linear(x, w[f"{name}_a_proj.weight"]), w[f"{name}_b_proj.weight"])
+    return F.linear(x, w[f"{name}_proj.weight"])
