@@ -374,6 +374,8 @@ class Engine:
         name = Phase(phase).value
         self._stats.phase = name
         self._stats.phase_hints[name] = self._stats.phase_hints.get(name, 0) + 1
+        if self.residency is not None:
+            self.residency.on_phase(name)
 
     def stats(self) -> dict[str, Any]:
         s = self._stats

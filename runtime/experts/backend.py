@@ -40,6 +40,8 @@ class ManagedExperts:
         self.layer, self.spec, self.store, self.planner = layer, spec, store, planner
         self.next_layer, self.lookahead = next_layer, lookahead
         self.layout = store.host.layout
+        self.exact = True
+        """False: quantized decode always runs as one fused call over the pool (fp32 sums may reorder: ~1e-7)."""
         self._views: dict[str, tuple[int, SlotViews, object]] = {}
 
     # ---------------------------------------------------------------- views over the pools
@@ -118,15 +120,19 @@ class ManagedExperts:
         if store.device is not None:
             store.device.policy.observe(layer, counts)
         store.prefetch.settle(layer, set(hit))
-        needs = [ExpertNeed(e, counts[e], store.device is not None and store.device.is_ready((layer, e)),
-                            store.host.is_ready((layer, e))) for e in hit]
-        room = None if store.device is None else store.device.capacity_for_step()
-        plan = self.planner.plan(needs, room)
-        for e, path in plan.paths.items():
-            store.planner_counts[path] += 1
-        if self.layout.quantized and store.device is None:
-            return self._quant_host_step(x, topk_ids, topk_weights, hit)
-        out = self._per_expert_step(x, topk_ids, topk_weights, counts_t, plan.paths)
+        if store.device is None:  # one tier of compute: every expert runs on the host, nothing to plan
+            store.planner_counts["host"] += len(hit)
+            self.planner.decisions["host"] += len(hit)
+            if self.layout.quantized:
+                return self._quant_host_step(x, topk_ids, topk_weights, hit)
+            paths = dict.fromkeys(hit, "host")
+        else:
+            needs = [ExpertNeed(e, counts[e], store.device.is_ready((layer, e)), store.host.is_ready((layer, e)))
+                     for e in hit]
+            paths = self.planner.plan(needs, store.device.capacity_for_step()).paths
+            for path in paths.values():
+                store.planner_counts[path] += 1
+        out = self._per_expert_step(x, topk_ids, topk_weights, counts_t, paths)
         self._prefetch_next(x)
         return out
 
@@ -271,7 +277,8 @@ class ManagedExperts:
             from freetoken_agent.runtime.kernels import ops
 
             light_slots = slot_of[light].tolist() if slot_of is not None else []
-            if light_slots and all(a < b for a, b in zip(light_slots, light_slots[1:])):
+            ascending = all(a < b for a, b in zip(light_slots, light_slots[1:]))
+            if light_slots and (ascending or not self.exact):
                 ids = slot_of[topk_ids]
                 if dense:
                     is_dense = torch.zeros(self.spec.num_experts, dtype=torch.bool)

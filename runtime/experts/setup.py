@@ -55,6 +55,9 @@ class ResidencyConfig:
     """Cost-model rates (default: the cached hardware profile, else built-in guesses)."""
     planner: str = "adaptive"
     """``adaptive`` (cost model), ``fetch`` (always copy cold experts to the device) or ``host`` (always CPU)."""
+    exact: bool = True
+    """Bitwise the unbudgeted engine's outputs. False lets quantized decode make one fused call over the slot pool
+    even when slot order differs from expert order (faster; fp32 sums reordered, ~1e-7 relative)."""
     device_tier: bool = True
     """With a GPU engine: keep a device slot pool (False = every routed expert on the CPU, ``--n-cpu-moe`` style)."""
 
@@ -106,6 +109,7 @@ class Managed:
     dense_bytes: int
     written: bool
     backends: list[ManagedExperts] = field(default_factory=list)
+    exact: bool = True
 
     def install(self, decoder: Any) -> None:
         """Replace ``decoder.experts[i]`` of every MoE layer with a ``ManagedExperts`` over the store."""
@@ -116,6 +120,7 @@ class Managed:
             moe = self.spec.layers[i].moe
             assert moe is not None
             backend = ManagedExperts(i, moe, self.store, self.planner, nxt, look)
+            backend.exact = self.exact
             decoder.experts[i] = backend
             self.backends.append(backend)
 
@@ -181,7 +186,7 @@ def load_managed(
     disk, written = open_or_write(file_path, layout, moe_layers, first.num_experts, load, config.drop_page_cache)
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
     store, planner = build_store(disk, ledgers, top_k, device, config)
-    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written)
+    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written, exact=config.exact)
 
 
 def build_store(

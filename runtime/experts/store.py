@@ -278,6 +278,12 @@ class ExpertStore:
         assert self.device is not None
         self.device.unuse(slot)
 
+    def on_phase(self, phase: str) -> None:
+        """An agent phase hint: phase-aware policies switch which heat drives eviction."""
+        for pool in (self.host, self.device):
+            if pool is not None and hasattr(pool.policy, "set_phase"):
+                pool.policy.set_phase(phase)  # type: ignore[attr-defined]
+
     # ---------------------------------------------------------------- stats
 
     def drain(self) -> None:

@@ -151,3 +151,16 @@ def test_kv_expert_boundary_moves_without_reloading(model: Path, reference: Engi
     assert engine.residency.host.n_slots == slots - 1
     assert engine.generate(prompt, max_new_tokens=NEW).token_ids == want
     assert ledger.peak <= host
+
+
+def test_phase_hint_switches_the_phase_policy(model: Path, reference: Engine) -> None:
+    host = dense_bytes(model) + expert_bytes(reference) // 2
+    engine = Engine.from_pretrained(model, budget=Budget(host=host), residency=ResidencyConfig(policy="phase"))
+    engine.hint("plan")
+    engine.generate([1, 2, 3, 4], max_new_tokens=4)
+    engine.hint("code")
+    engine.generate(list(range(300, 340)), max_new_tokens=4)
+    policy = engine.residency.host.policy
+    assert policy.phase == "code"
+    plan_hot, code_hot = policy.hot_set("plan", 24), policy.hot_set("code", 24)
+    assert plan_hot and code_hot and plan_hot != code_hot
