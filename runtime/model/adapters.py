@@ -78,7 +78,7 @@ def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
     """
     params = dict(cfg.get("rope_parameters") or {})
     if params and all(isinstance(v, dict) or v is None for v in params.values()):
-        params = dict(params.get(layer_type) if layer_type else next(iter(params.values())) or {})
+        params = dict((params.get(layer_type) if layer_type else next(iter(params.values()))) or {})
     legacy = cfg.get("rope_scaling") or {}
     for key, value in legacy.items():
         params.setdefault(key, value)

@@ -96,6 +96,9 @@ class AttentionSpec:
     q_scale_period: int = 1
     q_scale_offset: int = 0
     """Added to the position before the floor division (Llama 4 NoPE temperature tuning uses 1)."""
+    q_scale_power: float = 0.0
+    """If > 0 (and ``q_scale_beta`` is 0), queries are scaled by ``(1 + (pos + offset) / period) ** power`` (Beam's
+    scalable softmax on NoPE layers)."""
     chunk_size: int | None = None
     """Chunked local attention: a query sees only keys in its own chunk of ``chunk_size`` positions (Llama 4)."""
 

@@ -205,3 +205,29 @@ def kolibri1(cfg: Config) -> ModelSpec:
     names = WeightNames(correction_bias="moe.router.expert_bias", correction_at_layer=True,
                         attn_out_norm="post_attn_norm", ffn_out_norm="post_ffn_norm")
     return _model(cfg, moe_layers(cfg, attn, router), names=names)
+
+
+@adapter("beam")
+def beam(cfg: Config) -> ModelSpec:
+    """Beam: sandwich norms, depth-scaled residuals, per-head-biased output gates, NoPE full layers with scalable
+    softmax, final logit softcap."""
+    import math
+
+    types = _types(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+
+    def attn(i: int) -> Any:
+        rope = (cfg.get("rope_parameters") or {}).get(types[i]) is not None
+        return _gqa(cfg, layer_type=types[i], qkv_bias=bias, o_bias=bias, qk_norm="head", output_gate="sigmoid",
+                    output_gate_bias=True, sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention"
+                    else None, **({} if rope else {"rope": None, "q_scale_power": 0.1, "q_scale_period": 2048,
+                                                   "q_scale_offset": 1}))
+
+    layers = []
+    for i, layer in enumerate(moe_layers(cfg, attn, sigmoid_router(cfg))):
+        a, m = 2 * (i + 1), 2 * (i + 1) + 1
+        scales = (math.sqrt((a - 1) / a), 1 / math.sqrt(a), math.sqrt((m - 1) / m), 1 / math.sqrt(m))
+        layers.append(LayerSpec(attention=layer.attention, mlp=layer.mlp, moe=layer.moe, residual_scales=scales))
+    names = WeightNames(attn_out_norm="post_attention_layernorm", ffn_in_norm="pre_feedforward_layernorm",
+                        ffn_out_norm="post_feedforward_layernorm")
+    return _model(cfg, layers, names=names, final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
