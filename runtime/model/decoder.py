@@ -14,6 +14,7 @@ from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet, 
 from freetoken_agent.runtime.model.mixers.lightning import lightning
 from freetoken_agent.runtime.model.mixers.mamba import mamba
 from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
+from freetoken_agent.runtime.model.mixers.moa import moa_attention
 from freetoken_agent.runtime.model.mixers.short_conv import short_conv
 from freetoken_agent.runtime.model.moe import ExpertsBackend, route
 from freetoken_agent.runtime.model.rope import Rotary
@@ -89,6 +90,8 @@ class Decoder:
         spec, layer = self.spec, self.spec.layers[i]
         if layer.recurrent is not None:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
+        if layer.attention.kind == "moa":
+            return moa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
         if layer.attention.kind == "mla":
             return mla_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps,
                                  self._scratch)
@@ -130,6 +133,8 @@ class Decoder:
             if mw.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
             out = (out + shared) / 2 if moe.shared_average else out + shared
+        if mw.output_bias is not None:
+            out = out + mw.output_bias
         if mw.output_norm is not None:
             out = rms_norm(out, mw.output_norm, self.spec.norm_eps)
         return out

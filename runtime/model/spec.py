@@ -52,7 +52,7 @@ class IndexerSpec:
 class AttentionSpec:
     """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
 
-    kind: Literal["gqa", "mla"]
+    kind: Literal["gqa", "mla", "moa"]
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -170,6 +170,8 @@ class MoESpec:
     """Shared-expert output is scaled by sigmoid(linear(x)) (Qwen2-MoE)."""
     gated: bool = True
     """False: experts are down(act(up(x))); the normalized "gate_up" then holds only the up rows [I, D]."""
+    output_bias: bool = False
+    """A learned bias [D] added to the block output (JetMoE), stored at ``{moe_prefix}.bias``."""
     scale_input: bool = False
     """The routing weight scales the expert's input instead of its output (Llama 4)."""
     shared_average: bool = False

@@ -37,6 +37,7 @@ class MoEWeights:
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_gate: torch.Tensor | None = None  # [1, D]
     output_norm: torch.Tensor | None = None  # [D]
+    output_bias: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -183,6 +184,16 @@ class _Loader:
 
     def attention(self, prefix: str, a: AttentionSpec, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
+        if a.kind == "moa":  # JetMoE: routed query/output experts, shared key/value projection
+            e, inner = a.num_heads // a.num_kv_heads, a.num_kv_heads * a.head_dim
+            experts = self.stored_shape(f"{prefix}.experts.router.layer.weight")
+            n_exp = experts[0] if experts else e
+            w["router.weight"] = self.take(f"{prefix}.experts.router.layer.weight", (n_exp, d))
+            w["input_linear.weight"] = self.take(f"{prefix}.experts.input_linear.weight", (n_exp, inner, d))
+            w["output_linear.weight"] = self.take(f"{prefix}.experts.output_linear.weight", (n_exp, d, inner))
+            w["bias"] = self.take(f"{prefix}.experts.bias", (d,))
+            self.linear(w, prefix, "kv_proj", 2 * inner, d, False)
+            return w
         if a.kind == "mla":
             if a.q_lora_rank is None:
                 self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, False)
@@ -261,6 +272,8 @@ class _Loader:
         if m.shared is not None:
             base = layer_prefix if names.shared_at_layer else prefix
             weights.shared = self.mlp(f"{base}.{names.shared}", m.shared, d)
+        if m.output_bias:
+            weights.output_bias = self.take(f"{prefix}.bias", (d,))
         if m.output_norm:
             weights.output_norm = self.take(f"{layer_prefix}.{names.moe_output_norm}.weight", (d,))
         if m.shared_gate:

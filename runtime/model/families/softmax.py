@@ -183,3 +183,23 @@ def dbrx(cfg: Config) -> ModelSpec:
                         ffn_in_norm="norm_attn_norm.norm_2")
     return _model(flat, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["n_layers"]))], names=names,
                   norm_kind="layer", norm_eps=1e-5)
+
+
+@adapter("jetmoe")
+def jetmoe(cfg: Config) -> ModelSpec:
+    """JetMoE: mixture-of-attention-heads (routed query/output experts over shared KV) and a biased MoE MLP."""
+    from freetoken_agent.runtime.model.adapters import _rope
+    from freetoken_agent.runtime.model.spec import AttentionSpec
+
+    hkv, dh, k = int(cfg["num_key_value_heads"]), int(cfg["kv_channels"]), int(cfg["num_experts_per_tok"])
+    attn = AttentionSpec(kind="moa", num_heads=hkv * k, num_kv_heads=hkv, head_dim=dh, v_head_dim=dh,
+                         scale=dh**-0.5, rope=_rope(cfg, dh))
+    moe = MoESpec(
+        num_experts=int(cfg["num_local_experts"]), top_k=k, intermediate=int(cfg["intermediate_size"]),
+        router=RouterSpec(scoring="none", topk_before_scoring=True),
+        activation=str(cfg.get("activation_function", "silu")), output_bias=True,  # type: ignore[arg-type]
+    )
+    names = WeightNames(attn="self_attention", router="router.layer",
+                        fused_names=("input_linear.weight", "output_linear.weight"))
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["num_hidden_layers"]))],
+                  names=names, norm_eps=float(cfg.get("rms_norm_eps") or 1e-6))
