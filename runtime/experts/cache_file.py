@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -157,6 +157,3 @@ def open_or_write(
     write_cache_file(path, layout, layers, num_experts, load)
     return ExpertCacheFile(path, drop_cache), True
 
-
-def iter_keys(layers: Iterable[int], num_experts: int) -> list[tuple[int, int]]:
-    return [(layer, e) for layer in layers for e in range(num_experts)]

@@ -225,6 +225,7 @@ def build_store(
         store.pin(list(config.pin))
     rates = config.rates or _profile_rates()
     planner = ExecutionPlanner(CostModel(rates), layout.blob_bytes, dev_pool is not None, config.planner)
+    store.observe_copy, store.observe_disk = planner.cost.observe_copy, planner.cost.observe_disk
     return store, planner
 
 

@@ -9,7 +9,7 @@ waits for it (counted as stall time). Every byte moved and every hit/miss is cou
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -90,6 +90,10 @@ class ExpertStore:
         self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="ft-host-experts")
         """Runs a step's host experts while the calling thread runs its device experts."""
         self.planner_counts: dict[str, int] = {"resident": 0, "fetch": 0, "host": 0}
+        self.observe_copy: Callable[[int, float], None] | None = None
+        """Told of every timed host→device copy ``(bytes, seconds)`` (the planner's cost model listens)."""
+        self.observe_disk: Callable[[int, float], None] | None = None
+        """Told of every timed cache-file read ``(bytes, seconds)``."""
         self.read_aheads = 0
         self._read_ahead: set[Key] = set()
 
@@ -102,10 +106,13 @@ class ExpertStore:
         except BaseException:
             self.host.abandon(slot)
             raise
+        dt = time.perf_counter() - t0
         c = self.counters["disk"]
         c.bytes_in += n
-        c.seconds_in += time.perf_counter() - t0
+        c.seconds_in += dt
         self.host.ready(slot)
+        if self.observe_disk is not None:
+            self.observe_disk(n, dt)
 
     def _protected(self, keys: Iterable[Key]) -> set[int]:
         table = self.host.table
@@ -272,6 +279,8 @@ class ExpertStore:
         c.seconds_in += dt
         self.stall_s += dt
         dev.ready(slot)
+        if self.observe_copy is not None:
+            self.observe_copy(self.host.layout.blob_bytes, dt)
         return slot
 
     def release_device(self, slot: int) -> None:

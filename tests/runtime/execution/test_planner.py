@@ -124,3 +124,18 @@ def test_device_slot_dequantize_matches_the_blocks(tmp_path: Path) -> None:
         g, w = me._dequantize(layout.views(pool), 1)
         assert torch.equal(g, quantize(t.gate_up, "q4").dequantize())
         assert torch.equal(w, quantize(t.down, "q4").dequantize())
+
+
+def test_observed_copies_and_reads_update_the_cost_model(model: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    ref = Engine.from_pretrained(model)
+    experts = sum(b.gate_up.nbytes + b.down.nbytes for b in ref.decoder.experts if b is not None)
+    scripted = Rates(copy_gbps=1e-3, disk_gbps=1e-3, host_gbps_m1=1e-3, host_gbps_m16=1e-3)  # absurdly slow guesses
+    cfg = ResidencyConfig(simulate_device=True, rates=Rates(**vars(scripted)), prefetch=False, planner="fetch")
+    engine = Engine.from_pretrained(model, budget=Budget(device=experts // 4), residency=cfg)
+    engine.generate(list(range(50)), max_new_tokens=4)
+    planner = engine.decoder.experts[0].planner
+    rates = planner.cost.rates
+    assert planner.cost.observations > 0
+    assert rates.copy_gbps > 100 * scripted.copy_gbps and rates.disk_gbps > 100 * scripted.disk_gbps
