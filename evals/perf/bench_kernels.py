@@ -97,17 +97,19 @@ def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
     return paths
 
 
-def time_paths(paths: list[Path], reps: int, budget_s: float, batch: int = 5) -> list[float]:
+def time_paths(paths: list[Path], reps: int, budget_s: float, batch: int = 5, pause_s: float = 0.005) -> list[float]:
     """Median seconds per call of each path, timed round-robin in batches.
 
-    Each round runs every path for one untimed call (its thread pool wakes up, the previous path's pool goes
-    idle) and then ``batch`` timed calls, each on the next weight copy.
+    Each round runs every path after a short pause (thread pools that poll after a call — ggml's does — go
+    idle instead of competing with the next path), one untimed call (its own pool wakes up), then ``batch``
+    timed calls, each on the next weight copy.
     """
     times: list[list[float]] = [[] for _ in paths]
     cursor = [0] * len(paths)
     start = time.perf_counter()
     for r in range(max(1, reps // batch)):
         for j, p in enumerate(paths):
+            time.sleep(pause_s)
             p.run(cursor[j] % p.copies)
             for _ in range(batch):
                 cursor[j] += 1
@@ -246,3 +248,42 @@ def format_table(report: Report) -> str:
             f"{r.seconds * 1e6:>8.0f}us {100 * r.fraction_of_read_bw:>4.0f}%"
         )
     return "\n".join(lines)
+
+
+def format_markdown(report: Report) -> str:
+    """Markdown tables for RESULTS.md: per thread count, one row per (shape, M), one column per kernel path."""
+    out = []
+    cols = ["freetoken-c/q4", "ggml-q4_0/q4_0", "ggml-q4_k/q4_k", "freetoken-c/q8", "ggml-q8_0/q8_0",
+            "freetoken-dequant-mm/q4", "torch-linear/fp32"]  # fmt: skip
+    threads = sorted({r.threads for r in report.results})
+    for th in threads:
+        rows = [r for r in report.results if r.threads == th]
+        bw = report.memory_read_gbps_by_threads.get(str(th), 0.0)
+        out.append(f"**{th} thread(s)** — µs per call (GB/s, % of read bandwidth measured in the same row); "
+                   f"median read bandwidth {bw:.1f} GB/s\n")  # fmt: skip
+        present = [c for c in cols if any(f"{r.kernel}/{r.format}" == c for r in rows)]
+        out.append("| shape N×K | M | " + " | ".join(present) + " | q4 ours / best ggml 4-bit | q8 ours / ggml |")
+        out.append("|---" * (len(present) + 4) + "|")
+        keys = sorted({(r.shape, r.M) for r in rows if "x" in r.shape and " " not in r.shape},
+                      key=lambda k: (SHAPE_ORDER.get(k[0], 9), k[1]))  # fmt: skip
+        for shape, m in keys:
+            cell = {f"{r.kernel}/{r.format}": r for r in rows if r.shape == shape and r.M == m}
+            vals = []
+            for c in present:
+                r = cell.get(c)
+                vals.append(f"{r.seconds * 1e6:.0f} ({r.gbps:.1f}, {100 * r.fraction_of_read_bw:.0f}%)" if r else "—")
+            best4 = min((cell[c].seconds for c in ("ggml-q4_0/q4_0", "ggml-q4_k/q4_k") if c in cell), default=None)
+            q4 = cell.get("freetoken-c/q4")
+            q8, g8 = cell.get("freetoken-c/q8"), cell.get("ggml-q8_0/q8_0")
+            r4 = f"{best4 / q4.seconds:.2f}×" if best4 and q4 else "—"
+            r8 = f"{g8.seconds / q8.seconds:.2f}×" if q8 and g8 else "—"
+            out.append(f"| {shape} | {m} | " + " | ".join(vals) + f" | {r4} | {r8} |")
+        layer = [r for r in rows if r.shape.startswith("E64")]
+        if layer:
+            out.append("\nWhole MoE layer, one token (E=64, top-8, D=2048, I=768, q4): " + ", ".join(
+                f"{r.kernel} {r.seconds * 1e6:.0f} µs" for r in layer))  # fmt: skip
+        out.append("")
+    return "\n".join(out)
+
+
+SHAPE_ORDER = {f"{n}x{k}": i for i, (n, k) in enumerate(SHAPES)}

@@ -15,6 +15,7 @@ from freetoken_agent.cli import CLIError
 
 def _kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables (for evals/perf/RESULTS.md)")
     p.add_argument("--quick", action="store_true", help="one shape (768x2048), M=1 and 16, short timing")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all CPUs)")
     p.add_argument("--no-ggml", action="store_true", help="skip the ggml peer rows even if llama-cpp-python is here")
@@ -64,7 +65,10 @@ def _kernels(args: argparse.Namespace) -> int:
         report = bk.run(progress=None if args.json else lambda s: print(s, file=sys.stderr), **kwargs)  # type: ignore[arg-type]
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
-    print(json.dumps(report.to_json(), indent=1) if args.json else bk.format_table(report))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(bk.format_markdown(report) if args.markdown else bk.format_table(report))
     return 0
 
 

@@ -126,6 +126,9 @@ def load() -> ctypes.CDLL | None:
                 from .threads import default_threads
 
                 lib.ft_set_threads(default_threads())
+                spin = os.environ.get("FREETOKEN_CPU_SPIN_US", "")
+                if spin.isdigit():  # how long idle workers poll before sleeping (default 300 us)
+                    lib.ft_set_spin_us(int(spin))
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 lib = None
                 _state["reason"] = str(exc)

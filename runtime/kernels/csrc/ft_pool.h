@@ -32,7 +32,7 @@ typedef struct {
     int spin_us;
 } ft_pool;
 
-static ft_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_us = 50};
+static ft_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_us = 300};
 
 static inline double ft_now_us(void) {
     struct timespec ts;
