@@ -72,6 +72,8 @@ class Decoder:
                     h = x
                 x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
                 h = self._residual(h, x, layer.residual_scales[2:])
+            if layer.moe_shortcut == "add":
+                h = h + self._scratch.pop("moe_shortcut")
         cache.advance()
         return self._norm(h, None, "final")
 
@@ -109,7 +111,9 @@ class Decoder:
 
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         layer = self.spec.layers[i]
-        if lw.moe is None:
+        if layer.moe_shortcut == "compute" and lw.moe is not None:
+            self._scratch["moe_shortcut"] = self._moe(i, x, lw.moe)
+        if lw.moe is None or layer.moe_shortcut == "compute":
             assert layer.mlp is not None and lw.mlp is not None
             return mlp(x, lw.mlp, layer.mlp)
         return self._moe(i, x, lw.moe)
@@ -118,6 +122,11 @@ class Decoder:
         moe = self.spec.layers[i].moe
         assert moe is not None
         ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
+        identity = None
+        if moe.zero_experts:  # identity experts: weight · x, then hidden from the expert backend
+            zero = ids >= moe.num_experts
+            identity = x * (weights * zero).sum(dim=-1, keepdim=True).to(x.dtype)
+            ids, weights = ids.masked_fill(zero, 0), weights.masked_fill(zero, 0.0)
         for observe in self.routing_observers:
             observe(i, ids)
         backend = self.experts[i]
@@ -128,6 +137,8 @@ class Decoder:
             out = sum(backend.forward(x * weights[:, k : k + 1], ids[:, k : k + 1], ones) for k in range(ids.shape[1]))
         else:
             out = backend.forward(x, ids, weights)
+        if identity is not None:
+            out = out + identity
         if moe.shared is not None:
             shared = mlp(x, mw.shared, moe.shared)
             if mw.shared_gate is not None:

@@ -165,11 +165,15 @@ def mla_attention(
     if spec.q_lora_rank is None:
         q = q_resid = linear(x, w, "q_proj")
     else:
-        q_resid = rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm.weight"], eps)
+        q_resid = rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm.weight"], spec.lora_norm_eps)
         q = linear(q_resid, w, "q_b_proj")
     q = q.view(t, h, nope + rope_dim)
+    if spec.mla_q_scale != 1.0:
+        q = q * spec.mla_q_scale
     compressed = linear(x, w, "kv_a_proj_with_mqa")  # [T, rank + R]
-    latent = rms_norm(compressed[:, : spec.kv_lora_rank], w["kv_a_layernorm.weight"], eps)  # [T, rank]
+    latent = rms_norm(compressed[:, : spec.kv_lora_rank], w["kv_a_layernorm.weight"], spec.lora_norm_eps)  # [T, rank]
+    if spec.mla_kv_scale != 1.0:
+        latent = latent * spec.mla_kv_scale
     k_rot = compressed[:, spec.kv_lora_rank :].reshape(t, 1, rope_dim)  # [T, 1, R]
     q_nope, q_rot = q[..., :nope], q[..., nope:]
     cos = sin = torch.empty(0)

@@ -77,6 +77,9 @@ class AttentionSpec:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     lora_bias: bool = False
+    lora_norm_eps: float = 1e-6
+    """Eps of the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` (transformers builds them with the 1e-6 default,
+    whatever the model's ``rms_norm_eps``)."""
     indexer: IndexerSpec | None = None
     """MLA + DeepSeek sparse attention: each query attends only to the top-k keys chosen by a lightweight indexer."""
     qk_norm_after_rope: bool = False
@@ -89,6 +92,10 @@ class AttentionSpec:
     """The gate has one value per head (else one per output channel)."""
     output_gate_bias: bool = False
     """A learned per-head bias is added to the gate logits (Beam)."""
+    mla_q_scale: float = 1.0
+    """MLA: queries are multiplied by this (LongCat: sqrt(hidden / q_lora_rank))."""
+    mla_kv_scale: float = 1.0
+    """MLA: the normalized latent is multiplied by this before caching (LongCat: sqrt(hidden / kv_lora_rank))."""
     q_gate: bool = False
     """``q_proj`` holds per head [query | gate]; the output is multiplied by sigmoid(gate) (Qwen3-Next)."""
     q_scale_beta: float = 0.0
@@ -172,6 +179,8 @@ class MoESpec:
     """False: experts are down(act(up(x))); the normalized "gate_up" then holds only the up rows [I, D]."""
     output_bias: bool = False
     """A learned bias [D] added to the block output (JetMoE), stored at ``{moe_prefix}.bias``."""
+    zero_experts: int = 0
+    """Extra identity ("zero-computation") experts after the real ones: choosing one adds weight · x (LongCat)."""
     scale_input: bool = False
     """The routing weight scales the expert's input instead of its output (Llama 4)."""
     shared_average: bool = False
@@ -229,6 +238,13 @@ class LayerSpec:
     """When set, this layer mixes tokens with a recurrent mixer instead of ``attention`` (which is then unused)."""
     residual_scales: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
     """(mixer residual α, mixer output β, FFN residual α, FFN output β): h = α·r + β·f(·) (MiniMax)."""
+    moe_shortcut: Literal["none", "compute", "add"] = "none"
+    """LongCat's shortcut MoE: ``compute`` runs this layer's MoE beside its dense MLP on the same input and holds
+    the result; ``add`` adds the held result to the stream at the end of this layer."""
+    prefix: str | None = None
+    """Overrides ``{names.layers}.{i}`` as this layer's weight prefix (two sub-blocks stored in one HF layer)."""
+    names: WeightNames | None = None
+    """Overrides the model's weight names for this layer."""
     parts: Literal["both", "mixer", "ffn"] = "both"
     """Single-sublayer blocks (Nemotron-H): ``mixer`` = only the token mixer, ``ffn`` = only the MLP/MoE."""
 

@@ -256,17 +256,18 @@ class _Loader:
         )
 
     def moe(self, prefix: str, layer: LayerSpec, spec: ModelSpec, layer_prefix: str) -> MoEWeights:
-        m, names, d = layer.moe, spec.names, spec.hidden_size
+        m, names, d = layer.moe, layer.names or spec.names, spec.hidden_size
         assert m is not None
-        router = {"weight": self.take(f"{prefix}.{names.router}.weight", (m.num_experts, d))}
+        n_route = m.num_experts + m.zero_experts
+        router = {"weight": self.take(f"{prefix}.{names.router}.weight", (n_route, d))}
         if m.router.bias:
-            router["bias"] = self.take(f"{prefix}.{names.router}.bias", (m.num_experts,))
+            router["bias"] = self.take(f"{prefix}.{names.router}.bias", (n_route,))
         correction = None
         if m.router.correction_bias:
             name = f"{layer_prefix if names.correction_at_layer else prefix}.{names.correction_bias}"
-            shape = self.stored_shape(name) or (m.num_experts,)
-            if shape not in ((m.num_experts,), (1, m.num_experts)):
-                raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{m.num_experts}]")
+            shape = self.stored_shape(name) or (n_route,)
+            if shape not in ((n_route,), (1, n_route)):
+                raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{n_route}]")
             correction = self.take(name, shape, torch.float32).reshape(-1)
         weights = MoEWeights(router, correction, self.experts(prefix, m, names, d))
         if m.shared is not None:
@@ -342,8 +343,8 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     embed = ld.take(f"{spec.names.embed}.weight", (v, d))
     layers = []
     for i, layer in enumerate(spec.layers):
-        p = f"{spec.names.layers}.{i}"
-        n = spec.names
+        p = layer.prefix or f"{spec.names.layers}.{i}"
+        n = layer.names or spec.names
         roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
                  "ffn_out": n.ffn_out_norm}
         wanted = {"both": roles, "mixer": ("attn_in", "attn_out"), "ffn": ("ffn_in", "ffn_out")}[layer.parts]
@@ -356,13 +357,11 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         )
         if spec.norm_bias:
             lw.norms.update({f"{role}_bias": ld.take(f"{p}.{name}.bias", (d,)) for role, name in norm_names.items()})
-        if layer.parts == "mixer":
-            pass
-        elif layer.moe is not None:
-            lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
-        else:
-            assert layer.mlp is not None
-            lw.mlp = ld.mlp(f"{p}.{n.mlp}", layer.mlp, d)
+        if layer.parts != "mixer":
+            if layer.moe is not None:
+                lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
+            if layer.mlp is not None and (layer.moe is None or layer.moe_shortcut == "compute"):
+                lw.mlp = ld.mlp(f"{p}.{n.mlp}", layer.mlp, d)
         layers.append(lw)
         if on_layer is not None:
             on_layer(i)

@@ -150,6 +150,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # non-trivial residual scales (all 1 by default) so the α/β path is exercised
     "minimax": dict(linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
                     mlp_alpha_factor=0.8, mlp_beta_factor=1.3),
+    "longcat_flash": dict(zero_expert_num=4),  # 256 identity experts would drown the 8 real ones
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken_agent.runtime.model.adapters import Config, _mla, _model, _mtp_ignored, _rope_params, adapter
+from freetoken_agent.runtime.model.adapters import Config, _act, _mla, _model, _mtp_ignored, _rope_params, adapter
 from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
-from freetoken_agent.runtime.model.spec import IndexerSpec, ModelSpec, WeightNames
+from freetoken_agent.runtime.model.spec import (
+    IndexerSpec,
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    RouterSpec,
+    WeightNames,
+)
 
 
 @adapter("sarvam_mla", "glm4_moe_lite")
@@ -48,3 +56,34 @@ def deepseek_sparse(cfg: Config) -> ModelSpec:
     attns = [_mla(cfg, indexer=_indexer(cfg, i, style)) for i in range(int(cfg["num_hidden_layers"]))]
     layers = moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg))
     return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("longcat_flash")
+def longcat_flash(cfg: Config) -> ModelSpec:
+    """LongCat-Flash: each stored layer holds two attention + dense-MLP sub-blocks; a shortcut MoE (with identity
+    "zero" experts) reads the first sub-block's MLP input and joins the stream after the second."""
+    n = int(cfg.get("num_layers") or cfg["num_hidden_layers"])
+    d = int(cfg["hidden_size"])
+    act = _act(cfg)
+    moe = MoESpec(
+        num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["moe_topk"]),
+        intermediate=int(cfg["expert_ffn_hidden_size"]),
+        router=RouterSpec(scoring="softmax", correction_bias=True, bias=bool(cfg.get("router_bias", False)),
+                          scaling=float(cfg.get("routed_scaling_factor") or 1.0)),
+        activation=act, zero_experts=int(cfg.get("zero_expert_num") or 0),  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["ffn_hidden_size"]), act)  # type: ignore[arg-type]
+    attn = _mla(cfg, mla_q_scale=(d / int(cfg["q_lora_rank"])) ** 0.5, mla_kv_scale=(d / int(cfg["kv_lora_rank"])) ** 0.5)
+    layers = []
+    for i in range(n):
+        for sub in (0, 1):
+            names = WeightNames(attn=f"self_attn.{sub}", mlp=f"mlps.{sub}", attn_in_norm=f"input_layernorm.{sub}",
+                                ffn_in_norm=f"post_attention_layernorm.{sub}", router="router.classifier",
+                                correction_bias="router.e_score_correction_bias")
+            layers.append(LayerSpec(attention=attn, mlp=dense, moe=moe if sub == 0 else None,
+                                    moe_shortcut="compute" if sub == 0 else "add", prefix=f"model.layers.{i}",
+                                    names=names))
+    # transformers stores (never used) weights for the identity experts too
+    zero_ids = "|".join(str(e) for e in range(moe.num_experts, moe.num_experts + moe.zero_experts))
+    ignored = _mtp_ignored({**cfg, "num_hidden_layers": n}) + ((rf"\.mlp\.experts\.({zero_ids})\.",) if zero_ids else ())
+    return _model({**cfg, "num_hidden_layers": n}, layers, ignored_tensors=ignored)
