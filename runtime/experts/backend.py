@@ -115,7 +115,8 @@ class ManagedExperts:
         store, layer = self.store, self.layer
         counts_t = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)  # [E]
         hit = counts_t.nonzero().flatten().tolist()
-        counts = {e: int(counts_t[e]) for e in hit}
+        per_expert = counts_t.tolist()  # one device sync, not one per expert
+        counts = {e: per_expert[e] for e in hit}
         store.host.policy.observe(layer, counts)
         if store.device is not None:
             store.device.policy.observe(layer, counts)
@@ -168,13 +169,20 @@ class ManagedExperts:
         device = [e for e in spans if paths[e] != "host"]
         parts: dict[int, torch.Tensor] = {}
 
+        # host experts read x from host memory: move it (and the token index) once per step, not once per expert
+        on_host = xin.device.type == "cpu"
+        x_host = xin if on_host or not host else xin.cpu()
+        tok_host = token_of if on_host or not host else token_of.cpu()
+
         def run(experts: list[int], tier: str) -> None:
             keys = [(self.layer, e) for e in experts]
+            src, tok = (x_host, tok_host) if tier == "host" else (xin, token_of)
             for j, e in enumerate(experts):
                 a, n = spans[e]
                 if tier == "host" and j + 1 < len(experts) and not self.store.host.is_ready(keys[j + 1]):
                     self.store.read_ahead(keys[j + 1], keys[j:])
-                parts[e] = self._one(tier, keys[j], xin[token_of[a : a + n]], keys[j:]) * weight_of[a : a + n, None]
+                h = self._one(tier, keys[j], src[tok[a : a + n]], keys[j:])
+                parts[e] = h.to(xin.device) * weight_of[a : a + n, None]
 
         worker = None
         if host and device:
@@ -190,12 +198,12 @@ class ManagedExperts:
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def _one(self, tier: str, key: tuple[int, int], x: torch.Tensor, protect: list[tuple[int, int]]) -> torch.Tensor:
-        """One expert on its tokens ``x [n, D]`` from ``tier`` (acquired for the call) → ``[n, D]`` on x's device."""
+        """One expert on its tokens ``x [n, D]`` from ``tier`` (acquired for the call) → ``[n, D]`` on the tier's device."""
         store = self.store
-        t0 = time.perf_counter()
         slot = store.acquire_host(key, protect) if tier == "host" else store.acquire_device(key)
         pool = store.host if tier == "host" else store.device
         assert pool is not None
+        t0 = time.perf_counter()  # compute only: the read that may precede it is the disk's, timed by the store
         try:
             xe = x if x.device == pool.device else x.to(pool.device)
             if self.layout.quantized:
@@ -206,7 +214,7 @@ class ManagedExperts:
             store.release_host(slot) if tier == "host" else store.release_device(slot)
         if tier == "host":
             self.planner.cost.observe_host(self.layout.blob_bytes, x.shape[0], time.perf_counter() - t0)
-        return h.to(x.device)
+        return h
 
     def _quant_host_step(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hit: list[int]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
@@ -139,3 +141,29 @@ def test_observed_copies_and_reads_update_the_cost_model(model: Path, tmp_path: 
     rates = planner.cost.rates
     assert planner.cost.observations > 0
     assert rates.copy_gbps > 100 * scripted.copy_gbps and rates.disk_gbps > 100 * scripted.disk_gbps
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    device_fraction=st.floats(0.3, 1.0),
+    host_fraction=st.floats(0.4, 1.2),
+    policy=st.sampled_from(["lru", "heat"]),
+    copy_gbps=st.floats(0.5, 50.0),
+    prompt=st.lists(st.integers(0, 511), min_size=1, max_size=30),
+)
+def test_two_tiers_any_budget_same_tokens(model: Path, tmp_path_factory: pytest.TempPathFactory,
+                                          monkeypatch: pytest.MonkeyPatch, device_fraction: float,
+                                          host_fraction: float, policy: str, copy_gbps: float,
+                                          prompt: list[int]) -> None:
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path_factory.getbasetemp() / "two-tiers"))
+    ref = Engine.from_pretrained(model)
+    experts = sum(b.gate_up.nbytes + b.down.nbytes for b in ref.decoder.experts if b is not None)
+    dense = Engine.from_pretrained(model, budget=Budget()).residency.ledgers["host"].reservations["dense"].nbytes
+    rates = Rates(**{**vars(LAPTOP), "copy_gbps": copy_gbps})
+    cfg = ResidencyConfig(policy=policy, simulate_device=True, rates=rates)
+    budget = Budget(device=int(device_fraction * experts), host=dense + int(host_fraction * experts))
+    engine = Engine.from_pretrained(model, budget=budget, residency=cfg)
+    assert engine.generate(prompt, max_new_tokens=6).token_ids == ref.generate(prompt, max_new_tokens=6).token_ids
+    engine.residency.drain()
+    for ledger in engine.residency.ledgers.values():
+        assert ledger.peak <= ledger.limit
