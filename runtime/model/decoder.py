@@ -44,6 +44,7 @@ class Decoder:
             lw.moe.experts if lw.moe is not None else None for lw in weights.layers
         ]
         """Per layer, the backend computing routed experts (replaceable: quantized, residency-managed)."""
+        self._recurrent = [i for i, layer in enumerate(spec.layers) if layer.recurrent is not None]
         self.routing_observers: list = []
         """Callables ``(layer, topk_ids [T, K])`` told of every routing decision (heat, profiles)."""
 
@@ -54,6 +55,8 @@ class Decoder:
     def forward(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """token_ids [T] → final hidden states [T, D] (after the final norm); appends to ``cache``."""
         spec, w = self.spec, self.weights
+        for i in self._recurrent:  # fail before touching the cache if a recurrent state is not at cache.length
+            cache.get_state(i)
         self._scratch: dict = {}  # per-forward values shared between layers (sparse-attention indices)
         positions = torch.arange(cache.length, cache.length + token_ids.shape[0], device=self.device)
         h = F.embedding(token_ids.to(self.device), w.embed)

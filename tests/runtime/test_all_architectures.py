@@ -7,6 +7,7 @@ gets an adapter or a reason in ``UNSUPPORTED``.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -14,15 +15,34 @@ import pytest
 import torch
 
 from freetoken_agent.runtime.engine import Engine
-from freetoken_agent.runtime.model.adapters import supported_architectures
+from freetoken_agent.runtime.model.adapters import spec_from_config, supported_architectures
 
 warnings.filterwarnings("ignore")
 transformers = pytest.importorskip("transformers")
 
-from tests.runtime.arch_configs import moe_causal_lm_types, save_checkpoint  # noqa: E402
+from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_checkpoint  # noqa: E402
 
 # Model types without an adapter yet, and why (mirrored in the README support table).
-UNSUPPORTED: dict[str, str] = {}
+UNSUPPORTED: dict[str, str] = {
+    "gemma4_text": "per-layer input embeddings (262k x layers table), KV sharing across layers, dense MLP beside "
+                   "the MoE block, proportional rope; not built yet",
+    "minimax_m3_vl_text": "block-sparse indexer attention (top-k blocks + local blocks) not built yet",
+    "axk2": "low-rank gated RMSNorms around every sub-layer plus the sparse-attention indexer; gated norms not "
+            "built yet",
+    "dots3_note_text": "per-layer head/rank overrides (per_layer_config) and sliding GQA layers mixed with indexed "
+                       "MLA layers; not built yet",
+    "hy_v4": "hyper-connections (multiple residual streams), learnable attention sinks and shared indexers; "
+             "hyper-connections not built yet",
+    "qwen4_exp_text": "hyper-connections, n-gram hashed embeddings, per-layer embeddings and a block indexer on top "
+                      "of Gated DeltaNet; not built yet",
+    "deepseek_v4": "hash routing, sqrt-softplus scores, compressed/sparse attention and hyper-connections; not "
+                   "built yet",
+    "doge": "dynamic-mask attention and the cross-domain (product-key) MoE; not built yet",
+    "zaya": "CCA attention with learned time mixing and a separate router MLP; not built yet",
+    "inkling_text": "relative-position attention with conv states, shared-expert sink, mup logits; not built yet",
+    "inkling2_text": "relative-position attention with conv states and attention-residual blocks; not built yet",
+    "inkling2_loop_text": "inkling2 plus looped layers with learned loop gates; not built yet",
+}
 
 TYPES = moe_causal_lm_types()
 
@@ -65,3 +85,62 @@ def test_parity_with_transformers(model_type: str, tmp_path: Path) -> None:
     result = engine.generate(ids, max_new_tokens=32, temperature=0.0)
     assert result.token_ids == hf
     assert len(set(result.token_ids)) > 4, "degenerate test model: greedy output repeats one token"
+
+
+def _hybrids() -> list[str]:
+    """Supported types whose tiny config has recurrent layers (found from the spec, not hand-kept)."""
+    found = []
+    for model_type in TYPES:
+        if model_type in supported_architectures():
+            spec = spec_from_config(make_config(model_type).to_dict())
+            if any(layer.recurrent is not None for layer in spec.layers):
+                found.append(model_type)
+    return found
+
+
+HYBRIDS = _hybrids()
+
+
+def test_hybrids_are_found() -> None:
+    assert {"qwen3_next", "jamba", "nemotron_h", "minimax", "kimi_linear", "lfm2_moe"} <= set(HYBRIDS)
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrid_multi_turn_prefix_reuse(model_type: str, tmp_path: Path) -> None:
+    """Turn 2 continues from the cache of turn 1 (recurrent states included) and matches a fresh full forward;
+    a snapshot taken at the end of turn 1 serves a different turn 2 exactly; rewinding without a snapshot fails."""
+    torch.set_num_threads(1)
+    save_checkpoint(model_type, tmp_path)
+    engine = Engine.from_pretrained(tmp_path)
+    dec = engine.decoder
+    gen = torch.Generator().manual_seed(3)
+    turn1, turn2, other2 = (torch.randint(0, 512, (n,), generator=gen) for n in (20, 9, 7))
+
+    cache = dec.new_cache()
+    last = dec.logits(dec.forward(turn1, cache))[-1]
+    reply = []
+    for _ in range(6):  # greedy reply, token by token
+        reply.append(int(last.argmax()))
+        last = dec.logits(dec.forward(torch.tensor(reply[-1:]), cache))[-1]
+    history = torch.cat([turn1, torch.tensor(reply)])
+    snapshot = copy.deepcopy(cache)  # what a prefix cache keeps at the end of a turn
+    recurrent = [i for i, layer in enumerate(dec.spec.layers) if layer.recurrent is not None]
+    states = {i: snapshot.get_state(i) for i in recurrent}
+    assert all(states[i] is not None for i in recurrent)
+
+    reused = dec.logits(dec.forward(turn2, cache))
+    full = engine.logits(torch.cat([history, turn2]))
+    assert (reused - full[len(history):]).abs().max().item() <= 1e-4
+
+    from_snapshot = dec.logits(dec.forward(other2, copy.deepcopy(snapshot)))
+    full_other = engine.logits(torch.cat([history, other2]))
+    assert (from_snapshot - full_other[len(history):]).abs().max().item() <= 1e-4
+
+    cache.truncate(len(history))  # attention KV can rewind, recurrent state cannot ...
+    with pytest.raises(ValueError, match="rewound"):
+        dec.forward(other2, cache)
+    for i in recurrent:  # ... until the snapshot's states are restored at that position
+        cache.set_state(i, *states[i])
+    cache.advance()
+    restored = dec.logits(dec.forward(other2, cache))
+    assert (restored - from_snapshot).abs().max().item() <= 1e-5
