@@ -25,6 +25,7 @@ from ..errors import FreeTokenError
 from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format, dequantize, quantize
 from . import build, ops
 from .layout import pack_blocks, unpack_blocks
+from .torch_fallback import Int4Weight, int4_linear, int4pack
 
 MAX_DEQUANT_THRESHOLD = 1024
 _crossover: list[int] = []
@@ -84,6 +85,7 @@ class QuantizedExperts:
         per-expert C calls.
         """
         self.activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.int4: list[tuple[Int4Weight, Int4Weight]] | None = None  # torch int4 copies (no-compiler q4 only)
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
         self.fmt = canonical_format(fmt)
@@ -126,7 +128,12 @@ class QuantizedExperts:
         packed = build.load() is not None if use_kernels is None else use_kernels
         if packed:
             return cls(fmt, pack_blocks(b13), pack_blocks(b2), hidden, intermediate, True)
-        return cls(fmt, b13.reshape(e, -1).contiguous(), b2.reshape(e, -1).contiguous(), hidden, intermediate, False)
+        out = cls(fmt, b13.reshape(e, -1).contiguous(), b2.reshape(e, -1).contiguous(), hidden, intermediate, False)
+        if fmt == "q4_0":  # no compiler: torch's int4 op with bf16 activations (see torch_fallback)
+            pairs = [(int4pack(b13[x]), int4pack(b2[x])) for x in range(e)]
+            if all(a is not None and b is not None for a, b in pairs):
+                out.int4 = pairs  # type: ignore[assignment]
+        return out
 
     @classmethod
     def from_float(
@@ -189,11 +196,16 @@ class QuantizedExperts:
 
     def _expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens ``x [n, D]`` with fp32 weights (prefill, or no kernels) → ``[n, D]``."""
-        gate_up, down = self._expert_float(e)
-        h = torch.mm(x, gate_up.t())  # [n, 2I]
+        if self.int4 is not None:
+            w13, w2 = self.int4[e]
+            h = int4_linear(w13, x)
+        else:
+            gate_up, down = self._expert_float(e)
+            h = torch.mm(x, gate_up.t())  # [n, 2I]
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]
-        y = torch.mm(self._act(h), down.t())  # [n, D]
+        a = self._act(h)
+        y = int4_linear(w2, a) if self.int4 is not None else torch.mm(a, down.t())  # [n, D]
         return y if self.down_bias is None else y + self.down_bias[e]
 
     def _expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
