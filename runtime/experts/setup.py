@@ -165,6 +165,13 @@ def load_managed(
         raise FreeTokenError(f"{path} has no MoE layers: there are no experts to manage")
     dense_tier = "host" if torch.device(device).type == "cpu" else "device"
     dense_bytes = _tensor_bytes(weights, set())
+    limit = ledgers[dense_tier].limit
+    if limit is not None and dense_bytes + config.kv_reserve * (dense_tier == "host") > limit:
+        flag = "--host-memory" if dense_tier == "host" else "--device-memory"
+        raise BudgetExceededError(
+            f"{dense_tier} memory budget {format_bytes(limit)} is too small: the dense weights alone (attention, "
+            f"embeddings, routers, shared experts) take {format_bytes(dense_bytes)}; raise {flag}"
+        )
     ledgers[dense_tier].reserve("dense", dense_bytes)
     ledgers["host"].reserve("kv", config.kv_reserve)
 
