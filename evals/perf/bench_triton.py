@@ -1,0 +1,121 @@
+"""GPU check for the Triton kernels: dequant-GEMM (q4/q8) vs fp16 ``torch.mm``, and the grouped MoE step.
+
+    python -m freetoken_agent.evals.perf.bench_triton            # on a CUDA machine: correctness + timings
+    python -m freetoken_agent.evals.perf.bench_triton --interpret  # CPU smoke run under TRITON_INTERPRET=1, tiny shapes
+
+Each row first checks the kernel against its plain-torch reference (relative error printed), then times it
+(CUDA events, median of ``--reps``). GB/s counts quantized weight bytes (codes + scales).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
+    def cuda_time(fn: Callable[[], object], reps: int) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def cpu_time(fn: Callable[[], object], reps: int) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return cuda_time if device == "cuda" else cpu_time
+
+
+def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
+    from freetoken_agent.runtime.kernels.triton import (
+        TritonQuantExperts,
+        TritonQuantWeight,
+        dequant_matmul,
+        moe_forward,
+        reference_matmul,
+        reference_moe_forward,
+    )
+    from freetoken_agent.runtime.quant import quantize
+
+    device = "cpu" if interpret else "cuda"
+    timed = _timer(device)
+    shapes = [(64, 128)] if interpret else [(1536, 2048), (2048, 768), (3072, 4096)]
+    ms = [1, 16] if interpret else [1, 16, 256]
+    rows: list[dict[str, Any]] = []
+    for n, k in shapes:
+        w = torch.randn(n, k)
+        dense = w.to(device=device, dtype=torch.float16 if device == "cuda" else torch.float32)
+        for fmt in ("q4", "q8"):
+            qw = TritonQuantWeight.from_blocks(quantize(w, fmt), device)
+            nbytes = qw.codes.numel() * qw.codes.element_size() + qw.scales.numel() * 2
+            for m in ms:
+                x = torch.randn(m, k, device=device)
+                err = float((dequant_matmul(x, qw) - reference_matmul(x, qw)).norm() / reference_matmul(x, qw).norm())
+                t = timed(lambda: dequant_matmul(x, qw), reps)
+                xd = x.to(dense.dtype)
+                t_ref = timed(lambda: torch.mm(xd, dense.t()), reps)
+                rows.append({"kernel": "triton-dequant-gemm", "format": fmt, "shape": f"{n}x{k}", "M": m,
+                             "seconds": t, "gbps": nbytes / t / 1e9, "rel_err": err,
+                             "dense_fp16_seconds": t_ref})  # fmt: skip
+    e, d, i, top_k = (4, 64, 32, 2) if interpret else (64, 2048, 768, 8)
+    for fmt in ("q4", "q8"):
+        w13 = TritonQuantExperts.from_float(torch.randn(e, 2 * i, d) / d**0.5, fmt, device)
+        w2 = TritonQuantExperts.from_float(torch.randn(e, d, i) / i**0.5, fmt, device)
+        for t_tokens in ([3] if interpret else [1, 64, 512]):
+            x = torch.randn(t_tokens, d, device=device)
+            ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t_tokens)]).to(device)
+            wts = torch.softmax(torch.randn(t_tokens, top_k), -1).to(device)
+            ref = reference_moe_forward(x, w13, w2, ids, wts)
+            err = float((moe_forward(x, w13, w2, ids, wts) - ref).norm() / ref.norm())
+            t = timed(lambda: moe_forward(x, w13, w2, ids, wts), reps)
+            rows.append({"kernel": "triton-grouped-moe", "format": fmt, "shape": f"E{e} top{top_k} D{d} I{i}",
+                         "M": t_tokens, "seconds": t, "rel_err": err})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--interpret", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (tiny shapes)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        print("bench_triton: no CUDA device here; use --interpret for a CPU smoke run", file=sys.stderr)
+        return 2
+    rows = run(args.interpret, 2 if args.interpret else args.reps)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            extra = f" dense-fp16 {r['dense_fp16_seconds'] * 1e6:.0f} us" if "dense_fp16_seconds" in r else ""
+            gb = f" {r['gbps']:.1f} GB/s" if "gbps" in r else ""
+            print(f"{r['kernel']:<20} {r['format']} {r['shape']:<22} M={r['M']:<4} {r['seconds'] * 1e6:9.0f} us{gb}"
+                  f" rel_err={r['rel_err']:.1e}{extra}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
