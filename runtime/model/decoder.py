@@ -73,6 +73,8 @@ class Decoder:
                 x = self._norm(h, lw, "ffn_in")
                 if spec.residual_from_norm:
                     h = x
+                if "res_ffn" in lw.norms:
+                    h = h * lw.norms["res_ffn"]
                 x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
                 h = self._residual(h, x, layer.residual_scales[2:])
             if layer.moe_shortcut == "add":
@@ -84,7 +86,10 @@ class Decoder:
         """Token-mixing half of layer ``i`` (attention or a recurrent mixer) with its norms and residual."""
         normed = self._norm(h, lw, "attn_in")
         x = self._norm(self._mixer(i, normed, lw, cache, positions), lw, "attn_out")
-        return self._residual(normed if self.spec.residual_from_norm else h, x, self.spec.layers[i].residual_scales[:2])
+        base = normed if self.spec.residual_from_norm else h
+        if "res_mix" in lw.norms:
+            base = base * lw.norms["res_mix"]
+        return self._residual(base, x, self.spec.layers[i].residual_scales[:2])
 
     def _residual(self, h: torch.Tensor, x: torch.Tensor, scales: tuple[float, ...]) -> torch.Tensor:
         alpha, beta = scales
@@ -124,6 +129,8 @@ class Decoder:
     def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights) -> torch.Tensor:
         moe = self.spec.layers[i].moe
         assert moe is not None
+        if moe.kind == "product_key":
+            return self._product_key_moe(i, x, mw)
         ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
         identity = None
         if moe.zero_experts:  # identity experts: weight · x, then hidden from the expert backend
@@ -152,6 +159,27 @@ class Decoder:
         if mw.output_norm is not None:
             out = rms_norm(out, mw.output_norm, self.spec.norm_eps)
         return out
+
+    def _product_key_moe(self, i: int, x: torch.Tensor, mw: MoEWeights) -> torch.Tensor:
+        """Doge's cross-domain MoE: a product-key router over rank-1 experts, added to a dense gated MLP."""
+        moe = self.spec.layers[i].moe
+        assert moe is not None and moe.shared is not None
+        t, keys = x.shape[0], int(moe.num_experts**0.5)
+        logits = F.linear(x, mw.router["weight"]).reshape(2, t, keys)  # the reference's raw view, not a split
+        (sx, sy), (ix, iy) = logits.topk(keys, dim=-1)
+        scores = (sx[:, :, None] + sy[:, None, :]).reshape(t, -1)
+        ids = (ix[:, :, None] * keys + iy[:, None, :]).reshape(t, -1)
+        top, pos = scores.topk(moe.top_k, dim=-1)
+        ids = ids.gather(-1, pos)
+        weights = torch.softmax(top, dim=-1)
+        if moe.router.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        for observe in self.routing_observers:
+            observe(i, ids)
+        act = F.silu if moe.activation == "silu" else F.gelu
+        h = act(torch.einsum("tkd,td->tk", mw.router["down_embed"][ids], x)) * weights  # [T, K]
+        routed = torch.einsum("tk,tkd->td", h, mw.router["up_embed"][ids])
+        return mlp(x, mw.shared, moe.shared) + routed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, D] → logits [T, V] in fp32."""

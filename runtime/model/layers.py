@@ -62,6 +62,7 @@ def attention_scores(
     spec: AttentionSpec,
     sinks: torch.Tensor | None,
     keep: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]; ``keep`` [T, S] further
     restricts which keys each query sees (sparse attention)."""
@@ -76,15 +77,26 @@ def attention_scores(
         allowed &= (k_pos[None, :] // spec.chunk_size) == (q_pos[:, None] // spec.chunk_size)
     if keep is not None:
         allowed &= keep
+    mask: torch.Tensor = allowed
+    if key_bias is not None:  # Doge: per-key bias [S, Hkv] for every query head of the group
+        bias = key_bias.T.repeat_interleave(g, dim=0)[:, None, :].to(q.dtype).expand(h, t, s)  # [H, T, S]
+        allowed = allowed.expand(h, t, s)
+        if s > spec.keep_window:
+            ranked = bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+            top = ranked.topk(spec.keep_window, dim=-1).indices
+            allowed = allowed & torch.zeros_like(allowed).scatter_(-1, top, True)
+        mask = bias.masked_fill(~allowed, float("-inf"))
     if sinks is None:
         # fused kernel: no [H, T, S] score tensor is materialized twice
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=spec.scale,
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=spec.scale,
             enable_gqa=g > 1,
         )  # [H, T, Dv]
         return out.transpose(0, 1).reshape(t, h * dv)
     qg = q.reshape(t, hkv, g, dh).permute(1, 2, 0, 3).reshape(hkv, g * t, dh)  # [Hkv, G*T, Dh]
     scores = torch.matmul(qg, k.permute(1, 2, 0)).view(h, t, s) * spec.scale  # [H, T, S]
+    if key_bias is not None:
+        scores = scores + mask
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
@@ -133,8 +145,13 @@ def gqa_attention(
     if spec.qk_norm == "head_unit":
         q, k = unit_rms_norm(q, eps), unit_rms_norm(k, eps)
     q = position_scaled(q, positions, spec)
-    k_all, v_all = cache.append(layer, k, v)
-    out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"))
+    key_bias = None
+    if spec.dynamic_mask:
+        dt = torch.exp(w["A"] * F.softplus(linear(v.reshape(t, -1), w, "dt_proj")))  # [T, Hkv]
+        k_all, v_all, key_bias = cache.append(layer, k, v, dt)
+    else:
+        k_all, v_all = cache.append(layer, k, v)
+    out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"), key_bias=key_bias)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     if spec.output_gate != "none":

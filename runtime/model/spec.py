@@ -106,6 +106,10 @@ class AttentionSpec:
     q_scale_power: float = 0.0
     """If > 0 (and ``q_scale_beta`` is 0), queries are scaled by ``(1 + (pos + offset) / period) ** power`` (Beam's
     scalable softmax on NoPE layers)."""
+    dynamic_mask: bool = False
+    """Doge: a learned per-key bias exp(A · softplus(dt_proj(v))) per KV head is added to the scores; with more than
+    ``keep_window`` keys only the ``keep_window`` largest-bias keys stay visible."""
+    keep_window: int = 2048
     chunk_size: int | None = None
     """Chunked local attention: a query sees only keys in its own chunk of ``chunk_size`` positions (Llama 4)."""
 
@@ -179,6 +183,9 @@ class MoESpec:
     """False: experts are down(act(up(x))); the normalized "gate_up" then holds only the up rows [I, D]."""
     output_bias: bool = False
     """A learned bias [D] added to the block output (JetMoE), stored at ``{moe_prefix}.bias``."""
+    kind: Literal["routed", "product_key"] = "routed"
+    """``product_key``: Doge's cross-domain MoE — rank-1 experts (``down_embed``/``up_embed`` rows) chosen by a
+    product-key router, added to a dense gated MLP (``shared``)."""
     zero_experts: int = 0
     """Extra identity ("zero-computation") experts after the real ones: choosing one adds weight · x (LongCat)."""
     scale_input: bool = False
@@ -287,6 +294,8 @@ class WeightNames:
     output_gate: str = "gate_proj"
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
+    residual_weights: tuple[str, str] | None = None
+    """Learned per-channel residual scales (mixer, FFN) stored at ``model.layers.{i}.{name}`` (Doge)."""
     final_norm: str = "model.norm"
     layers: str = "model.layers"
     recurrent: str = "linear_attn"

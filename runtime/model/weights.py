@@ -236,6 +236,9 @@ class _Loader:
             w["k_norm.weight"] = self.norm(f"{prefix}.{names.k_norm}.weight", k_dim)
         if a.sinks:
             w["sinks"] = self.take(f"{prefix}.{names.sinks}", (a.num_heads,))
+        if a.dynamic_mask:
+            self.linear(w, prefix, "dt_proj", a.num_kv_heads, a.num_kv_heads * a.v_head_dim, False)
+            w["A"] = self.take(f"{prefix}.A", (a.num_kv_heads,))
         if a.output_gate != "none":
             n_gate = a.num_heads if a.output_gate_per_head else a.num_heads * a.v_head_dim
             self.linear(w, prefix, names.output_gate, n_gate, d, False, key="gate")
@@ -258,6 +261,13 @@ class _Loader:
     def moe(self, prefix: str, layer: LayerSpec, spec: ModelSpec, layer_prefix: str) -> MoEWeights:
         m, names, d = layer.moe, layer.names or spec.names, spec.hidden_size
         assert m is not None
+        if m.kind == "product_key":
+            keys = int(m.num_experts**0.5)
+            router = {"weight": self.take(f"{prefix}.router_gate.weight", (2 * keys, d)),
+                      "down_embed": self.take(f"{prefix}.down_embed.weight", (m.num_experts, d)),
+                      "up_embed": self.take(f"{prefix}.up_embed.weight", (m.num_experts, d))}
+            assert m.shared is not None
+            return MoEWeights(router, None, None, shared=self.mlp(prefix, m.shared, d))  # type: ignore[arg-type]
         n_route = m.num_experts + m.zero_experts
         router = {"weight": self.take(f"{prefix}.{names.router}.weight", (n_route, d))}
         if m.router.bias:
@@ -355,6 +365,9 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             else ld.recurrent(f"{p}.{n.recurrent}", layer.recurrent, d) if layer.recurrent is not None
             else ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
         )
+        if n.residual_weights and layer.parts == "both":
+            lw.norms["res_mix"] = ld.take(f"{p}.{n.residual_weights[0]}", (d,))
+            lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
         if spec.norm_bias:
             lw.norms.update({f"{role}_bias": ld.take(f"{p}.{name}.bias", (d,)) for role, name in norm_names.items()})
         if layer.parts != "mixer":

@@ -151,6 +151,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "minimax": dict(linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
                     mlp_alpha_factor=0.8, mlp_beta_factor=1.3),
     "longcat_flash": dict(zero_expert_num=4),  # 256 identity experts would drown the 8 real ones
+    # the default Doge is dense; its MoE needs a square expert count (product keys: 4 x 4) and a small window
+    "doge": dict(is_moe=True, num_experts=16, keep_window_size=16),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

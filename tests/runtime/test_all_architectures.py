@@ -37,7 +37,6 @@ UNSUPPORTED: dict[str, str] = {
                       "of Gated DeltaNet; not built yet",
     "deepseek_v4": "hash routing, sqrt-softplus scores, compressed/sparse attention and hyper-connections; not "
                    "built yet",
-    "doge": "dynamic-mask attention and the cross-domain (product-key) MoE; not built yet",
     "zaya": "CCA attention with learned time mixing and a separate router MLP; not built yet",
     "inkling_text": "relative-position attention with conv states, shared-expert sink, mup logits; not built yet",
     "inkling2_text": "relative-position attention with conv states and attention-residual blocks; not built yet",

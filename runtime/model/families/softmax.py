@@ -203,3 +203,23 @@ def jetmoe(cfg: Config) -> ModelSpec:
                         fused_names=("input_linear.weight", "output_linear.weight"))
     return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["num_hidden_layers"]))],
                   names=names, norm_eps=float(cfg.get("rms_norm_eps") or 1e-6))
+
+
+@adapter("doge")
+def doge(cfg: Config) -> ModelSpec:
+    """Doge: dynamic-mask attention (learned per-key bias, top-k window), learned residual scales and, with
+    ``is_moe``, the cross-domain product-key MoE over rank-1 experts beside a dense MLP."""
+    act = _act(cfg)
+    dense = MLPSpec(int(cfg["intermediate_size"]), act, bias=bool(cfg.get("mlp_bias", False)))  # type: ignore[arg-type]
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", dynamic_mask=True,
+                keep_window=int(cfg.get("keep_window_size") or 2048), sliding_window=cfg.get("sliding_window"))
+    if cfg.get("is_moe"):
+        moe = MoESpec(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                      intermediate=dense.intermediate, kind="product_key", activation=act,  # type: ignore[arg-type]
+                      router=RouterSpec(norm_topk=bool(cfg.get("norm_topk_prob", False))), shared=dense)
+        layers = [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["num_hidden_layers"]))]
+    else:
+        layers = [LayerSpec(attention=attn, mlp=dense) for _ in range(int(cfg["num_hidden_layers"]))]
+    names = WeightNames(residual_weights=("input_residual", "post_attention_residual"))
+    return _model(cfg, layers, names=names)
