@@ -262,16 +262,18 @@ class ManagedExperts:
         hit = counts.nonzero().flatten().tolist()
         decode = qe.fused and topk_ids.numel() < threshold  # type: ignore[attr-defined]
         dense = [] if decode else [e for e in hit if counts[e] >= threshold]
-        light = [e for e in hit if e not in set(dense)]
+        dense_set = set(dense)
+        light = [e for e in hit if e not in dense_set]
         out = torch.zeros_like(x)
         order = [*light, *dense] if qe.fused else [*dense, *light]  # type: ignore[attr-defined]
         keys = [(self.layer, e) for e in order]
+        position = {e: j for j, e in enumerate(order)}
         held: dict[int, int] = {}
 
         def slot(e: int) -> int:
             if slot_of is not None:
                 return int(slot_of[e])
-            j = order.index(e)
+            j = position[e]
             if j + 1 < len(order) and not self.store.host.is_ready(keys[j + 1]):
                 self.store.read_ahead(keys[j + 1], keys[j:])
             held[e] = self.store.acquire_host(keys[j], keys[j:])
@@ -301,7 +303,6 @@ class ManagedExperts:
                     finally:
                         done(e)
             light = []
-        dense_set = set(dense)
         for e in dense + light:
             tok, k = (topk_ids == e).nonzero(as_tuple=True)
             s = slot(e)

@@ -12,8 +12,9 @@ access (``touch``), insertion and eviction, and asks it for a victim among the e
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 Key = tuple[int, int]
@@ -34,8 +35,8 @@ class ResidencyPolicy(Protocol):
     def forget(self, key: Key) -> None:
         """``key`` left the pool."""
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
-        """The key to evict among ``candidates`` (all evictable), or None when there are none."""
+    def victim(self, resident: Sequence[Key | None], evictable: Callable[[Key], bool]) -> Key | None:
+        """The key to evict among ``resident`` (the pool's slot owners) for which ``evictable(key)``, or None."""
 
 
 class LRUPolicy:
@@ -56,12 +57,11 @@ class LRUPolicy:
     def forget(self, key: Key) -> None:
         self._order.pop(key, None)
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
-        allowed = set(candidates)
-        for key in self._order:
-            if key in allowed:
+    def victim(self, resident: Sequence[Key | None], evictable: Callable[[Key], bool]) -> Key | None:
+        for key in self._order:  # oldest first: usually the first one or two qualify
+            if evictable(key):
                 return key
-        return next(iter(allowed), None)
+        return next((k for k in resident if k is not None and evictable(k)), None)
 
 
 class HeatPolicy:
@@ -76,14 +76,18 @@ class HeatPolicy:
         self.decay = decay
         self.heat: dict[Key, tuple[float, int]] = {}
         self.steps: dict[int, int] = {}
-        self._lru = LRUPolicy()
+        self.sample = 32
+        self._rng = random.Random(0)
+        self._last: dict[Key, int] = {}
+        self._tick = 0
 
     def value(self, key: Key) -> float:
         v, at = self.heat.get(key, (0.0, 0))
         return v * self.decay ** (self.steps.get(key[0], 0) - at)
 
     def touch(self, key: Key) -> None:
-        self._lru.touch(key)
+        self._tick += 1
+        self._last[key] = self._tick
 
     def observe(self, layer: int, counts: dict[int, int]) -> None:
         step = self.steps.get(layer, 0) + 1
@@ -94,14 +98,28 @@ class HeatPolicy:
                 (1 - self.decay) * n, step)
 
     def forget(self, key: Key) -> None:
-        self._lru.forget(key)
+        self._last.pop(key, None)
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
-        allowed = list(candidates)
-        if not allowed:
+    def victim(self, resident: Sequence[Key | None], evictable: Callable[[Key], bool]) -> Key | None:
+        """The coldest of up to ``sample`` random evictable keys (all of them in small pools); ties: least recent.
+
+        Sampling keeps eviction O(sample) in pools of thousands of slots (the approximate-LFU of caches like Redis).
+        """
+        if len(resident) <= 2 * self.sample:
+            pool = [k for k in resident if k is not None and evictable(k)]
+        else:
+            pool = []
+            for _ in range(4 * self.sample):
+                k = resident[self._rng.randrange(len(resident))]
+                if k is not None and k not in pool and evictable(k):
+                    pool.append(k)
+                    if len(pool) == self.sample:
+                        break
+            if not pool:
+                pool = [k for k in resident if k is not None and evictable(k)]
+        if not pool:
             return None
-        rank = {k: i for i, k in enumerate(self._lru._order)}
-        return min(allowed, key=lambda k: (self.value(k), rank.get(k, -1)))
+        return min(pool, key=lambda k: (self.value(k), self._last.get(k, -1)))
 
 
 class PhaseAwarePolicy(HeatPolicy):

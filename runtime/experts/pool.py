@@ -10,7 +10,7 @@ policy picks among evictable slots. Thread-safe: the prefetch thread claims and 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -71,11 +71,14 @@ class SlotPool:
 
     # ---------------------------------------------------------------- claiming
 
-    def _evictable(self, protect: set[int]) -> Iterable[Key]:
-        for s, key in enumerate(self.owner):
-            if key is not None and not self.in_use[s] and s not in self.loading and s not in protect \
-                    and key not in self.pinned:
-                yield key
+    def _evictable(self, protect: set[int]) -> Callable[[Key], bool]:
+        table, in_use, loading, pinned = self.table, self.in_use, self.loading, self.pinned
+
+        def ok(key: Key) -> bool:
+            s = table.get(key)
+            return s is not None and not in_use[s] and s not in loading and s not in protect and key not in pinned
+
+        return ok
 
     def claim(self, key: Key, protect: Iterable[int] = ()) -> int | None:
         """A slot for ``key`` (marked loading; fill it, then ``ready``), evicting if needed; None if all are busy."""
@@ -84,7 +87,7 @@ class SlotPool:
             if self.free:
                 s = self.free.pop()
             else:
-                victim = self.policy.victim(self._evictable(set(protect)))
+                victim = self.policy.victim(self.owner, self._evictable(set(protect)))
                 if victim is None:
                     return None
                 s = self.table.pop(victim)

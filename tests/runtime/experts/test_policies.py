@@ -10,14 +10,16 @@ from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.memory import BudgetExceededError, MemoryBudget, parse_bytes
 
+ANY = lambda key: True  # noqa: E731  (every resident key evictable)
+
 
 def test_lru_evicts_least_recently_used() -> None:
     p = LRUPolicy()
     for k in [(0, 1), (0, 2), (0, 3)]:
         p.touch(k)
     p.touch((0, 1))
-    assert p.victim([(0, 1), (0, 2), (0, 3)]) == (0, 2)
-    assert p.victim([(0, 1), (0, 3)]) == (0, 3)
+    assert p.victim([(0, 1), (0, 2), (0, 3)], ANY) == (0, 2)
+    assert p.victim([(0, 1), (0, 3)], lambda k: k != (0, 2)) == (0, 3)
 
 
 def test_heat_keeps_frequently_routed_experts() -> None:
@@ -27,10 +29,10 @@ def test_heat_keeps_frequently_routed_experts() -> None:
     p.observe(0, {2: 1})
     p.touch((0, 1))
     p.touch((0, 2))  # most recent, but cold: LRU would keep it, heat evicts it
-    assert p.victim([(0, 1), (0, 2)]) == (0, 2)
+    assert p.victim([(0, 1), (0, 2)], ANY) == (0, 2)
     for _ in range(10):  # expert 1 stops being routed: its heat decays below expert 3's
         p.observe(0, {3: 2})
-    assert p.victim([(0, 1), (0, 3)]) == (0, 1)
+    assert p.victim([(0, 1), (0, 3)], lambda k: k != (0, 2)) == (0, 1)
 
 
 def test_phase_policy_keeps_heat_per_phase() -> None:
@@ -40,7 +42,7 @@ def test_phase_policy_keeps_heat_per_phase() -> None:
     p.set_phase("code")
     p.observe(0, {2: 5})
     assert p.hot_set("plan", 1) == [(0, 1)] and p.hot_set("code", 1) == [(0, 2)]
-    assert p.victim([(0, 1), (0, 2)]) == (0, 1)  # in the code phase, expert 1 is cold
+    assert p.victim([(0, 1), (0, 2)], ANY) == (0, 1)  # in the code phase, expert 1 is cold
     with pytest.raises(FreeTokenError, match="unknown residency policy"):
         make_policy("mru")
 
@@ -71,3 +73,16 @@ def test_parse_bytes() -> None:
     for bad in ("lots", "-5MB", "0", "12 parsecs"):
         with pytest.raises(FreeTokenError):
             parse_bytes(bad)
+
+
+def test_heat_samples_in_large_pools() -> None:
+    p = HeatPolicy()
+    keys = [(0, e) for e in range(1000)]
+    p.observe(0, {e: 1 + e % 7 for e in range(1000)})
+    for k in keys:
+        p.touch(k)
+    cold = {k for k in keys if k[1] % 7 == 0}
+    v = p.victim(keys, lambda k: k[1] % 2 == 0)  # only even experts may go
+    assert v is not None and v[1] % 2 == 0
+    assert v in cold  # 32 samples out of 500 evictable: the coldest class (1 in 7) is all but certain to be seen
+    assert p.victim(keys, lambda k: False) is None
