@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ft_kernels.c", "ft_pool.h", "ft_tiles.h")
+SOURCES = ("ft_kernels.c", "ft_pool.h", "ft_tiles.h", "ft_quant.h")
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
 
 _lock = threading.Lock()
@@ -99,6 +99,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_set_spin_us": (None, [i32]),
         "ft_linear": (i32, [i32, p, i64, i64, p, i64, p]),
         "ft_dequant": (None, [i32, p, i64, i64, p]),
+        "ft_quantize": (None, [i32, p, i64, i64, p, i32]),
         "ft_read_bandwidth": (f64, [p, i64, i32]),
         "ft_moe": (i32, [i32, p, i64, p, i64, i64, i64, i64, p, i64, p, p, i64, p]),
     }

@@ -146,6 +146,21 @@ def moe(
     return out
 
 
+def quantize(w: torch.Tensor, fmt: str, refine: bool = True) -> BlockQuantized:
+    """C twin of ``runtime.quant.quantize`` (same rules, multi-threaded): ``w [N, K]`` → GGUF blocks."""
+    fmt = canonical_format(fmt)
+    if w.dim() != 2:
+        raise FreeTokenError(f"quantize expects a 2-D weight, got shape {tuple(w.shape)}")
+    w = _f32(w)
+    if not torch.isfinite(w).all():
+        raise FreeTokenError("cannot quantize a weight that holds inf or nan")
+    n, k = w.shape
+    nb = -(-k // BLOCK)
+    out = torch.empty(n, nb, BLOCK_BYTES[fmt], dtype=torch.uint8)
+    _lib().ft_quantize(FMT_CODE[fmt], w.data_ptr(), n, k, out.data_ptr(), int(refine))
+    return BlockQuantized(fmt, (n, k), out)
+
+
 def read_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Streaming read bandwidth with the kernels' current thread count (GB/s, best of ``reps``)."""
     buf = torch.ones(nbytes, dtype=torch.uint8)

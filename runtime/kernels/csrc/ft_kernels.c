@@ -17,6 +17,7 @@
 
 #include "ft_pool.h"
 #include "ft_tiles.h"
+#include "ft_quant.h"
 
 int64_t ft_packed_bytes(int fmt, int64_t n, int64_t k) {
     return (n + TR - 1) / TR * ((k + QK - 1) / QK) * tile_block_bytes(fmt);
@@ -434,4 +435,34 @@ done:
     free(c.h); free(c.y); free(c.t_start); free(c.t_slots); qact_free(&c.qx); qact_free(&c.qa);
     free(count); free(g_expert); free(g_start); free(s_token); free(s_weight);
     return rc;
+}
+
+/* ---------------------------------------------------------------- public: load-time quantization */
+
+typedef struct {
+    int fmt, refine;
+    const float *w;
+    int64_t n, k, nb;
+    uint8_t *out;
+} quant_ctx;
+
+#define QUANT_ROWS_PER_ITEM 32
+
+static void quant_item(void *p, int64_t item) {
+    const quant_ctx *c = (const quant_ctx *)p;
+    const int64_t bb = c->fmt == FT_Q4 ? 18 : 34;
+    float x[QK];
+    for (int64_t r = item * QUANT_ROWS_PER_ITEM; r < c->n && r < (item + 1) * QUANT_ROWS_PER_ITEM; r++)
+        for (int64_t b = 0; b < c->nb; b++) {
+            int64_t j0 = b * QK, len = j0 + QK <= c->k ? QK : c->k - j0;
+            memcpy(x, c->w + r * c->k + j0, sizeof(float) * (size_t)len);
+            for (int64_t j = len; j < QK; j++) x[j] = 0.f;
+            quantize_block(c->fmt, x, c->refine, c->out + (r * c->nb + b) * bb);
+        }
+}
+
+/* GGUF blocks out[N, nb, 34|18] for w[N, K] fp32 (K padded with zeros to whole blocks). */
+void ft_quantize(int fmt, const float *w, int64_t n, int64_t k, uint8_t *out, int refine) {
+    quant_ctx c = {fmt, refine, w, n, k, (k + QK - 1) / QK, out};
+    ft_parallel_for(quant_item, &c, (n + QUANT_ROWS_PER_ITEM - 1) / QUANT_ROWS_PER_ITEM);
 }

@@ -107,3 +107,18 @@ def test_pack_layout_is_eight_rows_interleaved() -> None:
 def test_read_bandwidth_is_measured(isas: list[str]) -> None:
     gbps = ops.read_bandwidth_gbps(32 << 20, reps=2)
     assert 0.1 < gbps < 10_000
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("refine", [False, True])
+def test_c_quantizer_matches_the_torch_reference(fmt: str, refine: bool, isas: list[str]) -> None:
+    from freetoken_agent.runtime.quant import quantize as reference
+
+    for shape in [(300, 256), (7, 100)]:
+        w = torch.randn(*shape) * 3
+        ours, ref = ops.quantize(w, fmt, refine), reference(w, fmt, refine)
+        # sums run in another order than torch's: an exact tie between two candidate scales may flip
+        assert float((ours.blocks == ref.blocks).all(-1).float().mean()) >= 0.999
+        assert abs(_rel(ours.dequantize(), w) - _rel(ref.dequantize(), w)) < 1e-4
+    with pytest.raises(FreeTokenError, match="inf or nan"):
+        ops.quantize(torch.tensor([[float("inf")] * 32]), fmt)
