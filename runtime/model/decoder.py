@@ -115,7 +115,11 @@ class Decoder:
         if self.spec.norm_kind == "layer":
             bias = self.weights.norm_bias if lw is None else lw.norms.get(f"{role}_bias")
             return layer_norm(x, weight, self.spec.norm_eps, bias)
-        return rms_norm(x, weight, self.spec.norm_eps)
+        y = rms_norm(x, weight, self.spec.norm_eps)
+        if lw is not None and f"{role}_gate_down" in lw.norms:  # gated RMSNorm (A.X K2)
+            g = F.linear(F.silu(F.linear(y, lw.norms[f"{role}_gate_down"])), lw.norms[f"{role}_gate_up"])
+            y = (y * torch.sigmoid(g.float())).to(y.dtype)
+        return y
 
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         layer = self.spec.layers[i]

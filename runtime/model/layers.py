@@ -182,9 +182,14 @@ def mla_attention(
     if spec.q_lora_rank is None:
         q = q_resid = linear(x, w, "q_proj")
     else:
-        q_resid = rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm.weight"], spec.lora_norm_eps)
-        q = linear(q_resid, w, "q_b_proj")
-    q = q.view(t, h, nope + rope_dim)
+        q_latent = linear(x, w, "q_a_proj")
+        q_resid = rms_norm(q_latent, w["q_a_layernorm.weight"], spec.lora_norm_eps)
+        q = linear(torch.cat([q_resid, q_latent], dim=-1) if spec.mla_q_gate else q_resid, w, "q_b_proj")
+    gate = None
+    if spec.mla_q_gate:
+        q, gate = q.view(t, h, nope + rope_dim + dv).split([nope + rope_dim, dv], dim=-1)
+        gate = gate.reshape(t, h * dv)
+    q = q.reshape(t, h, nope + rope_dim)
     if spec.mla_q_scale != 1.0:
         q = q * spec.mla_q_scale
     compressed = linear(x, w, "kv_a_proj_with_mqa")  # [T, rank + R]
@@ -215,6 +220,8 @@ def mla_attention(
     k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
     q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
     out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None, keep)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float()).to(out.dtype)
     if spec.output_gate != "none":
         out = output_gate(out, x, w, spec)
     return linear(out, w, "o_proj")

@@ -94,6 +94,9 @@ class AttentionSpec:
     """A learned per-head bias is added to the gate logits (Beam)."""
     mla_q_scale: float = 1.0
     """MLA: queries are multiplied by this (LongCat: sqrt(hidden / q_lora_rank))."""
+    mla_q_gate: bool = False
+    """MLA (A.X K2): ``q_b_proj`` reads [normed q latent | raw q latent] and also yields a per-channel output gate
+    (sigmoid) after each head's query."""
     mla_kv_scale: float = 1.0
     """MLA: the normalized latent is multiplied by this before caching (LongCat: sqrt(hidden / kv_lora_rank))."""
     q_gate: bool = False
@@ -294,6 +297,9 @@ class WeightNames:
     output_gate: str = "gate_proj"
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
+    gated_norm_roles: tuple[str, ...] = ()
+    """Norm roles (``attn_in``, ``ffn_in``, ...) that are gated RMSNorms: y = rms(x)·w, y · sigmoid(W_up silu(W_down y)),
+    stored as ``{name}.norm.weight``, ``{name}.W_down.weight``, ``{name}.W_up.weight`` (A.X K2)."""
     residual_weights: tuple[str, str] | None = None
     """Learned per-channel residual scales (mixer, FFN) stored at ``model.layers.{i}.{name}`` (Doge)."""
     final_norm: str = "model.norm"

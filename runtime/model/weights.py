@@ -200,7 +200,11 @@ class _Loader:
             else:
                 self.linear(w, prefix, "q_a_proj", a.q_lora_rank, d, a.lora_bias)
                 w["q_a_layernorm.weight"] = self.take(f"{prefix}.q_a_layernorm.weight", (a.q_lora_rank,))
-                self.linear(w, prefix, "q_b_proj", a.num_heads * a.head_dim, a.q_lora_rank, False)
+                if a.mla_q_gate:
+                    self.linear(w, prefix, "q_b_proj", a.num_heads * (a.head_dim + a.v_head_dim), 2 * a.q_lora_rank,
+                                False)
+                else:
+                    self.linear(w, prefix, "q_b_proj", a.num_heads * a.head_dim, a.q_lora_rank, False)
             self.linear(w, prefix, "kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_dim, d, a.lora_bias)
             w["kv_a_layernorm.weight"] = self.take(f"{prefix}.kv_a_layernorm.weight", (a.kv_lora_rank,))
             self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
@@ -359,12 +363,19 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
                  "ffn_out": n.ffn_out_norm}
         wanted = {"both": roles, "mixer": ("attn_in", "attn_out"), "ffn": ("ffn_in", "ffn_out")}[layer.parts]
         norm_names = {role: name for role, name in roles.items() if name and role in wanted}
+        gated = {role for role in n.gated_norm_roles if role in norm_names}
         lw = LayerWeights(
-            norms={role: ld.norm(f"{p}.{name}.weight", d) for role, name in norm_names.items()},
+            norms={role: ld.norm(f"{p}.{name}{'.norm' if role in gated else ''}.weight", d)
+                   for role, name in norm_names.items()},
             attn={} if layer.parts == "ffn"
             else ld.recurrent(f"{p}.{n.recurrent}", layer.recurrent, d) if layer.recurrent is not None
             else ld.attention(f"{p}.{n.attn}", layer.attention, d, n),
         )
+        for role in gated:
+            down = ld.stored_shape(f"{p}.{norm_names[role]}.W_down.weight")
+            rank = down[0] if down else 1
+            lw.norms[f"{role}_gate_down"] = ld.take(f"{p}.{norm_names[role]}.W_down.weight", (rank, d))
+            lw.norms[f"{role}_gate_up"] = ld.take(f"{p}.{norm_names[role]}.W_up.weight", (d, rank))
         if n.residual_weights and layer.parts == "both":
             lw.norms["res_mix"] = ld.take(f"{p}.{n.residual_weights[0]}", (d,))
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))

@@ -49,12 +49,19 @@ def _indexer(cfg: Config, i: int, style: str) -> IndexerSpec:
                        rope_style=style, shared=types[i] == "shared")  # type: ignore[arg-type]
 
 
-@adapter("deepseek_v32", "glm_moe_dsa")
+@adapter("deepseek_v32", "glm_moe_dsa", "axk2")
 def deepseek_sparse(cfg: Config) -> ModelSpec:
-    """MLA with DeepSeek sparse attention (lightning indexer + top-k keys); GLM-5 rotates the indexer interleaved."""
+    """MLA with DeepSeek sparse attention (lightning indexer + top-k keys); GLM-5 rotates the indexer interleaved;
+    A.X K2 adds gated queries and gated RMSNorms (before attention, and before each MoE)."""
+    axk2 = cfg["model_type"] == "axk2"
     style = "interleaved" if cfg["model_type"] == "glm_moe_dsa" else "half"
-    attns = [_mla(cfg, indexer=_indexer(cfg, i, style)) for i in range(int(cfg["num_hidden_layers"]))]
+    attns = [_mla(cfg, indexer=_indexer(cfg, i, style), mla_q_gate=axk2) for i in range(int(cfg["num_hidden_layers"]))]
     layers = moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg))
+    if axk2:
+        sparse = WeightNames(gated_norm_roles=("attn_in", "ffn_in"))
+        dense = WeightNames(gated_norm_roles=("attn_in",))
+        layers = [LayerSpec(attention=ly.attention, mlp=ly.mlp, moe=ly.moe, names=sparse if ly.moe else dense)
+                  for ly in layers]
     return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
 
 
