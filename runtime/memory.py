@@ -40,7 +40,7 @@ def parse_bytes(text: str | int) -> int:
     return int(value)
 
 
-def format_bytes(n: int | float | None) -> str:
+def format_bytes(n: float | None) -> str:
     """Human-readable bytes (binary units), ``unlimited`` for None."""
     if n is None:
         return "unlimited"

@@ -57,7 +57,10 @@ def random_dense(spec: Any, device: str, dtype: torch.dtype) -> Any:
 def write_experts(path: Path, spec: Any, layout: Any, moe_layers: list[int]) -> Any:
     """The expert cache file: 16 distinct random Q4_0 experts, repeated over every (layer, expert)."""
     from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
-    from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile, write_cache_file
+    from freetoken_agent.runtime.experts.cache_file import (
+        ExpertCacheFile,
+        write_cache_file,
+    )
 
     moe = spec.layers[moe_layers[0]].moe
     if not path.is_file():
@@ -88,7 +91,12 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
                prompt: list[int]) -> dict[str, Any]:
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
-    from freetoken_agent.runtime.experts.setup import Managed, ResidencyConfig, _tensor_bytes, build_store
+    from freetoken_agent.runtime.experts.setup import (
+        Managed,
+        ResidencyConfig,
+        _tensor_bytes,
+        build_store,
+    )
     from freetoken_agent.runtime.memory import Budget, parse_bytes
     from freetoken_agent.runtime.model.decoder import Decoder
 
@@ -137,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken_agent.runtime.hardware import load_or_probe
     from freetoken_agent.runtime.kernels import build
     from freetoken_agent.runtime.model.adapters import spec_from_config
-
     from freetoken_agent.runtime.threads import configure_threads
 
     configure_threads(None)  # torch threads = free cores (oversubscribed OpenMP stalls for a scheduler slice)

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _gb(n: float | int | None) -> str:
+def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.1f} GB"
 
 

@@ -49,19 +49,19 @@ def cpu_expert_gbps(shape: tuple[int, int], seconds: float = 1.0, working_set: i
         n = max(2, working_set // proto.nbytes)
         ws = [ops.PackedWeight(proto.fmt, proto.n, proto.k, proto.data.clone()) for _ in range(n)]
         nbytes, kind = proto.nbytes, "q4_0 C kernel"
-        run = lambda w, x: ops.linear(w, x)  # noqa: E731
+        run = lambda w, x: ops.linear(w, x)
     except (ImportError, RuntimeError, OSError):
         w0 = torch.randn(2 * i, d)
         n = max(2, working_set // (w0.numel() * 4))
         ws = [w0.clone() for _ in range(n)]
         nbytes, kind = w0.numel() * 4, "fp32 torch"
-        run = lambda w, x: torch.nn.functional.linear(x, w)  # noqa: E731
+        run = lambda w, x: torch.nn.functional.linear(x, w)
     out = []
     for m in (1, 16):
         x = torch.randn(m, d)
         k = [0]
 
-        def step() -> None:
+        def step(x: torch.Tensor = x, k: list[int] = k) -> None:
             for _ in range(8):
                 run(ws[k[0] % n], x)
                 k[0] += 1
@@ -109,7 +109,7 @@ def gpu_rates(shape: tuple[int, int], nbytes: int = 256 << 20) -> dict[str, floa
         src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
-        def copy() -> None:
+        def copy(dst: torch.Tensor = dst, src: torch.Tensor = src, pin: bool = pin) -> None:
             dst.copy_(src, non_blocking=pin)
             torch.cuda.synchronize()
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
-
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNeed
 from freetoken_agent.runtime.experts.layout import SlotViews
 from freetoken_agent.runtime.experts.store import ExpertStore
@@ -96,7 +96,12 @@ class ManagedExperts:
     def _dequantize(self, views: SlotViews, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(gate_up [2I, D], down [D, I])`` of a quantized slot, with torch ops on the slot's device."""
         from freetoken_agent.runtime.kernels.layout import unpack_blocks
-        from freetoken_agent.runtime.quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, dequantize
+        from freetoken_agent.runtime.quant.blocks import (
+            BLOCK,
+            BLOCK_BYTES,
+            BlockQuantized,
+            dequantize,
+        )
 
         lay = self.layout
         d, i, p = lay.hidden, lay.intermediate, BLOCK_BYTES[lay.fmt]
@@ -287,7 +292,7 @@ class ManagedExperts:
             from freetoken_agent.runtime.kernels import ops
 
             light_slots = slot_of[light].tolist() if slot_of is not None else []
-            ascending = all(a < b for a, b in zip(light_slots, light_slots[1:]))
+            ascending = all(a < b for a, b in pairwise(light_slots))
             if light_slots and (ascending or not self.exact):
                 ids = slot_of[topk_ids]
                 if dense:

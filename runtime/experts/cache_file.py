@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
 from freetoken_agent.runtime.errors import CorruptCheckpointError
 from freetoken_agent.runtime.experts.layout import ExpertLayout

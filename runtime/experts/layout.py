@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
 from freetoken_agent.runtime.errors import FreeTokenError
 

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable, Iterable
 
 import torch
-
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key, ResidencyPolicy
 from freetoken_agent.runtime.memory import Reservation

@@ -15,19 +15,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import FreeTokenError, UnexpectedTensorError
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner
 from freetoken_agent.runtime.experts.backend import ManagedExperts
-from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile, cache_key, cache_root, open_or_write
+from freetoken_agent.runtime.experts.cache_file import (
+    ExpertCacheFile,
+    cache_key,
+    cache_root,
+    open_or_write,
+)
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.experts.store import ExpertStore
-from freetoken_agent.runtime.memory import Budget, BudgetExceededError, MemoryBudget, format_bytes
+from freetoken_agent.runtime.memory import (
+    Budget,
+    BudgetExceededError,
+    MemoryBudget,
+    format_bytes,
+)
 from freetoken_agent.runtime.model import weights as weights_mod
 from freetoken_agent.runtime.model.moe import TorchExperts, route
 from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
@@ -186,7 +195,7 @@ def load_managed(
 
     def load(layer: int, e: int) -> Any:
         t = loader.sources[layer].load(e)
-        cast = lambda v: None if v is None else v.to(dtype)  # noqa: E731  (what the unbudgeted engine holds)
+        cast = lambda v: None if v is None else v.to(dtype)
         return type(t)(cast(t.gate_up), cast(t.down), cast(t.gate_up_bias), cast(t.down_bias))
 
     file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"

@@ -16,7 +16,7 @@ from tests.runtime.checkpoints import save_checkpoint
 def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FREETOKEN_CACHE": str(cache), "FREETOKEN_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "freetoken_agent.cli", *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+                          timeout=240, env=env, check=False)
 
 
 def test_doctor_probes_caches_and_prints_a_table(tmp_path: Path) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNeed
 from freetoken_agent.runtime.experts.setup import ResidencyConfig
 from freetoken_agent.runtime.memory import Budget
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tests.runtime.checkpoints import save_checkpoint
 
 MB = 10**6
@@ -109,7 +109,6 @@ def test_static_modes_on_the_simulated_device(model: Path, tmp_path: Path, monke
 
 def test_device_slot_dequantize_matches_the_blocks(tmp_path: Path) -> None:
     import torch
-
     from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
     from freetoken_agent.runtime.experts.backend import ManagedExperts
     from freetoken_agent.runtime.experts.layout import ExpertLayout

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
-from freetoken_agent.runtime.experts.cache_file import PAGE, ExpertCacheFile, open_or_write
+from freetoken_agent.runtime.experts.cache_file import (
+    PAGE,
+    ExpertCacheFile,
+    open_or_write,
+)
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 
 
@@ -34,7 +37,7 @@ def test_round_trip(tmp_path: Path, fmt: str) -> None:
         dtype = torch.float32 if fmt == "float32" else torch.bfloat16
         assert torch.equal(views.gate_up[1], t.gate_up.to(dtype)) and torch.equal(views.down[1], t.down.to(dtype))
     assert torch.equal(views.down_bias[1].float(), t.down_bias.to(views.down_bias.dtype).float())
-    again, written = open_or_write(tmp_path / "x.ftx", layout, [1, 3], 5, _expert)
+    _, written = open_or_write(tmp_path / "x.ftx", layout, [1, 3], 5, _expert)
     assert not written
     other = ExpertLayout("float16", 64, 48, bias=True)
     _, written = open_or_write(tmp_path / "x.ftx", other, [1, 3], 5, _expert)

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import pytest
-
-from freetoken_agent.runtime.experts.layout import ExpertLayout
-from freetoken_agent.runtime.experts.policies import HeatPolicy, LRUPolicy, PhaseAwarePolicy, make_policy
-from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.errors import FreeTokenError
-from freetoken_agent.runtime.memory import BudgetExceededError, MemoryBudget, parse_bytes
+from freetoken_agent.runtime.experts.layout import ExpertLayout
+from freetoken_agent.runtime.experts.policies import (
+    HeatPolicy,
+    LRUPolicy,
+    PhaseAwarePolicy,
+    make_policy,
+)
+from freetoken_agent.runtime.experts.pool import SlotPool
+from freetoken_agent.runtime.memory import (
+    BudgetExceededError,
+    MemoryBudget,
+    parse_bytes,
+)
 
-ANY = lambda key: True  # noqa: E731  (every resident key evictable)
+ANY = lambda key: True
 
 
 def test_lru_evicts_least_recently_used() -> None:

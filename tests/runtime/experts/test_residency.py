@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.setup import ResidencyConfig
 from freetoken_agent.runtime.memory import Budget, BudgetExceededError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tests.runtime.checkpoints import save_checkpoint
 
 NEW = 10
