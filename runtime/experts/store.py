@@ -107,9 +107,9 @@ class ExpertStore:
             self.host.abandon(slot)
             raise
         dt = time.perf_counter() - t0
-        c = self.counters["disk"]
-        c.bytes_in += n
-        c.seconds_in += dt
+        for c in (self.counters["disk"], self.counters["host"]):  # disk → host: the host tier's incoming bytes
+            c.bytes_in += n
+            c.seconds_in += dt
         self.host.ready(slot)
         if self.observe_disk is not None:
             self.observe_disk(n, dt)
