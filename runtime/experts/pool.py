@@ -4,7 +4,9 @@ The pool is one ``uint8 [S, stride]`` tensor (no fragmentation; a quantized laye
 pool with slot ids). Its bytes are claimed from the tier's ``MemoryBudget`` before allocation. Slots are
 ``free``, ``loading`` (a reader is filling them; others wait on an event), or ``ready``. A slot is evictable when
 it is ready, not in use by the step being computed (``use``/``unuse`` counts) and its key is not pinned; the
-policy picks among evictable slots. Thread-safe: the prefetch thread claims and fills slots concurrently.
+policy picks among evictable slots. With ``per_layer`` set the pool acts as per-layer pools (each layer owns at
+most that many slots and, once full, evicts only its own experts); by default it is one global pool.
+Thread-safe: the prefetch thread claims and fills slots concurrently.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class SlotPool:
         self.generation = 0
         """Bumped when the pool tensor is reallocated (views over it must be rebuilt)."""
         self.hits = self.misses = self.evictions = 0
+        self.per_layer: int | None = None
+        """Per-layer pools: each layer holds at most this many slots (None: one global pool)."""
         self._allocate(n_slots)
 
     def _allocate(self, n_slots: int) -> None:
@@ -45,6 +49,7 @@ class SlotPool:
         self.free = list(range(n_slots - 1, -1, -1))
         self.loading: dict[int, threading.Event] = {}
         self.in_use = [0] * n_slots
+        self.layer_count: dict[int, int] = {}
         self.generation += 1
 
     # ---------------------------------------------------------------- lookups
@@ -83,15 +88,22 @@ class SlotPool:
         """A slot for ``key`` (marked loading; fill it, then ``ready``), evicting if needed; None if all are busy."""
         with self.lock:
             assert key not in self.table, f"{key} already has a slot"
-            if self.free:
+            layer_full = self.per_layer is not None and self.layer_count.get(key[0], 0) >= self.per_layer
+            if self.free and not layer_full:
                 s = self.free.pop()
             else:
-                victim = self.policy.victim(self.owner, self._evictable(set(protect)))
+                ok = self._evictable(set(protect))
+                if layer_full:  # per-layer pools: a layer at its share evicts only its own experts
+                    same = ok
+                    ok = lambda k: k[0] == key[0] and same(k)  # noqa: E731
+                victim = self.policy.victim(self.owner, ok)
                 if victim is None:
                     return None
                 s = self.table.pop(victim)
                 self.policy.forget(victim)
+                self.layer_count[victim[0]] -= 1
                 self.evictions += 1
+            self.layer_count[key[0]] = self.layer_count.get(key[0], 0) + 1
             self.owner[s] = key
             self.table[key] = s
             self.loading[s] = threading.Event()
@@ -112,6 +124,7 @@ class SlotPool:
             key = self.owner[slot]
             if key is not None:
                 self.table.pop(key, None)
+                self.layer_count[key[0]] -= 1
             self.owner[slot] = None
             self.free.append(slot)
             ev = self.loading.pop(slot, None)

@@ -64,6 +64,8 @@ class ResidencyConfig:
     """Cost-model rates (default: the cached hardware profile, else built-in guesses)."""
     planner: str = "adaptive"
     """``adaptive`` (cost model), ``fetch`` (always copy cold experts to the device) or ``host`` (always CPU)."""
+    pools: str = "global"
+    """``global``: one slot pool shared by all layers; ``layer``: an equal share of slots per MoE layer."""
     exact: bool = True
     """Bitwise the unbudgeted engine's outputs. False lets quantized decode make one fused call over the slot pool
     even when slot order differs from expert order (faster; fp32 sums reordered, ~1e-7 relative)."""
@@ -235,6 +237,12 @@ def build_store(
         dev_pool = SlotPool("device", layout, slots_in(ledgers["device"], "device memory"),
                             "cpu" if config.simulate_device else device, ledgers["device"].reserve("experts"),
                             make_policy(config.policy))
+    if config.pools not in ("global", "layer"):
+        raise FreeTokenError(f"unknown pools {config.pools!r}; expected global or layer")
+    if config.pools == "layer":
+        for pool in (host_pool, dev_pool):
+            if pool is not None:
+                pool.per_layer = max(top_k, pool.n_slots // len(disk.layers))
     store = ExpertStore(disk, host_pool, dev_pool, ledgers, prefetch=config.prefetch)
     host_pool.reservation.on_shrink = store.shrink_host
     if config.pin:

@@ -164,3 +164,17 @@ def test_phase_hint_switches_the_phase_policy(model: Path, reference: Engine) ->
     assert policy.phase == "code"
     plan_hot, code_hot = policy.hot_set("plan", 24), policy.hot_set("code", 24)
     assert plan_hot and code_hot and plan_hot != code_hot
+
+
+def test_per_layer_pools_cap_each_layer(model: Path, reference: Engine) -> None:
+    host = dense_bytes(model) + expert_bytes(reference) // 2
+    engine = Engine.from_pretrained(model, budget=Budget(host=host),
+                                    residency=ResidencyConfig(pools="layer", prefetch=False))
+    prompt = list(range(60, 110))
+    assert engine.generate(prompt, max_new_tokens=NEW).token_ids == reference.generate(prompt, max_new_tokens=NEW).token_ids
+    pool = engine.residency.host
+    share = pool.n_slots // 3
+    assert pool.per_layer == share
+    per_layer = {layer: sum(1 for k in pool.table if k[0] == layer) for layer in range(3)}
+    assert all(0 < n <= share for n in per_layer.values()), per_layer
+    assert pool.layer_count == per_layer
