@@ -95,7 +95,7 @@ class SlotPool:
                 ok = self._evictable(set(protect))
                 if layer_full:  # per-layer pools: a layer at its share evicts only its own experts
                     same = ok
-                    ok = lambda k: k[0] == key[0] and same(k)  # noqa: E731
+                    ok = lambda k: k[0] == key[0] and same(k)
                 victim = self.policy.victim(self.owner, ok)
                 if victim is None:
                     return None
