@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ft_kernels.c", "ft_pool.h", "ft_tiles.h", "ft_quant.h")
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
 
 _lock = threading.Lock()
@@ -68,8 +67,8 @@ def build(force: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((CSRC / name).read_bytes())
+    for src in sorted(CSRC.glob("*.[ch]")):  # every source and header: any edit rebuilds
+        digest.update(src.name.encode() + src.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(_compiler_id(cc).encode())
     out = cache_dir() / f"ft_kernels-{digest.hexdigest()[:16]}.so"

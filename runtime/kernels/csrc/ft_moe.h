@@ -1,0 +1,167 @@
+/* One fused MoE layer step (included once, by ft_kernels.c): route slots to experts, gate|up for every routed
+ * (token, expert) slot, SiLU(gate) * up quantized to int8, down per slot, weighted sum per token. Each phase is one
+ * parallel-for whose items stream one expert's rows (the hardware prefetcher sees a few long streams). */
+#ifndef FT_MOE_H
+#define FT_MOE_H
+
+/* ---------------------------------------------------------------- public: one fused MoE layer step */
+
+typedef struct {
+    int fmt;
+    tile_dot_fn dot;
+    tile_dot4_fn dot4;
+    const uint8_t *w13, *w2;
+    int64_t w13_stride, w2_stride, D, I, nbD, nbI, n13, chunks13;
+    int64_t n_groups;
+    const int64_t *g_expert, *g_start; /* group g = one active expert: slots [g_start[g], g_start[g+1]) */
+    const int64_t *s_token;
+    const float *s_weight;
+    qact qx, qa;
+    float *h;   /* [S, n13] gate|up outputs (n13 = 2I padded to tiles) */
+    float *y;   /* [S, nD] down outputs per slot (nD = D padded to tiles) */
+    int64_t nD, chunks2, n_slots;
+    int64_t *t_start, *t_slots; /* token t's slots: t_slots[t_start[t] .. t_start[t+1]) */
+    float *out; /* [T, D] */
+} moe_ctx;
+
+static void moe_gate_up_item(void *p, int64_t item) {
+    const moe_ctx *c = (const moe_ctx *)p;
+    int64_t g = item / c->chunks13, chunk = item % c->chunks13;
+    const uint8_t *base = c->w13 + c->g_expert[g] * c->w13_stride;
+    int64_t tile_stride = c->nbD * tile_block_bytes(c->fmt), ntiles = c->n13 / TR;
+    int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
+    if (t1 > ntiles) t1 = ntiles;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+        dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbD, &c->qx, c->s_token + s0, 0, n,
+                 c->h + s0 * c->n13 + t * TR, c->n13);
+    }
+}
+
+static void moe_act_item(void *p, int64_t s) {
+    const moe_ctx *c = (const moe_ctx *)p;
+    const float *h = c->h + s * c->n13;
+    float buf[QK];
+    for (int64_t b = 0; b < c->nbI; b++) {
+        int64_t j0 = b * QK;
+        for (int j = 0; j < QK; j++) {
+            int64_t jj = j0 + j;
+            if (jj < c->I) {
+                float g = h[jj];
+                buf[j] = g / (1.f + expf(-g)) * h[c->I + jj];
+            } else {
+                buf[j] = 0.f;
+            }
+        }
+        quantize_row(buf, QK, 1, c->qa.q + (s * c->nbI + b) * QK, c->qa.d + s * c->nbI + b,
+                     c->qa.s + s * c->nbI + b);
+    }
+}
+
+/* item = (group, chunk of output rows): y[s, rows] for the group's slots, streaming one expert's rows like
+ * gate_up does (a row-chunk loop over all experts would jump between E short streams and starve the prefetcher) */
+static void moe_down_item(void *p, int64_t item) {
+    const moe_ctx *c = (const moe_ctx *)p;
+    int64_t g = item / c->chunks2, chunk = item % c->chunks2;
+    const uint8_t *base = c->w2 + c->g_expert[g] * c->w2_stride;
+    int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt), ntiles = c->nD / TR;
+    int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
+    if (t1 > ntiles) t1 = ntiles;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+        dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbI, &c->qa, NULL, s0, n, c->y + s0 * c->nD + t * TR,
+                 c->nD);
+    }
+}
+
+/* out[t, :] = sum over t's slots of weight * y[s, :]; item = one token */
+static void moe_combine_item(void *p, int64_t t) {
+    const moe_ctx *c = (const moe_ctx *)p;
+    float *o = c->out + t * c->D;
+    for (int64_t k = c->t_start[t]; k < c->t_start[t + 1]; k++) {
+        const int64_t s = c->t_slots[k];
+        const float w = c->s_weight[s], *y = c->y + s * c->nD;
+        for (int64_t j = 0; j < c->D; j++) o[j] += w * y[j];
+    }
+}
+
+/* out[T, D] = sum_k wts[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; ids < 0 are skipped.
+ * Expert e's repacked gate|up weight [2I, D] starts at w13 + e * w13_stride, its down weight [D, I] at
+ * w2 + e * w2_stride. Returns 0, -1 on allocation failure, -2 on an expert id >= E. */
+int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, int64_t w2_stride, int64_t E,
+           int64_t D, int64_t I, const float *x, int64_t T, const int64_t *ids, const float *wts, int64_t KT,
+           float *out) {
+    moe_ctx c;
+    memset(&c, 0, sizeof c);
+    memset(out, 0, sizeof(float) * (size_t)(T * D));
+    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *g_expert = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
+    int64_t *g_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 2));
+    int64_t *s_token = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T * KT + 1));
+    float *s_weight = (float *)malloc(sizeof(float) * (size_t)(T * KT + 1));
+    int rc = 0;
+    if (!count || !g_expert || !g_start || !s_token || !s_weight ) { rc = -1; goto done; }
+    for (int64_t i = 0; i < T * KT; i++) {
+        if (ids[i] < 0) continue;
+        if (ids[i] >= E) { rc = -2; goto done; }
+        count[ids[i]]++;
+    }
+    int64_t G = 0, S = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (!count[e]) continue;
+        g_expert[G] = e;
+        g_start[G] = S;
+        S += count[e];
+        count[e] = g_start[G]; /* becomes the fill cursor */
+        G++;
+    }
+    g_start[G] = S;
+    for (int64_t i = 0; i < T * KT; i++) {
+        if (ids[i] < 0) continue;
+        int64_t pos = count[ids[i]]++;
+        s_token[pos] = i / KT;
+        s_weight[pos] = wts[i];
+    }
+    if (S == 0) goto done;
+    c.fmt = fmt;
+    c.dot = pick_tile_dot(fmt);
+    c.dot4 = pick_tile_dot4(fmt);
+    c.w13 = w13; c.w2 = w2; c.w13_stride = w13_stride; c.w2_stride = w2_stride;
+    c.D = D; c.I = I; c.nbD = (D + QK - 1) / QK; c.nbI = (I + QK - 1) / QK;
+    c.n13 = (2 * I + TR - 1) / TR * TR;
+    c.chunks13 = (c.n13 + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    c.n_groups = G; c.g_expert = g_expert; c.g_start = g_start; c.s_token = s_token; c.s_weight = s_weight;
+    c.out = out;
+    c.nD = (D + TR - 1) / TR * TR;
+    c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    c.n_slots = S;
+    c.t_start = (int64_t *)calloc((size_t)T + 1, sizeof(int64_t));
+    c.t_slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S + 1));
+    if (!c.t_start || !c.t_slots) { rc = -1; goto done; }
+    for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
+    for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
+    {
+        int64_t *cursor = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1));
+        if (!cursor) { rc = -1; goto done; }
+        memcpy(cursor, c.t_start, sizeof(int64_t) * (size_t)(T + 1));
+        for (int64_t s = 0; s < S; s++) c.t_slots[cursor[s_token[s]]++] = s;
+        free(cursor);
+    }
+    c.h = (float *)malloc(sizeof(float) * (size_t)(S * c.n13));
+    c.y = (float *)malloc(sizeof(float) * (size_t)(S * c.nD));
+    if (!c.h || !c.y || !qact_alloc(&c.qx, T, D) || !qact_alloc(&c.qa, S, I)) { rc = -1; goto done; }
+    for (int64_t t = 0; t < T; t++)
+        quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
+    ft_parallel_for(moe_gate_up_item, &c, G * c.chunks13);
+    if (S >= 8) ft_parallel_for(moe_act_item, &c, S);
+    else for (int64_t s = 0; s < S; s++) moe_act_item(&c, s);
+    ft_parallel_for(moe_down_item, &c, G * c.chunks2);
+    if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
+    else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
+done:
+    free(c.h); free(c.y); free(c.t_start); free(c.t_slots); qact_free(&c.qx); qact_free(&c.qa);
+    free(count); free(g_expert); free(g_start); free(s_token); free(s_weight);
+    return rc;
+}
+
+#endif
