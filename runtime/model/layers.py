@@ -184,6 +184,8 @@ def mla_attention(
     else:
         q_latent = linear(x, w, "q_a_proj")
         q_resid = rms_norm(q_latent, w["q_a_layernorm.weight"], spec.lora_norm_eps)
+        if spec.mla_q_latent_scale != 1.0:
+            q_resid = q_resid * spec.mla_q_latent_scale
         q = linear(torch.cat([q_resid, q_latent], dim=-1) if spec.mla_q_gate else q_resid, w, "q_b_proj")
     gate = None
     if spec.mla_q_gate:
@@ -197,6 +199,8 @@ def mla_attention(
     if spec.mla_kv_scale != 1.0:
         latent = latent * spec.mla_kv_scale
     k_rot = compressed[:, spec.kv_lora_rank :].reshape(t, 1, rope_dim)  # [T, 1, R]
+    if spec.k_rope_norm:
+        k_rot = rms_norm(k_rot, w["k_rope_norm.weight"], spec.lora_norm_eps)
     q_nope, q_rot = q[..., :nope], q[..., nope:]
     cos = sin = torch.empty(0)
     if rotary is not None:

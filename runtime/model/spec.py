@@ -94,6 +94,10 @@ class AttentionSpec:
     """A learned per-head bias is added to the gate logits (Beam)."""
     mla_q_scale: float = 1.0
     """MLA: queries are multiplied by this (LongCat: sqrt(hidden / q_lora_rank))."""
+    mla_q_latent_scale: float = 1.0
+    """MLA: the normalized q latent is multiplied by this before ``q_b_proj`` and the indexer (dots3)."""
+    k_rope_norm: bool = False
+    """MLA: RMSNorm (``k_rope_only_layernorm``) on the shared rotary key before rotation (dots3)."""
     mla_q_gate: bool = False
     """MLA (A.X K2): ``q_b_proj`` reads [normed q latent | raw q latent] and also yields a per-channel output gate
     (sigmoid) after each head's query."""

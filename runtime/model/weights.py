@@ -207,6 +207,8 @@ class _Loader:
                     self.linear(w, prefix, "q_b_proj", a.num_heads * a.head_dim, a.q_lora_rank, False)
             self.linear(w, prefix, "kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_dim, d, a.lora_bias)
             w["kv_a_layernorm.weight"] = self.take(f"{prefix}.kv_a_layernorm.weight", (a.kv_lora_rank,))
+            if a.k_rope_norm:
+                w["k_rope_norm.weight"] = self.take(f"{prefix}.k_rope_only_layernorm.weight", (a.qk_rope_dim,))
             self.linear(w, prefix, "kv_b_proj", a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank, False)
             self.linear(w, prefix, names.o_proj, d, a.num_heads * a.v_head_dim, a.o_bias, key="o_proj")
             if a.output_gate != "none":

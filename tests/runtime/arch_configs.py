@@ -153,6 +153,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "longcat_flash": dict(zero_expert_num=4),  # 256 identity experts would drown the 8 real ones
     # the default Doge is dense; its MoE needs a square expert count (product keys: 4 x 4) and a small window
     "doge": dict(is_moe=True, num_experts=16, keep_window_size=16),
+    # the SWA layers' GQA head_dim must equal the MLA qk head dim (nope + rope)
+    "dots3_note_text": dict(head_dim=24, per_layer_config={
+        "02": {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16}}),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -94,3 +94,33 @@ def longcat_flash(cfg: Config) -> ModelSpec:
     zero_ids = "|".join(str(e) for e in range(moe.num_experts, moe.num_experts + moe.zero_experts))
     ignored = _mtp_ignored({**cfg, "num_hidden_layers": n}) + ((rf"\.mlp\.experts\.({zero_ids})\.",) if zero_ids else ())
     return _model({**cfg, "num_hidden_layers": n}, layers, ignored_tensors=ignored)
+
+
+@adapter("dots3_note_text")
+def dots3_note_text(cfg: Config) -> ModelSpec:
+    """dots3: MLA everywhere — indexed (sparse) layers and sliding-window layers — with scaled latents, a normed
+    rotary key, per-head sigmoid output gates and per-layer-type rope."""
+    n = int(cfg["num_hidden_layers"])
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items() if str(k).isdigit()}
+    types = cfg.get("layer_types") or ["indexed_attention"] * n
+    d, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+    common = dict(mla_q_latent_scale=(d / int(cfg["q_lora_rank"])) ** 0.5, mla_kv_scale=(d / int(cfg["kv_lora_rank"])) ** 0.5,
+                  k_rope_norm=True, lora_norm_eps=eps, output_gate="sigmoid", output_gate_per_head=True)
+
+    def attn(i: int):  # type: ignore[no-untyped-def]
+        from freetoken_agent.runtime.model.adapters import _rope
+
+        lcfg = {**cfg, **per_layer.get(i, {})}  # per-layer head / rank overrides
+        layer_common = {**common, "mla_kv_scale": (d / int(lcfg["kv_lora_rank"])) ** 0.5}
+        base = _mla(lcfg, **layer_common)
+        rope = _rope(lcfg, base.qk_rope_dim, "interleaved", rotary_dim=base.qk_rope_dim, layer_type=types[i])
+        if types[i] == "sliding_attention":
+            return _mla(lcfg, **layer_common, rope=rope, scale=base.head_dim**-0.5,
+                        sliding_window=cfg.get("sliding_window"))
+        return _mla(lcfg, **layer_common, rope=rope, scale=base.head_dim**-0.5,
+                    indexer=_indexer(cfg, i, "interleaved"))
+
+    attns = [attn(i) for i in range(n)]
+    names = WeightNames(output_gate="g_proj")
+    return _model(cfg, moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg)), names=names,
+                  ignored_tensors=_mtp_ignored(cfg))
