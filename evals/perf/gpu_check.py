@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--runs", default="lru,heat,lru-fetch,cpu-moe")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than 48 (a quicker, smaller check)")
     p.add_argument("--cache", default=None, help="folder for the expert cache file (default $FREETOKEN_CACHE)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shape on the CPU with a simulated device tier")
@@ -157,14 +158,18 @@ def main(argv: list[str] | None = None) -> int:
         args.device_memory, args.host_memory = "2MB", "64MB"
     profile = load_or_probe(seconds=0.3)
     print("profile:", json.dumps(profile.bench))
-    spec = spec_from_config(TINY if args.cpu_dry_run else QWEN3_30B_A3B)
+    config = dict(TINY if args.cpu_dry_run else QWEN3_30B_A3B)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    spec = spec_from_config(config)
     dtype = torch.float32 if args.cpu_dry_run else torch.bfloat16
     weights = random_dense(spec, device, dtype)
     moe_layers = [i for i, layer in enumerate(spec.layers) if layer.moe is not None]
     moe = spec.layers[moe_layers[0]].moe
     layout = ExpertLayout("q4_0", spec.hidden_size, moe.intermediate, False, build.load() is not None)
     root = Path(args.cache) if args.cache else cache_root()
-    disk_path = root / f"gpu-check-{'tiny' if args.cpu_dry_run else 'qwen3-30b-a3b'}-{layout.packed}.ftx"
+    name = f"{'tiny' if args.cpu_dry_run else 'qwen3-30b-a3b'}-l{spec.num_layers}-{'packed' if layout.packed else 'gguf'}"
+    disk_path = root / f"gpu-check-{name}.ftx"
     write_experts(disk_path, spec, layout, moe_layers).close()
     print(f"experts: {len(moe_layers) * moe.num_experts} x {layout.blob_bytes / 1e6:.2f} MB = "
           f"{disk_path.stat().st_size / 1e9:.2f} GB in {disk_path} ({time.perf_counter() - t_start:.0f} s so far)")

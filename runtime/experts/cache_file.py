@@ -142,9 +142,12 @@ def write_cache_file(
 
 def open_or_write(
     path: Path, layout: ExpertLayout, layers: list[int], num_experts: int,
-    load: Callable[[int, int], ExpertTensors], drop_cache: bool = False,
+    load: Callable[[int, int], ExpertTensors], drop_cache: bool = False, progress: bool | None = None,
 ) -> tuple[ExpertCacheFile, bool]:  # fmt: skip
-    """Open the cache file at ``path``, writing it first when missing or unreadable; returns (file, written)."""
+    """Open the cache file at ``path``, writing it first when missing or unreadable; returns (file, written).
+
+    ``progress`` shows a bar while writing (default: when the file will exceed 256 MiB).
+    """
     if path.is_file():
         try:
             f = ExpertCacheFile(path, drop_cache)
@@ -153,6 +156,14 @@ def open_or_write(
             f.close()
         except CorruptCheckpointError:
             pass
-    write_cache_file(path, layout, layers, num_experts, load)
+    total = len(layers) * num_experts
+    if progress if progress is not None else total * layout.blob_bytes > 256 * 2**20:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"writing expert cache {path.name}", total=total)
+            write_cache_file(path, layout, layers, num_experts, load, on_expert=lambda: bar.advance(task))
+    else:
+        write_cache_file(path, layout, layers, num_experts, load)
     return ExpertCacheFile(path, drop_cache), True
 
