@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.model.rope import Rotary
-from freetoken_agent.runtime.model.spec import IndexerSpec
+from freetoken_agent.runtime.model.spec import BlockIndexerSpec, IndexerSpec
 
 Weights = dict[str, torch.Tensor]
 
@@ -42,3 +42,38 @@ def topk_keep(
     index = index.masked_fill(future, float("-inf"))
     top = index.topk(min(spec.topk, s), dim=-1).indices
     return torch.zeros(t, s, dtype=torch.bool, device=x.device).scatter_(1, top, True)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def block_index_qk(
+    x: torch.Tensor, w: Weights, spec: BlockIndexerSpec, rotary: Rotary | None, positions: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M3 indexer queries [T, Hi, Di] and this step's keys [T, Di] (normed, rotated like the attention)."""
+    t = x.shape[0]
+    q = _rms(F.linear(x, w["indexer.q_proj.weight"]).view(t, spec.num_heads, spec.head_dim), w["indexer.q_norm.weight"], eps)
+    k = _rms(F.linear(x, w["indexer.k_proj.weight"]).view(t, 1, spec.head_dim), w["indexer.k_norm.weight"], eps)
+    if rotary is not None:
+        cos, sin = rotary.cos_sin(positions)
+        q, k = rotary.apply(q, cos, sin, style="half"), rotary.apply(k, cos, sin, style="half")
+    return q, k[:, 0]
+
+
+def block_keep(q: torch.Tensor, keys: torch.Tensor, spec: BlockIndexerSpec, q_pos: torch.Tensor) -> torch.Tensor:
+    """Boolean [Hi, T, S]: key s lies in one of query t's selected blocks for indexer head h."""
+    t, s, bs = q.shape[0], keys.shape[0], spec.block_size
+    scores = torch.matmul(q.float().transpose(0, 1), keys.float().T)  # [Hi, T, S]
+    future = torch.arange(s, device=q.device)[None, :] > q_pos[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    blocks = -(-s // bs)
+    scores = F.pad(scores, (0, blocks * bs - s), value=float("-inf")).view(spec.num_heads, t, blocks, bs)
+    block_scores = scores.amax(dim=-1)  # [Hi, T, NB]
+    if spec.local_blocks > 0:
+        local = (q_pos[:, None] // bs - torch.arange(spec.local_blocks, device=q.device)[None, :]).clamp(min=0)
+        block_scores.scatter_(-1, local[None].expand(spec.num_heads, -1, -1), float("inf"))
+    top_scores, top = block_scores.topk(min(spec.topk_blocks, blocks), dim=-1)
+    chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top, top_scores > float("-inf"))
+    return chosen.repeat_interleave(bs, dim=-1)[..., :s]

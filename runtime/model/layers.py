@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.indexer import indexer_keys, topk_keep
+from freetoken_agent.runtime.model.indexer import block_index_qk, block_keep, indexer_keys, topk_keep
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
@@ -45,11 +45,14 @@ def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
 
 def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
     """Gated MLP: down(act(gate(x)) * up(x))."""
-    act = _ACT[spec.activation]
+    act = _ACT.get(spec.activation, F.silu)
     if not spec.gated:
         return linear(act(linear(x, w, "up_proj")), w, "down_proj")
     if spec.fused:
         gate, up = linear(x, w, "input_linear").chunk(2, dim=-1)
+        if spec.activation == "swiglu_oai":
+            gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+            return linear((up + 1.0) * (gate * torch.sigmoid(gate * spec.swiglu_alpha)), w, "output_linear")
         return linear(act(gate) * up, w, "output_linear")
     return linear(act(linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
 
@@ -76,7 +79,10 @@ def attention_scores(
     if spec.chunk_size is not None:
         allowed &= (k_pos[None, :] // spec.chunk_size) == (q_pos[:, None] // spec.chunk_size)
     if keep is not None:
-        allowed &= keep
+        if keep.dim() == 3:  # per KV head [Hkv, T, S] → per query head
+            allowed = allowed & keep.repeat_interleave(h // keep.shape[0], dim=0)
+        else:
+            allowed &= keep
     mask: torch.Tensor = allowed
     if key_bias is not None:  # Doge: per-key bias [S, Hkv] for every query head of the group
         bias = key_bias.T.repeat_interleave(g, dim=0)[:, None, :].to(q.dtype).expand(h, t, s)  # [H, T, S]
@@ -145,13 +151,18 @@ def gqa_attention(
     if spec.qk_norm == "head_unit":
         q, k = unit_rms_norm(q, eps), unit_rms_norm(k, eps)
     q = position_scaled(q, positions, spec)
-    key_bias = None
+    key_bias = keep = None
     if spec.dynamic_mask:
         dt = torch.exp(w["A"] * F.softplus(linear(v.reshape(t, -1), w, "dt_proj")))  # [T, Hkv]
         k_all, v_all, key_bias = cache.append(layer, k, v, dt)
+    elif spec.block_indexer is not None:
+        bx = spec.block_indexer
+        iq, ik = block_index_qk(x, w, bx, rotary, positions, eps)
+        k_all, v_all, ik_all = cache.append(layer, k, v, ik)
+        keep = block_keep(iq, ik_all, bx, positions)
     else:
         k_all, v_all = cache.append(layer, k, v)
-    out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"), key_bias=key_bias)
+    out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"), keep=keep, key_bias=key_bias)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     if spec.output_gate != "none":

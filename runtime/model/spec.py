@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Activation = Literal["silu", "gelu", "gelu_tanh", "relu", "relu2"]
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,18 @@ class IndexerSpec:
 
 
 @dataclass(frozen=True)
+class BlockIndexerSpec:
+    """MiniMax-M3 block-sparse selection: per KV head, max-pooled q_i·k_i scores over key blocks; each query keeps
+    its top ``topk_blocks`` blocks plus its ``local_blocks`` most recent ones."""
+
+    num_heads: int
+    head_dim: int
+    block_size: int
+    topk_blocks: int
+    local_blocks: int
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
 
@@ -81,6 +93,8 @@ class AttentionSpec:
     """Eps of the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` (transformers builds them with the 1e-6 default,
     whatever the model's ``rms_norm_eps``)."""
     indexer: IndexerSpec | None = None
+    block_indexer: BlockIndexerSpec | None = None
+    """GQA + MiniMax-M3 block-sparse attention (see ``BlockIndexerSpec``)."""
     """MLA + DeepSeek sparse attention: each query attends only to the top-k keys chosen by a lightweight indexer."""
     qk_norm_after_rope: bool = False
     """Apply the per-head q/k norm after rotary instead of before (Hunyuan)."""
@@ -134,6 +148,10 @@ class MLPSpec:
     """Checkpoint names of (gate, up, down), e.g. ``("w1", "w3", "w2")``."""
     gated: bool = True
     """False: a plain two-layer MLP down(act(up(x))) without a gate projection (Nemotron-H)."""
+    fused_names: tuple[str, str] = ("input_linear", "output_linear")
+    """With ``fused``: names of the [2I, D] gate+up projection and the down projection."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)

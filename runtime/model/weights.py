@@ -172,8 +172,9 @@ class _Loader:
     def mlp(self, prefix: str, spec: MLPSpec, d: int) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
         if spec.fused:
-            self.linear(w, prefix, "input_linear", 2 * spec.intermediate, d, spec.bias)
-            self.linear(w, prefix, "output_linear", d, spec.intermediate, spec.bias)
+            gate_up, down = spec.fused_names
+            self.linear(w, prefix, gate_up, 2 * spec.intermediate, d, spec.bias, key="input_linear")
+            self.linear(w, prefix, down, d, spec.intermediate, spec.bias, key="output_linear")
             return w
         gate, up, down = spec.leaves
         if spec.gated:
@@ -242,6 +243,12 @@ class _Loader:
             w["k_norm.weight"] = self.norm(f"{prefix}.{names.k_norm}.weight", k_dim)
         if a.sinks:
             w["sinks"] = self.take(f"{prefix}.{names.sinks}", (a.num_heads,))
+        bx = a.block_indexer
+        if bx is not None:
+            self.linear(w, f"{prefix}.indexer", "q_proj", bx.num_heads * bx.head_dim, d, False, key="indexer.q_proj")
+            self.linear(w, f"{prefix}.indexer", "k_proj", bx.head_dim, d, False, key="indexer.k_proj")
+            w["indexer.q_norm.weight"] = self.norm(f"{prefix}.indexer.q_norm.weight", bx.head_dim)
+            w["indexer.k_norm.weight"] = self.norm(f"{prefix}.indexer.k_norm.weight", bx.head_dim)
         if a.dynamic_mask:
             self.linear(w, prefix, "dt_proj", a.num_kv_heads, a.num_kv_heads * a.v_head_dim, False)
             w["A"] = self.take(f"{prefix}.A", (a.num_kv_heads,))

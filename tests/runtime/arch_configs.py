@@ -156,6 +156,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # the SWA layers' GQA head_dim must equal the MLA qk head dim (nope + rope)
     "dots3_note_text": dict(head_dim=24, per_layer_config={
         "02": {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16}}),
+    # one block-sparse layer with 4-key blocks so the indexer's block choice and local blocks really bite
+    "minimax_m3_vl_text": dict(layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+                               mlp_layer_types=["dense", "sparse", "sparse"], index_block_size=4,
+                               index_topk_blocks=3, index_local_blocks=1, index_n_heads=2, index_head_dim=16),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -231,3 +231,37 @@ def beam(cfg: Config) -> ModelSpec:
     names = WeightNames(attn_out_norm="post_attention_layernorm", ffn_in_norm="pre_feedforward_layernorm",
                         ffn_out_norm="post_feedforward_layernorm")
     return _model(cfg, layers, names=names, final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+
+
+@adapter("minimax_m3_vl_text")
+def minimax_m3(cfg: Config) -> ModelSpec:
+    """MiniMax-M3 text: zero-centered norms, partial rope, GPT-OSS-style clamped SwiGLU experts and shared expert,
+    sigmoid router with correction bias, and block-sparse indexer attention on ``minimax_m3_sparse`` layers."""
+    from freetoken_agent.runtime.model.adapters import _rope
+    from freetoken_agent.runtime.model.spec import BlockIndexerSpec
+
+    n = int(cfg["num_hidden_layers"])
+    types = _types(cfg)
+    alpha, limit = float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))
+    head_dim = int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
+    rope = _rope(cfg, head_dim)  # transformers rotates head_dim · partial_rotary_factor channels; rotary_dim is unused
+    bx = BlockIndexerSpec(num_heads=int(cfg.get("index_n_heads") or cfg["num_key_value_heads"]),
+                          head_dim=int(cfg.get("index_head_dim") or head_dim),
+                          block_size=int(cfg.get("index_block_size") or 128),
+                          topk_blocks=int(cfg.get("index_topk_blocks") or 16),
+                          local_blocks=int(cfg.get("index_local_blocks") or 0))
+    attns = [_gqa(cfg, qk_norm="head", rope=rope, block_indexer=bx if types[i] == "minimax_m3_sparse" else None)
+             for i in range(n)]
+    shared = MLPSpec(int(cfg["shared_intermediate_size"]), "swiglu_oai", fused=True,
+                     fused_names=("gate_up_proj", "down_proj"), swiglu_alpha=alpha, swiglu_limit=limit)
+    moe = MoESpec(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                  intermediate=int(cfg["intermediate_size"]),
+                  router=RouterSpec(scoring="sigmoid", norm_topk=True, correction_bias=True,
+                                    scaling=float(cfg.get("routed_scaling_factor") or 1.0)),
+                  activation="swiglu_oai", swiglu_alpha=alpha, swiglu_limit=limit, shared=shared)
+    dense = MLPSpec(int(cfg.get("dense_intermediate_size") or cfg["intermediate_size"]), "swiglu_oai", fused=True,
+                    fused_names=("gate_up_proj", "down_proj"), swiglu_alpha=alpha, swiglu_limit=limit)
+    mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
+    layers = [LayerSpec(attention=attns[i], moe=moe) if mlp_types[i] == "sparse" else
+              LayerSpec(attention=attns[i], mlp=dense) for i in range(n)]
+    return _model(cfg, layers, norm_weight_offset=1.0, ignored_tensors=_mtp_ignored(cfg))
