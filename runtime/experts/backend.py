@@ -186,6 +186,8 @@ class ManagedExperts:
                 a, n = spans[e]
                 if tier == "host" and j + 1 < len(experts) and not self.store.host.is_ready(keys[j + 1]):
                     self.store.read_ahead(keys[j + 1], keys[j:])
+                if tier == "device" and j + 1 < len(experts) and paths[experts[j + 1]] == "fetch":
+                    self.store.fetch_async(keys[j + 1], keys[j:])  # copy the next one while this computes (CUDA)
                 h = self._one(tier, keys[j], src[tok[a : a + n]], keys[j:])
                 parts[e] = h.to(xin.device) * weight_of[a : a + n, None]
 

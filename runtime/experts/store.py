@@ -96,6 +96,9 @@ class ExpertStore:
         """Told of every timed cache-file read ``(bytes, seconds)``."""
         self.read_aheads = 0
         self._read_ahead: set[Key] = set()
+        self._inflight: dict[Key, tuple[object, int]] = {}
+        """Device fetches in flight on the side stream: key → (CUDA event, host slot held for the DMA)."""
+        self._copy_stream: object = None
 
     # ---------------------------------------------------------------- host tier
 
@@ -258,6 +261,16 @@ class ExpertStore:
             slot = dev.slot_of(key)
             if slot is not None:
                 dev.use(slot)
+        if slot is not None and key in self._inflight:  # copied ahead on the side stream: order, then settle
+            import torch
+
+            event, hslot = self._inflight.pop(key)
+            torch.cuda.current_stream(dev.device).wait_event(event)
+            event.synchronize()  # the pinned host slot may be reused only once the DMA has read it
+            self.release_host(hslot)
+            dev.unuse(slot)  # the hold fetch_async took
+            self.counters["device"].misses += 1
+            return slot
         if slot is not None:
             self.counters["device"].hits += 1
             return slot
@@ -282,6 +295,37 @@ class ExpertStore:
         if self.observe_copy is not None:
             self.observe_copy(self.host.layout.blob_bytes, dt)
         return slot
+
+    def fetch_async(self, key: Key, protect: Iterable[Key] = ()) -> bool:
+        """Start copying ``key`` host → device on a side CUDA stream (the next expert while this one computes).
+
+        The copy waits for work already queued on the compute stream (an evicted slot may still be read there);
+        ``acquire_device`` makes the compute stream wait for it. CUDA pools only; returns whether a copy started.
+        """
+        dev = self.device
+        if dev is None or dev.device.type != "cuda" or key in self._inflight:
+            return False
+        import torch
+
+        with dev.lock:
+            if dev.slot_of(key) is not None:
+                return False
+            slot = dev.claim(key, {dev.table[k] for k in protect if k in dev.table})  # never this step's
+            if slot is None:
+                return False
+            dev.in_use[slot] += 1  # held until acquire_device settles the copy
+        hslot = self.acquire_host(key)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=dev.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(dev.device))
+        with torch.cuda.stream(self._copy_stream):
+            dev.data[slot].copy_(self.host.data[hslot], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        self._inflight[key] = (event, hslot)
+        self.counters["device"].bytes_in += self.host.layout.blob_bytes
+        dev.ready(slot)
+        return True
 
     def release_device(self, slot: int) -> None:
         assert self.device is not None
