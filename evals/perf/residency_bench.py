@@ -29,6 +29,24 @@ from typing import Any
 import torch
 
 
+CODE_PROMPT = '''def read_config(path):
+    """Read a JSON config file and return it as a dict; missing files give an empty config."""
+    import json, os
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return json.load(fh)
+
+
+class Cache:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.items = {}
+
+    def get(self, key):
+'''
+
+
 def build_model(folder: Path, args: argparse.Namespace) -> Path:
     from freetoken_agent.runtime.synthetic import write_synthetic
 
@@ -108,6 +126,9 @@ def run_one(model: Path, name: str, args: argparse.Namespace, host: int | None, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--folder", default=None, help="where the synthetic model goes (default: $FREETOKEN_CACHE/...)")
+    p.add_argument("--model", default=None,
+                   help="a real model folder or 'builtin' (the trained built-in model) instead of the synthetic one; "
+                        "the prompt is then code text")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--inter", type=int, default=512)
     p.add_argument("--experts", type=int, default=32)
@@ -128,13 +149,21 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = Path(args.folder) if args.folder else cache_dir() / "bench" / (
         f"residency-h{args.hidden}-i{args.inter}-e{args.experts}-k{args.top_k}-l{args.layers}")
-    model = build_model(folder, args)
+    if args.model:
+        from freetoken_agent.runtime.models import resolve_model
+
+        model = folder = resolve_model(args.model)
+    else:
+        model = build_model(folder, args)
     probe = Engine.from_pretrained(model, quant=args.quant, budget=Budget())  # writes the cache file once
     dense = probe.residency.ledgers["host"].reservations["dense"].nbytes
     experts = probe.residency.disk.nbytes
     probe.residency.close()
     host = dense + int(experts / args.ratio)
-    prompt = torch.randint(0, 4096, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.model:
+        prompt = (probe.tokenizer.encode(CODE_PROMPT) * 64)[: args.prompt]
+    else:
+        prompt = torch.randint(0, 4096, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     print(f"model {folder.name}: {args.quant} experts {experts / 1e6:.1f} MB, dense {dense / 1e6:.1f} MB, "
           f"host budget {host / 1e6:.1f} MB (experts = {args.ratio}x the expert share), {args.threads} thread(s)")
     names = list(dict.fromkeys(args.runs.split(",")))
