@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
 from freetoken_agent.runtime.model.layers import gqa_attention, layer_norm, mla_attention, mlp, rms_norm
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet, kimi_delta
 from freetoken_agent.runtime.model.mixers.lightning import lightning
@@ -62,6 +63,8 @@ class Decoder:
         h = F.embedding(token_ids.to(self.device), w.embed)
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
+        if spec.hyper_streams:
+            return self._forward_hyper(h, cache, positions)
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
             if spec.parallel_block:
                 x = self._norm(h, lw, "attn_in")
@@ -80,6 +83,21 @@ class Decoder:
             if layer.moe_shortcut == "add":
                 h = h + self._scratch.pop("moe_shortcut")
         cache.advance()
+        return self._norm(h, None, "final")
+
+    def _forward_hyper(self, h: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        """Hyper-connection variant of the layer loop: N residual streams instead of one."""
+        spec = self.spec
+        streams = h[:, None, :].expand(-1, spec.hyper_streams, -1).contiguous()  # [T, N, D]
+        for i, lw in enumerate(self.weights.layers):
+            for role, norm in (("hc_mix", "attn_in"), ("hc_ffn", "ffn_in")):
+                hc = {k: lw.norms[f"{role}_{k}"] for k in ("fn", "base", "scale")}
+                post, x = hc_pre(streams, hc, spec.hyper_magnitude, spec.hyper_eps, spec.norm_eps)
+                x = self._norm(x, lw, norm)
+                x = self._mixer(i, x, lw, cache, positions) if role == "hc_mix" else self._ffn(i, x, lw)
+                streams = hc_post(streams, post, x)
+        cache.advance()
+        h = hc_head(streams, self.weights.hyper_head, spec.hyper_eps, spec.norm_eps)
         return self._norm(h, None, "final")
 
     def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,17 @@ def indexer_keys(
 ) -> torch.Tensor:
     """This step's indexer keys [T, Di]: LayerNorm(wk·x) with the first ``rope_dim`` channels rotated."""
     k = F.layer_norm(F.linear(x, w["indexer.wk.weight"]).float(), (spec.head_dim,), w["indexer.k_norm.weight"].float(),
-                     w["indexer.k_norm.bias"].float(), 1e-6).to(x.dtype)
+                     w["indexer.k_norm.bias"].float(), spec.k_norm_eps).to(x.dtype)
     if rotary is not None:
-        k = rotary.apply(k[:, None, :], cos, sin, style=spec.rope_style)[:, 0]
+        k = _rotate(k[:, None, :], spec, rotary, cos, sin)[:, 0]
     return k
+
+
+def _rotate(x: torch.Tensor, spec: IndexerSpec, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if not spec.rope_last:
+        return rotary.apply(x, cos, sin, style=spec.rope_style)
+    keep = x.shape[-1] - spec.rope_dim
+    return torch.cat([x[..., :keep], rotary.apply(x[..., keep:], cos, sin, style=spec.rope_style)], dim=-1)
 
 
 def topk_keep(
@@ -34,9 +41,13 @@ def topk_keep(
     t, s = x.shape[0], keys.shape[0]
     q = F.linear(q_resid, w["indexer.wq_b.weight"]).view(t, spec.num_heads, spec.head_dim)
     if rotary is not None:
-        q = rotary.apply(q, cos, sin, style=spec.rope_style)
-    scores = F.relu(torch.matmul(q.float(), keys.float().T[None]) * spec.head_dim**-0.5)  # [T, Hi, S]
+        q = _rotate(q, spec, rotary, cos, sin)
+    scale = spec.head_dim**-0.5
+    scores = torch.matmul(q.float(), keys.float().T[None])  # [T, Hi, S]
+    scores = F.relu(scores) if spec.scale_after_relu else F.relu(scores * scale)
     weights = F.linear(x, w["indexer.weights_proj.weight"]).float() * spec.num_heads**-0.5  # [T, Hi]
+    if spec.scale_after_relu:
+        weights = weights * scale
     index = torch.matmul(weights[:, None, :], scores)[:, 0]  # [T, S]
     future = torch.arange(s, device=x.device)[None, :] > q_pos[:, None]
     index = index.masked_fill(future, float("-inf"))

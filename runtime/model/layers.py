@@ -234,7 +234,7 @@ def mla_attention(
     kv = linear(latent_all, w, "kv_b_proj").view(s, h, nope + dv)  # [S, H, nope + Dv]
     k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
     q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
-    out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, None, keep)
+    out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, w.get("sinks"), keep)
     if gate is not None:
         out = out * torch.sigmoid(gate.float()).to(out.dtype)
     if spec.output_gate != "none":

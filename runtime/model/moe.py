@@ -37,6 +37,8 @@ def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
         return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
     if moe.activation == "silu":
         return F.silu(gate) * up
+    if moe.activation == "silu_clamp":
+        return F.silu(gate.clamp(max=moe.swiglu_limit)) * up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
     if moe.activation == "gelu":
         return F.gelu(gate) * up
     raise ValueError(f"unknown expert activation {moe.activation!r}")

@@ -46,6 +46,11 @@ class IndexerSpec:
     rope_style: Literal["half", "interleaved"] = "half"
     shared: bool = False
     """Reuse the top-k chosen by the most recent indexer layer of this forward (GLM-5 ``shared`` layers)."""
+    rope_last: bool = False
+    """The rotated channels are the last ``rope_dim`` of each head, not the first (HY-V4)."""
+    k_norm_eps: float = 1e-6
+    scale_after_relu: bool = False
+    """Apply the 1/sqrt(Di) score scale to the head weights after the ReLU instead of before it (HY-V4)."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +201,9 @@ class MoESpec:
     top_k: int
     intermediate: int
     router: RouterSpec
-    activation: Literal["silu", "gelu", "swiglu_oai", "relu2"] = "silu"
-    """``swiglu_oai``: GPT-OSS clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``."""
+    activation: Literal["silu", "gelu", "swiglu_oai", "relu2", "silu_clamp"] = "silu"
+    """``swiglu_oai``: GPT-OSS clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``;
+    ``silu_clamp``: ``silu(clamp(gate, max=limit)) * clamp(up, ±limit)`` (HY-V4)."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False
@@ -351,6 +357,10 @@ class ModelSpec:
     """Attention and FFN both read the same normed input and are added together (Cohere)."""
     final_logit_softcap: float = 0.0
     """If > 0, logits become ``cap * tanh(logits / cap)`` (after the divisor)."""
+    hyper_streams: int = 0
+    """If > 0: hyper-connections with this many residual streams (HY-V4); weights ``hc_pre.hc_{attn,mlp}_layer``."""
+    hyper_magnitude: float = 2.0
+    hyper_eps: float = 1e-6
     norm_weight_offset: float = 0.0
     """Added to every RMSNorm weight at load time (zero-centered norms ``x·(1+w)``: Qwen3-Next, Gemma)."""
     tie_embeddings: bool = False

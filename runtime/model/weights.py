@@ -57,6 +57,7 @@ class ModelWeights:
     lm_head_bias: torch.Tensor | None
     layers: list[LayerWeights]
     norm_bias: torch.Tensor | None = None
+    hyper_head: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _Loader:
@@ -215,6 +216,8 @@ class _Loader:
             if a.output_gate != "none":
                 n_gate = a.num_heads if a.output_gate_per_head else a.num_heads * a.v_head_dim
                 self.linear(w, prefix, names.output_gate, n_gate, d, False, key="gate")
+            if a.sinks:
+                w["sinks"] = self.take(f"{prefix}.{names.sinks}", (a.num_heads,))
             ix = a.indexer
             if ix is not None and not ix.shared:
                 p = f"{prefix}.indexer"
@@ -385,6 +388,13 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             rank = down[0] if down else 1
             lw.norms[f"{role}_gate_down"] = ld.take(f"{p}.{norm_names[role]}.W_down.weight", (rank, d))
             lw.norms[f"{role}_gate_up"] = ld.take(f"{p}.{norm_names[role]}.W_up.weight", (d, rank))
+        if spec.hyper_streams:
+            nd, n2 = spec.hyper_streams * d, 2 * spec.hyper_streams
+            for role, sub in (("hc_mix", "hc_attn_layer"), ("hc_ffn", "hc_mlp_layer")):
+                base = f"{p}.hc_pre.{sub}"
+                lw.norms[f"{role}_fn"] = ld.take(f"{base}.hc_fn", (n2, nd), torch.float32)
+                lw.norms[f"{role}_base"] = ld.take(f"{base}.hc_base", (n2,), torch.float32)
+                lw.norms[f"{role}_scale"] = ld.take(f"{base}.hc_scale", (2,), torch.float32)
         if n.residual_weights and layer.parts == "both":
             lw.norms["res_mix"] = ld.take(f"{p}.{n.residual_weights[0]}", (d,))
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
@@ -406,4 +416,10 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         lm_head = ld.take("lm_head.weight", (v, d))
     lm_head_bias = ld.take("lm_head.bias", (v,)) if spec.lm_head_bias else None
     norm_bias = ld.take(f"{spec.names.final_norm}.bias", (d,)) if spec.norm_bias else None
-    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias)
+    head: dict[str, torch.Tensor] = {}
+    if spec.hyper_streams:
+        s_, base = spec.hyper_streams, "model.hc_pre.hc_head"
+        head = {"fn": ld.take(f"{base}.hc_head_fn", (s_, s_ * d), torch.float32),
+                "base": ld.take(f"{base}.hc_head_base", (s_,), torch.float32),
+                "scale": ld.take(f"{base}.hc_head_scale", (1,), torch.float32)}
+    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head)

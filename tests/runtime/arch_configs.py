@@ -160,6 +160,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "minimax_m3_vl_text": dict(layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
                                mlp_layer_types=["dense", "sparse", "sparse"], index_block_size=4,
                                index_topk_blocks=3, index_local_blocks=1, index_n_heads=2, index_head_dim=16),
+    "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 only
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -26,8 +26,6 @@ from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_ch
 UNSUPPORTED: dict[str, str] = {
     "gemma4_text": "per-layer input embeddings (262k x layers table), KV sharing across layers, dense MLP beside "
                    "the MoE block, proportional rope; not built yet",
-    "hy_v4": "hyper-connections (multiple residual streams), learnable attention sinks and shared indexers; "
-             "hyper-connections not built yet",
     "qwen4_exp_text": "hyper-connections, n-gram hashed embeddings, per-layer embeddings and a block indexer on top "
                       "of Gated DeltaNet; not built yet",
     "deepseek_v4": "hash routing, sqrt-softplus scores, compressed/sparse attention and hyper-connections; not "

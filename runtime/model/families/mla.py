@@ -42,11 +42,11 @@ def mistral4(cfg: Config) -> ModelSpec:
     return _model(cfg, moe_layers(cfg, lambda i: attn, router), names=WeightNames())
 
 
-def _indexer(cfg: Config, i: int, style: str) -> IndexerSpec:
+def _indexer(cfg: Config, i: int, style: str, **fields: object) -> IndexerSpec:
     types = cfg.get("indexer_types") or ["full"] * int(cfg["num_hidden_layers"])
     return IndexerSpec(num_heads=int(cfg["index_n_heads"]), head_dim=int(cfg["index_head_dim"]),
                        topk=int(cfg["index_topk"]), rope_dim=int(cfg["qk_rope_head_dim"]),
-                       rope_style=style, shared=types[i] == "shared")  # type: ignore[arg-type]
+                       rope_style=style, shared=types[i] == "shared", **fields)  # type: ignore[arg-type]
 
 
 @adapter("deepseek_v32", "glm_moe_dsa", "axk2")
@@ -123,4 +123,33 @@ def dots3_note_text(cfg: Config) -> ModelSpec:
     attns = [attn(i) for i in range(n)]
     names = WeightNames(output_gate="g_proj")
     return _model(cfg, moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg)), names=names,
+                  ignored_tensors=_mtp_ignored(cfg))
+
+
+@adapter("hy_v4")
+def hy_v4(cfg: Config) -> ModelSpec:
+    """Hunyuan HY-V4: MLA + sparse-attention indexer (shared layers), learnable sinks, per-channel output gates,
+    clamped-SiLU experts and hyper-connections (several residual streams)."""
+    from freetoken_agent.runtime.model.adapters import _rope
+
+    n = int(cfg["num_hidden_layers"])
+    rope_dim, eps = int(cfg["qk_rope_head_dim"]), float(cfg.get("rms_norm_eps", 1e-6))
+    rope = _rope(cfg, rope_dim, "half", rotary_dim=rope_dim)
+    attns = [_mla(cfg, rope=rope, sinks=True, output_gate="sigmoid",
+                  indexer=_indexer(cfg, i, "half", rope_last=True, k_norm_eps=eps, scale_after_relu=True))
+             for i in range(n)]
+    leaves = ("linear_gate", "up_proj", "down_proj")
+    layers = []
+    for ly in moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg),
+                         moe_fields={"activation": "silu_clamp", "swiglu_limit": float(cfg.get("swiglu_limit") or 10.0)}):
+        moe = ly.moe
+        if moe is not None and moe.shared is not None:
+            from dataclasses import replace
+
+            moe = replace(moe, shared=replace(moe.shared, leaves=leaves))
+        mlp = None if ly.mlp is None else MLPSpec(ly.mlp.intermediate, ly.mlp.activation, leaves=leaves)
+        layers.append(LayerSpec(attention=ly.attention, mlp=mlp, moe=moe))
+    names = WeightNames(output_gate="linear_gate", sinks="learnable_sink_param")
+    return _model(cfg, layers, names=names, hyper_streams=int(cfg.get("hc_mult") or 4),
+                  hyper_magnitude=float(cfg.get("hc_magnitude") or 2.0), hyper_eps=float(cfg.get("hc_eps") or 1e-6),
                   ignored_tensors=_mtp_ignored(cfg))

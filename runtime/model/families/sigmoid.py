@@ -60,15 +60,15 @@ def moe_layers(
 ) -> list[LayerSpec]:
     act = _act(cfg)
     shared = shared_size(cfg)
-    moe = MoESpec(
+    fields: dict[str, Any] = dict(
         num_experts=int(_req(cfg, "n_routed_experts", "num_experts", "num_local_experts")),
         top_k=int(_req(cfg, "num_experts_per_tok", "num_experts_per_token")),
         intermediate=int(cfg["moe_intermediate_size"]),
         router=router,
-        activation=act,  # type: ignore[arg-type]
+        activation=act,
         shared=MLPSpec(shared, act) if shared else None,  # type: ignore[arg-type]
-        **(moe_fields or {}),
     )
+    moe = MoESpec(**{**fields, **(moe_fields or {})})
     dense_size = dense_size or cfg.get("intermediate_size") or cfg["moe_intermediate_size"]  # all-sparse configs
     dense = MLPSpec(int(dense_size), act)  # type: ignore[arg-type]
     return [
