@@ -265,7 +265,7 @@ class _Loader:
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
         source = ExpertSource(self.reader, prefix, m, names, d)
         parts = [source.load(e) for e in range(m.num_experts)]
-        cast = lambda ts: torch.stack(ts).to(device=self.device, dtype=self.dtype).contiguous()  # noqa: E731
+        cast = lambda ts: torch.stack(ts).to(device=self.device, dtype=self.dtype).contiguous()
         return TorchExperts(
             m,
             gate_up=cast([p.gate_up for p in parts]),

@@ -20,7 +20,7 @@ from freetoken_agent.runtime.model.adapters import spec_from_config, supported_a
 warnings.filterwarnings("ignore")
 transformers = pytest.importorskip("transformers")
 
-from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_checkpoint  # noqa: E402
+from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_checkpoint
 
 # Model types without an adapter yet, and why (mirrored in the README support table).
 UNSUPPORTED: dict[str, str] = {

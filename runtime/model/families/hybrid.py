@@ -113,7 +113,7 @@ def _float(value: object) -> float:
 
 def _mamba2(cfg: Config, prefix: str = "mamba_") -> RecurrentSpec:
     """Mamba-2 spec from Granite-style (``mamba_*``) or Nemotron-style (unprefixed) config fields."""
-    g = lambda *names: _opt(cfg, *names)  # noqa: E731
+    g = lambda *names: _opt(cfg, *names)
     heads = int(g(f"{prefix}n_heads", "mamba_num_heads"))
     head_dim = int(g(f"{prefix}d_head", "mamba_head_dim"))
     groups = int(g(f"{prefix}n_groups", "n_groups"))
@@ -236,7 +236,7 @@ def minimax(cfg: Config) -> ModelSpec:
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     types = cfg.get("layer_types") or ["full_attention"] * n
     attn = _gqa(cfg)
-    f = lambda name: float(cfg.get(name, 1))  # noqa: E731
+    f = lambda name: float(cfg.get(name, 1))
     layers = []
     for i in range(n):
         linear = types[i] == "linear_attention"

@@ -6,10 +6,8 @@ from freetoken_agent.runtime.model.adapters import (
     Config,
     _act,
     _gqa,
-    _head_dim,
     _layer_types,
     _model,
-    _opt,
     _req,
     adapter,
 )
