@@ -40,7 +40,7 @@ def test_pack_round_trips_and_dequant_is_exact(fmt: str, shape: tuple[int, int],
 
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, 70])  # 9: 4-token kernel + remainder; 70: more than one 64-row chunk
 def test_linear_matches_fp32_matmul_of_dequantized_weights(fmt: str, shape: tuple[int, int], m: int,
                                                           isas: list[str]) -> None:  # fmt: skip
     n, k = shape
