@@ -39,8 +39,8 @@ class TierCounters:
 class PrefetchCounters:
     """Gate look-ahead: predictions, the reads issued for them, and whether the predicted experts were then used.
 
-    Every look-ahead is scored (``recent``: EMA of the fraction of predicted experts the next layer really used),
-    whether or not reads were issued for it, so the store can stop reading while predictions do not pay off
+    Every look-ahead is scored (``recent``: EMA of the fraction of its predicted *non-resident* experts — the ones a
+    read would be for — that the next layer really used), whether or not reads were issued for it, so the store can stop reading while predictions do not pay off
     (random-weight models: ~10-30%) and start again as soon as they do (trained models: ~80%).
     """
 
@@ -195,7 +195,9 @@ class ExpertStore:
         if self._executor is None:
             return
         self.prefetch.predictions += 1
-        self.prefetch.predicted[layer] = set(experts)
+        cold = {e for e in experts if self.host.slot_of((layer, e)) is None}
+        if cold:  # scored on the experts a read would be for: already-resident guesses cost nothing either way
+            self.prefetch.predicted[layer] = cold
         if not self.prefetch.should_issue():
             return
         issued: set[int] = set()
