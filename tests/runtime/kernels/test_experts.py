@@ -141,6 +141,13 @@ def test_without_kernels_the_torch_path_matches_reference(fmt: str) -> None:
     assert _rel(g, gate_up) < (0.01 if fmt == "q8" else 0.11)
 
 
+@needs_kernels
+def test_out_of_range_expert_id_is_one_clear_error() -> None:
+    qe = QuantizedExperts.from_float(torch.randn(2, 8, 32), torch.randn(2, 32, 4), "q8")
+    with pytest.raises(FreeTokenError, match="expert id"):
+        ops.moe(qe.fmt, qe.w13, qe.w2, (32, 4), torch.randn(1, 32), torch.tensor([[0, 2]]), torch.ones(1, 2))
+
+
 def test_bad_shapes_are_one_clear_error() -> None:
     with pytest.raises(FreeTokenError, match="down must be"):
         QuantizedExperts.from_float(torch.randn(2, 8, 32), torch.randn(2, 32, 5), "q4")
