@@ -145,7 +145,9 @@ class ManagedExperts:
     def _prefetch_next(self, x: torch.Tensor) -> None:
         """Gate look-ahead: guess the next MoE layer's experts from this layer's input and start reading them.
 
-        Called once this step's experts are in use (so the reads cannot evict them); decode only (T ≤ 4).
+        Called once this step's experts are held (quantized host path: the reads overlap this step's kernels) or
+        computed (per-expert path: they overlap the next layer's attention), so the reads cannot evict them.
+        Decode only (T ≤ 4): in prefill nearly every expert is routed anyway.
         """
         if self.lookahead is not None and self.next_layer is not None and x.shape[0] <= 4:
             self.store.prefetch_host(self.next_layer, self.lookahead(x))
