@@ -362,8 +362,21 @@ class Engine:
                 budget = int(os.environ.get("FREETOKEN_KV_BUDGET_MB", "1024")) * 2**20
                 pages = max(16, budget // (16 * max(self.kv_bytes_per_token(), 1)))
                 config = KVConfig(page_size=16, device_pages=int(pages))
-            self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device))
+            self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device), self._elastic_kv(config))
         return self._kv
+
+    def _elastic_kv(self, config: Any) -> Any:
+        """Under a memory budget, the KV pool shares its tier's ledger with the expert-slot pool."""
+        store = self.residency
+        if store is None or getattr(store, "ledgers", None) is None:
+            return None
+        from freetoken_agent.runtime.kv.session import ElasticKV
+
+        tier = "device" if self.decoder.device.type != "cpu" else "host"
+        ledger = store.ledgers[tier]
+        reservation = ledger.reservations.get("kv") or ledger.reserve("kv")
+        give_back = store.grow_host if tier == "host" else None
+        return ElasticKV(reservation, config.page_size * max(self.kv_bytes_per_token(), 1), give_back)
 
     def session(self) -> Any:
         """A new multi-turn session: each turn prefills only what no cached prefix covers."""

@@ -23,16 +23,30 @@ class PagePool:
     """Fixed pool of ``num_pages`` pages on ``device``; pages are reference counted."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, device: torch.device | str = "cpu",
-                 tier: str = "device") -> None:
+                 tier: str = "device", active: int | None = None) -> None:
+        """``num_pages`` is the capacity (page ids); ``active`` pages (default: all) are in circulation.
+
+        An elastic pool starts with fewer active pages and ``grow``s / ``retire``s them as its memory reservation
+        changes. Storage is reserved lazily at capacity size: on the CPU untouched pages cost no physical memory,
+        and only active pages are ever written.
+        """
         if num_pages < 1 or page_size < 1:
             raise ValueError("a page pool needs at least one page of at least one position")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.device, self.tier = torch.device(device), tier
         self.data: list[list[torch.Tensor] | None] = [None] * num_layers
         self.refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
+        active = num_pages if active is None else max(0, min(active, num_pages))
+        self._free = list(range(active - 1, -1, -1))
+        self._dormant = list(range(num_pages - 1, active - 1, -1))
+        """Page ids out of circulation (never activated, or retired)."""
 
     # ------------------------------------------------------------------------------------------------ accounting
+
+    @property
+    def active(self) -> int:
+        """Pages in circulation (used + free): what the pool's memory reservation pays for."""
+        return self.num_pages - len(self._dormant)
 
     @property
     def num_free(self) -> int:
@@ -40,12 +54,26 @@ class PagePool:
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.active - len(self._free)
+
+    def grow(self, n: int) -> int:
+        """Put up to ``n`` more pages in circulation; returns how many."""
+        n = min(n, len(self._dormant))
+        for _ in range(n):
+            self._free.append(self._dormant.pop())
+        return n
+
+    def retire(self, n: int) -> int:
+        """Take up to ``n`` free pages out of circulation; returns how many."""
+        n = min(n, len(self._free))
+        for _ in range(n):
+            self._dormant.append(self._free.pop(0))
+        return n
 
     def alloc(self) -> int:
         """A fresh page with reference count 1; raises ``OutOfPages`` when none is free."""
         if not self._free:
-            raise OutOfPages(f"KV pool ({self.tier}) is full: all {self.num_pages} pages of {self.page_size} "
+            raise OutOfPages(f"KV pool ({self.tier}) is full: all {self.active} pages of {self.page_size} "
                              "positions are in use")
         page = self._free.pop()
         self.refs[page] = 1

@@ -62,12 +62,41 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
+@dataclass
+class ElasticKV:
+    """Ties the KV pool to a memory ledger it shares with the expert-slot pool (DESIGN §4.5).
+
+    ``reservation`` is the KV pool's claim on the tier; growing context moves bytes from the ``experts`` reservation
+    (the expert pool evicts slots to free them), and when sessions end, idle pages are retired and their bytes
+    handed back with ``give_back(nbytes)`` (the expert pool grows). The tier's limit holds at every instant.
+    """
+
+    reservation: Any  # runtime.memory.Reservation
+    bytes_per_page: int
+    give_back: Any = None  # (nbytes) -> bytes taken by the expert pool
+    grow_pages: int = 16
+    """Pages asked for per growth step."""
+    slack: float = 0.25
+    """Idle pages kept (fraction of the active ones) before handing memory back."""
+    grown_bytes: int = 0
+    returned_bytes: int = 0
+
+
 class KVManager:
     """Page pools + radix cache + pause policy, shared by an engine's sessions."""
 
-    def __init__(self, num_layers: int, config: KVConfig, device: str = "cpu") -> None:
+    def __init__(self, num_layers: int, config: KVConfig, device: str = "cpu", elastic: ElasticKV | None = None
+                 ) -> None:
         self.config = config
-        self.pool = PagePool(num_layers, config.device_pages, config.page_size, device, tier="device")
+        self.elastic = elastic
+        if elastic is not None:  # capacity = everything the tier could ever give; active = what is reserved now
+            limit = elastic.reservation.budget.limit
+            capacity = max(1, (limit if limit is not None else config.device_pages * elastic.bytes_per_page)
+                           // elastic.bytes_per_page)
+            active = elastic.reservation.nbytes // elastic.bytes_per_page
+            self.pool = PagePool(num_layers, capacity, config.page_size, device, tier="device", active=active)
+        else:
+            self.pool = PagePool(num_layers, config.device_pages, config.page_size, device, tier="device")
         self.host = PagePool(num_layers, config.host_pages, config.page_size, "cpu", tier="host") \
             if config.host_pages else None
         self.radix = RadixCache(self.pool)
@@ -76,16 +105,47 @@ class KVManager:
         self._next_id = 0
 
     def alloc(self) -> int:
-        """A free device page, evicting unpinned radix leaves (LRU) when the pool is full."""
+        """A free device page: evicts unpinned radix leaves (LRU) first, then grows an elastic pool."""
         while True:
             try:
                 return self.pool.alloc()
             except OutOfPages:
-                if self.radix.evict(1) == 0:
+                if self.radix.evict(1) == 0 and not self._grow():
                     raise OutOfPages(
-                        f"KV pool is full ({self.pool.num_pages} pages × {self.pool.page_size} positions, all held "
+                        f"KV pool is full ({self.pool.active} pages × {self.pool.page_size} positions, all held "
                         "by active sessions): raise the KV budget, close sessions or shorten the context"
                     ) from None
+
+    def _grow(self) -> bool:
+        """Take memory from the expert-slot pool for more KV pages (elastic pools only)."""
+        e = self.elastic
+        if e is None:
+            return False
+        paid = e.reservation.nbytes // e.bytes_per_page - self.pool.active
+        if paid <= 0:
+            ledger = e.reservation.budget
+            if "experts" not in ledger.reservations:
+                return False
+            moved = ledger.move("experts", e.reservation.name, e.grow_pages * e.bytes_per_page)
+            e.grown_bytes += moved
+            paid = e.reservation.nbytes // e.bytes_per_page - self.pool.active
+        return self.pool.grow(max(paid, 0)) > 0
+
+    def rebalance(self) -> int:
+        """Hand idle KV pages back to the expert pool (elastic pools); returns the bytes given back."""
+        e = self.elastic
+        if e is None or e.give_back is None:
+            return 0
+        keep = max(e.grow_pages, int(self.pool.active * e.slack))
+        spare = self.pool.num_free - keep
+        if spare <= 0:
+            return 0
+        retired = self.pool.retire(spare)
+        taken = e.give_back(retired * e.bytes_per_page)  # shrinks our reservation by what it takes
+        e.returned_bytes += taken
+        # pages whose bytes were not taken (less than one expert slot) go back into circulation
+        self.pool.grow(max(0, e.reservation.nbytes // e.bytes_per_page - self.pool.active))
+        return taken
 
     def new_session(self, engine: Engine) -> Session:
         self._next_id += 1
@@ -94,7 +154,7 @@ class KVManager:
         return session
 
     def pressure(self) -> float:
-        return self.pool.num_used / self.pool.num_pages
+        return self.pool.num_used / max(self.pool.active, 1)
 
     def decide(self, session: Session, expected_s: float | None, prefill_tok_s: float) -> str:
         """keep / offload / drop a pausing session's KV (the Continuum/InferCept trade-off)."""
@@ -113,7 +173,9 @@ class KVManager:
         return {
             "page_size": self.pool.page_size,
             "pages_device_used": self.pool.num_used,
-            "pages_device_total": self.pool.num_pages,
+            "pages_device_total": self.pool.active,
+            "kv_grown_bytes": self.elastic.grown_bytes if self.elastic else 0,
+            "kv_returned_bytes": self.elastic.returned_bytes if self.elastic else 0,
             "pages_host_used": self.host.num_used if self.host else 0,
             "radix_nodes": self.radix.num_nodes,
             "radix_evicted_pages": self.radix.evicted_pages,
@@ -356,3 +418,4 @@ class Session:
         self.manager.stats.drops -= 1  # closing is not a pause decision
         self.manager.sessions.pop(self.id, None)
         self.closed = True
+        self.manager.rebalance()

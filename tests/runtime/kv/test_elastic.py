@@ -1,0 +1,58 @@
+"""Elastic memory: the KV pool and the expert-slot pool share one budget; a growing context takes memory from the
+expert pool (which evicts slots), closing the session gives it back — outputs identical throughout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.experts.setup import ResidencyConfig
+from freetoken_agent.runtime.kv import KVConfig
+from freetoken_agent.runtime.memory import Budget
+from tests.runtime.checkpoints import save_checkpoint
+
+pytest.importorskip("transformers")
+
+
+def test_long_session_on_a_fixed_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
+    save_checkpoint("qwen3_moe", tmp_path / "m", seed=3)
+    reference = Engine.from_pretrained(tmp_path / "m")
+    experts = sum(b.gate_up.nbytes + b.down.nbytes for b in reference.decoder.experts if b is not None)
+    dense = Engine.from_pretrained(tmp_path / "m", budget=Budget()).residency.ledgers["host"].reservations["dense"]
+    limit = dense.nbytes + int(0.8 * experts)
+    engine = Engine.from_pretrained(tmp_path / "m", budget=Budget(host=limit),
+                                    residency=ResidencyConfig(policy="lru", kv_reserve=0))
+    manager = engine.kv_manager(KVConfig(page_size=4))
+    ledger = engine.residency.ledgers["host"]
+    assert manager.elastic is not None and manager.pool.active == 0
+    slots_before = engine.residency.host.n_slots
+
+    g = torch.Generator().manual_seed(0)
+    conv = torch.randint(0, 512, (24,), generator=g).tolist()
+    session = engine.session()
+    slots_seen = [slots_before]
+    for _ in range(8):
+        reply = session.generate(conv, max_new_tokens=4, stop_token_ids=[])
+        assert reply.token_ids == reference.generate(conv, max_new_tokens=4, stop_token_ids=[]).token_ids
+        slots_seen.append(engine.residency.host.n_slots)
+        assert ledger.used <= limit and ledger.peak <= limit
+        conv = conv + reply.token_ids + torch.randint(0, 512, (20,), generator=g).tolist()
+
+    kv = engine.stats()["kv"]
+    assert kv["kv_grown_bytes"] > 0 and manager.pool.active * manager.elastic.bytes_per_page <= \
+        ledger.reservations["kv"].nbytes
+    assert slots_seen[-1] < slots_before  # the context grew, the expert pool shrank
+    assert all(b <= a for a, b in zip(slots_seen, slots_seen[1:]))
+
+    session.close()  # idle pages go back to the expert pool
+    manager.radix.clear()
+    manager.rebalance()
+    assert engine.stats()["kv"]["kv_returned_bytes"] > 0
+    assert engine.residency.host.n_slots > slots_seen[-1]
+    assert ledger.peak <= limit
+    assert engine.generate(conv, max_new_tokens=4, stop_token_ids=[]).token_ids == \
+        reference.generate(conv, max_new_tokens=4, stop_token_ids=[]).token_ids
