@@ -73,5 +73,9 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"freetoken doctor (cached in {cache_path()})", show_header=False)
     for name, value in rows(profile):
         table.add_row(name, value)
+    from freetoken_agent.runtime.kernels import status as kernel_status
+
+    ks = kernel_status()  # builds the C kernels on first use; says why not when it cannot
+    table.add_row("cpu expert kernels", f"C, {ks.isa} ({ks.path})" if ks.available else ks.reason)
     Console().print(table)
     return 0
