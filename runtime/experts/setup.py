@@ -245,6 +245,7 @@ def build_store(
                 pool.per_layer = max(top_k, pool.n_slots // len(disk.layers))
     store = ExpertStore(disk, host_pool, dev_pool, ledgers, prefetch=config.prefetch)
     host_pool.reservation.on_shrink = store.shrink_host
+    store.min_slots = top_k
     if config.pin:
         store.pin(list(config.pin))
     rates = config.rates or _profile_rates()

@@ -98,6 +98,8 @@ class ExpertStore:
         """Told of every timed host→device copy ``(bytes, seconds)`` (the planner's cost model listens)."""
         self.observe_disk: Callable[[int, float], None] | None = None
         """Told of every timed cache-file read ``(bytes, seconds)``."""
+        self.min_slots = 1
+        """Host slots one MoE step needs (top-k); ``shrink_host`` never goes below this plus the pins."""
         self.read_aheads = 0
         self._read_ahead: set[Key] = set()
         self._inflight: dict[Key, tuple[object, int]] = {}
@@ -231,13 +233,17 @@ class ExpertStore:
     def shrink_host(self, nbytes: int) -> int:
         """Give up whole host slots worth at least ``nbytes`` (contents dropped, pins reloaded); returns bytes freed.
 
+        Never below ``min_slots`` + pins (returns less, possibly 0, when it cannot). Between steps only.
+
         Installed as the ``experts`` reservation's ``on_shrink``, so ``ledgers["host"].move("experts", "kv", n)``
         moves the boundary without reloading the model.
         """
         pool = self.host
         self.drain()
         stride = pool.layout.stride
-        keep = max(len(pool.pinned) + 1, pool.n_slots - -(-nbytes // stride))
+        keep = max(self.min_slots + len(pool.pinned), pool.n_slots - -(-nbytes // stride))
+        if keep >= pool.n_slots:
+            return 0
         pins = sorted(pool.pinned)
         freed = pool.resize(keep)
         pool.pinned.clear()

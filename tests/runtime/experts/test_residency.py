@@ -151,6 +151,9 @@ def test_kv_expert_boundary_moves_without_reloading(model: Path, reference: Engi
     assert engine.residency.host.n_slots == slots - 1
     assert engine.generate(prompt, max_new_tokens=NEW).token_ids == want
     assert ledger.peak <= host
+    ledger.move("experts", "kv", host)  # asks for everything: keeps what one step needs (top-2) plus the pin
+    assert engine.residency.host.n_slots == 2 + 1
+    assert engine.generate(prompt, max_new_tokens=NEW).token_ids == want
 
 
 def test_phase_hint_switches_the_phase_policy(model: Path, reference: Engine) -> None:

@@ -1,0 +1,224 @@
+"""Phase-aware residency: stage the coming phase's experts on a hint, prefetch during tool pauses.
+
+The agent tells the engine what comes next (``Engine.hint``: plan, code, tool with an expected duration). This
+module turns those hints into residency actions on the host slot pool:
+
+- ``PhaseSchedulingPolicy`` (a ``ResidencyPolicy``): evicts the key with the lowest blended score
+  ``heat + weight · K · share(phase, key)`` — heat is the per-token EMA of recent routing (recency), share is
+  the current phase's long-run routing profile — and keeps *reserved* keys (staged for a phase that has not
+  started yet) unless nothing else can go. Ties: least recently used.
+- ``PhaseScheduler``: attached to an engine, it records routing per phase into ``PhaseProfiles`` (through
+  ``decoder.routing_observers``), and on each hint switches the policy's phase and stages that phase's hot set
+  (at most ``stage_fraction`` of the slots) as background reads into free or evictable slots. Slots in use by
+  the step being computed are never evictable (the pool's rule), so staging never disturbs the current step,
+  and the pool never grows, so the budget holds by construction. On a ``tool`` hint with ``pause_prefetch``,
+  the pause (when the engine is idle) is spent reading the *next* phase's hot set (the plan after the tool),
+  reserved so that the tool output's prefill does not evict it; bounded by what the disk can read in the
+  expected pause.
+
+Outputs are unchanged: staging only decides which tier an expert is read from, never what is computed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetoken_agent.runtime.experts.phase_profiles import Key, PhaseProfiles, profile_path
+from freetoken_agent.runtime.experts.policies import HeatPolicy
+
+AFTER_PAUSE = "plan"
+"""The phase a tool pause is followed by (after the tool output is prefilled): the model plans its next step."""
+
+
+class PhaseSchedulingPolicy(HeatPolicy):
+    """Blend of per-token heat (recency) and the current phase's routing profile; reserved keys stay."""
+
+    name = "phase-sched"
+
+    def __init__(self, profiles: PhaseProfiles, top_k: int, weight: float = 1.0, decay: float = 0.9) -> None:
+        super().__init__(decay)
+        self.profiles, self.top_k, self.weight = profiles, top_k, weight
+        self.phase = "plan"
+        self.reserved: set[Key] = set()
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def observe(self, layer: int, counts: dict[int, int]) -> None:
+        """Heat per token (a 512-token prefill chunk must not outweigh every decode step that follows)."""
+        tokens = sum(counts.values()) / self.top_k
+        if tokens > 0:
+            super().observe(layer, {e: n / tokens for e, n in counts.items()})
+
+    def score(self, key: Key) -> float:
+        return self.value(key) + self.weight * self.top_k * self.profiles.share(self.phase, key)
+
+    def victim(self, resident: Sequence[Key | None], evictable: Callable[[Key], bool]) -> Key | None:
+        free = [k for k in resident if k is not None and evictable(k)]
+        if not free:
+            return None
+        pool = [k for k in free if k not in self.reserved] or free
+        return min(pool, key=lambda k: (k in self.reserved, self.score(k), self._last.get(k, -1)))
+
+
+@dataclass
+class PhaseStats:
+    """What the scheduler did: hints seen, experts staged per phase and whether they were then used."""
+
+    hints: list[tuple[str, float | None]] = field(default_factory=list)
+    staged: dict[str, int] = field(default_factory=dict)
+    used: dict[str, int] = field(default_factory=dict)
+    wasted: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0
+    """Hot keys not staged because no slot was evictable."""
+    pause_bytes: int = 0
+    """Bytes read during tool pauses."""
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens the engine computed in each phase (prefilled and generated)."""
+
+    def snapshot(self) -> dict[str, object]:
+        acc = {p: round(self.used.get(p, 0) / n, 4) for p, n in self.staged.items() if n}
+        return {"hints": len(self.hints), "staged": dict(self.staged), "used": dict(self.used),
+                "wasted": dict(self.wasted), "accuracy": acc, "dropped": self.dropped,
+                "pause_bytes": self.pause_bytes, "tokens": dict(self.tokens)}
+
+
+class PhaseScheduler:
+    """Phase hints → profile updates, staging and pause prefetch on an engine's ``ExpertStore``."""
+
+    def __init__(
+        self, store: Any, profiles: PhaseProfiles, top_k: int, stage_fraction: float = 0.5,
+        pause_prefetch: bool = True, read_gbps: float | None = None, save_path: Path | None = None,
+    ) -> None:  # fmt: skip
+        self.store, self.profiles, self.top_k = store, profiles, top_k
+        self.stage_fraction, self.pause_prefetch = stage_fraction, pause_prefetch
+        self.read_gbps = read_gbps
+        self.save_path = save_path
+        self.phase = "plan"
+        self.policy = PhaseSchedulingPolicy(profiles, top_k)
+        self.stats = PhaseStats()
+        self._pending: dict[Key, str] = {}
+        self._own_executor: ThreadPoolExecutor | None = None
+
+    # ---------------------------------------------------------------- wiring
+
+    @classmethod
+    def attach(cls, engine: Any, profiles: PhaseProfiles | None = None, **kwargs: Any) -> PhaseScheduler:
+        """Install on a budgeted engine (``engine.residency`` set): policy, routing observer, hint listener.
+
+        Without ``profiles`` the model's saved profile is loaded (cold when there is none) and saved on ``close``.
+        Call before the first generation (the host pool's policy is replaced while it is still empty).
+        """
+        from freetoken_agent.runtime.errors import FreeTokenError
+
+        store = engine.residency
+        if store is None:
+            raise FreeTokenError("phase-aware residency needs an engine loaded under a memory budget")
+        moe = [i for i, layer in enumerate(engine.spec.layers) if layer.moe is not None]
+        first = engine.spec.layers[moe[0]].moe
+        if profiles is None:
+            path = profile_path(engine.path)
+            profiles = PhaseProfiles.load(path, moe, first.num_experts)
+            kwargs.setdefault("save_path", path)
+        sched = cls(store, profiles, first.top_k, **kwargs)
+        with store.host.lock:
+            for key in store.host.resident():
+                sched.policy.touch(key)
+            store.host.policy = sched.policy
+        engine.decoder.routing_observers.append(sched.observe_routing)
+        engine.phase_listeners.append(sched.on_hint)
+        return sched
+
+    # ---------------------------------------------------------------- events
+
+    def observe_routing(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """A routing decision of the running phase: profile counts, and staged keys that were used."""
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.profiles.experts).tolist()
+        self.profiles.observe(self.phase, layer, counts)
+        if layer == self.profiles.layers[0]:
+            self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + topk_ids.shape[0]
+        for e, n in enumerate(counts):
+            if n and self._pending.get((layer, e)) == self.phase:
+                del self._pending[(layer, e)]
+                self.stats.used[self.phase] = self.stats.used.get(self.phase, 0) + 1
+
+    def on_hint(self, phase: str, expected_s: float | None = None) -> None:
+        """The agent announced ``phase`` (see the module docstring for what is staged)."""
+        self.stats.hints.append((phase, expected_s))
+        self.profiles.end_turn()
+        for key, p in list(self._pending.items()):  # staged for a phase that ran (or never came): settle
+            if p == self.phase and p != phase:
+                self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
+                del self._pending[key]
+        self.phase = phase
+        self.policy.set_phase(phase)
+        if phase == "tool":
+            if self.pause_prefetch:
+                n = self.stage_slots()
+                if expected_s is not None and self.read_gbps:
+                    blob = self.store.host.layout.blob_bytes
+                    n = min(n, int(expected_s * self.read_gbps * 1e9 // blob))
+                self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
+            return
+        self.policy.reserved.clear()  # the phase they were kept for has come: they compete on their heat now
+        self.stage(phase, self.stage_slots(), reserve=False)
+
+    def stage_slots(self) -> int:
+        return int(self.store.host.n_slots * self.stage_fraction)
+
+    def plan_stage(self, phase: str, n: int) -> list[Key]:
+        """The keys to stage for ``phase``: its ``n`` hottest (by profile share)."""
+        return self.profiles.hot_set(phase, n, min_share=0.5 / self.profiles.experts)
+
+    def stage(self, phase: str, n: int, reserve: bool) -> int:
+        """Start background reads of ``phase``'s hot set into host slots; returns the bytes issued."""
+        pool = self.store.host
+        keys = self.plan_stage(phase, n)
+        if reserve:
+            self.policy.reserved = set(keys)
+        issued = 0
+        for key in keys:
+            with pool.lock:
+                if pool.slot_of(key) is not None:
+                    continue
+                protect = {pool.table[k] for k in keys if k in pool.table}  # never evict one staged key for another
+                slot = pool.claim(key, protect)
+            if slot is None:
+                self.stats.dropped += 1
+                continue
+            self._pending[key] = phase
+            self.stats.staged[phase] = self.stats.staged.get(phase, 0) + 1
+            self._executor().submit(self.store._fill_host, key, slot)
+            issued += pool.layout.blob_bytes
+        return issued
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self.store._executor is not None:  # the store's prefetch thread: reads stay serialized with its own
+            return self.store._executor
+        if self._own_executor is None:
+            self._own_executor = ThreadPoolExecutor(1, thread_name_prefix="ft-phase-stage")
+        return self._own_executor
+
+    def drain(self) -> None:
+        """Wait for staged reads (tests, shutdown)."""
+        self._executor().submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Fold the open turn and save the profile (when attached with the model's own)."""
+        self.drain()
+        self.profiles.end_turn()
+        if self.save_path is not None:
+            self.profiles.save(self.save_path)
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=True)
+
+    def snapshot(self) -> dict[str, object]:
+        return {"phase": self.phase, **self.stats.snapshot(), "profile_turns": dict(self.profiles.turns),
+                "time": time.time()}
