@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from freetoken_agent.runtime.experts.phase_profiles import Key, PhaseProfiles, profile_path
+from freetoken_agent.runtime.experts.phase_profiles import (
+    Key,
+    PhaseProfiles,
+    profile_path,
+)
 from freetoken_agent.runtime.experts.policies import HeatPolicy
 
 AFTER_PAUSE = "plan"
