@@ -102,6 +102,7 @@ class Engine:
         self._kv: Any = None
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
         self.residency: Any = None  # runtime.experts.store.ExpertStore when loaded under a memory budget
+        self.phase_listeners: list[Any] = []  # phase scheduling (issue 8): callables (phase, expected_s)
 
     # ------------------------------------------------------------------------------------------------ loading
 
@@ -389,6 +390,8 @@ class Engine:
         self._stats.phase_hints[name] = self._stats.phase_hints.get(name, 0) + 1
         if self.residency is not None:
             self.residency.on_phase(name)
+        for listener in self.phase_listeners:  # phase scheduling (issue 8): staging, pause prefetch
+            listener(name, expected_s)
 
     def stats(self) -> dict[str, Any]:
         s = self._stats

@@ -21,7 +21,6 @@ Outputs are unchanged: staging only decides which tier an expert is read from, n
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -223,5 +222,4 @@ class PhaseScheduler:
             self._own_executor.shutdown(wait=True)
 
     def snapshot(self) -> dict[str, object]:
-        return {"phase": self.phase, **self.stats.snapshot(), "profile_turns": dict(self.profiles.turns),
-                "time": time.time()}
+        return {"phase": self.phase, **self.stats.snapshot(), "profile_turns": dict(self.profiles.turns)}
