@@ -97,7 +97,8 @@ def write_gguf(engine: Any, folder: Path, out: Path) -> Path:
             p, b = f"model.layers.{layer}", f"blk.{layer}"
             w.add_tensor(f"{b}.attn_norm.weight", f32(f"{p}.input_layernorm.weight"))
             w.add_tensor(f"{b}.ffn_norm.weight", f32(f"{p}.post_attention_layernorm.weight"))
-            for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            pairs = (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"))
+            for ours, theirs in pairs:
                 w.add_tensor(f"{b}.{theirs}.weight", f32(f"{p}.self_attn.{ours}.weight"))
             w.add_tensor(f"{b}.attn_q_norm.weight", f32(f"{p}.self_attn.q_norm.weight"))
             w.add_tensor(f"{b}.attn_k_norm.weight", f32(f"{p}.self_attn.k_norm.weight"))

@@ -19,7 +19,8 @@ def _kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="one shape (768x2048), M=1 and 16, short timing")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all CPUs)")
     p.add_argument("--no-ggml", action="store_true", help="skip the ggml peer rows even if llama-cpp-python is here")
-    p.add_argument("--shapes", default=None, help="comma-separated NxK weight shapes (default: 768x2048,2048x768,1536x4096)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated NxK weight shapes (default: 768x2048,2048x768,1536x4096)")
     p.add_argument("--m", default=None, help="comma-separated token counts M (default: 1,4,16,64,256)")
     p.add_argument("--working-set-mb", type=int, default=256, help="MiB of weight copies cycled per path (default 256)")
     p.add_argument("--no-moe-layer", action="store_true", help="skip the whole-MoE-layer rows")

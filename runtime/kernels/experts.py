@@ -142,7 +142,8 @@ class QuantizedExperts:
         """Quantize float experts: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (fmt ``q4`` or ``q8``)."""
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
             raise FreeTokenError(
-                f"experts need gate_up [E, 2I, D] and down [E, D, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}"
+                f"experts need gate_up [E, 2I, D] and down [E, D, I], "
+                f"got {tuple(gate_up.shape)} and {tuple(down.shape)}"
             )
         e, two_i, d = gate_up.shape
         if two_i % 2 or tuple(down.shape) != (e, d, two_i // 2):

@@ -94,7 +94,8 @@ def _quantize_q4(x: torch.Tensor, refine: bool) -> tuple[torch.Tensor, torch.Ten
     """Q4_0 scales and codes for ``x [N, nb, B]``: ggml's rule (signed absmax ↦ -8), optionally refined.
 
     Refinement tries a few shrunken scales per block, keeps the one with the least squared error, then refits
-    the scale by least squares for the chosen codes. On Gaussian weights it lowers the relative RMS error from 0.086 to 0.083.
+    the scale by least squares for the chosen codes. On Gaussian weights it lowers the relative RMS error from 0.086
+    to 0.083.
     """
     idx = x.abs().argmax(-1, keepdim=True)
     m = torch.gather(x, -1, idx).squeeze(-1)  # signed value of largest magnitude, [N, nb]

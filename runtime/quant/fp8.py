@@ -24,7 +24,8 @@ def dequantize_fp8_block(
         weight = weight.view(torch.float8_e4m3fn)
     if weight.dim() != 2 or scale_inv.dim() != 2:
         raise CheckpointError(
-            f"FP8 block weight needs a 2-D weight and 2-D scales, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}"
+            f"FP8 block weight needs a 2-D weight and 2-D scales, "
+            f"got {tuple(weight.shape)} and {tuple(scale_inv.shape)}"
         )
     bn, bk = block
     n, k = weight.shape

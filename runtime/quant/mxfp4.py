@@ -21,7 +21,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         raise CheckpointError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise CheckpointError(
-            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} (want [..., G, 16] / [..., G])"
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+            "(want [..., G, 16] / [..., G])"
         )
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
     vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]

@@ -73,7 +73,9 @@ def grouped_matmul(
     """``y [P, N]``: pair ``p`` uses row ``p // token_div`` of ``x [*, C]`` and the expert in slot ``pair_slot[p]``."""
     p = pair_slot.numel()
     if x.dim() != 2 or x.shape[1] != experts.k or x.stride(1) != 1:
-        raise FreeTokenError(f"grouped_matmul: x must be [rows, {experts.k}] with unit last stride, got {tuple(x.shape)}")
+        raise FreeTokenError(
+            f"grouped_matmul: x must be [rows, {experts.k}] with unit last stride, got {tuple(x.shape)}"
+        )
     if p and (p - 1) // token_div >= x.shape[0]:
         raise FreeTokenError(f"grouped_matmul: {p} pairs / {token_div} per row need {-(-p // token_div)} rows of x")
     if x.device != experts.codes.device:
