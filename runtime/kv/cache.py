@@ -10,7 +10,66 @@ from __future__ import annotations
 import torch
 
 
-class KVCache:
+class RecurrentStates:
+    """Per-layer recurrent state (Gated DeltaNet, Mamba, short conv, ...) kept beside the KV of a sequence.
+
+    A state summarizes every earlier position and cannot be rewound: it is valid only for the position it was
+    committed at. A prefix cache must snapshot states where it wants to reuse them (``snapshot_states``) and put
+    them back (``restore_states``) after truncating to that position.
+    """
+
+    length: int
+
+    def _init_states(self) -> None:
+        self._states: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
+        self._pending_states: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _commit_states(self) -> None:
+        for layer, tensors in self._pending_states.items():
+            self._states[layer] = (self.length, tensors)
+        self._pending_states.clear()
+
+    @property
+    def has_states(self) -> bool:
+        return bool(self._states)
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """The recurrent state of ``layer`` at position ``length`` (None before the layer's first forward)."""
+        entry = self._states.get(layer)
+        if entry is None:
+            if self.length:
+                raise ValueError(f"layer {layer} has no recurrent state for position {self.length}")
+            return None
+        position, tensors = entry
+        if position != self.length:
+            raise ValueError(
+                f"layer {layer} holds its recurrent state for position {position}, not {self.length}: "
+                "recurrent layers cannot be rewound without a snapshot"
+            )
+        return tensors
+
+    def set_state(self, layer: int, *tensors: torch.Tensor) -> None:
+        """Record ``layer``'s state after the current forward; it becomes the state for ``length`` at ``advance()``."""
+        self._pending_states[layer] = tensors
+
+    def snapshot_states(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Every layer's state at the current position (tensors are replaced, never mutated, so no copy)."""
+        return {layer: tensors for layer, (pos, tensors) in self._states.items() if pos == self.length}
+
+    def restore_states(self, snapshot: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Make ``snapshot`` (taken at the current ``length``) the committed states."""
+        self._pending_states.clear()
+        self._states = {layer: (self.length, tensors) for layer, tensors in snapshot.items()}
+
+    def clear_states(self) -> None:
+        self._states.clear()
+        self._pending_states.clear()
+
+    def states_nbytes(self) -> int:
+        return sum(t.element_size() * t.numel() for _, ts in self._states.values() for t in ts)
+
+
+class KVCache(RecurrentStates):
     """Contiguous cache for one sequence over ``num_layers`` layers."""
 
     def __init__(self, num_layers: int) -> None:
@@ -18,8 +77,7 @@ class KVCache:
         self.length = 0
         """Positions already cached (the position of the next token)."""
         self._pending = 0
-        self._states: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
-        self._pending_states: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._init_states()
 
     def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
         """Append this step's tensors for ``layer`` (each [T, ...]) and return views of all cached positions."""
@@ -42,37 +100,7 @@ class KVCache:
         """Commit the tokens appended by the current forward (called once after all layers)."""
         self.length += self._pending
         self._pending = 0
-        for layer, tensors in self._pending_states.items():
-            self._states[layer] = (self.length, tensors)
-        self._pending_states.clear()
-
-    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
-        """The recurrent state of ``layer`` (Gated DeltaNet, Mamba, short conv, ...) at position ``length``.
-
-        None before the layer's first forward. A recurrent state summarizes every earlier position and cannot be
-        rewound, so after ``truncate`` to an earlier position it raises; a prefix cache must snapshot the states at
-        the positions it wants to reuse (at least at the end of each turn) and restore them with ``set_state``.
-        """
-        entry = self._states.get(layer)
-        if entry is None:
-            if self.length:
-                raise ValueError(f"layer {layer} has no recurrent state for position {self.length}")
-            return None
-        position, tensors = entry
-        if position != self.length:
-            raise ValueError(
-                f"layer {layer} holds its recurrent state for position {position}, not {self.length}: "
-                "recurrent layers cannot be rewound without a snapshot"
-            )
-        return tensors
-
-    def set_state(self, layer: int, *tensors: torch.Tensor) -> None:
-        """Record ``layer``'s state after the current forward; it becomes the state for ``length`` at ``advance()``.
-
-        To restore a snapshot taken at position p: ``truncate(p)``, ``set_state`` for each recurrent layer, then
-        ``advance()`` (with nothing appended it only commits the states at p).
-        """
-        self._pending_states[layer] = tensors
+        self._commit_states()
 
     def truncate(self, length: int) -> None:
         """Forget positions ≥ ``length`` (e.g. to re-decode after a divergence)."""
@@ -82,4 +110,4 @@ class KVCache:
 
     def nbytes(self) -> int:
         kv = sum(t.element_size() * t.numel() for store in self._store if store for t in store)
-        return kv + sum(t.element_size() * t.numel() for _, ts in self._states.values() for t in ts)
+        return kv + self.states_nbytes()

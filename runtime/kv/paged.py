@@ -11,11 +11,15 @@ from collections.abc import Callable
 
 import torch
 
+from freetoken_agent.runtime.kv.cache import RecurrentStates
 from freetoken_agent.runtime.kv.pool import PagePool
 
 
-class PagedKVCache:
-    """Page-table view of one sequence. ``alloc`` supplies fresh pages (and may evict to find one)."""
+class PagedKVCache(RecurrentStates):
+    """Page-table view of one sequence. ``alloc`` supplies fresh pages (and may evict to find one).
+
+    Recurrent layers (hybrid models) keep their per-sequence state here too, outside the pages.
+    """
 
     def __init__(self, pool: PagePool, alloc: Callable[[], int]) -> None:
         self.pool, self._alloc = pool, alloc
@@ -23,6 +27,7 @@ class PagedKVCache:
         self.length = 0
         self._pending = 0
         self._prepared: tuple[int, int] | None = None
+        self._init_states()
 
     def _prepare(self, n: int) -> None:
         """Make positions ``length..length+n`` writable: private last page, enough pages."""
@@ -49,6 +54,7 @@ class PagedKVCache:
         self.length += self._pending
         self._pending = 0
         self._prepared = None
+        self._commit_states()
 
     def adopt(self, pages: list[int], length: int) -> None:
         """Replace the contents with shared ``pages`` covering ``length`` positions (takes references)."""
@@ -70,6 +76,7 @@ class PagedKVCache:
 
     def release(self) -> None:
         self.truncate(0)
+        self.clear_states()
 
     def nbytes(self) -> int:
-        return len(self.pages) * self.pool.bytes_per_page()
+        return len(self.pages) * self.pool.bytes_per_page() + self.states_nbytes()

@@ -204,6 +204,11 @@ class Session:
         self._pinned: Node | None = None
         self._offloaded: list[int] | None = None
         self.closed = False
+        self.stateful = any(getattr(layer, "recurrent", None) is not None for layer in engine.spec.layers)
+        """Hybrid model: recurrent layers' states cannot be rewound or shared, so reuse goes through snapshots
+        taken at the end of each turn, and the radix tree (shared pages without states) is not used."""
+        self._snapshots: dict[int, dict[int, Any]] = {}
+        """Position → recurrent states of every stateful layer at that position (the last few turn ends)."""
 
     # ------------------------------------------------------------------------------------------------ turns
 
@@ -214,6 +219,8 @@ class Session:
         """
         stats = self.manager.stats
         self.resume()
+        if self.stateful:
+            return self._prepare_stateful(prompt, keep_one)
         common = _lcp(prompt, self.log)
         if common < len(self.log):
             stats.divergences += 1
@@ -228,6 +235,25 @@ class Session:
             self.cache.truncate(limit)
             del self.log[limit:]
         return len(self.log)
+
+    def _prepare_stateful(self, prompt: list[int], keep_one: bool) -> int:
+        """Reuse for hybrid models: continue from the cache if the prompt extends it, else roll back to the latest
+        snapshot at or before the common prefix (recomputing from there)."""
+        common = _lcp(prompt, self.log)
+        target = min(common, len(prompt) - 1 if keep_one else len(prompt))
+        if target == len(self.log) == self.cache.length:
+            return target
+        if common < len(self.log):
+            self.manager.stats.divergences += 1
+        position = max((p for p in self._snapshots if p <= target), default=0)
+        self.cache.truncate(position)
+        del self.log[position:]
+        if position:
+            self.cache.restore_states(self._snapshots[position])
+        else:
+            self.cache.clear_states()
+        self._snapshots = {p: snap for p, snap in self._snapshots.items() if p <= position}
+        return position
 
     def prefill(self, prefix: list[int]) -> int:
         """Prefill ``prefix`` (e.g. the conversation plus tool output streamed so far) without generating.
@@ -258,7 +284,14 @@ class Session:
         return len(prefix) - reused
 
     def _publish(self) -> None:
-        """Share the full pages of this session's log through the radix tree and pin that path."""
+        """Share the full pages of this session's log through the radix tree and pin that path (attention-only
+        models); snapshot the recurrent states at the end of the log (hybrid models)."""
+        if self.stateful:
+            if self.cache.length and self.cache.has_states:
+                self._snapshots[self.cache.length] = self.cache.snapshot_states()
+                for old in sorted(self._snapshots)[:-4]:  # keep the last few turn ends
+                    del self._snapshots[old]
+            return
         ps = self.manager.pool.page_size
         full = len(self.log) // ps
         node = self.manager.radix.insert(self.log[: full * ps], self.cache.pages[:full])
@@ -373,9 +406,10 @@ class Session:
             dst = host.alloc()
             host.copy_page(page, dst, other=pool)
             pages.append(dst)
-        length = self.cache.length
+        length, states = self.cache.length, self.cache.snapshot_states()
         self.cache.release()
         self.cache.length = length  # positions are remembered; pages come back on resume
+        self.cache.restore_states(states)  # recurrent states are small: they stay
         self._offloaded = pages
         if self._pinned is not None:  # the shared copies become evictable while we are away
             self.manager.radix.unlock(self._pinned)
@@ -406,6 +440,7 @@ class Session:
             self._offloaded = None
         self.cache.release()
         self.log = []
+        self._snapshots.clear()
         if self._pinned is not None:
             self.manager.radix.unlock(self._pinned)
             self._pinned = None
