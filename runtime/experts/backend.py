@@ -229,6 +229,9 @@ class ManagedExperts:
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hit: list[int]
     ) -> torch.Tensor:
         """All experts in host slots at once, then one ``QuantizedExperts`` call over the pool with slot ids."""
+        if x.device.type != "cpu":  # dense layers on a GPU, experts all on the CPU: move activations, not weights
+            out = self._quant_host_step(x.cpu(), topk_ids.cpu(), topk_weights.cpu(), hit)
+            return out.to(x.device)
         store, layer = self.store, self.layer
         room = store.host.capacity_for_step()
         if len(hit) > room:  # the pool cannot hold the whole step: experts one by one, acquired as they run
