@@ -55,11 +55,13 @@ class LocalEngine(TextBackend):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
-                        tool_format: str | None = None) -> LocalEngine:
-        """Load a Hugging Face model folder with the runtime engine."""
+                        tool_format: str | None = None, **engine_kwargs: Any) -> LocalEngine:
+        """Load a Hugging Face model folder with the runtime engine (``engine_kwargs``: e.g. ``budget``,
+        ``residency``, ``quant``, ``threads`` for ``Engine.from_pretrained``)."""
         from freetoken_agent.runtime.engine import Engine
 
-        return cls(Engine.from_pretrained(path, device=device, dtype=dtype, require_tokenizer=True), tool_format)
+        engine = Engine.from_pretrained(path, device=device, dtype=dtype, require_tokenizer=True, **engine_kwargs)
+        return cls(engine, tool_format)
 
     def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
         engine_session = self._sessions.get(session) if session is not None else None

@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tool-timeout", type=float, default=120.0, help="default timeout of shell/test tools (s)")
     p.add_argument("--max-message-bytes", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
+    from freetoken_agent.cli.budget import add_budget_flags
+
+    add_budget_flags(p)
     p.set_defaults(func=run)
 
 
@@ -108,7 +111,9 @@ def _backend_factory(args: argparse.Namespace) -> Any:
             import torch
 
             torch.set_num_threads(args.threads)
-        backend = LocalEngine.from_pretrained(resolve_model(name), device=args.device, dtype=args.dtype)
+        from freetoken_agent.cli.budget import engine_kwargs
+        backend = LocalEngine.from_pretrained(resolve_model(name), device=args.device, dtype=args.dtype,
+                                               **engine_kwargs(args))
         return backend, int(getattr(backend.engine.spec, "max_position", 0) or 0)
 
     return load

@@ -46,6 +46,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", help="device of the local engine (default cpu)")
     p.add_argument("--dtype", default="float32", help="dtype of the local engine (default float32)")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"), help="show two run folders side by side")
+    from freetoken_agent.cli.budget import add_budget_flags
+
+    add_budget_flags(p)
     p.set_defaults(func=run)
 
 
@@ -93,7 +96,8 @@ def _backend(args: argparse.Namespace) -> Any:
     from freetoken_agent.runtime.models import resolve_model
 
     path = resolve_model(args.model)
-    return LocalEngine.from_pretrained(path, device=args.device, dtype=args.dtype)
+    from freetoken_agent.cli.budget import engine_kwargs
+    return LocalEngine.from_pretrained(path, device=args.device, dtype=args.dtype, **engine_kwargs(args))
 
 
 def _resolve_target(target: str) -> tuple[str, Path | None]:

@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine (default: torch's)")
     p.add_argument("--trajectory", default=None, help="append the run to this JSONL file (or folder)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines instead of the live view")
+    from freetoken_agent.cli.budget import add_budget_flags
+
+    add_budget_flags(p)
     p.set_defaults(func=run)
 
 
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         _threads(args.threads)
         folder = resolve_model(args.model)
         with console.status(f"loading {folder.name}"):
-            backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype)
+            from freetoken_agent.cli.budget import engine_kwargs
+            backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype, **engine_kwargs(args))
     else:
         from freetoken_agent.backends.openai_compat import OpenAICompatible
 

@@ -19,6 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine (default: torch's)")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion length when a request gives none (default: 1024)")
+    from freetoken_agent.cli.budget import add_budget_flags
+
+    add_budget_flags(p)
     p.set_defaults(func=serve)
 
 
@@ -36,7 +39,8 @@ def serve(args: argparse.Namespace) -> int:
 
     _threads(args.threads)
     folder = resolve_model(args.model)
-    backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype)
+    from freetoken_agent.cli.budget import engine_kwargs
+    backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype, **engine_kwargs(args))
     name = args.name or folder.resolve().name
     print(f"serving {name} ({backend.tool_format} tool calls) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
