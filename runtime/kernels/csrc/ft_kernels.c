@@ -263,7 +263,8 @@ static void bw_item(void *p, int64_t item) {
 
 /* Read `bytes` of buf `reps` times on the pool; returns seconds taken (best rep). */
 double ft_read_bandwidth(const uint8_t *buf, int64_t bytes, int reps) {
-    static bw_ctx c;
+    bw_ctx c;
+    memset(&c, 0, sizeof c);
     c.buf = buf;
     c.bytes = bytes;
     c.chunk = 1 << 20;

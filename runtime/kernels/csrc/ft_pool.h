@@ -34,6 +34,10 @@ typedef struct {
 
 static ft_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_us = 300};
 
+/* One job at a time owns the pool; a caller that finds it busy (another Python thread: ctypes releases the GIL)
+ * runs its items on its own thread instead of corrupting the running job. */
+static pthread_mutex_t g_run = PTHREAD_MUTEX_INITIALIZER;
+
 static inline double ft_now_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -103,21 +107,33 @@ static void ft_pool_stop(void) {
 static int ft_pool_resize(int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > FT_MAX_THREADS) n_threads = FT_MAX_THREADS;
-    if (n_threads - 1 == g_pool.n_workers) return n_threads;
+    pthread_mutex_lock(&g_run);
+    if (n_threads - 1 == g_pool.n_workers) {
+        pthread_mutex_unlock(&g_run);
+        return n_threads;
+    }
     ft_pool_stop();
     int want = n_threads - 1;
     for (int i = 0; i < want; i++) {
         if (pthread_create(&g_pool.threads[i], NULL, ft_pool_main, NULL) != 0) break;
         g_pool.n_workers = i + 1;
     }
-    return g_pool.n_workers + 1;
+    int running = g_pool.n_workers + 1;
+    pthread_mutex_unlock(&g_run);
+    return running;
 }
 
-/* Run fn(ctx, i) for i in [0, n) on the pool; returns when all are done. Not reentrant. */
+/* Run fn(ctx, i) for i in [0, n) on the pool; returns when all are done. Safe to call from several threads
+ * (only one of them uses the pool at a time; the others run their items serially). */
 static void ft_parallel_for(ft_task_fn fn, void *ctx, int64_t n) {
     if (n <= 0) return;
-    if (g_pool.n_workers == 0 || n == 1) {
+    if (n == 1 || pthread_mutex_trylock(&g_run) != 0) {
         for (int64_t i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+    if (g_pool.n_workers == 0) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i);
+        pthread_mutex_unlock(&g_run);
         return;
     }
     uint32_t seq = atomic_load(&g_pool.gen) + 1;
@@ -137,6 +153,7 @@ static void ft_parallel_for(ft_task_fn fn, void *ctx, int64_t n) {
         ft_cpu_relax();
         if (++spins > 4096) sched_yield();
     }
+    pthread_mutex_unlock(&g_run);
 }
 
 #endif

@@ -122,3 +122,23 @@ def test_c_quantizer_matches_the_torch_reference(fmt: str, refine: bool, isas: l
         assert abs(_rel(ours.dequantize(), w) - _rel(ref.dequantize(), w)) < 1e-4
     with pytest.raises(FreeTokenError, match="inf or nan"):
         ops.quantize(torch.tensor([[float("inf")] * 32]), fmt)
+
+
+def test_concurrent_calls_from_python_threads(isas: list[str]) -> None:
+    # ctypes releases the GIL: calls from several threads must not share the pool's job state
+    from concurrent.futures import ThreadPoolExecutor
+
+    # calls long enough (~1 ms) that the four threads' calls overlap inside C
+    weights = [ops.PackedWeight.from_blocks(quantize(torch.randn(1024, 1024), fmt)) for fmt in ("q4", "q8", "q4", "q8")]
+    xs = [torch.randn(16, 1024) for _ in weights]
+    expected = [ops.linear(w, x) for w, x in zip(weights, xs)]
+    before = ops.get_threads()
+    try:
+        ops.set_threads(2)
+        def work(i: int) -> int:
+            return sum(not torch.equal(ops.linear(weights[i], xs[i]), expected[i]) for _ in range(30))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(work, range(4))) == [0, 0, 0, 0]
+    finally:
+        ops.set_threads(before)
