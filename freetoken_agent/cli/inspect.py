@@ -34,7 +34,9 @@ def describe(path: Any) -> dict[str, Any]:
     moe_layers = spec.moe_layers()
     moe = spec.layers[moe_layers[0]].moe if moe_layers else None
     n_experts = sum(spec.layers[i].moe.num_experts for i in moe_layers)  # type: ignore[union-attr]
-    attn = spec.layers[0].attention
+    attn = next((layer.attention for layer in spec.layers if getattr(layer, "recurrent", None) is None),
+                spec.layers[0].attention)
+    recurrent = [i for i, layer in enumerate(spec.layers) if getattr(layer, "recurrent", None) is not None]
     active = dense_params + (expert_params * moe.top_k // moe.num_experts if moe else 0)
     return {
         "path": str(path),
@@ -42,6 +44,10 @@ def describe(path: Any) -> dict[str, Any]:
         "layers": spec.num_layers,
         "moe_layers": len(moe_layers),
         "dense_layers": spec.num_layers - len(moe_layers),
+        "recurrent_layers": len(recurrent),
+        "mixers": (f"hybrid: {len(recurrent)} recurrent "
+                   f"({', '.join(sorted({spec.layers[i].recurrent.kind for i in recurrent}))}) + "  # type: ignore[union-attr]
+                   f"{spec.num_layers - len(recurrent)} attention") if recurrent else "attention only",
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
         "attention": f"{attn.kind.upper()} heads={attn.num_heads} kv_heads={attn.num_kv_heads} head_dim={attn.head_dim}"
