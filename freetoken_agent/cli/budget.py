@@ -11,6 +11,8 @@ from typing import Any
 
 def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("memory budget (expert residency)")
+    g.add_argument("--quant", default="none", choices=["none", "q8", "q4"],
+                   help="quantize routed experts at load (Q8_0 / Q4_0 blocks, CPU kernels)")
     g.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="hard limit on accelerator memory, e.g. 8GB (experts beyond it live in host slots)")
     g.add_argument("--host-memory", default=None, metavar="SIZE",
@@ -21,14 +23,15 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none given)."""
+    """``quant=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
+    quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if device is None and host is None and policy is None:
-        return {}
+        return quant
     from freetoken_agent.runtime.experts.setup import ResidencyConfig
     from freetoken_agent.runtime.memory import Budget
 
-    return {"budget": Budget.from_strings(device, host), "residency": ResidencyConfig(policy=policy or "lru")}
+    return {**quant, "budget": Budget.from_strings(device, host), "residency": ResidencyConfig(policy=policy or "lru")}
 
 
 def format_residency(stats: dict[str, Any]) -> list[str]:

@@ -24,7 +24,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: free cores)")
-    p.add_argument("--quant", default="none", choices=["none", "q8", "q4"], help="quantize routed experts at load")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON at the end")
     p.add_argument("--stats", action="store_true", help="print engine stats (residency tiers, prefetch) at the end")
     add_budget_flags(p)
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if is_synthetic(path):
         print(f"note: {path.name} is a synthetic checkpoint with RANDOM weights: expect gibberish", file=sys.stderr)
     engine = Engine.from_pretrained(path, dtype=args.dtype, require_tokenizer=args.prompt_ids is None,
-                                    threads=args.threads, quant=args.quant, **engine_kwargs(args))
+                                    threads=args.threads, **engine_kwargs(args))
     ids = _prompt_ids(args, engine)
     events = engine.iter_generate(
         ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
