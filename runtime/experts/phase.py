@@ -37,6 +37,14 @@ from freetoken_agent.runtime.experts.policies import HeatPolicy
 
 AFTER_PAUSE = "plan"
 """The phase a tool pause is followed by (after the tool output is prefilled): the model plans its next step."""
+ONSET_TOKENS = 16
+"""A phase's first tokens after its hint are also profiled on their own (``onset_key``): they are what a switch
+needs first, and they repeat turn after turn (the same framing, the same way of starting a thought or a call)."""
+
+
+def onset_key(phase: str) -> str:
+    """The profile name of ``phase``'s first ``ONSET_TOKENS`` tokens."""
+    return f"{phase}@onset"
 
 
 class PhaseSchedulingPolicy(HeatPolicy):
@@ -96,7 +104,7 @@ class PhaseScheduler:
     """Phase hints → profile updates, staging and pause prefetch on an engine's ``ExpertStore``."""
 
     def __init__(
-        self, store: Any, profiles: PhaseProfiles, top_k: int, stage_fraction: float = 0.5,
+        self, store: Any, profiles: PhaseProfiles, top_k: int, stage_fraction: float = 0.9,
         pause_prefetch: bool = True, read_gbps: float | None = None, save_path: Path | None = None,
     ) -> None:  # fmt: skip
         self.store, self.profiles, self.top_k = store, profiles, top_k
@@ -107,6 +115,7 @@ class PhaseScheduler:
         self.policy = PhaseSchedulingPolicy(profiles, top_k)
         self.stats = PhaseStats()
         self._pending: dict[Key, str] = {}
+        self._onset_left = ONSET_TOKENS
         self._own_executor: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- wiring
@@ -143,13 +152,24 @@ class PhaseScheduler:
     def observe_routing(self, layer: int, topk_ids: torch.Tensor) -> None:
         """A routing decision of the running phase: profile counts, and staged keys that were used."""
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.profiles.experts).tolist()
+        self.observe_counts(layer, {e: n for e, n in enumerate(counts) if n}, topk_ids.shape[0])
+
+    def observe_counts(self, layer: int, counts: dict[int, int], tokens: int) -> None:
+        """``observe_routing`` with the tokens per expert already counted (``tokens`` routed in the step)."""
         self.profiles.observe(self.phase, layer, counts)
+        if self._onset_left > 0:
+            self.profiles.observe(onset_key(self.phase), layer, counts)
+            if layer == self.profiles.layers[-1]:
+                self._onset_left -= tokens
+                if self._onset_left <= 0 and self.phase != "tool":
+                    self.policy.reserved.clear()  # the switch is over: staged keys compete on their heat now
         if layer == self.profiles.layers[0]:
-            self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + topk_ids.shape[0]
-        for e, n in enumerate(counts):
-            if n and self._pending.get((layer, e)) == self.phase:
-                del self._pending[(layer, e)]
-                self.stats.used[self.phase] = self.stats.used.get(self.phase, 0) + 1
+            self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + tokens
+        if self._pending:
+            for e in counts:
+                if self._pending.get((layer, e)) == self.phase:
+                    del self._pending[(layer, e)]
+                    self.stats.used[self.phase] = self.stats.used.get(self.phase, 0) + 1
 
     def on_hint(self, phase: str, expected_s: float | None = None) -> None:
         """The agent announced ``phase`` (see the module docstring for what is staged)."""
@@ -160,24 +180,36 @@ class PhaseScheduler:
                 self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
                 del self._pending[key]
         self.phase = phase
+        self._onset_left = ONSET_TOKENS
         self.policy.set_phase(phase)
         if phase == "tool":
-            if self.pause_prefetch:
-                n = self.stage_slots()
+            if self.pause_prefetch:  # leave a layer's worth of slots to the tool output's prefill
+                n = min(self.stage_slots(), self.store.host.n_slots - self.profiles.experts)
                 if expected_s is not None and self.read_gbps:
                     blob = self.store.host.layout.blob_bytes
                     n = min(n, int(expected_s * self.read_gbps * 1e9 // blob))
                 self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
             return
-        self.policy.reserved.clear()  # the phase they were kept for has come: they compete on their heat now
-        self.stage(phase, self.stage_slots(), reserve=False)
+        self.stage(phase, self.stage_slots(), reserve=True)  # kept through the phase's onset
 
     def stage_slots(self) -> int:
         return int(self.store.host.n_slots * self.stage_fraction)
 
     def plan_stage(self, phase: str, n: int) -> list[Key]:
-        """The keys to stage for ``phase``: its ``n`` hottest (by profile share)."""
-        return self.profiles.hot_set(phase, n, min_share=0.5 / self.profiles.experts)
+        """The keys to stage for ``phase``: the hottest of its onset (what the switch needs first), then the
+        hottest of the whole phase, ``n`` in all."""
+        floor = 0.5 / self.profiles.experts
+        keys = self.profiles.hot_set(onset_key(phase), n, min_share=floor)
+        seen = set(keys)
+        keys += [k for k in self.profiles.hot_set(phase, n, min_share=floor) if k not in seen]
+        keys = keys[:n]
+        # read order: each layer's hottest first, layers in order (what the first token needs first), then seconds
+        rank: dict[int, int] = {}
+        order = []
+        for k in keys:
+            rank[k[0]] = rank.get(k[0], -1) + 1
+            order.append((rank[k[0]], k[0], k))
+        return [k for _, _, k in sorted(order)]
 
     def stage(self, phase: str, n: int, reserve: bool) -> int:
         """Start background reads of ``phase``'s hot set into host slots; returns the bytes issued."""

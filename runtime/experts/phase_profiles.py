@@ -124,7 +124,7 @@ class PhaseProfiles:
     def to_json(self) -> dict[str, object]:
         return {"version": VERSION, "layers": self.layers, "experts": self.experts, "alpha": self.alpha,
                 "turns": self.turns,
-                "shares": {p: {str(layer): [round(v, 6) for v in row] for layer, row in rows.items()}
+                "shares": {p: {str(layer): list(row) for layer, row in rows.items()}
                            for p, rows in self.shares.items()}}
 
     @classmethod
