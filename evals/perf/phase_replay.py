@@ -30,8 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from freetoken_agent.evals.builtin.data import DEFAULT_DATA_DIR, render_session, session_files, split_sessions
+from freetoken_agent.evals.builtin.data import (
+    DEFAULT_DATA_DIR,
+    render_session,
+    session_files,
+    split_sessions,
+)
 from freetoken_agent.evals.perf.phase_sim import Costs, Replay, SimStore
 from freetoken_agent.evals.perf.phase_trace import Trace, cached_trace, segments
 
@@ -126,13 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"phase_replay: error: --budget must be a fraction in (0, 1), got {args.budget}")
     if not args.trajectories.is_dir():
         raise SystemExit(f"phase_replay: error: trajectories folder {args.trajectories} does not exist")
-    from tokenizers import Tokenizer
-
     from freetoken_agent.runtime.builtin import builtin_model_dir
     from freetoken_agent.runtime.engine import Engine
-    from freetoken_agent.runtime.experts.phase_profiles import PhaseProfiles, model_key, profiles_root
+    from freetoken_agent.runtime.experts.phase_profiles import (
+        PhaseProfiles,
+        model_key,
+        profiles_root,
+    )
     from freetoken_agent.runtime.experts.setup import ResidencyConfig
     from freetoken_agent.runtime.memory import Budget
+    from tokenizers import Tokenizer
 
     model = args.model or builtin_model_dir()
     try:
@@ -177,18 +184,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(s: dict[str, Any]) -> str:
     c = s["costs"]
-    lines = [f"phase replay: {len(s['sessions'])} held-out sessions, {s['tokens']} tokens; {s['slots']}/"
+    lines = [(f"phase replay: {len(s['sessions'])} held-out sessions, {s['tokens']} tokens; {s['slots']}/"
              f"{s['experts_total']} expert slots ({s['budget_fraction']:.0%}); decode {c['decode_ms']} ms/token, "
-             f"expert read {c['expert_read_ms']} ms", "",
-             "| policy | switch misses (plan+code) | by phase plan/code/tool | all misses | hit rate | stall s "
-             "| visible stall s | TTFT median ms | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+             f"expert read {c['expert_read_ms']} ms"), "",
+             ("| policy | switch misses (plan+code) | by phase plan/code/tool | all misses | hit rate | stall s "
+             "| visible stall s | TTFT median ms | decode tok/s |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in s["policies"]:
         b = r["switch_misses_by_phase"]
         lines.append(f"| {r['policy']} | {r['switch_misses']} | {b['plan']}/{b['code']}/{b['tool']} | {r['misses']} | "
                      f"{r['hit_rate']} | {r['stall_s']} | {r['visible_stall_s']} | {r['ttft_median_ms']} | "
                      f"{r['decode_tok_s']} |")
-    lines += ["", f"phase_switch_miss_reduction (phase+pause vs {s['best_phase_agnostic']}): "
-                  f"{s['phase_switch_miss_reduction']}"]
+    lines += ["", (f"phase_switch_miss_reduction (phase+pause vs {s['best_phase_agnostic']}): "
+                  f"{s['phase_switch_miss_reduction']}")]
     return "\n".join(lines)
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from freetoken_agent.evals.builtin.data import render_session, session_messages
 from freetoken_agent.evals.perf.routing_report import token_phases
 
@@ -70,7 +69,7 @@ class Trace:
     """Modelled seconds of each tool result, in order."""
 
 
-def collect(engine, tokenizer, path: Path, window: int = 512, max_tokens: int | None = None) -> Trace:  # noqa: ANN001
+def collect(engine, tokenizer, path: Path, window: int = 512, max_tokens: int | None = None) -> Trace:
     """Run ``engine`` over the session at ``path`` and record its routing (see the module docstring)."""
     layers = [i for i, layer in enumerate(engine.spec.layers) if layer.moe is not None]
     seen: dict[int, torch.Tensor] = {}
@@ -92,7 +91,7 @@ def collect(engine, tokenizer, path: Path, window: int = 512, max_tokens: int | 
     return Trace(path.name, labels, torch.cat(chunks), layers, tool_durations(path))
 
 
-def cached_trace(engine, tokenizer, path: Path, cache: Path, key: str, window: int,  # noqa: ANN001
+def cached_trace(engine, tokenizer, path: Path, cache: Path, key: str, window: int,
                  max_tokens: int | None) -> Trace:
     """``collect``, kept in ``cache`` (keyed by model, session, window, length) so reruns skip the forwards."""
     file = cache / f"{key}-{path.name}-{window}-{max_tokens or 'all'}.pt"

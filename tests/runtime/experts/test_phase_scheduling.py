@@ -10,15 +10,20 @@ from typing import Any
 import anyio
 import pytest
 import torch
-
-from freetoken_agent import Agent, Phase, ScriptedBackend
-from freetoken_agent.events import PhaseChanged
 from freetoken_agent.runtime.builtin import builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
-from freetoken_agent.runtime.experts.phase import ONSET_TOKENS, PhaseScheduler, PhaseSchedulingPolicy, onset_key
+from freetoken_agent.runtime.experts.phase import (
+    ONSET_TOKENS,
+    PhaseScheduler,
+    PhaseSchedulingPolicy,
+    onset_key,
+)
 from freetoken_agent.runtime.experts.phase_profiles import PhaseProfiles, profile_path
 from freetoken_agent.runtime.experts.setup import ResidencyConfig
 from freetoken_agent.runtime.memory import Budget
+
+from freetoken_agent import Agent, Phase, ScriptedBackend
+from freetoken_agent.events import PhaseChanged
 from tests.sdk.conftest import hermes_call
 
 MODEL = builtin_model_dir()
