@@ -1,0 +1,117 @@
+"""``freetoken plan --validate``: build a random-weight checkpoint of the planned shape, time it, compare.
+
+A model too big for a quick run here is scaled down first (fewer layers, fewer experts, then narrower), and the
+report says how; the prediction compared is the one for the scaled shape, with the same rates. The run keeps
+every weight in host memory (this machine's plan for small shapes); decode and prefill are timed with the
+engine's own counters (best of ``rounds`` generate calls: on a shared machine the best run is the one least
+disturbed by other processes, which is what the calibrated rates describe too).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from freetoken_agent.runtime.execution import capacity
+
+
+def write_random_checkpoint(config: dict[str, Any], folder: Path, seed: int = 0) -> Path:
+    """A float32 safetensors folder with random weights of ``config``'s shape (no tokenizer)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from freetoken_agent.runtime.model.adapters import spec_from_config
+    from freetoken_agent.runtime.model.weights import expected_tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_tensors(spec_from_config(config)).items():
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            tensors[name] = torch.ones(shape)
+        elif len(shape) == 1:
+            tensors[name] = torch.zeros(shape)
+        else:
+            tensors[name] = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_WIDTH_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def scale_down(config: dict[str, Any], max_params: int) -> tuple[dict[str, Any], list[str]]:
+    """A config of at most ``max_params`` parameters with the same kind of layers, and what changed."""
+    c, changes = dict(config), []
+
+    def params() -> int:
+        return capacity.model_size(c, "none").params
+
+    if params() <= max_params:
+        return c, changes
+    if c.get("vocab_size", 0) > 8192:
+        changes.append(f"vocab {c['vocab_size']} -> 8192")
+        c["vocab_size"] = 8192
+    dense_first = int(c.get("first_k_dense_replace") or 0)
+    layers = min(int(c["num_hidden_layers"]), 4 + min(dense_first, 1))
+    if layers < c["num_hidden_layers"]:
+        changes.append(f"layers {c['num_hidden_layers']} -> {layers}")
+        c["num_hidden_layers"] = layers
+        if dense_first:
+            c["first_k_dense_replace"] = 1
+        if c.get("layer_types"):
+            c["layer_types"] = c["layer_types"][:layers]
+    for key in _EXPERT_KEYS:
+        if c.get(key) and params() > max_params and c[key] > 16:
+            changes.append(f"experts {c[key]} -> 16")
+            c[key] = 16
+            if c.get("n_group", 1) > 1:
+                c["n_group"], c["topk_group"] = 1, 1
+    while params() > max_params and c["hidden_size"] > 128:
+        for key in _WIDTH_KEYS:
+            if c.get(key):
+                c[key] = max(32, c[key] // 2)
+        heads = int(c["num_attention_heads"])
+        if c.get("head_dim") is None and c["hidden_size"] // heads < 16:
+            c["num_attention_heads"] = max(1, heads // 2)
+        changes.append(f"widths halved (hidden {c['hidden_size']})")
+    return c, changes
+
+
+def validate(config: dict[str, Any], quant: str = "q4", threads: int = 1, prompt_len: int = 64, tokens: int = 16,
+             max_params: int = 150_000_000, rates: capacity.Rates | None = None,
+             folder: Path | None = None, rounds: int = 7) -> dict[str, Any]:
+    """Predicted vs measured decode and prefill tok/s for ``config`` (scaled to ``max_params``)."""
+    from freetoken_agent.runtime.execution.capacity_calibrate import load_or_calibrate, time_engine
+
+    scaled, changes = scale_down(config, max_params)
+    rates = rates or load_or_calibrate(threads, quant)
+    size = capacity.model_size(scaled, quant)
+    predicted = capacity.plan(size, rates, None, None, prompt_len + tokens, quant=quant)
+    pre_plan = capacity.plan(size, rates, None, None, prompt_len, quant=quant, prefill_chunk=prompt_len)
+    with tempfile.TemporaryDirectory(prefix="ft-validate-") as tmp:
+        ckpt = write_random_checkpoint(scaled, (folder or Path(tmp)) / "model")
+        dec_s, pre_s = time_engine(ckpt, quant, threads, prompt_len, tokens, rounds=rounds)
+    measured = {"decode_tok_s": 1 / dec_s, "prefill_tok_s": 1 / pre_s}
+    pred = {"decode_tok_s": predicted.decode_tok_s, "prefill_tok_s": pre_plan.prefill_tok_s}
+    return {
+        "scaled": changes, "params": size.params, "quant": quant, "threads": threads,
+        "predicted": {k: round(v, 2) for k, v in pred.items()},
+        "measured": {k: round(v, 2) for k, v in measured.items()},
+        "error": {k: round(pred[k] / measured[k] - 1, 3) for k in pred},
+        "decode_bound": predicted.decode_bound, "prefill_bound": pre_plan.prefill_bound,
+    }  # fmt: skip
+
+
+def format_validation(v: dict[str, Any]) -> str:
+    lines = [f"validate: {v['params'] / 1e6:.1f}M params, {v['quant']}, {v['threads']} thread(s)"
+             + (f" (scaled down: {', '.join(v['scaled'])})" if v["scaled"] else "")
+]
+    for k, label in (("decode_tok_s", "decode "), ("prefill_tok_s", "prefill")):
+        lines.append(f"  {label} predicted {v['predicted'][k]:9.2f} tok/s, measured {v['measured'][k]:9.2f} tok/s, "
+                     f"error {v['error'][k]:+.0%}")
+    return "\n".join(lines)
