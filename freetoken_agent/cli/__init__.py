@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Sub-command modules, in the order ``freetoken --help`` lists them.
-COMMANDS = ["inspect", "generate", "eval", "run", "serve", "replay", "bench", "acp", "doctor"]
+COMMANDS = ["inspect", "generate", "eval", "run", "serve", "replay", "bench", "acp", "doctor", "plan"]
 
 
 class CLIError(Exception):
