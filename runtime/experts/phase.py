@@ -37,9 +37,13 @@ from freetoken_agent.runtime.experts.policies import HeatPolicy
 
 AFTER_PAUSE = "plan"
 """The phase a tool pause is followed by (after the tool output is prefilled): the model plans its next step."""
-ONSET_TOKENS = 16
+ONSET_TOKENS = 8
 """A phase's first tokens after its hint are also profiled on their own (``onset_key``): they are what a switch
 needs first, and they repeat turn after turn (the same framing, the same way of starting a thought or a call)."""
+RESERVE_TOKENS = 8
+RESERVE_FRACTION = 0.5
+"""Staged keys are reserved (evicted last) for a phase's first ``RESERVE_TOKENS`` tokens, at most this share of
+the slots. These three were chosen on training sessions (never on the held-out ones the benchmark reports)."""
 
 
 def onset_key(phase: str) -> str:
@@ -109,6 +113,7 @@ class PhaseScheduler:
     ) -> None:  # fmt: skip
         self.store, self.profiles, self.top_k = store, profiles, top_k
         self.stage_fraction, self.pause_prefetch = stage_fraction, pause_prefetch
+        self.reserve_fraction = RESERVE_FRACTION
         self.read_gbps = read_gbps
         self.save_path = save_path
         self.phase = "plan"
@@ -116,6 +121,7 @@ class PhaseScheduler:
         self.stats = PhaseStats()
         self._pending: dict[Key, str] = {}
         self._onset_left = ONSET_TOKENS
+        self._reserve_left = RESERVE_TOKENS
         self._own_executor: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- wiring
@@ -159,10 +165,11 @@ class PhaseScheduler:
         self.profiles.observe(self.phase, layer, counts)
         if self._onset_left > 0:
             self.profiles.observe(onset_key(self.phase), layer, counts)
-            if layer == self.profiles.layers[-1]:
-                self._onset_left -= tokens
-                if self._onset_left <= 0 and self.phase != "tool":
-                    self.policy.reserved.clear()  # the switch is over: staged keys compete on their heat now
+        if layer == self.profiles.layers[-1]:
+            self._onset_left -= tokens
+            self._reserve_left -= tokens
+            if self._reserve_left <= 0 and self.phase != "tool" and self.policy.reserved:
+                self.policy.reserved.clear()  # the switch is over: staged keys compete on their heat now
         if layer == self.profiles.layers[0]:
             self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + tokens
         if self._pending:
@@ -180,7 +187,7 @@ class PhaseScheduler:
                 self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
                 del self._pending[key]
         self.phase = phase
-        self._onset_left = ONSET_TOKENS
+        self._onset_left, self._reserve_left = ONSET_TOKENS, RESERVE_TOKENS
         self.policy.set_phase(phase)
         if phase == "tool":
             if self.pause_prefetch:  # leave a layer's worth of slots to the tool output's prefill
@@ -215,8 +222,8 @@ class PhaseScheduler:
         """Start background reads of ``phase``'s hot set into host slots; returns the bytes issued."""
         pool = self.store.host
         keys = self.plan_stage(phase, n)
-        if reserve:
-            self.policy.reserved = set(keys)
+        if reserve:  # the hottest part of the staged set is kept through the onset (the rest competes on heat)
+            self.policy.reserved = set(keys[: int(self.store.host.n_slots * self.reserve_fraction)])
         issued = 0
         for key in keys:
             with pool.lock:
