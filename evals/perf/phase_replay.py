@@ -68,14 +68,14 @@ def measure_costs(engine: Any, tokens: list[int], read_gbps: float | None) -> Co
 
 def learn(profiles: Any, trace: Trace) -> None:
     """What a session's phase scheduler records: routing per phase, one turn per hint."""
-    from freetoken_agent.runtime.experts.phase import ONSET_TOKENS, onset_key
+    from freetoken_agent.runtime.experts.phase import TUNING, onset_key
 
     ids = trace.ids.long()
     onset_end = 0
     for seg in segments(trace):
         if seg.hint is not None:
             profiles.end_turn()
-            onset_end = seg.start + ONSET_TOKENS
+            onset_end = seg.start + TUNING[seg.phase].onset_tokens
         spans = [(seg.phase, seg.start, seg.end), (onset_key(seg.phase), seg.start, min(seg.end, onset_end))]
         for name, a, b in spans:
             for j, layer in enumerate(trace.layers):

@@ -37,17 +37,29 @@ from freetoken_agent.runtime.experts.policies import HeatPolicy
 
 AFTER_PAUSE = "plan"
 """The phase a tool pause is followed by (after the tool output is prefilled): the model plans its next step."""
-ONSET_TOKENS = 8
-"""A phase's first tokens after its hint are also profiled on their own (``onset_key``): they are what a switch
-needs first, and they repeat turn after turn (the same framing, the same way of starting a thought or a call)."""
-RESERVE_TOKENS = 8
-RESERVE_FRACTION = 0.5
-"""Staged keys are reserved (evicted last) for a phase's first ``RESERVE_TOKENS`` tokens, at most this share of
-the slots. These three were chosen on training sessions (never on the held-out ones the benchmark reports)."""
+
+
+@dataclass(frozen=True)
+class SwitchTuning:
+    """How a switch into one phase is handled."""
+
+    onset_tokens: int
+    """The phase's first tokens after its hint are also profiled on their own (``onset_key``): they are what a
+    switch needs first, and they repeat turn after turn (the same framing, the same way of starting a call)."""
+    reserve_tokens: int
+    """Staged keys are reserved (evicted last) for this many tokens of the new phase..."""
+    reserve_fraction: float
+    """...at most this share of the slots (the hottest staged keys)."""
+
+
+TUNING = {"plan": SwitchTuning(8, 8, 0.5), "code": SwitchTuning(16, 16, 0.9), "tool": SwitchTuning(8, 8, 0.5)}
+"""Chosen on training sessions (never on the held-out ones the benchmark reports): a plan turn starts with a short
+burst (framing + first words) and then wanders, so its onset is short and half the slots are held; a tool call is
+regular for longer, so code holds nearly all staged keys for 16 tokens."""
 
 
 def onset_key(phase: str) -> str:
-    """The profile name of ``phase``'s first ``ONSET_TOKENS`` tokens."""
+    """The profile name of ``phase``'s first ``TUNING[phase].onset_tokens`` tokens."""
     return f"{phase}@onset"
 
 
@@ -113,15 +125,14 @@ class PhaseScheduler:
     ) -> None:  # fmt: skip
         self.store, self.profiles, self.top_k = store, profiles, top_k
         self.stage_fraction, self.pause_prefetch = stage_fraction, pause_prefetch
-        self.reserve_fraction = RESERVE_FRACTION
         self.read_gbps = read_gbps
         self.save_path = save_path
         self.phase = "plan"
         self.policy = PhaseSchedulingPolicy(profiles, top_k)
         self.stats = PhaseStats()
         self._pending: dict[Key, str] = {}
-        self._onset_left = ONSET_TOKENS
-        self._reserve_left = RESERVE_TOKENS
+        self._onset_left = TUNING["plan"].onset_tokens
+        self._reserve_left = TUNING["plan"].reserve_tokens
         self._own_executor: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- wiring
@@ -187,7 +198,8 @@ class PhaseScheduler:
                 self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
                 del self._pending[key]
         self.phase = phase
-        self._onset_left, self._reserve_left = ONSET_TOKENS, RESERVE_TOKENS
+        tuning = TUNING.get(phase, TUNING["plan"])
+        self._onset_left, self._reserve_left = tuning.onset_tokens, tuning.reserve_tokens
         self.policy.set_phase(phase)
         if phase == "tool":
             if self.pause_prefetch:  # leave a layer's worth of slots to the tool output's prefill
@@ -223,7 +235,8 @@ class PhaseScheduler:
         pool = self.store.host
         keys = self.plan_stage(phase, n)
         if reserve:  # the hottest part of the staged set is kept through the onset (the rest competes on heat)
-            self.policy.reserved = set(keys[: int(self.store.host.n_slots * self.reserve_fraction)])
+            fraction = TUNING.get(phase, TUNING["plan"]).reserve_fraction
+            self.policy.reserved = set(keys[: int(self.store.host.n_slots * fraction)])
         issued = 0
         for key in keys:
             with pool.lock:

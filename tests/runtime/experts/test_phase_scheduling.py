@@ -13,7 +13,7 @@ import torch
 from freetoken_agent.runtime.builtin import builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.phase import (
-    ONSET_TOKENS,
+    TUNING,
     PhaseScheduler,
     PhaseSchedulingPolicy,
     onset_key,
@@ -169,7 +169,7 @@ def test_policy_keeps_reserved_keys_and_blends_phase_heat() -> None:
     policy.reserved = {(0, 0), (0, 1), (0, 2)}
     assert policy.victim(resident, lambda k: True) == (0, 3)
     assert policy.victim(resident, lambda k: k != (0, 3)) == (0, 0)  # reserved only goes when nothing else can
-    assert ONSET_TOKENS > 0
+    assert all(t.onset_tokens > 0 and 0 < t.reserve_fraction <= 1 for t in TUNING.values())
 
 
 def test_replay_benchmark_runs_on_a_real_session(capsys: pytest.CaptureFixture[str]) -> None:
