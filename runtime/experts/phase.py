@@ -21,6 +21,7 @@ Outputs are unchanged: staging only decides which tier an expert is read from, n
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class PhaseScheduler:
         self._onset_left = TUNING["plan"].onset_tokens
         self._reserve_left = TUNING["plan"].reserve_tokens
         self._own_executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- wiring
 
@@ -173,43 +175,45 @@ class PhaseScheduler:
 
     def observe_counts(self, layer: int, counts: dict[int, int], tokens: int) -> None:
         """``observe_routing`` with the tokens per expert already counted (``tokens`` routed in the step)."""
-        self.profiles.observe(self.phase, layer, counts)
-        if self._onset_left > 0:
-            self.profiles.observe(onset_key(self.phase), layer, counts)
-        if layer == self.profiles.layers[-1]:
-            self._onset_left -= tokens
-            self._reserve_left -= tokens
-            if self._reserve_left <= 0 and self.phase != "tool" and self.policy.reserved:
-                self.policy.reserved.clear()  # the switch is over: staged keys compete on their heat now
-        if layer == self.profiles.layers[0]:
-            self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + tokens
-        if self._pending:
-            for e in counts:
-                if self._pending.get((layer, e)) == self.phase:
-                    del self._pending[(layer, e)]
-                    self.stats.used[self.phase] = self.stats.used.get(self.phase, 0) + 1
+        with self._lock:  # hints arrive on the agent's thread, routing on the decode thread
+            self.profiles.observe(self.phase, layer, counts)
+            if self._onset_left > 0:
+                self.profiles.observe(onset_key(self.phase), layer, counts)
+            if layer == self.profiles.layers[-1]:
+                self._onset_left -= tokens
+                self._reserve_left -= tokens
+                if self._reserve_left <= 0 and self.phase != "tool" and self.policy.reserved:
+                    self.policy.reserved.clear()  # the switch is over: staged keys compete on their heat now
+            if layer == self.profiles.layers[0]:
+                self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + tokens
+            if self._pending:
+                for e in counts:
+                    if self._pending.get((layer, e)) == self.phase:
+                        del self._pending[(layer, e)]
+                        self.stats.used[self.phase] = self.stats.used.get(self.phase, 0) + 1
 
     def on_hint(self, phase: str, expected_s: float | None = None) -> None:
         """The agent announced ``phase`` (see the module docstring for what is staged)."""
-        self.stats.hints.append((phase, expected_s))
-        self.profiles.end_turn()
-        for key, p in list(self._pending.items()):  # staged for a phase that ran (or never came): settle
-            if p == self.phase and p != phase:
-                self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
-                del self._pending[key]
-        self.phase = phase
-        tuning = TUNING.get(phase, TUNING["plan"])
-        self._onset_left, self._reserve_left = tuning.onset_tokens, tuning.reserve_tokens
-        self.policy.set_phase(phase)
-        if phase == "tool":
-            if self.pause_prefetch:  # leave a layer's worth of slots to the tool output's prefill
-                n = min(self.stage_slots(), self.store.host.n_slots - self.profiles.experts)
-                if expected_s is not None and self.read_gbps:
-                    blob = self.store.host.layout.blob_bytes
-                    n = min(n, int(expected_s * self.read_gbps * 1e9 // blob))
-                self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
-            return
-        self.stage(phase, self.stage_slots(), reserve=True)  # kept through the phase's onset
+        with self._lock:  # hints arrive on the agent's thread, routing on the decode thread
+            self.stats.hints.append((phase, expected_s))
+            self.profiles.end_turn()
+            for key, p in list(self._pending.items()):  # staged for a phase that ran (or never came): settle
+                if p == self.phase and p != phase:
+                    self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
+                    del self._pending[key]
+            self.phase = phase
+            tuning = TUNING.get(phase, TUNING["plan"])
+            self._onset_left, self._reserve_left = tuning.onset_tokens, tuning.reserve_tokens
+            self.policy.set_phase(phase)
+            if phase == "tool":
+                if self.pause_prefetch:  # leave a layer's worth of slots to the tool output's prefill
+                    n = min(self.stage_slots(), self.store.host.n_slots - self.profiles.experts)
+                    if expected_s is not None and self.read_gbps:
+                        blob = self.store.host.layout.blob_bytes
+                        n = min(n, int(expected_s * self.read_gbps * 1e9 // blob))
+                    self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
+                return
+            self.stage(phase, self.stage_slots(), reserve=True)  # kept through the phase's onset
 
     def stage_slots(self) -> int:
         return int(self.store.host.n_slots * self.stage_fraction)
