@@ -12,10 +12,10 @@ is a sum of terms, each bytes moved ÷ a measured rate (or a measured fixed over
 - ``experts``: ``top_k`` experts per MoE layer; a fraction ``slots / experts`` of them hits each tier under the
   stated assumption of **uniform routing** (a lower bound: real routing is skewed and LRU/heat policies hit more);
   host-tier experts run at the CPU expert kernel's M=1 GB/s, disk ones also pay the disk read;
-- ``overhead``: per-layer, per-step and per-routed-expert framework time (measured by ``capacity_calibrate``).
+- ``overhead``: framework time per layer tensor, per step and per routed expert (fit by ``capacity_calibrate``).
 
-Prefill per token: dense FLOPs ÷ measured GEMM GFLOP/s, expert bytes ÷ the M=16 kernel rate × 16, each cold expert
-read from disk once per prompt, plus the per-layer overhead of each forward chunk. The largest term is the bound.
+Prefill per token: dense FLOPs (the output head once per chunk) ÷ measured GEMM GFLOP/s, expert bytes ÷ the M=16 kernel rate × 16, each cold expert
+read from disk once per prompt, plus the per-tensor and per-touched-expert overheads of each forward chunk. The largest term is the bound.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class ModelSize:
     layers: int
     kv_layers: list[tuple[int, int | None]]
     """Per attention layer: (KV bytes per position, sliding window or None)."""
+    head_params: int = 0
+    """The output head's weights (applied to the last prompt position only during prefill)."""
+    layer_tensors: int = 0
+    """Non-expert tensors inside the decoder layers (each is roughly one framework op per token step)."""
 
     def kv_bytes(self, context: int) -> int:
         return sum(b * min(context, w or context) for b, w in self.kv_layers)
@@ -66,11 +70,14 @@ class Rates:
     expert_gbps_m1: float
     expert_gbps_m16: float
     disk_gbps: float
-    layer_overhead_s: float = 0.0
+    tensor_overhead_s: float = 0.0
+    """Decode framework time per non-expert layer tensor (norms, projections: one op each per step)."""
     step_overhead_s: float = 0.0
     expert_call_s: float = 0.0
     """Fixed time per routed expert per decode token (kernel call, gather, scatter)."""
-    prefill_layer_overhead_s: float = 0.0
+    prefill_tensor_overhead_s: float = 0.0
+    prefill_expert_call_s: float = 0.0
+    """Fixed time per distinct routed expert a prefill chunk touches (per MoE layer)."""
     device_gbps: float | None = None
     """Device memory bandwidth (assumed when no GPU was measured)."""
     kernel_dense_gbps: float | None = None
@@ -151,12 +158,14 @@ def model_size(config: dict[str, Any], quant: str = "q4", dtype: str = "float32"
     spec = spec_from_config(config)
     elsize = DTYPE_BYTES[dtype]
     shapes = expected_tensors(spec)
-    total = expert_params = 0
+    total = expert_params = layer_tensors = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
         total += n
         if ".experts." in name:
             expert_params += n
+        elif ".layers." in name:
+            layer_tensors += 1
     moe = [layer.moe for layer in spec.layers if layer.moe is not None]
     experts_total = sum(m.num_experts for m in moe)
     per_expert = expert_params // max(experts_total, 1)
@@ -173,9 +182,9 @@ def model_size(config: dict[str, Any], quant: str = "q4", dtype: str = "float32"
         kv_layers.append((per * elsize, a.sliding_window))
     return ModelSize(
         params=total, dense_bytes=dense_params * elsize, dense_read_bytes=read_params * elsize,
-        dense_params_read=read_params, expert_bytes=expert_bytes, experts_total=experts_total,
+        dense_params_read=read_params, head_params=embed, expert_bytes=expert_bytes, experts_total=experts_total,
         experts_per_layer=moe[0].num_experts if moe else 0, moe_layers=len(moe), top_k=moe[0].top_k if moe else 0,
-        layers=len(spec.layers), kv_layers=kv_layers,
+        layers=len(spec.layers), kv_layers=kv_layers, layer_tensors=layer_tensors,
     )  # fmt: skip
 
 
@@ -212,17 +221,18 @@ def plan(size: ModelSize, rates: Rates, device: int | None, host: int | None, co
         "experts_device": active * hits["device"] / ((rates.device_gbps or 500.0) * 1e9),
         "experts_host": active * hits["host"] / (rates.expert_gbps_m1 * 1e9),
         "experts_disk": active * hits["disk"] * (1 / (rates.disk_gbps * 1e9) + 1 / (rates.expert_gbps_m1 * 1e9)),
-        "overhead": size.layers * rates.layer_overhead_s + rates.step_overhead_s
+        "overhead": size.layer_tensors * rates.tensor_overhead_s + rates.step_overhead_s
         + size.top_k * size.moe_layers * rates.expert_call_s,
     }
     chunk = max(1, min(context, prefill_chunk))
     cold_bytes = size.experts_total * hits["disk"] * size.expert_bytes
     prefill = {
-        "dense": 2 * size.dense_params_read / (rates.gemm_gflops * 1e9),
+        "dense": 2 * (size.dense_params_read - size.head_params + size.head_params / chunk) / (rates.gemm_gflops * 1e9),
         "experts_host": active * (1 - hits["device"]) / (rates.expert_gbps_m16 * 16 * 1e9),
         "experts_device": active * hits["device"] / ((rates.device_gbps or 500.0) * 1e9) / 16,
         "experts_disk": cold_bytes / (rates.disk_gbps * 1e9) / chunk,
-        "overhead": size.layers * rates.prefill_layer_overhead_s / chunk,
+        "overhead": (size.layer_tensors * rates.prefill_tensor_overhead_s + size.moe_layers * rates.prefill_expert_call_s
+                     * min(size.experts_per_layer, chunk * size.top_k)) / chunk,
     }
     if disk:
         notes.append(f"{disk} of {size.experts_total} experts stream from disk ({format_bytes(disk * size.expert_bytes)})")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -58,79 +57,108 @@ def dense_rates(seconds: float = 0.5) -> tuple[float, float]:
     return nbytes / gemv / 1e9, 2 * 64 * 2 * 1024 * 2048 / gemm / 1e9
 
 
-def time_engine(folder: Path, quant: str, threads: int, prompt_len: int, tokens: int,
-                rounds: int = 3) -> tuple[float, float]:
-    """(decode s/token, prefill s/token) of a checkpoint folder: the best of ``rounds`` generate calls.
+def time_engines(folders: dict[str, Path], quant: str, threads: int, prompt_len: int = 64, tokens: int = 16,
+                 rounds: int = 5) -> dict[str, tuple[float, float]]:
+    """(decode s/token, prefill s/token) per checkpoint folder: all engines loaded, then ``rounds`` rounds that
+    time each once in turn (A/B/C... alternating), keeping each one's best.
 
-    Best, not median: the machine may be shared, and both the fit and the check want the model's own speed.
+    Alternating puts every model under the same load; best, not median: on a shared machine the best run is the
+    least disturbed, and the fit and the check both want the models' own speed.
     """
     import torch
 
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.kernels import ops
 
-    engine = Engine.from_pretrained(folder, quant=quant, threads=threads)
+    engines = {name: Engine.from_pretrained(f, quant=quant, threads=threads) for name, f in folders.items()}
     if quant != "none":
         ops.set_threads(threads)
-    vocab = engine.spec.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-    engine.generate(prompt[:8], max_new_tokens=2, stop_token_ids=[])
-    dec, pre = [], []
+    torch.set_num_threads(threads)
+    prompts = {}
+    for name, engine in engines.items():
+        gen = torch.Generator().manual_seed(0)
+        prompts[name] = torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist()
+        engine.generate(prompts[name][:8], max_new_tokens=2, stop_token_ids=[])
+    best = {name: (float("inf"), float("inf")) for name in engines}
     for _ in range(rounds):
-        r = engine.generate(prompt, max_new_tokens=tokens + 1, stop_token_ids=[])
-        dec.append(r.decode_s / tokens)
-        pre.append(r.prefill_s / prompt_len)
-    return min(dec), min(pre)
+        for name, engine in engines.items():
+            r = engine.generate(prompts[name], max_new_tokens=tokens + 1, stop_token_ids=[])
+            d, p = best[name]
+            best[name] = (min(d, r.decode_s / tokens), min(p, r.prefill_s / prompt_len))
+    return best
 
 
-def _fit(rates: Rates, threads: int, quant: str) -> Rates:
-    """Fit overheads and in-engine rates from calibration models (never the models being planned).
+CALIBRATION: dict[str, dict[str, Any]] = {
+    "l2": {**TINY, "num_hidden_layers": 2}, "l6": {**TINY, "num_hidden_layers": 6},
+    "k1": {**TINY, "num_hidden_layers": 6, "num_experts_per_tok": 1},
+    "k4": {**TINY, "num_hidden_layers": 6, "num_experts_per_tok": 4},
+    "e16": {**TINY, "num_hidden_layers": 6, "num_experts": 16},
+    "dense": {**TINY, "num_hidden_layers": 2, "hidden_size": 1024, "head_dim": 64, "intermediate_size": 4096,
+              "mlp_only_layers": [0, 1]},
+    "experts": {**TINY, "num_hidden_layers": 2, "hidden_size": 1024, "head_dim": 64, "num_experts": 16,
+                "num_experts_per_tok": 4, "moe_intermediate_size": 1024},
+}  # fmt: skip
+"""The calibration models: tiny ones (hidden 64) give the per-tensor, per-step and per-expert overheads (2 vs 6
+layers, top-1 vs top-4, 4 vs 16 experts for prefill); ``experts`` (large experts) gives the in-engine expert rates and ``dense`` (two large dense
+MLP layers) the dense GEMV / GEMM rates, each as bytes ÷ (time − every other predicted term)."""
 
-    Tiny models (hidden 64) give the per-layer, per-step and per-expert overheads (2 vs 6 layers, top-1 vs
-    top-4); a model with large experts gives the in-engine expert GB/s and one with a large output head the dense
-    GEMV GB/s, each as bytes ÷ (time − every other predicted term).
-    """
+
+def fit(rates: Rates, t: dict[str, tuple[float, float]], quant: str, prompt: int = 64) -> Rates:
+    """Fit overheads and in-engine rates from the calibration models' timings ``t`` (see ``CALIBRATION``)."""
     from freetoken_agent.runtime.execution import capacity
-    from freetoken_agent.runtime.execution.capacity_validate import write_random_checkpoint
 
-    prompt = 64
-    shapes = {
-        "l2": {**TINY, "num_hidden_layers": 2}, "l6": {**TINY, "num_hidden_layers": 6},
-        "k1": {**TINY, "num_hidden_layers": 6, "num_experts_per_tok": 1},
-        "k4": {**TINY, "num_hidden_layers": 6, "num_experts_per_tok": 4},
-        "dense": {**TINY, "num_hidden_layers": 2, "vocab_size": 16384, "hidden_size": 1024, "head_dim": 64},
-        "experts": {**TINY, "num_hidden_layers": 2, "hidden_size": 1024, "head_dim": 64, "num_experts": 16,
-                    "num_experts_per_tok": 4, "moe_intermediate_size": 1024},
-    }  # fmt: skip
-    t: dict[str, tuple[float, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="ft-calib-") as tmp:
-        for name, cfg in shapes.items():
-            folder = write_random_checkpoint(cfg, Path(tmp) / name)
-            t[name] = time_engine(folder, quant, threads, prompt, 16, rounds=5)
-            shutil.rmtree(folder)
+    tensors = {n: capacity.model_size(CALIBRATION[n], quant).layer_tensors for n in ("l2", "l6")}
     call = max((t["k4"][0] - t["k1"][0]) / (6 * 3), 0.0)
-    layer = max((t["l6"][0] - t["l2"][0]) / 4 - 2 * call, 0.0)
-    rates.expert_call_s, rates.layer_overhead_s = call, layer
-    rates.step_overhead_s = max(t["l2"][0] - 2 * layer - 4 * call, 0.0)
-    rates.prefill_layer_overhead_s = max((t["l6"][1] - t["l2"][1]) * prompt / 4, 0.0)
+    per_tensor = max(((t["l6"][0] - t["l2"][0]) - 4 * 2 * call) / (tensors["l6"] - tensors["l2"]), 0.0)
+    rates.expert_call_s, rates.tensor_overhead_s = call, per_tensor
+    rates.step_overhead_s = max(t["l2"][0] - tensors["l2"] * per_tensor - 4 * call, 0.0)
+    pre_call = max((t["e16"][1] - t["l6"][1]) * prompt / (6 * 12), 0.0)
+    rates.prefill_expert_call_s = pre_call
+    rates.prefill_tensor_overhead_s = max(((t["l6"][1] - t["l2"][1]) * prompt - 4 * 4 * pre_call)
+                                          / (tensors["l6"] - tensors["l2"]), 0.0)
 
-    def residual(name: str, term: str) -> tuple[float, int]:
-        size = capacity.model_size(shapes[name], quant)
-        p = capacity.plan(size, rates, None, None, prompt + 16, quant=quant)
-        others = sum(v for k, v in p.decode_terms.items() if k != term)
-        nbytes = size.dense_read_bytes if term == "dense" else size.active_expert_bytes
-        return max(t[name][0] - others, 1e-6), nbytes
+    def residual(name: str, term: str, phase: int) -> tuple[float, capacity.ModelSize]:
+        size = capacity.model_size(CALIBRATION[name], quant)
+        p = capacity.plan(size, rates, None, None, prompt + 16 if phase == 0 else prompt, quant=quant,
+                          prefill_chunk=prompt)
+        terms = p.decode_terms if phase == 0 else p.prefill_terms
+        return max(t[name][phase] - sum(v for k, v in terms.items() if k != term), 1e-7), size
 
-    secs, nbytes = residual("dense", "dense")
-    rates.dense_gbps = nbytes / secs / 1e9
-    secs, nbytes = residual("experts", "experts_host")
-    rates.expert_gbps_m1 = nbytes / secs / 1e9
+    secs, size = residual("dense", "dense", 0)
+    rates.dense_gbps = size.dense_read_bytes / secs / 1e9
+    secs, size = residual("experts", "experts_host", 0)
+    rates.expert_gbps_m1 = size.active_expert_bytes / secs / 1e9
+    secs, size = residual("dense", "dense", 1)
+    rates.gemm_gflops = 2 * (size.dense_params_read - size.head_params) / secs / 1e9
+    secs, size = residual("experts", "experts_host", 1)
+    rates.expert_gbps_m16 = size.active_expert_bytes / secs / 16 / 1e9
     return rates
 
 
-def calibrate(threads: int = 1, quant: str = "q4", seconds: float = 0.5) -> Rates:
-    """Measure every rate the planner uses on this machine at ``threads`` threads."""
+def measure_with_calibration(extra: dict[str, dict[str, Any]], threads: int, quant: str, rounds: int = 5,
+                             tokens: int = 16,
+                             keep: Path | None = None) -> tuple[Rates, dict[str, tuple[float, float]]]:
+    """Calibrate and time the ``extra`` configs in the same alternating rounds: (fitted rates, extra timings)."""
+    from freetoken_agent.runtime.execution.capacity_validate import write_random_checkpoint
+
+    base = kernel_rates(threads)
+    with tempfile.TemporaryDirectory(prefix="ft-calib-") as tmp:
+        root = keep or Path(tmp)
+        configs = {**CALIBRATION, **extra}
+        folders = {name: write_random_checkpoint(cfg, root / name) for name, cfg in configs.items()}
+        import torch
+
+        old = torch.get_num_threads()
+        try:
+            t = time_engines(folders, quant, threads, tokens=tokens, rounds=rounds)
+        finally:
+            torch.set_num_threads(old)
+    rates = fit(base, t, quant)
+    return rates, {name: t[name] for name in extra}
+
+
+def kernel_rates(threads: int = 1, seconds: float = 0.5) -> Rates:
+    """The microbenchmark rates (before the in-engine fit) at ``threads`` threads."""
     import torch
 
     from freetoken_agent.runtime import hardware
@@ -147,16 +175,20 @@ def calibrate(threads: int = 1, quant: str = "q4", seconds: float = 0.5) -> Rate
         except Exception:  # the C kernels did not build: the microbenchmark times the torch fallback  # noqa: BLE001
             pass
         m1, m16, _kind = microbench.cpu_expert_gbps(hardware.EXPERT_SHAPE, seconds)
-        profile = hardware.cached_profile()
-        disk = (profile.bench.get("disk_read_gbps") if profile else None) or microbench.disk_read_gbps(
-            _cache_file().parent) or 1.0
-        gpu = (profile.bench.get("device_gbps") if profile else None)
-        rates = Rates(dense_gbps=dense, gemm_gflops=gemm, expert_gbps_m1=m1, expert_gbps_m16=m16, disk_gbps=disk,
-                      device_gbps=gpu, kernel_dense_gbps=dense, kernel_expert_gbps_m1=m1,
-                      source=f"calibrated, {threads} thread(s)")  # fmt: skip
-        return _fit(rates, threads, quant)
     finally:
         torch.set_num_threads(old)
+    profile = hardware.cached_profile()
+    disk = (profile.bench.get("disk_read_gbps") if profile else None) or microbench.disk_read_gbps(
+        _cache_file().parent) or 1.0
+    gpu = profile.bench.get("device_gbps") if profile else None
+    return Rates(dense_gbps=dense, gemm_gflops=gemm, expert_gbps_m1=m1, expert_gbps_m16=m16, disk_gbps=disk,
+                 device_gbps=gpu, kernel_dense_gbps=dense, kernel_expert_gbps_m1=m1,
+                 source=f"calibrated, {threads} thread(s)")  # fmt: skip
+
+
+def calibrate(threads: int = 1, quant: str = "q4") -> Rates:
+    """Measure every rate the planner uses on this machine at ``threads`` threads."""
+    return measure_with_calibration({}, threads, quant)[0]
 
 
 def load_or_calibrate(threads: int = 1, quant: str = "q4", refresh: bool = False) -> Rates:

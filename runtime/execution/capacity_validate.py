@@ -3,14 +3,13 @@
 A model too big for a quick run here is scaled down first (fewer layers, fewer experts, then narrower), and the
 report says how; the prediction compared is the one for the scaled shape, with the same rates. The run keeps
 every weight in host memory (this machine's plan for small shapes); decode and prefill are timed with the
-engine's own counters (best of ``rounds`` generate calls: on a shared machine the best run is the one least
-disturbed by other processes, which is what the calibrated rates describe too).
+engine's own counters, in the same alternating rounds as a fresh calibration (``measure_with_calibration``), so
+prediction and measurement see the same machine load; each model keeps its best round.
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -83,28 +82,38 @@ def scale_down(config: dict[str, Any], max_params: int) -> tuple[dict[str, Any],
 
 
 def validate(config: dict[str, Any], quant: str = "q4", threads: int = 1, prompt_len: int = 64, tokens: int = 16,
-             max_params: int = 150_000_000, rates: capacity.Rates | None = None,
-             folder: Path | None = None, rounds: int = 7) -> dict[str, Any]:
-    """Predicted vs measured decode and prefill tok/s for ``config`` (scaled to ``max_params``)."""
-    from freetoken_agent.runtime.execution.capacity_calibrate import load_or_calibrate, time_engine
+             max_params: int = 150_000_000, rounds: int = 5) -> dict[str, Any]:
+    """Predicted vs measured decode and prefill tok/s for ``config`` (scaled to ``max_params``).
 
-    scaled, changes = scale_down(config, max_params)
-    rates = rates or load_or_calibrate(threads, quant)
-    size = capacity.model_size(scaled, quant)
-    predicted = capacity.plan(size, rates, None, None, prompt_len + tokens, quant=quant)
-    pre_plan = capacity.plan(size, rates, None, None, prompt_len, quant=quant, prefill_chunk=prompt_len)
-    with tempfile.TemporaryDirectory(prefix="ft-validate-") as tmp:
-        ckpt = write_random_checkpoint(scaled, (folder or Path(tmp)) / "model")
-        dec_s, pre_s = time_engine(ckpt, quant, threads, prompt_len, tokens, rounds=rounds)
-    measured = {"decode_tok_s": 1 / dec_s, "prefill_tok_s": 1 / pre_s}
-    pred = {"decode_tok_s": predicted.decode_tok_s, "prefill_tok_s": pre_plan.prefill_tok_s}
-    return {
-        "scaled": changes, "params": size.params, "quant": quant, "threads": threads,
-        "predicted": {k: round(v, 2) for k, v in pred.items()},
-        "measured": {k: round(v, 2) for k, v in measured.items()},
-        "error": {k: round(pred[k] / measured[k] - 1, 3) for k in pred},
-        "decode_bound": predicted.decode_bound, "prefill_bound": pre_plan.prefill_bound,
-    }  # fmt: skip
+    The rates are calibrated afresh in the same alternating rounds as the measurement (so both see the same load).
+    """
+    return validate_many({"model": config}, quant, threads, prompt_len, tokens, max_params, rounds)["model"]
+
+
+def validate_many(configs: dict[str, dict[str, Any]], quant: str = "q4", threads: int = 1, prompt_len: int = 64,
+                  tokens: int = 16, max_params: int = 150_000_000, rounds: int = 5) -> dict[str, dict[str, Any]]:
+    """``validate`` for several configs, measured together with one calibration."""
+    from freetoken_agent.runtime.execution.capacity_calibrate import measure_with_calibration
+
+    scaled = {name: scale_down(cfg, max_params) for name, cfg in configs.items()}
+    extra = {n: c for n, (c, _) in scaled.items()}
+    rates, timings = measure_with_calibration(extra, threads, quant, rounds, tokens)
+    out = {}
+    for name, (cfg, changes) in scaled.items():
+        size = capacity.model_size(cfg, quant)
+        dec = capacity.plan(size, rates, None, None, prompt_len + tokens, quant=quant)
+        pre = capacity.plan(size, rates, None, None, prompt_len, quant=quant, prefill_chunk=prompt_len)
+        dec_s, pre_s = timings[name]
+        measured = {"decode_tok_s": 1 / dec_s, "prefill_tok_s": 1 / pre_s}
+        pred = {"decode_tok_s": dec.decode_tok_s, "prefill_tok_s": pre.prefill_tok_s}
+        out[name] = {
+            "scaled": changes, "params": size.params, "quant": quant, "threads": threads,
+            "predicted": {k: round(v, 2) for k, v in pred.items()},
+            "measured": {k: round(v, 2) for k, v in measured.items()},
+            "error": {k: round(pred[k] / measured[k] - 1, 3) for k in pred},
+            "decode_bound": dec.decode_bound, "prefill_bound": pre.prefill_bound,
+        }  # fmt: skip
+    return out
 
 
 def format_validation(v: dict[str, Any]) -> str:
