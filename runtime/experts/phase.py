@@ -88,7 +88,14 @@ class PhaseSchedulingPolicy(HeatPolicy):
         return self.value(key) + self.weight * self.top_k * self.profiles.share(self.phase, key)
 
     def victim(self, resident: Sequence[Key | None], evictable: Callable[[Key], bool]) -> Key | None:
-        free = [k for k in resident if k is not None and evictable(k)]
+        """The lowest score among evictable keys (up to ``4·sample`` random ones in large pools), reserved last."""
+        if len(resident) <= 4 * self.sample:
+            free = [k for k in resident if k is not None and evictable(k)]
+        else:  # sampled, as ``HeatPolicy`` does: eviction stays O(sample) in pools of thousands of slots
+            picks = {resident[self._rng.randrange(len(resident))] for _ in range(4 * self.sample)}
+            free = [k for k in picks if k is not None and evictable(k)]
+            if not any(k not in self.reserved for k in free):
+                free = [k for k in resident if k is not None and evictable(k)]
         if not free:
             return None
         pool = [k for k in free if k not in self.reserved] or free
@@ -208,12 +215,18 @@ class PhaseScheduler:
             if phase == "tool":
                 if self.pause_prefetch:  # leave a layer's worth of slots to the tool output's prefill
                     n = min(self.stage_slots(), self.store.host.n_slots - self.profiles.experts)
-                    if expected_s is not None and self.read_gbps:
+                    gbps = self.read_gbps or self._measured_gbps()
+                    if expected_s is not None and gbps:
                         blob = self.store.host.layout.blob_bytes
-                        n = min(n, int(expected_s * self.read_gbps * 1e9 // blob))
+                        n = min(n, int(expected_s * gbps * 1e9 // blob))
                     self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
                 return
             self.stage(phase, self.stage_slots(), reserve=True)  # kept through the phase's onset
+
+    def _measured_gbps(self) -> float | None:
+        """The disk tier's read rate so far (the store's counters), None before any read."""
+        disk = getattr(self.store, "counters", {}).get("disk")
+        return disk.bytes_in / disk.seconds_in / 1e9 if disk is not None and disk.seconds_in > 0 else None
 
     def stage_slots(self) -> int:
         return int(self.store.host.n_slots * self.stage_fraction)
