@@ -170,7 +170,7 @@ def test_policy_keeps_reserved_keys_and_blends_phase_heat() -> None:
     assert policy.victim(resident, lambda k: True) == (0, 3)
     assert policy.victim(resident, lambda k: k != (0, 3)) == (0, 0)  # reserved only goes when nothing else can
     assert all(t.onset_tokens > 0 and 0 < t.reserve_fraction <= 1 for t in TUNING.values())
-    big = [(layer, e) for layer in range(40) for e in range(8)]  # 320 slots: sampled eviction
+    big = [(layer, e) for layer in range(80) for e in range(4)]  # 320 slots: sampled eviction
     policy.reserved = set(big[:300])
     assert policy.victim(big, lambda k: True) in big[300:]
     assert policy.victim(big, lambda k: k == big[5]) == big[5]
