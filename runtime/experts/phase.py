@@ -36,6 +36,8 @@ from freetoken_agent.runtime.experts.phase_profiles import (
 )
 from freetoken_agent.runtime.experts.policies import HeatPolicy
 
+SWITCH_WINDOW = 16
+"""Tokens after a ``plan``/``code`` hint whose expert misses and stall count as the switch's (``PhaseStats``)."""
 AFTER_PAUSE = "plan"
 """The phase a tool pause is followed by (after the tool output is prefilled): the model plans its next step."""
 
@@ -116,12 +118,18 @@ class PhaseStats:
     """Bytes read during tool pauses."""
     tokens: dict[str, int] = field(default_factory=dict)
     """Tokens the engine computed in each phase (prefilled and generated)."""
+    switches: dict[str, int] = field(default_factory=dict)
+    switch_misses: dict[str, int] = field(default_factory=dict)
+    """Host-tier misses in the first ``SWITCH_WINDOW`` tokens after each hint, per phase."""
+    switch_stall_s: dict[str, float] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, object]:
         acc = {p: round(self.used.get(p, 0) / n, 4) for p, n in self.staged.items() if n}
         return {"hints": len(self.hints), "staged": dict(self.staged), "used": dict(self.used),
                 "wasted": dict(self.wasted), "accuracy": acc, "dropped": self.dropped,
-                "pause_bytes": self.pause_bytes, "tokens": dict(self.tokens)}
+                "pause_bytes": self.pause_bytes, "tokens": dict(self.tokens), "switches": dict(self.switches),
+                "switch_misses": dict(self.switch_misses),
+                "switch_stall_s": {p: round(v, 4) for p, v in self.switch_stall_s.items()}}
 
 
 class PhaseScheduler:
@@ -143,6 +151,9 @@ class PhaseScheduler:
         self._reserve_left = TUNING["plan"].reserve_tokens
         self._own_executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._window: tuple[str, int, float] | None = None
+        """An open switch window: (phase, host misses, stall seconds) when it opened."""
+        self._window_left = 0
 
     # ---------------------------------------------------------------- wiring
 
@@ -193,6 +204,9 @@ class PhaseScheduler:
                     self.policy.reserved.clear()  # the switch is over: staged keys compete on their heat now
             if layer == self.profiles.layers[0]:
                 self.stats.tokens[self.phase] = self.stats.tokens.get(self.phase, 0) + tokens
+                if self._window is not None and self._window_left <= 0:
+                    self._close_window()  # before this token's experts: the window's own tokens are all done
+                self._window_left -= tokens
             if self._pending:
                 for e in counts:
                     if self._pending.get((layer, e)) == self.phase:
@@ -208,6 +222,11 @@ class PhaseScheduler:
                 if p == self.phase and p != phase:
                     self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
                     del self._pending[key]
+            self._close_window()
+            if phase != "tool" and hasattr(self.store, "counters"):
+                self._window = (phase, self.store.counters["host"].misses, self.store.stall_s)
+                self._window_left = SWITCH_WINDOW
+                self.stats.switches[phase] = self.stats.switches.get(phase, 0) + 1
             self.phase = phase
             tuning = TUNING.get(phase, TUNING["plan"])
             self._onset_left, self._reserve_left = tuning.onset_tokens, tuning.reserve_tokens
@@ -222,6 +241,15 @@ class PhaseScheduler:
                     self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
                 return
             self.stage(phase, self.stage_slots(), reserve=True)  # kept through the phase's onset
+
+    def _close_window(self) -> None:
+        if self._window is None:
+            return
+        phase, misses, stall = self._window
+        self._window = None
+        st = self.stats
+        st.switch_misses[phase] = st.switch_misses.get(phase, 0) + self.store.counters["host"].misses - misses
+        st.switch_stall_s[phase] = st.switch_stall_s.get(phase, 0.0) + self.store.stall_s - stall
 
     def _measured_gbps(self) -> float | None:
         """The disk tier's read rate so far (the store's counters), None before any read."""
@@ -284,6 +312,8 @@ class PhaseScheduler:
     def close(self) -> None:
         """Fold the open turn and save the profile (when attached with the model's own)."""
         self.drain()
+        with self._lock:
+            self._close_window()
         self.profiles.end_turn()
         if self.save_path is not None:
             self.profiles.save(self.save_path)

@@ -132,7 +132,11 @@ def test_output_is_token_identical_and_the_budget_holds() -> None:
         assert ledger.peak <= ledger.limit
         assert engine.residency.host.n_slots * engine.residency.host.layout.stride <= ledger.limit - DENSE
     assert sum(sched.stats.staged.values()) > 0  # staging really ran (pause prefetch: the replay test)
-    assert sched.snapshot()["accuracy"]  # staged experts were scored against what each phase then used
+    snap = sched.snapshot()
+    assert snap["accuracy"]  # staged experts were scored against what each phase then used
+    assert snap["switches"] == {"plan": 2, "code": 1}  # every plan/code hint opened a switch window
+    assert set(snap["switch_misses"]) == {"plan", "code"}
+    assert 0 <= sum(snap["switch_misses"].values()) <= engine.residency.counters["host"].misses
 
 
 def test_staging_never_evicts_what_the_current_step_holds() -> None:
