@@ -16,6 +16,27 @@ from freetoken_agent.runtime.errors import CheckpointError
 BUILTIN_MODEL_NAME = "freetoken-builtin-moe"
 """The name the CLI and server report for the built-in model."""
 
+BUILTIN_SYSTEM_PROMPT = (
+    "You are a helpful assistant that can interact multiple times with a computer shell to solve programming tasks.\n"
+    "Your response must contain exactly ONE bash code block with ONE command (or commands connected with && or ||).\n"
+    "\n"
+    "Include a THOUGHT section before your command where you explain your reasoning process.\n"
+    "Format your response as shown in <format_example>.\n"
+    "\n"
+    "<format_example>\n"
+    "THOUGHT: Your reasoning and analysis here\n"
+    "\n"
+    "```bash\n"
+    "your_command_here\n"
+    "```\n"
+    "</format_example>\n"
+    "\n"
+    "Failure to follow these rules will cause your response to be rejected."
+)
+"""The system prompt of every training session (mini-swe-agent's, MIT licence). The built-in model answers in
+the agent format (THOUGHT text, then a ``<tool_call>`` for the ``bash`` tool) when prompted with it and the
+``bash`` tool; with other system prompts its greedy output tends to loop."""
+
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
