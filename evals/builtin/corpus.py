@@ -6,10 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
-
-from freetoken_agent.evals.builtin.data import render_session, session_files, split_sessions, stdlib_sources
+from freetoken_agent.evals.builtin.data import (
+    render_session,
+    session_files,
+    split_sessions,
+    stdlib_sources,
+)
 from freetoken_agent.evals.builtin.tokenizer import train_tokenizer
+from tokenizers import Tokenizer
 
 
 @dataclass

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from freetoken_agent.evals.builtin.template import BASH_TOOL, render
 
@@ -55,7 +56,7 @@ def session_messages(path: Path) -> list[dict[str, Any]]:
     """Convert one trajectory file to OpenAI-style messages (system, user, assistant + tool_calls, tool)."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
-        raise ValueError(f"{path}: not a mini-swe-agent trajectory (no 'messages' list)")
+        raise ValueError(f"{path}: not a mini-swe-agent trajectory (no 'messages' list)")  # noqa: TRY004
     out: list[dict[str, Any]] = []
     pending_call: str | None = None
     for raw in data["messages"]:

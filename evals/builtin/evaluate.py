@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from freetoken_agent.evals.builtin.corpus import windows
 
 

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
-
 from freetoken_agent.evals.builtin.template import CHAT_TEMPLATE
 from freetoken_agent.evals.builtin.tokenizer import hf_tokenizer
+from tokenizers import Tokenizer
 
 # Files that make up the shipped folder; anything else in ``out`` (an older export's leftovers) is removed.
 FOLDER_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

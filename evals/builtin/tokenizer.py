@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Iterable
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from collections.abc import Iterable
 
 from freetoken_agent.evals.builtin.template import MARKUP_TOKENS, SPECIAL_TOKENS
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
@@ -33,9 +32,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
 
 def hf_tokenizer(tok: Tokenizer, chat_template: str):  # -> transformers.PreTrainedTokenizerFast
     """Wrap ``tok`` for ``save_pretrained``: EOS ``<|im_end|>``, PAD ``<|endoftext|>``, no BOS, the chat template."""
-    from transformers import PreTrainedTokenizerFast
-
     from freetoken_agent.evals.builtin.template import EOS_TOKEN, PAD_TOKEN
+    from transformers import PreTrainedTokenizerFast
 
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
                                       model_max_length=4096, clean_up_tokenization_spaces=False)

@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
 from freetoken_agent.evals.builtin.corpus import Corpus, build_corpus, sample_batch
 from freetoken_agent.evals.builtin.data import DEFAULT_DATA_DIR
 from freetoken_agent.evals.builtin.evaluate import perplexity
 from freetoken_agent.evals.builtin.export import export_folder
 from freetoken_agent.evals.builtin.model import ModelSize, build_model, describe
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

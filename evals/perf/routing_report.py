@@ -20,15 +20,19 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 
 import torch
-
-from freetoken_agent.evals.builtin.data import DEFAULT_DATA_DIR, phase_spans, render_session, session_files, split_sessions
+from freetoken_agent.evals.builtin.data import (
+    DEFAULT_DATA_DIR,
+    phase_spans,
+    render_session,
+    session_files,
+    split_sessions,
+)
 
 PHASES = ("plan", "code", "tool")
 
@@ -95,9 +99,8 @@ def token_phases(text: str, offsets: list[tuple[int, int]]) -> list[str | None]:
 
 def measure(model_dir: Path, sessions: list[Path], window: int = 512, max_tokens: int | None = None) -> RoutingReport:
     """Run the model over ``sessions`` and aggregate the routing statistics."""
-    from tokenizers import Tokenizer
-
     from freetoken_agent.runtime.engine import Engine
+    from tokenizers import Tokenizer
 
     engine = Engine.from_pretrained(model_dir, dtype="float32")
     moe_layers = [i for i, layer in enumerate(engine.spec.layers) if layer.moe is not None]
@@ -139,20 +142,21 @@ def measure(model_dir: Path, sessions: list[Path], window: int = 512, max_tokens
                 pairs_by[phase] += sum(lab == phase for lab in labels[1:])
     total = {p: counts[p].sum(0) for p in PHASES}  # [L, E]
 
-    def per_layer(fn) -> list[float]:
-        return [round(fn(layer), 5) if layer in moe_layers else None for layer in range(n_layers)]
+    def per_layer(values: list[float]) -> list[float | None]:
+        return [round(v, 5) if layer in moe_layers else None for layer, v in enumerate(values)]
+
+    def divergence(x: torch.Tensor, y: torch.Tensor) -> list[float | None]:  # [L, E] x2 -> [L]
+        return per_layer([jensen_shannon(x[layer], y[layer]) for layer in range(n_layers)])
 
     return RoutingReport(
         model=str(model_dir), sessions=[p.name for p in sessions], layers=n_layers, experts=n_experts, top_k=top_k,
         tokens={p: int(total[p][moe_layers[0]].sum() / top_k) for p in PHASES},
         frequency={p: (total[p] / total[p].sum(-1, keepdim=True).clamp(min=1)).tolist() for p in PHASES},
-        jsd={f"{a}|{b}": per_layer(lambda layer: jensen_shannon(total[a][layer], total[b][layer]))
+        jsd={f"{a}|{b}": divergence(total[a], total[b])
              for a, b in combinations(PHASES, 2) if total[a].sum() and total[b].sum()},
-        noise_floor={p: per_layer(lambda layer: jensen_shannon(counts[p][0, layer], counts[p][1, layer]))
-                     for p in PHASES if counts[p][0].sum() and counts[p][1].sum()},
-        locality=per_layer(lambda layer: float(reuse[layer]) / max(pairs, 1)),
-        locality_by_phase={p: per_layer(lambda layer: float(reuse_by[p][layer]) / max(pairs_by[p], 1))
-                           for p in PHASES if pairs_by[p]},
+        noise_floor={p: divergence(counts[p][0], counts[p][1]) for p in PHASES if counts[p][0].sum() and counts[p][1].sum()},
+        locality=per_layer((reuse / max(pairs, 1)).tolist()),
+        locality_by_phase={p: per_layer((reuse_by[p] / max(pairs_by[p], 1)).tolist()) for p in PHASES if pairs_by[p]},
     )
 
 

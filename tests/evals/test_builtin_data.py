@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
-
-from freetoken_agent.evals.builtin.data import phase_spans, render_session, session_messages, split_sessions
+from freetoken_agent.evals.builtin.data import (
+    phase_spans,
+    render_session,
+    session_messages,
+    split_sessions,
+)
 from freetoken_agent.evals.builtin.template import BASH_TOOL, CHAT_TEMPLATE, render
 
 from .builtin_sessions import write_session
@@ -82,4 +87,4 @@ def test_phase_spans_label_plan_code_and_tool(tmp_path: Path) -> None:
     # the tools block of the system turn (which shows a <tool_call> example) is not labelled
     first_assistant = text.index("<|im_start|>assistant")
     assert all(a >= first_assistant for a, _, _ in spans)
-    assert all(b1 <= a2 for (_, b1, _), (a2, _, _) in zip(spans, spans[1:]))  # no overlaps
+    assert all(b1 <= a2 for (_, b1, _), (a2, _, _) in itertools.pairwise(spans))  # no overlaps

@@ -8,11 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-
 from freetoken_agent.evals.builtin.data import phase_spans, render_session
-from freetoken_agent.evals.perf.routing_report import PHASES, format_report, jensen_shannon, main, measure, token_phases
+from freetoken_agent.evals.perf.routing_report import (
+    PHASES,
+    format_report,
+    jensen_shannon,
+    main,
+    measure,
+    token_phases,
+)
 from freetoken_agent.runtime.builtin import builtin_model_dir
+from tokenizers import Tokenizer
 
 from .builtin_sessions import write_session
 

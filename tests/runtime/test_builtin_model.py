@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from freetoken_agent.evals.builtin.template import BASH_TOOL
 from freetoken_agent.runtime.builtin import BUILTIN_SYSTEM_PROMPT, builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
