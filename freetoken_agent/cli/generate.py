@@ -41,8 +41,23 @@ def _prompt_ids(args: argparse.Namespace, engine: object) -> list[int]:
     text = args.prompt if args.prompt is not None else ("Write a Python function that reverses a string."
                                                         if args.chat else "def fibonacci(n):")
     if args.chat:
-        text = engine.render_chat([{"role": "user", "content": text}])  # type: ignore[attr-defined]
+        messages = [{"role": "user", "content": text}]
+        if _is_builtin(engine):  # the built-in model answers in the agent format with the prompt it was trained on
+            from freetoken_agent.runtime.builtin import BUILTIN_SYSTEM_PROMPT
+
+            messages.insert(0, {"role": "system", "content": BUILTIN_SYSTEM_PROMPT})
+        text = engine.render_chat(messages)  # type: ignore[attr-defined]
     return engine.tokenizer.encode(text, add_special_tokens=not args.chat)  # type: ignore[attr-defined]
+
+
+def _is_builtin(engine: object) -> bool:
+    from freetoken_agent.runtime.builtin import builtin_model_dir
+    from freetoken_agent.runtime.errors import CheckpointError
+
+    try:
+        return getattr(engine, "path", None) == builtin_model_dir()
+    except CheckpointError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
