@@ -75,7 +75,15 @@ def _kernels(args: argparse.Namespace) -> int:
 
 TARGETS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "kernels": ("CPU expert kernels (ours, torch, ggml) on real expert shapes", _kernels_args, _kernels),
+    "suite": ("ours vs llama.cpp and transformers on the same weights (ratios, bandwidth fraction)",
+              lambda p: _suite().add_cli_args(p), lambda a: _suite().cli_run(a)),
 }
+
+
+def _suite():  # type: ignore[no-untyped-def]
+    from freetoken_agent.evals.perf import suite
+
+    return suite
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,8 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         t = targets.add_parser(name, help=help_text)
         add_args(t)
         t.set_defaults(func=fn)
-    p.set_defaults(func=lambda args: _missing_target(p))
+    p.add_argument("--quick", action="store_true", help="with no TARGET: run the suite in its quick form")
+    p.add_argument("--json", action="store_true", help="with no TARGET: print the suite's JSON report")
+    p.set_defaults(func=lambda args: _missing_target(p, args))
 
 
-def _missing_target(p: argparse.ArgumentParser) -> int:
-    raise CLIError(f"choose a target: {', '.join(TARGETS)}")
+def _missing_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.quick:  # ``freetoken bench --quick`` is the suite
+        return _suite().cli_run(args)
+    raise CLIError(f"choose a target: {', '.join(TARGETS)} (or --quick for the suite)")

@@ -4,7 +4,8 @@
                    [--quant q4|q8|none] [--json] [--validate]
 
 Budgets default to this machine (GPU memory from the probe, 90% of available host memory). Rates are measured
-once per machine and thread count (``runtime/execution/capacity_calibrate.py``, about 20 s, cached).
+once per machine and thread count (``runtime/execution/capacity_calibrate.py``, about 20 s, cached);
+``--validate`` calibrates afresh in the same alternating rounds as its own measurement.
 """
 
 from __future__ import annotations
@@ -93,14 +94,16 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         from freetoken_agent.runtime.execution.capacity_validate import validate
 
-        validation = validate(config, args.quant, args.threads, rates=rates)
+        validation = validate(config, args.quant, args.threads)
         out["validate"] = validation
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(capacity.format_plan(plan))
         if validation is not None:
-            from freetoken_agent.runtime.execution.capacity_validate import format_validation
+            from freetoken_agent.runtime.execution.capacity_validate import (
+                format_validation,
+            )
 
             print(format_validation(validation))
     return 0 if plan.fits else 1

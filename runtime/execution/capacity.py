@@ -246,11 +246,11 @@ def format_plan(p: CapacityPlan) -> str:
     """The human-readable plan."""
     s = p.size
     lines = [
-        f"model {p.model}: {s.params / 1e9:.2f}B params, {s.moe_layers} MoE layers x {s.experts_per_layer} experts "
-        f"(top-{s.top_k}), experts at {p.quant}",
-        f"  dense weights {format_bytes(s.dense_bytes)}; one expert {format_bytes(s.expert_bytes)}, all experts "
-        f"{format_bytes(s.expert_bytes * s.experts_total)}; KV {format_bytes(s.kv_bytes(p.context))} "
-        f"for {p.context} tokens",
+        (f"model {p.model}: {s.params / 1e9:.2f}B params, {s.moe_layers} MoE layers x {s.experts_per_layer} experts "
+         f"(top-{s.top_k}), experts at {p.quant}"),
+        (f"  dense weights {format_bytes(s.dense_bytes)}; one expert {format_bytes(s.expert_bytes)}, all experts "
+         f"{format_bytes(s.expert_bytes * s.experts_total)}; KV {format_bytes(s.kv_bytes(p.context))} "
+         f"for {p.context} tokens"),
         "placement:" if p.fits else "placement (DOES NOT FIT):",
     ]
     for t in p.tiers:

@@ -9,6 +9,7 @@ in-engine dense and expert GB/s (the microbenchmark values are kept as ``kernel_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -66,7 +67,6 @@ def time_engines(folders: dict[str, Path], quant: str, threads: int, prompt_len:
     least disturbed, and the fit and the check both want the models' own speed.
     """
     import torch
-
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.kernels import ops
 
@@ -139,7 +139,9 @@ def measure_with_calibration(extra: dict[str, dict[str, Any]], threads: int, qua
                              tokens: int = 16,
                              keep: Path | None = None) -> tuple[Rates, dict[str, tuple[float, float]]]:
     """Calibrate and time the ``extra`` configs in the same alternating rounds: (fitted rates, extra timings)."""
-    from freetoken_agent.runtime.execution.capacity_validate import write_random_checkpoint
+    from freetoken_agent.runtime.execution.capacity_validate import (
+        write_random_checkpoint,
+    )
 
     base = kernel_rates(threads)
     with tempfile.TemporaryDirectory(prefix="ft-calib-") as tmp:
@@ -160,7 +162,6 @@ def measure_with_calibration(extra: dict[str, dict[str, Any]], threads: int, qua
 def kernel_rates(threads: int = 1, seconds: float = 0.5) -> Rates:
     """The microbenchmark rates (before the in-engine fit) at ``threads`` threads."""
     import torch
-
     from freetoken_agent.runtime import hardware
     from freetoken_agent.runtime.execution import microbench
 
@@ -168,12 +169,10 @@ def kernel_rates(threads: int = 1, seconds: float = 0.5) -> Rates:
     torch.set_num_threads(threads)
     try:
         dense, gemm = dense_rates(seconds)
-        try:
+        with contextlib.suppress(Exception):  # C kernels not built: the microbenchmark times the torch fallback
             from freetoken_agent.runtime.kernels import ops
 
             ops.set_threads(threads)
-        except Exception:  # the C kernels did not build: the microbenchmark times the torch fallback  # noqa: BLE001
-            pass
         m1, m16, _kind = microbench.cpu_expert_gbps(hardware.EXPERT_SHAPE, seconds)
     finally:
         torch.set_num_threads(old)

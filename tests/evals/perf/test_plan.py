@@ -6,39 +6,40 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
-
+from freetoken_agent.runtime import hardware
 from freetoken_agent.runtime.execution import capacity
-from freetoken_agent.runtime.execution.capacity_calibrate import TINY, load_or_calibrate
+from freetoken_agent.runtime.execution.capacity_calibrate import TINY
 from freetoken_agent.runtime.execution.capacity_presets import PRESETS
-from freetoken_agent.runtime.execution.capacity_validate import scale_down, validate_many
+from freetoken_agent.runtime.execution.capacity_validate import (
+    scale_down,
+    validate_many,
+)
 
 GiB = 2**30
 
 
+RATES = capacity.Rates(dense_gbps=10.0, gemm_gflops=50.0, expert_gbps_m1=20.0, expert_gbps_m16=2.0, disk_gbps=0.5,
+                       tensor_overhead_s=3e-5, step_overhead_s=1e-4)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A private FREETOKEN_CACHE holding this machine's calibrated rates (measured once for the module)."""
+    """A private FREETOKEN_CACHE whose rates for this machine are fixed numbers (placement tests are exact)."""
     root = tmp_path_factory.mktemp("ftcache")
-    old = os.environ.get("FREETOKEN_CACHE")
-    os.environ["FREETOKEN_CACHE"] = str(root)
-    try:
-        load_or_calibrate(1, "q4")
-    finally:
-        if old is None:
-            os.environ.pop("FREETOKEN_CACHE")
-        else:
-            os.environ["FREETOKEN_CACHE"] = old
+    key = f"{hardware.describe()[0]}|t1|q4"
+    (root / "capacity_rates.json").write_text(json.dumps({key: asdict(RATES)}))
     return root
 
 
 def _plan(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FREETOKEN_CACHE": str(cache)}
     return subprocess.run([sys.executable, "-m", "freetoken_agent.cli", "plan", *args], capture_output=True,
-                          text=True, env=env, timeout=120)  # fmt: skip
+                          check=False, text=True, env=env, timeout=120)  # fmt: skip
 
 
 def test_preset_sizes_match_published_parameter_counts() -> None:
@@ -70,6 +71,11 @@ def test_plan_respects_budgets_and_streams_the_rest(cache: Path) -> None:
     total = p["size"]["experts_total"]
     assert tiers["device"]["expert_slots"] + tiers["host"]["expert_slots"] + p["disk_experts"] == total
     assert p["disk_experts"] > 0 and p["decode"]["bound"] == "experts_disk"
+    assert p["rates"]["disk_gbps"] == 0.5  # the cached rates were used, not re-measured
+    # decode time = sum of bytes / rate terms: the disk term is the disk share of the active experts / 0.5 GB/s
+    size = capacity.model_size(PRESETS["gpt-oss-120b"], "q4", "bfloat16")
+    disk_s = size.active_expert_bytes * p["hit_rates"]["disk"] * (1 / 0.5e9 + 1 / 20e9)
+    assert p["decode"]["terms_s"]["experts_disk"] == pytest.approx(disk_s)
     assert abs(sum(p["hit_rates"].values()) - 1) < 1e-9
     big = json.loads(_plan(cache, "--preset", "gpt-oss-120b", "--device-memory", "8GB", "--host-memory", "200GB",
                            "--dtype", "bfloat16", "--json").stdout)
@@ -91,6 +97,20 @@ def test_plan_reports_what_does_not_fit_and_bad_input(cache: Path, tmp_path: Pat
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "unknown_moe"}))
     unsupported = _plan(cache, "--model", str(tmp_path))
     assert unsupported.returncode == 2 and "unsupported architecture" in unsupported.stderr
+
+
+def test_validate_from_the_command_line(cache: Path, tmp_path: Path) -> None:
+    """``--validate`` on a model folder: a real calibration and measurement, printed next to the prediction."""
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES["mixtral"]))
+    r = subprocess.run([sys.executable, "-m", "freetoken_agent.cli", "plan", "--model", str(tmp_path), "--validate",
+                        "--json"], capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "FREETOKEN_CACHE": str(cache)})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    v = json.loads(r.stdout)["validate"]
+    assert v["scaled"] == [] and v["params"] == capacity.model_size(SHAPES["mixtral"], "none").params
+    for k in ("decode_tok_s", "prefill_tok_s"):
+        assert v["measured"][k] > 0 and v["predicted"][k] > 0
+        assert v["error"][k] == pytest.approx(v["predicted"][k] / v["measured"][k] - 1, abs=0.01)
 
 
 def test_scale_down_keeps_the_kind_of_model() -> None:
