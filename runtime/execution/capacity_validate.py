@@ -19,10 +19,9 @@ from freetoken_agent.runtime.execution import capacity
 def write_random_checkpoint(config: dict[str, Any], folder: Path, seed: int = 0) -> Path:
     """A float32 safetensors folder with random weights of ``config``'s shape (no tokenizer)."""
     import torch
-    from safetensors.torch import save_file
-
     from freetoken_agent.runtime.model.adapters import spec_from_config
     from freetoken_agent.runtime.model.weights import expected_tensors
+    from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -93,7 +92,9 @@ def validate(config: dict[str, Any], quant: str = "q4", threads: int = 1, prompt
 def validate_many(configs: dict[str, dict[str, Any]], quant: str = "q4", threads: int = 1, prompt_len: int = 64,
                   tokens: int = 16, max_params: int = 150_000_000, rounds: int = 5) -> dict[str, dict[str, Any]]:
     """``validate`` for several configs, measured together with one calibration."""
-    from freetoken_agent.runtime.execution.capacity_calibrate import measure_with_calibration
+    from freetoken_agent.runtime.execution.capacity_calibrate import (
+        measure_with_calibration,
+    )
 
     scaled = {name: scale_down(cfg, max_params) for name, cfg in configs.items()}
     extra = {n: c for n, (c, _) in scaled.items()}
