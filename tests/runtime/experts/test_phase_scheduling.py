@@ -212,3 +212,16 @@ def test_tool_duration_model_and_segments() -> None:
                                                 ("pause", "tool"), ("pause", None), ("prefill", "plan"),
                                                 ("decode", None)]
     assert segs[3].pause_s == 2.5 and segs[5].turn_start
+
+
+def test_live_benchmark_runs_the_engine_with_each_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    from freetoken_agent.evals.builtin.data import DEFAULT_DATA_DIR
+    from freetoken_agent.evals.perf import phase_live
+
+    if not DEFAULT_DATA_DIR.is_dir():
+        pytest.skip(f"no trajectories at {DEFAULT_DATA_DIR}")
+    assert phase_live.main(["--max-sessions", "1", "--max-tokens", "1800", "--warm-sessions", "0", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["policy"], r["lookahead"]) for r in rows] == list(phase_live.ROWS)
+    assert all(r["windows"] > 0 and r["hits"] + r["misses"] > 0 for r in rows)
+    assert all(r["switch_misses"] == r["plan"] + r["code"] for r in rows)
