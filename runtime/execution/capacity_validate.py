@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.execution import capacity
 
 
@@ -38,6 +39,7 @@ def write_random_checkpoint(config: dict[str, Any], folder: Path, seed: int = 0)
     return folder
 
 
+_UNWRITABLE = ("gpt_oss",)
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _WIDTH_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
@@ -69,6 +71,7 @@ def scale_down(config: dict[str, Any], max_params: int) -> tuple[dict[str, Any],
             c[key] = 16
             if c.get("n_group", 1) > 1:
                 c["n_group"], c["topk_group"] = 1, 1
+    hidden = c["hidden_size"]
     while params() > max_params and c["hidden_size"] > 128:
         for key in _WIDTH_KEYS:
             if c.get(key):
@@ -76,7 +79,8 @@ def scale_down(config: dict[str, Any], max_params: int) -> tuple[dict[str, Any],
         heads = int(c["num_attention_heads"])
         if c.get("head_dim") is None and c["hidden_size"] // heads < 16:
             c["num_attention_heads"] = max(1, heads // 2)
-        changes.append(f"widths halved (hidden {c['hidden_size']})")
+    if c["hidden_size"] != hidden:
+        changes.append(f"widths / {hidden // c['hidden_size']} (hidden {hidden} -> {c['hidden_size']})")
     return c, changes
 
 
@@ -96,6 +100,10 @@ def validate_many(configs: dict[str, dict[str, Any]], quant: str = "q4", threads
         measure_with_calibration,
     )
 
+    for name, cfg in configs.items():
+        if cfg.get("model_type") in _UNWRITABLE:
+            raise FreeTokenError(f"--validate cannot build a random {cfg['model_type']} checkpoint yet (fused expert "
+                                 f"layout); the plan itself does not need one")
     scaled = {name: scale_down(cfg, max_params) for name, cfg in configs.items()}
     extra = {n: c for n, (c, _) in scaled.items()}
     rates, timings = measure_with_calibration(extra, threads, quant, rounds, tokens)

@@ -89,6 +89,8 @@ def test_plan_reports_what_does_not_fit_and_bad_input(cache: Path, tmp_path: Pat
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout and "exceed the host budget" in r.stdout
     bad = _plan(cache, "--preset", "nope")
     assert bad.returncode == 2 and "no model preset 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    oss = _plan(cache, "--preset", "gpt-oss-20b", "--validate")
+    assert oss.returncode == 2 and "cannot build a random gpt_oss checkpoint" in oss.stderr
     missing = _plan(cache, "--model", str(tmp_path))
     assert missing.returncode == 2 and "no config.json" in missing.stderr
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 3}))
@@ -116,6 +118,7 @@ def test_validate_from_the_command_line(cache: Path, tmp_path: Path) -> None:
 def test_scale_down_keeps_the_kind_of_model() -> None:
     scaled, changes = scale_down(PRESETS["deepseek-v3"], 150_000_000)
     assert changes and capacity.model_size(scaled, "none").params <= 150_000_000
+    assert "layers 61 -> 5" in changes and "experts 256 -> 16" in changes
     assert scaled["model_type"] == "deepseek_v3" and scaled["first_k_dense_replace"] == 1
     same, none = scale_down(TINY | {"num_hidden_layers": 2}, 150_000_000)
     assert none == [] and same["hidden_size"] == 64
