@@ -80,6 +80,11 @@ class Rates:
     """Fixed time per distinct routed expert a prefill chunk touches (per MoE layer)."""
     device_gbps: float | None = None
     """Device memory bandwidth (assumed when no GPU was measured)."""
+    decode_scale: float = 1.0
+    """Measured ÷ predicted decode time of a mid-size calibration model: what the byte and overhead terms miss
+    (small and medium matrices run slower per byte than the large ones the rates come from); multiplies every
+    decode term."""
+    prefill_scale: float = 1.0
     kernel_dense_gbps: float | None = None
     """The microbenchmark's rates, before the in-engine fit replaced ``dense_gbps`` / ``expert_gbps_m1``."""
     kernel_expert_gbps_m1: float | None = None
@@ -236,8 +241,8 @@ def plan(size: ModelSize, rates: Rates, device: int | None, host: int | None, co
     }
     if disk:
         notes.append(f"{disk} of {size.experts_total} experts stream from disk ({format_bytes(disk * size.expert_bytes)})")
-    decode = {k: v for k, v in decode.items() if v > 0}
-    prefill = {k: v for k, v in prefill.items() if v > 0}
+    decode = {k: v * rates.decode_scale for k, v in decode.items() if v > 0}
+    prefill = {k: v * rates.prefill_scale for k, v in prefill.items() if v > 0}
     tiers = ([dev] if dev else []) + [hst]
     return CapacityPlan(model, quant, context, fits, size, tiers, disk, hits, decode, prefill, rates, notes)
 

@@ -97,10 +97,14 @@ CALIBRATION: dict[str, dict[str, Any]] = {
               "mlp_only_layers": [0, 1]},
     "experts": {**TINY, "num_hidden_layers": 2, "hidden_size": 1024, "head_dim": 64, "num_experts": 16,
                 "num_experts_per_tok": 4, "moe_intermediate_size": 1024},
+    "medium": {**TINY, "num_hidden_layers": 3, "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024,
+               "num_attention_heads": 8, "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 512},
 }  # fmt: skip
 """The calibration models: tiny ones (hidden 64) give the per-tensor, per-step and per-expert overheads (2 vs 6
 layers, top-1 vs top-4, 4 vs 16 experts for prefill); ``experts`` (large experts) gives the in-engine expert rates and ``dense`` (two large dense
-MLP layers) the dense GEMV / GEMM rates, each as bytes ÷ (time − every other predicted term)."""
+MLP layers) the dense GEMV / GEMM rates, each as bytes ÷ (time − every other predicted term); ``medium`` (a mid-size
+model) gives the residual scale between that sum and a measured time (``Rates.decode_scale``/``prefill_scale``)."""
 
 
 def fit(rates: Rates, t: dict[str, tuple[float, float]], quant: str, prompt: int = 64) -> Rates:
@@ -132,6 +136,11 @@ def fit(rates: Rates, t: dict[str, tuple[float, float]], quant: str, prompt: int
     rates.gemm_gflops = 2 * (size.dense_params_read - size.head_params) / secs / 1e9
     secs, size = residual("experts", "experts_host", 1)
     rates.expert_gbps_m16 = size.active_expert_bytes / secs / 16 / 1e9
+    size = capacity.model_size(CALIBRATION["medium"], quant)
+    dec = capacity.plan(size, rates, None, None, prompt + 16, quant=quant)
+    pre = capacity.plan(size, rates, None, None, prompt, quant=quant, prefill_chunk=prompt)
+    rates.decode_scale = t["medium"][0] * dec.decode_tok_s
+    rates.prefill_scale = t["medium"][1] * pre.prefill_tok_s
     return rates
 
 
