@@ -199,22 +199,28 @@ def calibrate(threads: int = 1, quant: str = "q4") -> Rates:
     return measure_with_calibration({}, threads, quant)[0]
 
 
-def load_or_calibrate(threads: int = 1, quant: str = "q4", refresh: bool = False) -> Rates:
-    """The cached rates of this machine for ``threads``/``quant``, measuring them (about 20 s) when missing."""
+VERSION = 2
+"""Bumped when the calibration changes meaning (cached rates of older versions are measured again)."""
+
+
+def cache_key(threads: int, quant: str) -> str:
+    """This machine's key in the rates cache."""
     from freetoken_agent.runtime import hardware
 
-    fp = hardware.describe()[0]
-    key = f"{fp}|t{threads}|{quant}"
+    return f"{hardware.describe()[0]}|t{threads}|{quant}|v{VERSION}"
+
+
+def load_or_calibrate(threads: int = 1, quant: str = "q4", refresh: bool = False) -> Rates:
+    """The cached rates of this machine for ``threads``/``quant``, measuring them (about 20 s) when missing."""
+    key = cache_key(threads, quant)
     path = _cache_file()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
     if not refresh and isinstance(cached.get(key), dict):
-        try:
+        with contextlib.suppress(TypeError):
             return Rates(**cached[key])
-        except TypeError:
-            pass
     rates = calibrate(threads, quant)
     cached[key] = asdict(rates)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from freetoken_agent.runtime import hardware
 from freetoken_agent.runtime.execution import capacity
-from freetoken_agent.runtime.execution.capacity_calibrate import TINY
+from freetoken_agent.runtime.execution.capacity_calibrate import TINY, cache_key
 from freetoken_agent.runtime.execution.capacity_presets import PRESETS
 from freetoken_agent.runtime.execution.capacity_validate import (
     scale_down,
@@ -31,7 +30,7 @@ RATES = capacity.Rates(dense_gbps=10.0, gemm_gflops=50.0, expert_gbps_m1=20.0, e
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A private FREETOKEN_CACHE whose rates for this machine are fixed numbers (placement tests are exact)."""
     root = tmp_path_factory.mktemp("ftcache")
-    key = f"{hardware.describe()[0]}|t1|q4"
+    key = cache_key(1, "q4")
     (root / "capacity_rates.json").write_text(json.dumps({key: asdict(RATES)}))
     return root
 
