@@ -58,14 +58,18 @@ def agent_turns(engine: Engine, scheduler: PhaseScheduler | None) -> list[int]:
 
 
 def test_hints_reach_the_engine_in_order_with_code_mid_stream(tmp_path: Path) -> None:
+    from freetoken_agent import LocalEngine
+
     engine = budgeted()
     sched = PhaseScheduler.attach(engine)
+    local = LocalEngine(engine)
+    local._session("run")  # the engine session a LocalEngine keeps per agent run
     streamed: list[int] = [0]
 
-    class Forwarding(ScriptedBackend):  # the scripted model text; the hints go to the real engine
+    class Forwarding(ScriptedBackend):  # the scripted model text; hints go LocalEngine → Session → Engine
         def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
             super().hint(phase, expected_s, session)
-            engine.hint(phase, expected_s)
+            local.hint(phase, expected_s, session="run")
             sched.stats.tokens[f"streamed@{phase.value}"] = streamed[0]
 
         async def stream_text(self, request: Any) -> Any:
@@ -84,6 +88,7 @@ def test_hints_reach_the_engine_in_order_with_code_mid_stream(tmp_path: Path) ->
     assert [e.phase for e in events if isinstance(e, PhaseChanged)] == [Phase.PLAN, Phase.CODE, Phase.TOOL, Phase.PLAN]
     assert [p for p, _ in sched.stats.hints] == ["plan", "code", "tool", "plan"]
     assert engine.stats()["phase_hints"] == {"plan": 2, "code": 1, "tool": 1}
+    assert len(local.pause_decisions) == 1  # the tool hint paused the engine session (keep / offload / drop)
     # the code hint came while the first reply was still streaming: after its plan text, before it ended
     assert 0 < sched.stats.tokens["streamed@code"] < sched.stats.tokens["streamed@tool"]
 
