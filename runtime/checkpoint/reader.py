@@ -139,8 +139,12 @@ class CheckpointReader:
         """Read ``tensor[index]`` of a stacked tensor without reading the rest (one expert of a fused tensor)."""
         return self._handle(name).get_slice(name)[index]
 
+    def _info(self, name: str) -> TensorInfo:
+        """Where ``name`` is stored (subclasses may also know tensors they hide from ``infos``)."""
+        return self.infos[name]
+
     def _handle(self, name: str) -> Any:
-        info = self.infos[name]
+        info = self._info(name)
         handle = self._handles.get(info.file)
         if handle is None:
             try:

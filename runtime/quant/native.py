@@ -20,10 +20,7 @@ from typing import Any
 
 import torch
 
-from safetensors import safe_open
-
 from ..checkpoint.reader import CheckpointReader, TensorInfo
-from ..errors import CorruptCheckpointError
 from .fp8 import DEFAULT_BLOCK, dequantize_fp8_block
 from .mxfp4 import dequantize_mxfp4
 
@@ -73,18 +70,9 @@ class NativeQuantReader(CheckpointReader):
     def _raw(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
 
-    def _handle(self, name: str) -> Any:
-        # like CheckpointReader._handle, but also finds the hidden source tensors (scales, blocks)
-        info = self._all[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            try:
-                handle = safe_open(str(info.file), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for corrupt files
-                raise CorruptCheckpointError(f"{info.file}: {exc}") from None
-            self._handles[info.file] = handle
-        self.used.add(name)
-        return handle
+    def _info(self, name: str) -> TensorInfo:
+        # also finds the hidden source tensors (scales, blocks) of decoded FP8 / MXFP4 weights
+        return self._all[name]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._fp8:
