@@ -6,8 +6,7 @@ touches no GPU, disk or network.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from freetoken_agent.runtime.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -30,12 +29,4 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'freetoken_agent' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports('freetoken_agent', _LAZY, globals())

@@ -9,8 +9,7 @@ Public names resolve lazily, so importing this package loads no torch code.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from freetoken_agent.runtime.lazy import lazy_exports
 
 _LAZY = {
     "Engine": "freetoken_agent.runtime.engine",
@@ -20,12 +19,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'freetoken_agent.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports('freetoken_agent.runtime', _LAZY, globals())

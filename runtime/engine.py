@@ -306,7 +306,7 @@ class Engine:
             pieces.append(ev.text)
             reason = ev.finish_reason or reason
         return GenerationResult(
-            out_ids, "".join(pieces), reason, len(self._check_ids(token_ids)),
+            out_ids, "".join(pieces), reason, torch.as_tensor(token_ids).numel(),
             self._stats.prefill_s - before[0], self._stats.decode_s - before[1],
         )
 
