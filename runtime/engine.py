@@ -395,6 +395,9 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s = self._stats
+        sched = getattr(self, "phase_scheduler", None)  # runtime.experts.phase.PhaseScheduler, when attached
+        phase = {"current": s.phase, **(sched.snapshot() if sched is not None else {}), "scheduler": sched is not None,
+                 "ttft_s": [round(t, 5) for t in self._kv.stats.ttft_s[-64:]] if self._kv is not None else []}
         return {
             "model_type": self.spec.model_type,
             "threads": self.threads,
@@ -406,7 +409,7 @@ class Engine:
             "decode_s": round(s.decode_s, 4),
             "prefill_tok_s": round(s.prompt_tokens / s.prefill_s, 2) if s.prefill_s else None,
             "decode_tok_s": round(s.generated_tokens / s.decode_s, 2) if s.decode_s else None,
-            "phase": s.phase,
+            "phase": phase,
             "phase_hints": dict(s.phase_hints),
             "kv": self._kv.snapshot() if self._kv is not None else None,
             "residency": self.residency.stats() if self.residency is not None else None,
