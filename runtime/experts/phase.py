@@ -182,7 +182,14 @@ class PhaseScheduler:
             store.host.policy = sched.policy
         engine.decoder.routing_observers.append(sched.observe_routing)
         engine.phase_listeners.append(sched.on_hint)
+        engine.phase_scheduler = sched  # ``Engine.stats()["phase"]`` reports its snapshot
         return sched
+
+    @staticmethod
+    def of(engine: Any) -> PhaseScheduler | None:
+        """The scheduler attached to ``engine`` (None when there is none)."""
+        sched = getattr(engine, "phase_scheduler", None)
+        return sched if isinstance(sched, PhaseScheduler) else None
 
     # ---------------------------------------------------------------- events
 
@@ -309,16 +316,24 @@ class PhaseScheduler:
         """Wait for staged reads (tests, shutdown)."""
         self._executor().submit(lambda: None).result()
 
+    def save(self) -> None:
+        """Fold the open turn into the profile and save it (when attached with the model's own); the scheduler
+        keeps running (``LocalEngine`` calls this at the end of each agent run, so the next process starts warm)."""
+        with self._lock:
+            self.profiles.end_turn()
+        if self.save_path is not None:
+            self.profiles.save(self.save_path)
+
     def close(self) -> None:
-        """Fold the open turn and save the profile (when attached with the model's own)."""
+        """Fold the open turn, save the profile, stop the staging thread."""
         self.drain()
         with self._lock:
             self._close_window()
-        self.profiles.end_turn()
-        if self.save_path is not None:
-            self.profiles.save(self.save_path)
+        self.save()
         if self._own_executor is not None:
             self._own_executor.shutdown(wait=True)
 
     def snapshot(self) -> dict[str, object]:
-        return {"phase": self.phase, **self.stats.snapshot(), "profile_turns": dict(self.profiles.turns)}
+        """What ``Engine.stats()["phase"]`` shows: the scheduler's counters (see ``PhaseStats``) and how many
+        turns of each phase the profile has folded."""
+        return {"current": self.phase, **self.stats.snapshot(), "profile_turns": dict(self.profiles.turns)}
