@@ -31,7 +31,7 @@ from freetoken_agent.events import (
     AgentEvent, InvalidOutput, PhaseChanged, RunFinished, RunStarted, StepFinished, TextDelta, ToolCallFinished,
     ToolCallStarted, Usage, event_record,
 )
-from freetoken_agent.phases import Phase
+from freetoken_agent.phases import Phase, PromptStaging
 from freetoken_agent.result import RunResult
 from freetoken_agent.trajectory import TrajectoryWriter
 
@@ -257,6 +257,10 @@ class AgentRun:
         for call in calls:
             tool = self.registry.get(call.name) if call.name in self.registry else None
             expected = tool.expected_s if tool is not None else None
+            backend = self.agent.backend
+            if isinstance(backend, PromptStaging):  # KV pre-staging: the result's framing is warmed while it runs
+                result_slot = {"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": ""}
+                backend.expect_prompt(self.run_id, [*self.messages, result_slot], self.schemas)
             event = self._set_phase(Phase.TOOL, expected, always_hint=True)
             if event:
                 yield event

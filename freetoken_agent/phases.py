@@ -6,6 +6,22 @@ explicitly and tells the backend before each switch, so a local engine can stage
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 from freetoken_agent.runtime.phase import Phase
 
-__all__ = ["Phase"]
+__all__ = ["Phase", "PromptStaging"]
+
+
+@runtime_checkable
+class PromptStaging(Protocol):
+    """A backend that can warm the known start of a conversation's next prompt while a tool runs (KV pre-staging).
+
+    Before each tool call the agent loop passes the conversation as the next prompt will render it, the running
+    tool's message last (its content not known yet); ``LocalEngine`` warms the tokens before that content during
+    the tool pause.
+    """
+
+    def expect_prompt(self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        """Conversation ``session``'s next prompt renders ``messages``; the last one's content is still unknown."""
+        ...

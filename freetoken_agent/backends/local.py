@@ -8,11 +8,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.to_thread
 
 from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import detect_format
 from freetoken_agent.events import Usage
 from freetoken_agent.phases import Phase
+
+MARK = "\u2063freetoken-prestage\u2063"
+"""Stands in for content not known yet when rendering the start of a future prompt (``expect_prompt``)."""
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -42,9 +46,15 @@ class LocalEngine(TextBackend):
     the template reveals (or ``tool_format``). Each conversation (``request.session``, the agent's run id) gets an
     engine session, so a turn prefills only what its cached prefix does not cover; phase hints go to that session
     (a ``tool`` hint lets it keep, offload or drop its KV while the tool runs). Generations run one at a time.
+
+    Phase scheduling: with ``phase_scheduling`` None (default) a ``PhaseScheduler`` is attached when the engine was
+    loaded under a memory budget with the ``phase`` residency policy (True: whenever it has a budget; False: never).
+    Its counters are ``stats()["phase"]``; its routing profile is saved at the end of each agent run. While a tool
+    runs, the start of the next prompt (``expect_prompt``: the conversation and the tool-result framing) and the
+    prompts of ``register_prompt`` are warmed in the engine's prefix cache.
     """
 
-    def __init__(self, engine: Any, tool_format: str | None = None) -> None:
+    def __init__(self, engine: Any, tool_format: str | None = None, phase_scheduling: bool | None = None) -> None:
         self.engine = engine
         config = {"model_type": getattr(getattr(engine, "spec", None), "model_type", "")}
         self.tool_format = tool_format or detect_format(engine.chat_template, config)
@@ -52,16 +62,19 @@ class LocalEngine(TextBackend):
         self._sessions: dict[str, Any] = {}
         self._lock = anyio.Lock()
         self.pause_decisions: list[str] = []  # what the engine chose at each tool pause (keep/offload/drop)
+        self.scheduler = attach_scheduler(engine, phase_scheduling)
+        """The engine's ``PhaseScheduler`` (None on an engine without one)."""
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
-                        tool_format: str | None = None, **engine_kwargs: Any) -> LocalEngine:
+                        tool_format: str | None = None, phase_scheduling: bool | None = None,
+                        **engine_kwargs: Any) -> LocalEngine:
         """Load a Hugging Face model folder with the runtime engine (``engine_kwargs``: e.g. ``budget``,
         ``residency``, ``quant``, ``threads`` for ``Engine.from_pretrained``)."""
         from freetoken_agent.runtime.engine import Engine
 
         engine = Engine.from_pretrained(path, device=device, dtype=dtype, require_tokenizer=True, **engine_kwargs)
-        return cls(engine, tool_format)
+        return cls(engine, tool_format, phase_scheduling)
 
     def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
         engine_session = self._sessions.get(session) if session is not None else None
@@ -76,6 +89,34 @@ class LocalEngine(TextBackend):
         engine_session = self._sessions.pop(session, None)
         if engine_session is not None:
             engine_session.close()
+        if self.scheduler is not None:
+            self.scheduler.save()  # the next run (or process) starts from this run's routing profile
+
+    def expect_prompt(self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        """Conversation ``session``'s next prompt renders ``messages``, whose last content is not known yet (a
+        running tool's output): the tokens before it are warmed in the prefix cache at the next tool pause."""
+        engine_session = self._sessions.get(session)
+        if engine_session is None or not messages:
+            return
+        ids = self.prefix_ids([*messages[:-1], {**messages[-1], "content": MARK}], tools)
+        if ids:
+            engine_session.expect(ids)
+
+    def register_prompt(self, phase: Phase, system: str, tools: list[dict[str, Any]] | None = None) -> int:
+        """A prompt that ``phase``'s conversations start with (a sub-agent's system prompt and tool schemas): kept
+        warm in the prefix cache, recomputed during tool pauses if evicted. Returns the tokens registered."""
+        ids = self.prefix_ids([{"role": "system", "content": system}, {"role": "user", "content": MARK}], tools)
+        if ids:
+            self.engine.kv_manager().prestage.register(Phase(phase).value, ids)
+        return len(ids)
+
+    def prefix_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Token ids of the rendered ``messages`` up to ``MARK`` (empty when the template drops it)."""
+        text = self.engine.render_chat(template_messages(messages), tools or None, add_generation_prompt=False)
+        cut = text.find(MARK)
+        if cut <= 0:
+            return []
+        return self.engine.tokenizer.encode(text[:cut])[:-1]  # the last token may merge with what follows
 
     def _session(self, key: str | None) -> Any:
         if key is None:
@@ -113,6 +154,8 @@ class LocalEngine(TextBackend):
     async def _stream(self, ids: list[int], key: str | None, sampling: dict[str, Any]) -> AsyncIterator[Any]:
         """Token texts (end-of-sequence text removed), then the finish reason."""
         session = self._session(key)
+        if session is None and self.engine._kv is not None:  # sessions wait for a running prefix warm themselves
+            await anyio.to_thread.run_sync(self.engine._kv.prestage.wait)
         events = session.stream(ids, **sampling) if session is not None else self.engine.stream(ids, **sampling)
         finish = "length"
         async for event in events:
@@ -123,3 +166,17 @@ class LocalEngine(TextBackend):
             yield TextChunk(text)
             finish = event.finish_reason or finish
         yield finish
+
+
+def attach_scheduler(engine: Any, enabled: bool | None) -> Any:
+    """The engine's ``PhaseScheduler``: the one already attached, else a new one when ``enabled`` (None: when the
+    engine's residency policy is ``phase``); None otherwise. ``enabled=True`` without a budget is a one-line error."""
+    from freetoken_agent.runtime.experts.phase import PhaseScheduler
+
+    existing = PhaseScheduler.of(engine)
+    if existing is not None or enabled is False:
+        return existing
+    store = getattr(engine, "residency", None)
+    if enabled is None and (store is None or getattr(store.host.policy, "name", None) != "phase"):
+        return None
+    return PhaseScheduler.attach(engine)

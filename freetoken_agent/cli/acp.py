@@ -111,9 +111,9 @@ def _backend_factory(args: argparse.Namespace) -> Any:
             import torch
 
             torch.set_num_threads(args.threads)
-        from freetoken_agent.cli.budget import engine_kwargs
+        from freetoken_agent.cli.run import agent_engine_kwargs
         backend = LocalEngine.from_pretrained(resolve_model(name), device=args.device, dtype=args.dtype,
-                                               **engine_kwargs(args))
+                                               **agent_engine_kwargs(args))
         return backend, int(getattr(backend.engine.spec, "max_position", 0) or 0)
 
     return load

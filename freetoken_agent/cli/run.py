@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,6 +58,17 @@ def _threads(count: int | None) -> None:
         torch.set_num_threads(count)
 
 
+def agent_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``engine_kwargs`` for the agent commands (``run``, ``acp``): under a memory budget the residency policy
+    defaults to ``phase``, so the agent's phase hints drive expert staging (``LocalEngine`` attaches the
+    ``PhaseScheduler``); ``--residency-policy lru``/``heat`` still choose a phase-agnostic one."""
+    from freetoken_agent.cli.budget import engine_kwargs
+
+    if getattr(args, "residency_policy", None) is None and (args.device_memory or args.host_memory):
+        args.residency_policy = "phase"
+    return engine_kwargs(args)
+
+
 def run(args: argparse.Namespace) -> int:
     import anyio
     from rich.console import Console
@@ -75,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
         _threads(args.threads)
         folder = resolve_model(args.model)
         with console.status(f"loading {folder.name}"):
-            from freetoken_agent.cli.budget import engine_kwargs
-            backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype, **engine_kwargs(args))
+            backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype,
+                                                  **agent_engine_kwargs(args))
     else:
         from freetoken_agent.backends.openai_compat import OpenAICompatible
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from freetoken_agent.runtime.kv.paged import PagedKVCache
 from freetoken_agent.runtime.kv.pool import OutOfPages, PagePool
+from freetoken_agent.runtime.kv.prestage import PrefixStager, Warmed
 from freetoken_agent.runtime.kv.radix import Node, RadixCache
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class KVManager:
             if config.host_pages else None
         self.radix = RadixCache(self.pool)
         self.stats = KVStats()
+        self.prestage = PrefixStager(self)
+        """KV pre-staging: prompt prefixes warmed into the radix tree during tool pauses."""
         self.sessions: dict[int, Session] = {}
         self._next_id = 0
 
@@ -147,6 +150,44 @@ class KVManager:
         self.pool.grow(max(0, e.reservation.nbytes // e.bytes_per_page - self.pool.active))
         return taken
 
+    def warm(self, engine: Engine, tokens: list[int]) -> Warmed:
+        """Compute the KV of ``tokens``' full pages into the radix tree, only what it does not hold already.
+
+        The pages belong to the tree alone (unpinned, evictable LRU); no session is touched. Pages come from the
+        free list or by evicting unpinned radix leaves, never by growing an elastic pool (that would take expert
+        slots away while the phase scheduler stages them). Raises ``OutOfPages`` when neither has one.
+        """
+        import torch
+        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+
+        ps = self.pool.page_size
+        tokens = [int(t) for t in tokens[: len(tokens) // ps * ps]]
+        if not tokens:
+            return Warmed(0, 0)
+        engine._check_ids(tokens)
+        match = self.radix.match_prefix(tokens)
+        if match.length == len(tokens):
+            return Warmed(match.length, 0)
+        cache = PagedKVCache(self.pool, self._alloc_cached)
+        cache.adopt(match.pages, match.length)  # our references keep these pages through evictions below
+        ids = torch.tensor(tokens)
+        try:
+            for i in range(match.length, len(tokens), PREFILL_CHUNK):
+                engine.decoder.forward(ids[i : i + PREFILL_CHUNK], cache)
+            self.radix.insert(tokens, cache.pages)
+        finally:
+            cache.release()
+        return Warmed(match.length, len(tokens) - match.length)
+
+    def _alloc_cached(self) -> int:
+        """A free page, evicting unpinned radix leaves if needed; never grows the pool."""
+        while True:
+            try:
+                return self.pool.alloc()
+            except OutOfPages:
+                if self.radix.evict(1) == 0:
+                    raise
+
     def new_session(self, engine: Engine) -> Session:
         self._next_id += 1
         session = Session(engine, self, self._next_id)
@@ -189,6 +230,7 @@ class KVManager:
             "drops": s.drops,
             "background_prefill_tokens": s.background_prefill_tokens,
             "background_prefill_s": round(s.background_prefill_s, 4),
+            "prestage": self.prestage.stats.snapshot(),
             "ttft_s": [round(t, 5) for t in s.ttft_s[-64:]],
         }
 
@@ -218,6 +260,7 @@ class Session:
         With ``keep_one`` at least one prompt token is left unfed (its logits start the reply).
         """
         stats = self.manager.stats
+        self.manager.prestage.wait()  # a warm running on the pool's pages finishes first
         self.resume()
         if self.stateful:
             return self._prepare_stateful(prompt, keep_one)
@@ -263,7 +306,6 @@ class Session:
         many tokens were fed now.
         """
         import torch
-
         from freetoken_agent.runtime.engine import PREFILL_CHUNK
 
         prefix = [int(t) for t in prefix]
@@ -334,7 +376,6 @@ class Session:
     def prefill_logits(self, prompt: list[int]) -> tuple[int, Any]:
         """Verification path: align with ``prompt`` and prefill the rest; returns (reused, logits [T_new, V])."""
         import torch
-
         from freetoken_agent.runtime.engine import PREFILL_CHUNK
 
         prompt = [int(t) for t in prompt]
@@ -379,12 +420,25 @@ class Session:
     # ------------------------------------------------------------------------------------------------ pauses
 
     def hint(self, phase: Phase | str, expected_s: float | None = None) -> str:
-        """Phase hint from the agent. A ``tool`` phase pauses the session (see ``pause``); returns the decision."""
+        """Phase hint from the agent; returns the KV decision.
+
+        A ``tool`` phase pauses the session (see ``pause``), then the idle engine warms the expected start of the
+        next prompt (``expect``) and the registered per-phase prompts in the prefix cache (``prestage``: only free
+        or evictable pages, so whatever the session's KV decision was, no memory is taken from anyone).
+        """
         self.engine.hint(phase, expected_s)
         if str(getattr(phase, "value", phase)) == "tool":
-            return self.pause(expected_s)
+            decision = self.pause(expected_s)
+            self.manager.prestage.start(self.engine)
+            return decision
         self.resume()  # the tool is done: bring offloaded KV back before the next turn asks for it
         return "keep"
+
+    def expect(self, tokens: list[int]) -> None:
+        """This session's next prompt starts with ``tokens`` (e.g. the conversation plus the tool-result framing
+        the chat template puts before a tool's output): warmed into the prefix cache at the next tool pause."""
+        self.manager.prestage.expect(self, tokens)
+
 
     def pause(self, expected_s: float | None) -> str:
         """A tool runs for about ``expected_s`` seconds: keep, offload to host, or drop this session's KV."""
@@ -401,6 +455,7 @@ class Session:
         assert host is not None
         if self._offloaded is not None:
             return
+        self.manager.prestage.wait()
         pages = []
         for page in self.cache.pages:
             dst = host.alloc()
@@ -420,6 +475,7 @@ class Session:
         """Bring offloaded KV back to the device tier (no-op if nothing is offloaded)."""
         if self._offloaded is None:
             return
+        self.manager.prestage.wait()
         host, pool = self.manager.host, self.manager.pool
         assert host is not None
         pages = []
@@ -434,6 +490,7 @@ class Session:
 
     def drop(self) -> None:
         """Release this session's KV; its published pages stay in the radix tree until evicted."""
+        self.manager.prestage.wait()
         if self._offloaded is not None:
             for page in self._offloaded:
                 self.manager.host.decref(page)  # type: ignore[union-attr]

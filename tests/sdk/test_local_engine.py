@@ -66,7 +66,8 @@ def test_agent_on_a_random_model_ends_within_its_limits(backend: LocalEngine, tm
     assert result.stop_reason in ("done", "max_steps")
     assert 1 <= result.steps <= 2 and 0 < result.usage.completion_tokens <= 32
     stats = result.engine_stats
-    assert stats["requests"] >= 1 and stats["phase_hints"]["plan"] >= 1 and stats["phase"]["current"] in {p.value for p in Phase}
+    assert stats["requests"] >= 1 and stats["phase_hints"]["plan"] >= 1
+    assert stats["phase"]["current"] in {p.value for p in Phase}
     if result.steps == 2:  # the second call prefilled only what the first left uncovered
         assert stats["reused_tokens"] - reused_before >= result.usage.prompt_tokens // 3
     assert backend.engine.kv_manager().sessions == {}  # the run's engine session was closed at the end
