@@ -133,6 +133,8 @@ class Engine:
         """
         path = Path(path)
         from freetoken_agent.runtime.kernels.apply import check_quant, quantize_experts
+        from freetoken_agent.runtime.kernels.mapped import load_quantized
+        from freetoken_agent.runtime.kernels.mapped import supported as mapped_supported
         from freetoken_agent.runtime.quant.native import open_checkpoint
 
         quant = check_quant(quant)
@@ -141,12 +143,15 @@ class Engine:
         reader = open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
         torch_dtype = _dtype(dtype)
         show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
-        managed = None
+        managed = mapped = None
         if budget is not None or residency is not None:
             from freetoken_agent.runtime.experts.setup import load_managed
 
             managed = load_managed(spec, reader, path, torch_dtype, device, quant, budget, residency)
             weights = managed.weights
+        elif quant != "none" and mapped_supported(spec, device):  # experts mapped from the expert cache file
+            mapped = load_quantized(spec, reader, path, torch_dtype, device, quant, show)
+            weights = mapped.weights
         elif show:
             from rich.progress import Progress
 
@@ -174,7 +179,7 @@ class Engine:
             managed.install(engine.decoder)
             engine.residency = managed.store
         else:
-            engine.quant = quantize_experts(engine.decoder, quant)
+            engine.quant = mapped.install(engine.decoder) if mapped else quantize_experts(engine.decoder, quant)
         return engine
 
     # ------------------------------------------------------------------------------------------------ text

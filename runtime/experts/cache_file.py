@@ -2,10 +2,13 @@
 
 File layout: ``FTEXPRT1`` magic, a little-endian u64 header length, a JSON header (layout, MoE layer indices,
 experts per layer, blob stride), zero padding to ``PAGE``; then blob ``(j, e)`` of the j-th MoE layer at
-``data_start + (j * E + e) * stride`` (``stride`` is a multiple of ``PAGE``, so every blob starts page-aligned).
+``data_start + (j * E + e) * stride`` (``stride`` is a multiple of ``PAGE``, so every blob starts page-aligned);
+then a trailer: ``FTXCRC32``, u64 data bytes, u32 CRC-32 of the whole data region (``verify`` checks it; files
+from before the trailer existed read fine and only fail ``verify``).
 
 It is written once per (checkpoint, format) from ``ExpertSource`` one expert at a time — the checkpoint is never
-materialized — into a temp file renamed into place, so a crash never leaves a half-written cache behind. Reads are
+materialized — into a temp file, flushed to disk (fsync) and renamed into place, so a crash never leaves a
+half-written cache behind. Reads are
 plain ``pread`` into a slot row; ``drop_cache=True`` also tells the OS to drop the pages it just read, so the cache
 file costs no page-cache memory beyond the budget (and "disk" reads really come from the disk).
 """
@@ -16,17 +19,22 @@ import hashlib
 import json
 import os
 import struct
+import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
-from freetoken_agent.runtime.errors import CorruptCheckpointError
+from freetoken_agent.runtime.errors import CorruptCheckpointError, FreeTokenError
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 
 MAGIC = b"FTEXPRT1"
 PAGE = 4096
 VERSION = 1
+TRAILER_MAGIC = b"FTXCRC32"
+TRAILER = struct.Struct("<8sQI")
+"""magic, data bytes, CRC-32 of the data region (after the last blob)."""
 
 
 def _round(n: int, to: int) -> int:
@@ -62,6 +70,8 @@ class ExpertCacheFile:
                 if len(head) < 16 or head[:8] != MAGIC:
                     raise CorruptCheckpointError(f"{path}: not an expert cache file")
                 (n,) = struct.unpack("<Q", head[8:16])
+                if n > path.stat().st_size - 16:
+                    raise CorruptCheckpointError(f"{path}: header length {n} exceeds the file")
                 meta = json.loads(fh.read(n).decode("utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptCheckpointError(f"{path}: unreadable expert cache file ({exc})") from None
@@ -104,6 +114,31 @@ class ExpertCacheFile:
         """Bytes of expert data (all layers, all experts)."""
         return len(self.layers) * self.num_experts * self.layout.blob_bytes
 
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the data region (every blob with its padding to ``stride``)."""
+        return len(self.layers) * self.num_experts * self.stride
+
+    def verify(self, chunk: int = 64 << 20) -> str | None:
+        """Check the data region against the writer's checksum; returns what is wrong, or ``None`` when intact.
+
+        Reads the whole data region (CRC-32 runs at several GB/s; the pages read stay in the page cache).
+        """
+        end = self.data_start + self.data_bytes
+        raw = os.pread(self._fd, TRAILER.size, end)
+        if len(raw) < TRAILER.size:
+            return "it has no checksum (written by an older version)"
+        magic, n, want = TRAILER.unpack(raw)
+        if magic != TRAILER_MAGIC or n != self.data_bytes:
+            return "its checksum trailer is damaged"
+        crc = 0
+        for off in range(self.data_start, end, chunk):
+            block = os.pread(self._fd, min(chunk, end - off), off)
+            if not block:
+                return "it is truncated"
+            crc = zlib.crc32(block, crc)
+        return None if crc == want else "its expert data does not match the checksum"
+
 
 def write_cache_file(
     path: Path,
@@ -112,8 +147,14 @@ def write_cache_file(
     num_experts: int,
     load: Callable[[int, int], ExpertTensors],
     on_expert: Callable[[], None] | None = None,
+    encode: Callable[[ExpertTensors], torch.Tensor] | None = None,
 ) -> Path:
-    """Write the cache file: ``load(layer, e)`` gives each expert, normalized; one expert in memory at a time."""
+    """Write the cache file: ``load(layer, e)`` gives each expert, normalized; one expert in memory at a time.
+
+    ``encode`` turns an expert into its blob (default ``layout.encode``; the quantized full-RAM path passes the C
+    quantizer's twin, same format).
+    """
+    encode = encode or layout.encode
     stride = _round(layout.blob_bytes, PAGE)
     meta = {"layout": layout.to_json(), "layers": layers, "num_experts": num_experts, "stride": stride}
     # data_start depends on the header length, which contains data_start: fix it at one page past the header
@@ -127,12 +168,18 @@ def write_cache_file(
             fh.write(MAGIC + struct.pack("<Q", len(header)) + header)
             fh.write(b"\0" * (data_start - fh.tell()))
             pad = b"\0" * (stride - layout.blob_bytes)
+            crc = 0
             for layer in layers:
                 for e in range(num_experts):
-                    fh.write(layout.encode(load(layer, e)).numpy().tobytes())
+                    blob = encode(load(layer, e)).numpy().tobytes()
+                    fh.write(blob)
                     fh.write(pad)
+                    crc = zlib.crc32(pad, zlib.crc32(blob, crc))
                     if on_expert is not None:
                         on_expert()
+            fh.write(TRAILER.pack(TRAILER_MAGIC, len(layers) * num_experts * stride, crc))
+            fh.flush()
+            os.fsync(fh.fileno())  # the data is on disk before the rename makes it visible
         tmp.replace(path)
     finally:
         if tmp.exists():
@@ -143,27 +190,35 @@ def write_cache_file(
 def open_or_write(
     path: Path, layout: ExpertLayout, layers: list[int], num_experts: int,
     load: Callable[[int, int], ExpertTensors], drop_cache: bool = False, progress: bool | None = None,
+    encode: Callable[[ExpertTensors], torch.Tensor] | None = None, verify: bool = False,
 ) -> tuple[ExpertCacheFile, bool]:  # fmt: skip
     """Open the cache file at ``path``, writing it first when missing or unreadable; returns (file, written).
 
-    ``progress`` shows a bar while writing (default: when the file will exceed 256 MiB).
+    ``progress`` shows a bar while writing (default: when the file will exceed 256 MiB). ``verify`` also checks
+    the data against its checksum. A damaged file (bad header, truncated, checksum mismatch) is rewritten with a
+    one-line warning on stderr; a file for another layout is rewritten silently.
     """
     if path.is_file():
+        problem = None
         try:
             f = ExpertCacheFile(path, drop_cache)
             if f.layout == layout and f.layers == layers and f.num_experts == num_experts:
-                return f, False
+                problem = f.verify() if verify else None
+                if problem is None:
+                    return f, False
             f.close()
-        except CorruptCheckpointError:
-            pass
+        except (FreeTokenError, KeyError, TypeError, ValueError) as exc:
+            problem = str(exc).removeprefix(f"{path}: ")
+        if problem is not None:
+            print(f"freetoken: expert cache {path} is damaged ({problem}); writing it again", file=sys.stderr)
     total = len(layers) * num_experts
     if progress if progress is not None else total * layout.blob_bytes > 256 * 2**20:
         from rich.progress import Progress
 
         with Progress(transient=True) as bar:
             task = bar.add_task(f"writing expert cache {path.name}", total=total)
-            write_cache_file(path, layout, layers, num_experts, load, on_expert=lambda: bar.advance(task))
+            write_cache_file(path, layout, layers, num_experts, load, lambda: bar.advance(task), encode)
     else:
-        write_cache_file(path, layout, layers, num_experts, load)
+        write_cache_file(path, layout, layers, num_experts, load, encode=encode)
     return ExpertCacheFile(path, drop_cache), True
 

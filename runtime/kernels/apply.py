@@ -3,13 +3,18 @@
 Dense weights (attention, embeddings, shared experts, router) stay in the compute dtype. Each MoE layer's
 ``TorchExperts`` is quantized to Q8_0 / Q4_0 and its float tensors are released, so host memory drops to the
 quantized size. The decoder reads experts through ``decoder.experts[i]`` (the ``ExpertsBackend`` seam), so nothing
-else changes.
+else changes. (Without a budget the engine maps the experts from the expert cache file instead: ``mapped.py``.)
+
+Modes (``set_expert_mode``): ``auto`` picks int8-activation C kernels or dequantize + fp32 per expert by tokens
+routed; ``exact`` always dequantizes (matches ``dequantized_reference`` to fp32 rounding); ``int8`` always uses
+the kernels (matches ``dequantized_reference(..., activations="int8")``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +24,7 @@ from ..quant.blocks import canonical_format
 from .experts import QuantizedExperts
 
 QUANT_CHOICES = ("none", "q8", "q4")
+EXPERT_MODES = ("auto", "exact", "int8")
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,10 @@ class QuantReport:
     float_bytes: int
     quant_bytes: int
     kernels: bool
+    cache: Path | None = None
+    """The expert cache file the experts are mapped from (``None``: quantized in memory)."""
+    written: bool = False
+    """Whether this load quantized the experts (``False`` with a ``cache``: mapped, nothing quantized)."""
 
 
 class _TypedExperts:
@@ -86,15 +96,42 @@ def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
     return QuantReport(fmt, layers, float_bytes, quant_bytes, packed)
 
 
-def dequantized_reference(decoder: Any) -> None:
-    """Put the dequantized values of every quantized layer back as plain ``TorchExperts`` (for tests/verification)."""
-    from ..model.moe import TorchExperts
+def set_expert_mode(decoder: Any, mode: str) -> int:
+    """Set how every quantized MoE layer computes (``auto``, ``exact``, ``int8``; see above); returns the count."""
+    if mode not in EXPERT_MODES:
+        raise FreeTokenError(f"unknown expert mode {mode!r}; expected one of {', '.join(EXPERT_MODES)}")
+    layers = [b.inner for b in decoder.experts if isinstance(b, _TypedExperts)]
+    if mode == "int8" and any(not qe.packed for qe in layers):
+        raise FreeTokenError("int8 expert mode needs the C kernels, which are unavailable here")
+    for qe in layers:
+        qe.exact = mode == "exact"
+        qe.dequant_threshold = 2**62 if mode == "int8" else None  # None: measured (or $FREETOKEN_DEQUANT_THRESHOLD)
+    return len(layers)
 
+
+def dequantized_reference(decoder: Any, activations: str = "fp32") -> None:
+    """Replace every quantized layer by a plain-torch reference over its dequantized weights (tests/verification).
+
+    ``activations="fp32"``: plain ``TorchExperts`` (the reference for exact mode and prefill); ``"int8"``:
+    ``reference.Int8ActExperts``, which also rounds matmul inputs like the C decode kernels.
+    """
+    from ..model.moe import activate
+    from .reference import Int8ActExperts
+
+    if activations not in ("fp32", "int8"):
+        raise FreeTokenError(f"unknown reference activations {activations!r}; expected fp32 or int8")
     for i, lw in enumerate(decoder.weights.layers):
         backend = decoder.experts[i]
         if not isinstance(backend, _TypedExperts):
             continue
-        te: TorchExperts = lw.moe.experts
-        gate_up, down = backend.inner.dequantize()
-        te.gate_up, te.down = gate_up.to(te.gate_up.dtype), down.to(te.down.dtype)
+        qe, te = backend.inner, lw.moe.experts
+        gate_up, down = qe.dequantize()
+        if activations == "int8":
+            decoder.experts[i] = Int8ActExperts(gate_up, down, partial(activate, moe=te.spec),
+                                                qe.gate_up_bias, qe.down_bias)
+            continue
+        dtype = te.gate_up.dtype
+        te.gate_up, te.down = gate_up.to(dtype), down.to(dtype)
+        te.gate_up_bias = None if qe.gate_up_bias is None else qe.gate_up_bias.to(dtype)
+        te.down_bias = None if qe.down_bias is None else qe.down_bias.to(dtype)
         decoder.experts[i] = te

@@ -11,6 +11,9 @@ them (int8 activations); at least ``dequant_threshold`` tokens (prefill) → deq
 use ``torch.mm``. Where that crossover lies depends on the CPU (on a first-generation Zen without VNNI the fp32 path
 won from ~32-64 tokens; on a Zen 4 with AVX-512 VNNI the int8 kernel still wins at 256), so it is measured once per
 process (``crossover_tokens``); ``$FREETOKEN_DEQUANT_THRESHOLD`` pins it.
+
+``exact = True`` sends every expert through dequantize + fp32 ``torch.mm``: activations are never rounded, so the
+layer equals plain-torch experts over the dequantized weights up to fp32 summation order (slower decode).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class QuantizedExperts:
         self.num_experts = w13.shape[0]
         self.packed = packed
         self._threshold = dequant_threshold
+        self.exact = False
+        """Every expert through dequantize + fp32 ``torch.mm`` (no int8 activations, no bf16 int4 fallback)."""
 
     @property
     def dequant_threshold(self) -> int:
@@ -103,8 +108,8 @@ class QuantizedExperts:
         return self._threshold
 
     @dequant_threshold.setter
-    def dequant_threshold(self, value: int) -> None:
-        self._threshold = max(1, int(value))
+    def dequant_threshold(self, value: int | None) -> None:
+        self._threshold = None if value is None else max(1, int(value))
 
     # ---------------------------------------------------------------- construction
 
@@ -129,11 +134,17 @@ class QuantizedExperts:
         if packed:
             return cls(fmt, pack_blocks(b13), pack_blocks(b2), hidden, intermediate, True)
         out = cls(fmt, b13.reshape(e, -1).contiguous(), b2.reshape(e, -1).contiguous(), hidden, intermediate, False)
-        if fmt == "q4_0":  # no compiler: torch's int4 op with bf16 activations (see torch_fallback)
-            pairs = [(int4pack(b13[x]), int4pack(b2[x])) for x in range(e)]
-            if all(a is not None and b is not None for a, b in pairs):
-                out.int4 = pairs  # type: ignore[assignment]
+        out.attach_int4()
         return out
+
+    def attach_int4(self) -> None:
+        """No compiler, q4: keep torch int4 copies of the experts for its int4 op with bf16 activations."""
+        if self.packed or self.fmt != "q4_0":
+            return
+        b13, b2 = self._blocks()
+        pairs = [(int4pack(b13[x]), int4pack(b2[x])) for x in range(self.num_experts)]
+        if all(a is not None and b is not None for a, b in pairs):
+            self.int4 = pairs  # type: ignore[assignment]
 
     @classmethod
     def from_float(
@@ -198,8 +209,9 @@ class QuantizedExperts:
 
     def _expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens ``x [n, D]`` with fp32 weights (prefill, or no kernels) → ``[n, D]``."""
-        if self.int4 is not None:
-            w13, w2 = self.int4[e]
+        int4 = self.int4 is not None and not self.exact
+        if int4:
+            w13, w2 = self.int4[e]  # type: ignore[index]
             h = int4_linear(w13, x)
         else:
             gate_up, down = self._expert_float(e)
@@ -207,7 +219,7 @@ class QuantizedExperts:
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]
         a = self._act(h)
-        y = int4_linear(w2, a) if self.int4 is not None else torch.mm(a, down.t())  # [n, D]
+        y = int4_linear(w2, a) if int4 else torch.mm(a, down.t())  # [n, D]
         return y if self.down_bias is None else y + self.down_bias[e]
 
     def _expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -232,10 +244,10 @@ class QuantizedExperts:
                 f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
             )
         x = x.to(torch.float32)
-        if self.fused and topk_ids.numel() < self.dequant_threshold:  # decode: no expert can reach the threshold
+        threshold = 1 if self.exact or not self.packed else self.dequant_threshold
+        if self.fused and topk_ids.numel() < threshold:  # decode: no expert can reach the threshold
             return ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, topk_ids, topk_weights)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)  # [E]
-        threshold = self.dequant_threshold if self.packed else 1
         dense = (counts >= threshold).nonzero().flatten().tolist()
         if self.fused:
             light_ids = topk_ids

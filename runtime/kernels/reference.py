@@ -1,0 +1,61 @@
+"""Plain-torch references for quantized experts, written from the format rules (not from the C code).
+
+Legend: ``T`` tokens, ``K`` experts per token, ``E`` experts, ``D`` hidden, ``I`` expert intermediate, ``N`` rows.
+
+Two references, one per way ``QuantizedExperts`` computes:
+
+- exact mode / prefill (dequantize + fp32 matmul): plain ``TorchExperts`` over the dequantized weights
+  (``apply.dequantized_reference(decoder)``);
+- the C decode kernels: they also round each matmul's input activations to int8, per block of 32 values along
+  ``K``, with ``d = amax / 127`` (fp32, not rounded to fp16) and codes ``round_half_even(x * (127 / amax))``
+  clamped to ±127, zero-padded to whole blocks. ``Int8ActExperts`` is ``TorchExperts`` over the dequantized
+  weights whose two matmul inputs (``x`` and the activation output) go through that rounding first. The integer
+  dot products of the kernels equal ``fake_quant_int8(x) @ W^T`` up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+
+
+def fake_quant_int8(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, K]`` fp32 → the values the int8 kernels see: per 32-block ``round(x * 127/amax) * amax/127``."""
+    n, k = x.shape
+    pad = -k % BLOCK
+    xb = torch.nn.functional.pad(x.float(), (0, pad)).view(n, -1, BLOCK)  # [N, nb, 32]
+    amax = xb.abs().amax(dim=-1, keepdim=True)  # [N, nb, 1]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp_(-127, 127)  # torch.round: half to even, like lrintf / cvtps2dq
+    return (q * (amax / 127.0)).view(n, -1)[:, :k]
+
+
+@dataclass
+class Int8ActExperts:
+    """Reference for the int8-activation decode kernels: dequantized fp32 weights, int8-rounded matmul inputs."""
+
+    gate_up: torch.Tensor  # [E, 2I, D] fp32 (dequantized)
+    down: torch.Tensor  # [E, D, I] fp32 (dequantized)
+    activation: Callable[[torch.Tensor], torch.Tensor]  # [n, 2I] -> [n, I]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2I]
+    down_bias: torch.Tensor | None = None  # [E, D]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]``, ``topk_ids [T, K]``, ``topk_weights [T, K]`` → ``[T, D]`` in ``x``'s dtype."""
+        out = torch.zeros(x.shape[0], self.down.shape[1], dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            tok, slot = (topk_ids == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their K slots
+            h = fake_quant_int8(x[tok].float()) @ self.gate_up[e].T  # [n, 2I]
+            if self.gate_up_bias is not None:
+                h = h + self.gate_up_bias[e]
+            y = fake_quant_int8(self.activation(h)) @ self.down[e].T  # [n, D]
+            if self.down_bias is not None:
+                y = y + self.down_bias[e]
+            out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
+        return out.to(x.dtype)
+
+    __call__ = forward
