@@ -68,6 +68,8 @@ class PrefixStager:
         self.expected: dict[int, tuple[Session, list[int]]] = {}
         """session id → the prefix its next prompt starts with (warmed once, at its next pause)."""
         self.stats = PrestageStats()
+        self.enabled = True
+        """False: pauses warm nothing (benchmarks compare with and without)."""
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[None] | None = None
@@ -91,7 +93,7 @@ class PrefixStager:
             framings = [(s, t) for s, t in self.expected.values()]
             self.expected.clear()
             prompts = [t for phase in sorted(self.registered, key=lambda p: p != first) for t in self.registered[phase]]
-        if not framings and not prompts:
+        if not self.enabled or not (framings or prompts):
             return
         self.wait()
         if self._executor is None:

@@ -17,7 +17,7 @@ from freetoken_agent.runtime.memory import Budget
 from freetoken_agent.tools import tool
 
 from freetoken_agent import Agent, Limits, LocalEngine
-from freetoken_agent.events import PhaseChanged, ToolCallFinished
+from freetoken_agent.events import PhaseChanged, TextDelta, ToolCallFinished
 
 MODEL = builtin_model_dir()
 DENSE, EXPERTS = 13221888, 33030144  # the built-in model's dense and routed-expert bytes (float32)
@@ -98,9 +98,36 @@ def test_a_phase_agnostic_policy_gets_no_scheduler_unless_asked(tmp_path: Path) 
         LocalEngine(unbudgeted.engine, phase_scheduling=True)
 
 
-def test_output_is_the_same_with_and_without_the_scheduler(tmp_path: Path) -> None:
-    texts = []
-    for policy in ("phase", "lru"):
-        events = run_agent(load(policy), tmp_path / policy)
-        texts.append([(e.name, e.content) for e in events if isinstance(e, ToolCallFinished)])
-    assert texts[0] == texts[1] and texts[0]
+def test_output_is_the_same_with_and_without_the_scheduler_and_kv_prestaging(tmp_path: Path) -> None:
+    runs = {}
+    for name, policy, prestage in (("phase", "phase", True), ("lru", "lru", True), ("cold", "phase", False)):
+        backend = load(policy)
+        backend.engine.kv_manager().prestage.enabled = prestage
+        events = run_agent(backend, tmp_path / name)
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        runs[name] = ([(e.name, e.content) for e in events if isinstance(e, ToolCallFinished)], text,
+                      backend.engine.stats()["kv"])
+    assert runs["phase"][:2] == runs["lru"][:2] == runs["cold"][:2] and runs["phase"][0]
+    hot, cold = runs["phase"][2], runs["cold"][2]
+    # the framings warmed during the pauses are prefilled there, not at the turns after them
+    assert hot["prestage"]["prefilled_tokens"] > 0 and cold["prestage"]["prefilled_tokens"] == 0
+    assert hot["prefill_tokens"] < cold["prefill_tokens"]
+    assert hot["prefix_hit_tokens"] - cold["prefix_hit_tokens"] == cold["prefill_tokens"] - hot["prefill_tokens"]
+
+
+def test_the_expected_prompt_is_a_token_prefix_of_the_next_one() -> None:
+    from freetoken_agent.backends import GenerateRequest
+    from freetoken_agent.backends.local import MARK
+
+    backend = LocalEngine.from_pretrained(MODEL, threads=1)
+    schemas = [bash.schema()]
+    call = {"id": "call_1_0", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}
+    messages = [{"role": "system", "content": BUILTIN_SYSTEM_PROMPT}, {"role": "user", "content": TASK},
+                {"role": "assistant", "content": "THOUGHT: look.", "tool_calls": [call]}]
+    result = {"role": "tool", "tool_call_id": "call_1_0", "name": "bash", "content": "calc.py\ntest_calc.py"}
+    full = backend.engine.tokenizer.encode(backend.render(GenerateRequest(messages=[*messages, result],
+                                                                          tools=schemas)))
+    known = backend.prefix_ids([*messages, {**result, "content": MARK}], schemas)
+    history = backend.engine.tokenizer.encode(backend.engine.render_chat(messages, schemas,
+                                                                         add_generation_prompt=False))
+    assert full[: len(known)] == known and len(known) > len(history)  # the framing is part of what is warmed
