@@ -116,6 +116,19 @@ def write_gguf(engine: Any, folder: Path, out: Path) -> Path:
     return out
 
 
+def ensure_gguf(folder: Path, threads: int = 1) -> Path:
+    """``folder/model-q4_0.gguf``, written once from a q4 engine's own expert blocks (the file ``measure`` uses)."""
+    from freetoken_agent.runtime.engine import Engine
+
+    out = folder / "model-q4_0.gguf"
+    if not out.is_file():
+        engine = Engine.from_pretrained(folder, quant="q4", threads=threads)
+        tmp = out.with_suffix(".tmp")
+        write_gguf(engine, folder, tmp)
+        tmp.replace(out)
+    return out
+
+
 def measure(folder: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32) -> dict[str, Any]:
     """Load both engines, then alternate decode timings; also compare their first greedy tokens."""
     import llama_cpp

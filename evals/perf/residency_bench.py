@@ -87,6 +87,19 @@ def install_mmap(engine: Any, file: Any) -> Any:
     return mapped
 
 
+def host_budget(model: Path, quant: str, ratio: float) -> tuple[int, int, int]:
+    """(host budget, dense bytes, expert bytes) such that the quantized experts are ``ratio`` x the budget's expert
+    share; loading the probe writes the expert cache file once."""
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.memory import Budget
+
+    probe = Engine.from_pretrained(model, quant=quant, budget=Budget())
+    dense = probe.residency.ledgers["host"].reservations["dense"].nbytes
+    experts = probe.residency.disk.nbytes
+    probe.residency.close()
+    return dense + int(experts / ratio), dense, experts
+
+
 def run_one(model: Path, name: str, args: argparse.Namespace, host: int | None, prompt: list[int]) -> dict[str, Any]:
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.setup import ResidencyConfig
@@ -108,7 +121,7 @@ def run_one(model: Path, name: str, args: argparse.Namespace, host: int | None, 
     wall = time.perf_counter() - t0
     stats = engine.stats()
     res = stats["residency"]
-    row = {"run": name, "tokens": out.token_ids, "decode_tok_s": stats["decode_tok_s"],
+    row = {"run": name, "tokens": out.token_ids, "decode_tok_s": stats["decode_tok_s"], "decode_s": stats["decode_s"],
            "prefill_s": round(out.prefill_s, 2), "wall_s": round(wall, 2)}
     if mmap:
         row.update(hit_rate=None, accuracy=None, disk_mb_per_tok=None,
@@ -143,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="mmap,lru,heat,phase,lru/noprefetch,lru/pagecache,lru/fast")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from freetoken_agent.runtime.engine import Engine
-    from freetoken_agent.runtime.memory import Budget
     from freetoken_agent.runtime.synthetic import cache_dir
 
     folder = Path(args.folder) if args.folder else cache_dir() / "bench" / (
@@ -155,13 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         model = folder = resolve_model(args.model)
     else:
         model = build_model(folder, args)
-    probe = Engine.from_pretrained(model, quant=args.quant, budget=Budget())  # writes the cache file once
-    dense = probe.residency.ledgers["host"].reservations["dense"].nbytes
-    experts = probe.residency.disk.nbytes
-    probe.residency.close()
-    host = dense + int(experts / args.ratio)
+    host, dense, experts = host_budget(model, args.quant, args.ratio)  # writes the expert cache file once
     if args.model:
-        prompt = (probe.tokenizer.encode(CODE_PROMPT) * 64)[: args.prompt]
+        from freetoken_agent.runtime.tokenizer import Tokenizer
+
+        prompt = (Tokenizer.from_pretrained(model).encode(CODE_PROMPT) * 64)[: args.prompt]
     else:
         prompt = torch.randint(0, 4096, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     print(f"model {folder.name}: {args.quant} experts {experts / 1e6:.1f} MB, dense {dense / 1e6:.1f} MB, "

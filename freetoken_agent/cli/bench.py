@@ -95,6 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         t.set_defaults(func=fn)
     p.add_argument("--quick", action="store_true", help="with no TARGET: run the suite in its quick form")
     p.add_argument("--json", action="store_true", help="with no TARGET: print the suite's JSON report")
+    _suite().add_trajectories_arg(p)
     p.set_defaults(func=lambda args: _missing_target(p, args))
 
 
