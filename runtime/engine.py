@@ -101,6 +101,7 @@ class Engine:
         self.threads = torch.get_num_threads()
         self._kv: Any = None
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
+        self.dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport with dense_quant="q8"/"q4"
         self.residency: Any = None  # runtime.experts.store.ExpertStore when loaded under a memory budget
         self.phase_listeners: list[Any] = []  # phase scheduling (issue 8): callables (phase, expected_s)
 
@@ -118,11 +119,13 @@ class Engine:
         quant: str = "none",
         budget: Any = None,
         residency: Any = None,
+        dense_quant: str = "none",
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
         ``quant``: ``none``, ``q8`` or ``q4`` — routed experts quantized at load (Q8_0 / Q4_0 blocks, CPU kernels
-        in ``runtime/kernels``); dense weights stay in ``dtype``.
+        in ``runtime/kernels``); dense weights stay in ``dtype`` unless ``dense_quant`` (``q8``/``q4``) converts the
+        attention projections, dense MLPs and lm_head too (``runtime/kernels/dense.py``).
 
         ``budget`` (``runtime.memory.Budget``) / ``residency`` (``runtime.experts.setup.ResidencyConfig``): keep
         routed experts in budgeted tiers (slots ← expert cache file) instead of loading them all; see
@@ -133,6 +136,7 @@ class Engine:
         """
         path = Path(path)
         from freetoken_agent.runtime.kernels.apply import check_quant, quantize_experts
+        from freetoken_agent.runtime.kernels.dense import quantize_dense
         from freetoken_agent.runtime.kernels.mapped import load_quantized
         from freetoken_agent.runtime.kernels.mapped import supported as mapped_supported
         from freetoken_agent.runtime.quant.native import open_checkpoint
@@ -147,8 +151,8 @@ class Engine:
         if budget is not None or residency is not None:
             from freetoken_agent.runtime.experts.setup import load_managed
 
-            managed = load_managed(spec, reader, path, torch_dtype, device, quant, budget, residency)
-            weights = managed.weights
+            managed = load_managed(spec, reader, path, torch_dtype, device, quant, budget, residency, dense_quant)
+            weights, dense_report = managed.weights, managed.dense_quant
         elif quant != "none" and mapped_supported(spec, device):  # experts mapped from the expert cache file
             mapped = load_quantized(spec, reader, path, torch_dtype, device, quant, show)
             weights = mapped.weights
@@ -160,6 +164,8 @@ class Engine:
                 weights = load_weights(spec, reader, torch_dtype, device, on_layer=lambda i: bar.advance(task))
         else:
             weights = load_weights(spec, reader, torch_dtype, device)
+        if managed is None:
+            dense_report = quantize_dense(spec, weights, dense_quant)
         tokenizer = template = None
         try:
             tokenizer = Tokenizer.from_pretrained(path)
@@ -175,6 +181,7 @@ class Engine:
                 gen_cfg = {}
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
+        engine.dense_quant = dense_report
         if managed is not None:
             managed.install(engine.decoder)
             engine.residency = managed.store

@@ -20,6 +20,7 @@ from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import FreeTokenError, UnexpectedTensorError
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner
+from freetoken_agent.runtime.kernels.dense import QuantLinear, quantize_dense
 from freetoken_agent.runtime.experts.backend import ManagedExperts
 from freetoken_agent.runtime.experts.cache_file import (
     ExpertCacheFile,
@@ -99,6 +100,8 @@ def _tensor_bytes(obj: Any, seen: set[int]) -> int:
             return 0
         seen.add(obj.data_ptr())
         return obj.numel() * obj.element_size()
+    if isinstance(obj, QuantLinear):
+        return obj.nbytes
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -121,6 +124,7 @@ class Managed:
     written: bool
     backends: list[ManagedExperts] = field(default_factory=list)
     exact: bool = True
+    dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport when dense weights were quantized
 
     def install(self, decoder: Any) -> None:
         """Replace ``decoder.experts[i]`` of every MoE layer with a ``ManagedExperts`` over the store."""
@@ -157,7 +161,7 @@ def _storage_format(quant: str, dtype: torch.dtype) -> tuple[str, bool]:
 
 def load_managed(
     spec: ModelSpec, reader: CheckpointReader, path: Path, dtype: torch.dtype, device: str, quant: str,
-    budget: Budget | None, config: ResidencyConfig | None = None,
+    budget: Budget | None, config: ResidencyConfig | None = None, dense_quant: str = "none",
 ) -> Managed:  # fmt: skip
     """Dense weights + expert tiers sized from ``budget`` (see the module docstring)."""
     config = config or ResidencyConfig()
@@ -167,6 +171,7 @@ def load_managed(
     make_policy(policy_name)  # validate the name before any work
     loader = _DenseLoader(reader, dtype, device)
     weights = weights_mod._walk(spec, loader, None)
+    dense_report = quantize_dense(spec, weights, dense_quant)  # before the dense bytes are claimed
     ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
     unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
     if unexpected:
@@ -204,7 +209,8 @@ def load_managed(
     disk, written = open_or_write(file_path, layout, moe_layers, first.num_experts, load, config.drop_page_cache)
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
     store, planner = build_store(disk, ledgers, top_k, device, config)
-    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written, exact=config.exact)
+    return Managed(weights, store, planner, ledgers, spec, dense_bytes, written, exact=config.exact,
+                   dense_quant=dense_report)
 
 
 def build_store(

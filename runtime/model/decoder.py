@@ -206,7 +206,9 @@ class Decoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, D] → logits [T, V] in fp32."""
         w = self.weights
-        out = F.linear(hidden, w.lm_head, w.lm_head_bias).float()
+        head = w.lm_head  # a QuantLinear with dense_quant (runtime/kernels/dense.py)
+        out = F.linear(hidden, head, w.lm_head_bias) if isinstance(head, torch.Tensor) else head(hidden, w.lm_head_bias)
+        out = out.float()
         if self.spec.logits_divisor != 1.0:
             out = out / self.spec.logits_divisor
         if self.spec.final_logit_softcap > 0:

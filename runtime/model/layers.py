@@ -40,7 +40,10 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
-    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+    weight = w[f"{name}.weight"]
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, w.get(f"{name}.bias"))
+    return weight(x, w.get(f"{name}.bias"))  # a quantized dense weight (runtime/kernels/dense.py)
 
 
 def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:

@@ -142,3 +142,23 @@ def test_concurrent_calls_from_python_threads(isas: list[str]) -> None:
             assert list(pool.map(work, range(4))) == [0, 0, 0, 0]
     finally:
         ops.set_threads(before)
+
+
+def test_pool_shares_and_stealing_cover_every_item_once(isas: list[str]) -> None:
+    # the pool splits items into one contiguous share per thread and steals from the back when a share is done:
+    # every item must run exactly once whatever the split (fewer items than threads, uneven shares, many items)
+    weights = [quantize(torch.randn(n, 96), "q8") for n in (8, 40, 1000, 4104)]
+    packed = [ops.PackedWeight.from_blocks(q) for q in weights]
+    xs = [torch.randn(m, 96) for m in (1, 3)]
+    before = ops.get_threads()
+    try:
+        ops.set_threads(1)
+        expected = [[ops.linear(p, x) for x in xs] for p in packed]
+        for threads in (2, 3, 5, 8):
+            assert ops.set_threads(threads) == threads
+            for _ in range(5):
+                for p, q, exp in zip(packed, weights, expected):
+                    assert all(torch.equal(ops.linear(p, x), e) for x, e in zip(xs, exp))
+                    assert torch.equal(ops.dequantize(p), q.dequantize())
+    finally:
+        ops.set_threads(before)

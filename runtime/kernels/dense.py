@@ -1,0 +1,111 @@
+"""Quantized dense weights (the engine's ``dense_quant=`` option): attention projections, dense MLPs, lm_head.
+
+On a CPU a decode step reads every dense weight once per token. With fp32 dense weights that dominates a small-active
+MoE (the 1.28B model of ``evals/perf/bench_gguf_decode.py`` reads 235 MB of fp32 dense weights per token against
+~16 MB of Q4_0 experts), so llama.cpp's habit — everything in GGUF blocks — is available here too, but only when asked:
+dense weights stay in the compute dtype by default.
+
+``QuantLinear`` holds one ``[N, K]`` weight in the C kernels' packed Q8_0 / Q4_0 tiles and is called like
+``F.linear`` (``layers.linear`` and ``Decoder.logits`` dispatch on it). Only weights consumed solely through those two
+call sites are converted: the projections of GQA and MLA attention, dense and shared-expert MLPs, and the lm_head.
+Recurrent mixers, routers, norms and the embedding stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import FreeTokenError
+from ..model.spec import ModelSpec
+from ..model.weights import ModelWeights
+from ..quant.blocks import canonical_format
+
+# leaves read only through ``layers.linear`` (see gqa_attention / mla_attention / output_gate / mlp)
+ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                    "kv_b_proj", "gate")  # fmt: skip
+MLP_LEAVES = ("gate_proj", "up_proj", "down_proj", "input_linear", "output_linear")
+
+
+class QuantLinear:
+    """A dense ``[N, K]`` weight in packed Q8_0 / Q4_0 tiles; ``ql(x, bias)`` equals ``F.linear(x, W, bias)`` up to
+    quantization (weights) and per-block int8 rounding (activations), in ``x``'s dtype."""
+
+    def __init__(self, weight: torch.Tensor, fmt: str) -> None:
+        from . import ops
+
+        if weight.dim() != 2:
+            raise FreeTokenError(f"dense quantization expects a 2-D weight, got shape {tuple(weight.shape)}")
+        self.fmt = canonical_format(fmt)
+        self.shape = tuple(weight.shape)
+        self.packed = ops.PackedWeight.from_blocks(ops.quantize(weight.float(), self.fmt))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from . import ops
+
+        n, k = self.shape
+        y = ops.linear(self.packed, x.reshape(-1, k))
+        if bias is not None:
+            y += bias.float()
+        y = y.view(*x.shape[:-1], n)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values the kernel multiplies with (tests and reference engines)."""
+        from . import ops
+
+        return ops.dequantize(self.packed)
+
+
+@dataclass(frozen=True)
+class DenseQuantReport:
+    """What ``quantize_dense`` converted: format, weight count, bytes before and after."""
+
+    fmt: str
+    weights: int
+    float_bytes: int
+    quant_bytes: int
+
+
+def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQuantReport | None:
+    """Convert the dense weights of loaded ``ModelWeights`` in place (``fmt`` ``none``/``q8``/``q4``)."""
+    from . import build
+    from .apply import check_quant
+
+    fmt = check_quant(fmt)
+    if fmt == "none":
+        return None
+    if build.load() is None:
+        raise FreeTokenError(f"dense quantization needs the CPU kernels ({build.status().reason}); use dense_quant=none")
+    if weights.embed.device.type != "cpu":
+        raise FreeTokenError("quantized dense weights run on the CPU kernels; load with device='cpu'")
+    count = before = after = 0
+
+    def convert(table: dict[str, Any], leaves: tuple[str, ...]) -> None:
+        nonlocal count, before, after
+        for leaf in leaves:
+            w = table.get(f"{leaf}.weight")
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                ql = QuantLinear(w, fmt)
+                table[f"{leaf}.weight"] = ql
+                count, before, after = count + 1, before + w.nbytes, after + ql.nbytes
+
+    for layer, lw in zip(spec.layers, weights.layers):
+        if layer.recurrent is None and layer.attention is not None and layer.attention.kind in ("gqa", "mla"):
+            convert(lw.attn, ATTENTION_LEAVES)
+        if lw.mlp is not None:
+            convert(lw.mlp, MLP_LEAVES)
+        if lw.moe is not None and lw.moe.shared:
+            convert(lw.moe.shared, MLP_LEAVES)
+    head = weights.lm_head
+    if isinstance(head, torch.Tensor):
+        ql = QuantLinear(head, fmt)
+        weights.lm_head = ql  # type: ignore[assignment]
+        count, before, after = count + 1, before + head.nbytes * (head is not weights.embed), after + ql.nbytes
+    return DenseQuantReport(fmt, count, before, after)
