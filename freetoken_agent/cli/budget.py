@@ -1,6 +1,6 @@
-"""Memory-budget flags shared by every command that loads a model: ``--device-memory``, ``--host-memory``,
-``--residency-policy``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword arguments
-(empty when no flag was given, so the unbudgeted load path is unchanged).
+"""Flags shared by every command that loads a model: ``--quant``, ``--quant-dense``, ``--device-memory``,
+``--host-memory``, ``--residency-policy``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword
+arguments (empty when no flag was given, so the unbudgeted load path is unchanged).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("memory budget (expert residency)")
     g.add_argument("--quant", default="none", choices=["none", "q8", "q4"],
                    help="quantize routed experts at load (Q8_0 / Q4_0 blocks, CPU kernels)")
+    g.add_argument("--quant-dense", default="none", choices=["none", "q8", "q4"],
+                   help="also quantize attention projections, dense MLPs and the lm_head (CPU kernels; "
+                        "~2.5x faster decode on CPU, slightly less accurate)")
     g.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="hard limit on accelerator memory, e.g. 8GB (experts beyond it live in host slots)")
     g.add_argument("--host-memory", default=None, metavar="SIZE",
@@ -23,9 +26,11 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
+    if getattr(args, "quant_dense", "none") != "none":
+        quant["dense_quant"] = args.quant_dense
     if device is None and host is None and policy is None:
         return quant
     from freetoken_agent.runtime.experts.setup import ResidencyConfig

@@ -58,3 +58,14 @@ def test_inspect_reports_layout(model_dir: Path) -> None:
     assert "MLA" in info["attention"] and "groups=4/2" in info["router"]
     table = _cli("inspect", str(model_dir))
     assert table.returncode == 0 and "deepseek_v3" in table.stdout
+
+
+def test_generate_with_quantized_experts_and_dense_weights_equals_api(model_dir: Path, tmp_path: Path) -> None:
+    env = {**__import__("os").environ, "FREETOKEN_CACHE": str(tmp_path)}
+    proc = _cli("generate", "--model", str(model_dir), "--prompt-ids", "3,1,4,1,5,9,2,6", "--max-new-tokens", "8",
+                "--quant", "q4", "--quant-dense", "q8", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    engine = Engine.from_pretrained(model_dir, quant="q4", dense_quant="q8")
+    assert json.loads(proc.stdout)["token_ids"] == engine.generate([3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=8).token_ids
+    bad = _cli("generate", "--model", str(model_dir), "--prompt-ids", "1", "--quant-dense", "q3", env=env)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
