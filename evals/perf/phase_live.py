@@ -1,6 +1,7 @@
 """Phase scheduling on the live engine: switch misses with the real store, threads and gate look-ahead.
 
     python -m freetoken_agent.evals.perf.phase_live [--trajectories DIR] [--max-sessions N] [--max-tokens 4000] [--json]
+    python -m freetoken_agent.evals.perf.phase_live --kv [--kv-turns 24] [--kv-rounds 2] [--json]  # see phase_kv
 
 The companion of ``phase_replay`` (which replays whole sessions in virtual time, without the store's gate
 look-ahead): here the built-in model really runs each held-out session's first ``--max-tokens`` tokens under a host
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.4, help="host expert slots as a fraction of the expert bytes")
     p.add_argument("--warm-sessions", type=int, default=3, help="training sessions that warm the phase profile")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--kv", action="store_true", help="instead: TTFT per turn with KV pre-staging on vs off (phase_kv)")
+    p.add_argument("--kv-turns", type=int, default=24, help="--kv: assistant turns replayed per session")
+    p.add_argument("--kv-rounds", type=int, default=2, help="--kv: alternating off/on rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if not 0 < args.budget < 1:
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     model = builtin_model_dir()
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     split = split_sessions(session_files(args.trajectories))
+    if args.kv:
+        return kv_main(split.held_out[: args.max_sessions], args)
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.setup import ResidencyConfig
     from freetoken_agent.runtime.memory import Budget
@@ -115,6 +121,27 @@ def main(argv: list[str] | None = None) -> int:
                   f"host hit rate {tot['hits'] / max(1, tot['hits'] + tot['misses']):.4f}", flush=True)
     if args.json:
         print(json.dumps({"budget_fraction": args.budget, "max_tokens": args.max_tokens, "rows": rows}, indent=1))
+    return 0
+
+
+def kv_main(files: list[Path], args: argparse.Namespace) -> int:
+    """``--kv``: the KV pre-staging comparison of ``phase_kv`` (rows off / on)."""
+    from freetoken_agent.evals.perf.phase_kv import compare
+
+    if args.kv_turns < 2 or args.kv_rounds < 1:
+        raise SystemExit("phase_live: error: --kv-turns must be at least 2 and --kv-rounds at least 1")
+    result = compare(files, args.kv_turns, args.kv_rounds)
+    if args.json:
+        print(json.dumps({"sessions": len(files), "kv_turns": args.kv_turns, "kv_rounds": args.kv_rounds,
+                          **result}, indent=1))
+        return 0
+    print("| KV pre-staging | turns after a tool | TTFT median ms | TTFT mean ms | turn prefill tokens | "
+          "reused | warmed in pauses | warm > pause |\n|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['kv_prestage']} | {r['turns']} | {r['ttft_median_ms']} | {r['ttft_mean_ms']} | "
+              f"{r['turn_prefill_tokens']} | {r['turn_reused_tokens']} | {r['warmed_tokens']} | {r['warm_over_pause']} |")
+    print(f"TTFT median on/off: {result['ttft_median_ratio_on_vs_off']}; "
+          f"turn prefill saved: {result['turn_prefill_saved']} tokens")
     return 0
 
 

@@ -4,15 +4,18 @@ Some prefixes are known before the prompt that starts with them:
 
 - a session's *tool-result framing*: the conversation so far as the chat template re-renders it, plus what the
   template puts before a tool's output (``<|im_start|>user\\n<tool_response>\\n`` for Qwen). The turn after the tool
-  starts with it whatever the tool prints. Set per session with ``Session.expect(tokens)`` before the tool runs.
+  starts with it whatever the tool prints. Set per session with ``Session.expect(tokens)`` before the tool runs;
+  ``Session.warm`` feeds it into the session's own pages when it continues the session's log exactly (the radix
+  tree holds whole pages only, and a framing is shorter than a page), else into the radix tree as below.
 - per-phase prompts (``register(phase, tokens)``): a sub-agent's or a phase's own system prompt and tool schemas.
 
 When a session pauses for a tool (``Session.hint``), ``start`` warms them on a background thread:
 ``KVManager.warm`` matches each prefix's longest cached page-aligned part in the radix tree and computes only the
 rest, into pages that the tree alone holds (unpinned: evicted LRU like any shared page, and never by growing an
-elastic pool at the expert pool's expense). No session's pages or token log are touched; the next turn
-finds the warmed pages through its usual radix match. Outputs are unchanged: a page's KV depends only on the tokens
-before it, and only exact token matches are reused. Sessions call ``wait`` before they touch the page pool, so the
+elastic pool at the expert pool's expense); no session's pages or token log are touched, and the next turn finds
+the warmed pages through its usual radix match. Outputs are unchanged either way: a position's KV depends only on the
+tokens up to it, and only exact token matches are reused (a next prompt that does not start with a fed framing
+falls back to the longest common prefix). Sessions call ``wait`` before they touch the page pool, so the
 pool is never used by two threads at once.
 """
 
@@ -103,11 +106,11 @@ class PrefixStager:
     def _run(self, engine: Any, framings: list[tuple[Session, list[int]]], prompts: list[list[int]]) -> None:
         t0 = time.perf_counter()
         st = self.stats
-        todo = [t for s, t in framings if not (s.closed or s.stateful)]  # hybrids: no radix tree
+        todo: list[tuple[Session | None, list[int]]] = [(s, t) for s, t in framings if not (s.closed or s.stateful)]
         st.skipped += len(framings) - len(todo)
-        for tokens in todo + prompts:
+        for session, tokens in todo + [(None, t) for t in prompts]:
             try:
-                done = self.manager.warm(engine, tokens)
+                done = session.warm(tokens) if session is not None else self.manager.warm(engine, tokens)
             except OutOfPages:  # warming is opportunistic: it never takes pages that sessions hold
                 st.skipped += 1
                 continue

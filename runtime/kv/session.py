@@ -311,19 +311,43 @@ class Session:
         prefix = [int(t) for t in prefix]
         self.engine._check_ids(prefix)
         reused = self._prepare(prefix, keep_one=False)
-        ids = torch.tensor(prefix)
         t0 = time.perf_counter()
-        try:
-            for i in range(reused, len(prefix), PREFILL_CHUNK):
-                self.engine.decoder.forward(ids[i : i + PREFILL_CHUNK], self.cache)
-        finally:
-            self.log = prefix[: self.cache.length]
-            self._publish()
+        self._feed(prefix, reused)
         stats = self.manager.stats
         stats.prefilled_tokens += len(prefix) - reused
         stats.background_prefill_tokens += len(prefix) - reused
         stats.background_prefill_s += time.perf_counter() - t0
         return len(prefix) - reused
+
+    def _feed(self, tokens: list[int], start: int) -> None:
+        """Forward ``tokens[start:]`` into this session's cache (which holds ``tokens[:start]``) and publish."""
+        import torch
+
+        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+
+        ids = torch.tensor(tokens)
+        try:
+            for i in range(start, len(tokens), PREFILL_CHUNK):
+                self.engine.decoder.forward(ids[i : i + PREFILL_CHUNK], self.cache)
+        finally:
+            self.log = tokens[: self.cache.length]
+            self._publish()
+
+    def warm(self, tokens: list[int]) -> Warmed:
+        """KV pre-staging of the known start of this session's next prompt (run by ``PrefixStager`` in a pause).
+
+        When ``tokens`` continue the session's log (the template re-renders the history as it was generated), the
+        rest is fed into the session's own pages, partial last page included: the next turn then starts after
+        them. Otherwise (the history re-renders differently) the prefix is warmed in the radix tree only
+        (``KVManager.warm``: full pages, the session untouched) and the next turn adopts it by its radix match.
+        """
+        tokens = [int(t) for t in tokens]
+        own = len(self.log)
+        if self.stateful or not own or own >= len(tokens) or tokens[:own] != self.log or self.cache.length != own:
+            return self.manager.warm(self.engine, tokens)
+        self.engine._check_ids(tokens)
+        self._feed(tokens, own)
+        return Warmed(own, len(tokens) - own)
 
     def _publish(self) -> None:
         """Share the full pages of this session's log through the radix tree and pin that path (attention-only

@@ -68,6 +68,27 @@ def test_the_next_turn_reuses_the_warmed_framing_and_its_output_is_identical(eng
     assert engine.generate(prompt, max_new_tokens=8, temperature=0.0).token_ids == hot  # = a cold recompute
 
 
+def test_a_framing_that_continues_the_log_is_fed_into_the_session_itself(engine: Engine) -> None:
+    runs = []
+    for warm in (False, True):
+        manager = engine.kv_manager(KVConfig(page_size=PS, device_pages=256))
+        manager.prestage.enabled = warm
+        session = engine.session()
+        first = ids(30, 1)
+        out = session.generate(first, max_new_tokens=6, temperature=0.0).token_ids
+        known = first + out + ids(6, 2)  # re-rendered as generated, then the framing: shorter than two pages
+        session.expect(known)
+        session.hint("tool", 1.0)
+        manager.prestage.wait()
+        hits = manager.stats.prefix_hit_tokens
+        second = session.generate(known + ids(20, 3), max_new_tokens=8, temperature=0.0).token_ids
+        runs.append((second, manager.stats.prefix_hit_tokens - hits, manager.stats.divergences))
+        session.close()
+    (cold, cold_reused, _), (hot, hot_reused, divergences) = runs
+    assert cold_reused == 30 + 5 and hot_reused == len(known) == 42  # all of it, not only whole pages
+    assert hot == cold and divergences == 0
+
+
 def test_a_registered_prompt_is_warm_for_the_next_session(engine: Engine) -> None:
     manager = engine.kv_manager(KVConfig(page_size=PS, device_pages=256))
     system = ids(40, 5)
