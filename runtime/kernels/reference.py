@@ -23,15 +23,33 @@ import torch
 BLOCK = 32
 
 
+def _scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [N, K]`` → (``x * 127/amax`` per 32-block ``[N, nb, 32]``, ``amax [N, nb, 1]``), zero-padded along K."""
+    n, k = x.shape
+    xb = torch.nn.functional.pad(x.float(), (0, -k % BLOCK)).view(n, -1, BLOCK)  # [N, nb, 32]
+    amax = xb.abs().amax(dim=-1, keepdim=True)  # [N, nb, 1]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return xb * inv, amax
+
+
 def fake_quant_int8(x: torch.Tensor) -> torch.Tensor:
     """``x [N, K]`` fp32 → the values the int8 kernels see: per 32-block ``round(x * 127/amax) * amax/127``."""
     n, k = x.shape
-    pad = -k % BLOCK
-    xb = torch.nn.functional.pad(x.float(), (0, pad)).view(n, -1, BLOCK)  # [N, nb, 32]
-    amax = xb.abs().amax(dim=-1, keepdim=True)  # [N, nb, 1]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv).clamp_(-127, 127)  # torch.round: half to even, like lrintf / cvtps2dq
+    v, amax = _scaled(x)
+    q = torch.round(v).clamp_(-127, 127)  # torch.round: half to even, like lrintf / cvtps2dq
     return (q * (amax / 127.0)).view(n, -1)[:, :k]
+
+
+def near_ties(x: torch.Tensor, tau: float) -> torch.Tensor:
+    """``[N, K]``: the int8 step ``amax/127`` of each value lying within ``tau`` (in steps) of a rounding tie, else 0.
+
+    Another fp32 summation order (the kernels') moves such a value across the tie now and then, and its code by
+    one step: an honest reference cannot say which way it rounds.
+    """
+    n, k = x.shape
+    v, amax = _scaled(x)
+    tie = ((v - torch.floor(v)) - 0.5).abs() < tau
+    return torch.where(tie, amax / 127.0, torch.zeros_like(v)).view(n, -1)[:, :k]
 
 
 @dataclass
@@ -57,5 +75,24 @@ class Int8ActExperts:
                 y = y + self.down_bias[e]
             out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
         return out.to(x.dtype)
+
+    def tie_slack(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tau: float = 1e-3
+    ) -> torch.Tensor:
+        """``[T, D]``: how far ``forward`` may honestly be from a kernel that rounds near-tie values the other way.
+
+        Counts the down projection's input (the activation output) only: for the same ``x`` the first rounding is
+        bitwise the kernels' (same formula on the same fp32 values). Each near-tie value ``j`` of expert ``e``
+        contributes ``step_j * |W_down[e][:, j]| * |w|``.
+        """
+        slack = torch.zeros(x.shape[0], self.down.shape[1], dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+            h = fake_quant_int8(x[tok].float()) @ self.gate_up[e].T
+            if self.gate_up_bias is not None:
+                h = h + self.gate_up_bias[e]
+            steps = near_ties(self.activation(h), tau)  # [n, I]
+            slack.index_add_(0, tok, (steps @ self.down[e].abs().T) * topk_weights[tok, slot, None].float().abs())
+        return slack
 
     __call__ = forward
