@@ -54,8 +54,28 @@ def write_checkpoint(folder: Path, seed: int = 0, config: dict[str, Any] | None 
     return folder
 
 
-def write_gguf(engine: Any, folder: Path, out: Path) -> Path:
-    """GGUF (arch ``qwen3moe``) with the checkpoint's dense weights and the engine's Q4_0 expert blocks."""
+def gguf_name(dense: str = "none") -> str:
+    """The GGUF file name for dense weights ``none`` (F32), ``q8`` or ``q4`` (experts are always Q4_0)."""
+    return "model-q4_0.gguf" if dense == "none" else f"model-q4_0-dense-{dense}.gguf"
+
+
+def _dense_tensor(w: Any, name: str, t: torch.Tensor, dense: str) -> None:
+    """One dense weight: F32, or the Q8_0/Q4_0 blocks of our own quantizer (what ``dense_quant=`` computes with)."""
+    import gguf
+
+    if dense == "none":
+        w.add_tensor(name, t.float().numpy())
+        return
+    from freetoken_agent.runtime.kernels import ops
+
+    fmt = {"q8": "q8_0", "q4": "q4_0"}[dense]
+    kind = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+    w.add_tensor(name, ops.quantize(t.float(), fmt).blocks.reshape(t.shape[0], -1).numpy(), raw_dtype=kind)
+
+
+def write_gguf(engine: Any, folder: Path, out: Path, dense: str = "none") -> Path:
+    """GGUF (arch ``qwen3moe``) with the engine's Q4_0 expert blocks and the dense weights as F32 (``dense="none"``)
+    or as the Q8_0/Q4_0 blocks our ``dense_quant`` computes with (attention projections and output)."""
     import gguf
     from safetensors import safe_open
 
@@ -92,14 +112,14 @@ def write_gguf(engine: Any, folder: Path, out: Path) -> Path:
 
         w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
         w.add_tensor("output_norm.weight", f32("model.norm.weight"))
-        w.add_tensor("output.weight", f32("lm_head.weight"))
+        _dense_tensor(w, "output.weight", f.get_tensor("lm_head.weight"), dense)
         for layer in range(c["num_hidden_layers"]):
             p, b = f"model.layers.{layer}", f"blk.{layer}"
             w.add_tensor(f"{b}.attn_norm.weight", f32(f"{p}.input_layernorm.weight"))
             w.add_tensor(f"{b}.ffn_norm.weight", f32(f"{p}.post_attention_layernorm.weight"))
             pairs = (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"))
             for ours, theirs in pairs:
-                w.add_tensor(f"{b}.{theirs}.weight", f32(f"{p}.self_attn.{ours}.weight"))
+                _dense_tensor(w, f"{b}.{theirs}.weight", f.get_tensor(f"{p}.self_attn.{ours}.weight"), dense)
             w.add_tensor(f"{b}.attn_q_norm.weight", f32(f"{p}.self_attn.q_norm.weight"))
             w.add_tensor(f"{b}.attn_k_norm.weight", f32(f"{p}.self_attn.k_norm.weight"))
             w.add_tensor(f"{b}.ffn_gate_inp.weight", f32(f"{p}.mlp.gate.weight"))
@@ -116,21 +136,24 @@ def write_gguf(engine: Any, folder: Path, out: Path) -> Path:
     return out
 
 
-def ensure_gguf(folder: Path, threads: int = 1) -> Path:
-    """``folder/model-q4_0.gguf``, written once from a q4 engine's own expert blocks (the file ``measure`` uses)."""
+def ensure_gguf(folder: Path, threads: int = 1, dense: str = "none") -> Path:
+    """``folder/gguf_name(dense)``, written once from a q4 engine's own expert blocks (the file ``measure`` uses)."""
     from freetoken_agent.runtime.engine import Engine
 
-    out = folder / "model-q4_0.gguf"
+    out = folder / gguf_name(dense)
     if not out.is_file():
         engine = Engine.from_pretrained(folder, quant="q4", threads=threads)
         tmp = out.with_suffix(".tmp")
-        write_gguf(engine, folder, tmp)
+        write_gguf(engine, folder, tmp, dense)
         tmp.replace(out)
     return out
 
 
-def measure(folder: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32) -> dict[str, Any]:
-    """Load both engines, then alternate decode timings; also compare their first greedy tokens."""
+def measure(
+    folder: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32, dense: str = "none"
+) -> dict[str, Any]:
+    """Load both engines, then alternate decode timings; also compare their first greedy tokens. ``dense``: both
+    sides' dense weights (``none`` = fp32 / F32, ``q8`` / ``q4`` = the same Q8_0 / Q4_0 blocks)."""
     import llama_cpp
 
     from freetoken_agent.runtime.engine import Engine
@@ -138,12 +161,10 @@ def measure(folder: Path, threads: int, tokens: int, rounds: int, prompt_len: in
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    ours = Engine.from_pretrained(folder, quant="q4", threads=threads)
+    ours = Engine.from_pretrained(folder, quant="q4", threads=threads, dense_quant=dense)
     ops.set_threads(threads)
     load_s = time.perf_counter() - t0
-    gguf_path = folder / "model-q4_0.gguf"
-    if not gguf_path.is_file():
-        write_gguf(ours, folder, gguf_path)
+    gguf_path = ensure_gguf(folder, threads, dense)
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=256, n_batch=64, n_threads=threads,
                           n_threads_batch=threads, verbose=False)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
@@ -181,7 +202,8 @@ def measure(folder: Path, threads: int, tokens: int, rounds: int, prompt_len: in
     params = sum(p.numel() for p in _params(folder))
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {
-        "params": params, "threads": threads, "tokens": tokens, "rounds": rounds, "load_s": round(load_s, 1),
+        "params": params, "dense": dense, "threads": threads, "tokens": tokens, "rounds": rounds,
+        "load_s": round(load_s, 1),
         "ours_tok_s": round(med["ours"], 2), "llama_cpp_tok_s": round(med["llama.cpp"], 2),
         "ratio": round(med["ours"] / med["llama.cpp"], 3), "rates": rates,
         "greedy_prefix_agreement": agree, "ours_ids": ours_ids, "llama_ids": theirs_ids,
@@ -201,15 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1", help="comma-separated thread counts")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dense", default="none", help="comma-separated dense-weight formats: none (fp32), q8, q4")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     folder = write_checkpoint(Path(args.dir) / "qwen3_moe-1b")
-    results = [measure(folder, int(t), args.tokens, args.rounds) for t in args.threads.split(",")]
+    results = [measure(folder, int(t), args.tokens, args.rounds, dense=d)
+               for d in args.dense.split(",") for t in args.threads.split(",")]
     if args.json:
         print(json.dumps(results, indent=1))
     else:
         for r in results:
-            print(f"{r['params'] / 1e9:.2f}B params, {r['threads']} thread(s): ours {r['ours_tok_s']} tok/s, "
+            print(f"{r['params'] / 1e9:.2f}B params, dense {r['dense']}, {r['threads']} thread(s): ours {r['ours_tok_s']} tok/s, "
                   f"llama.cpp {r['llama_cpp_tok_s']} tok/s, ratio {r['ratio']}, "
                   f"greedy agreement {r['greedy_prefix_agreement']}/8")  # fmt: skip
     return 0
