@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 import sys
@@ -119,10 +120,11 @@ class ExpertCacheFile:
         """Bytes of the data region (every blob with its padding to ``stride``)."""
         return len(self.layers) * self.num_experts * self.stride
 
-    def verify(self, chunk: int = 64 << 20) -> str | None:
+    def verify(self) -> str | None:
         """Check the data region against the writer's checksum; returns what is wrong, or ``None`` when intact.
 
-        Reads the whole data region (CRC-32 runs at several GB/s; the pages read stay in the page cache).
+        Reads the whole data region through a read-only mapping (no copy; CRC-32 runs at several GB/s, and the
+        pages read stay in the page cache for whoever maps the file next).
         """
         end = self.data_start + self.data_bytes
         raw = os.pread(self._fd, TRAILER.size, end)
@@ -131,12 +133,8 @@ class ExpertCacheFile:
         magic, n, want = TRAILER.unpack(raw)
         if magic != TRAILER_MAGIC or n != self.data_bytes:
             return "its checksum trailer is damaged"
-        crc = 0
-        for off in range(self.data_start, end, chunk):
-            block = os.pread(self._fd, min(chunk, end - off), off)
-            if not block:
-                return "it is truncated"
-            crc = zlib.crc32(block, crc)
+        with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+            crc = zlib.crc32(view[self.data_start : end])
         return None if crc == want else "its expert data does not match the checksum"
 
 
