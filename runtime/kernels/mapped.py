@@ -86,6 +86,7 @@ class MappedLoad:
         from ..model.moe import activate
 
         lay = self.layout
+        quant_bytes = 0
         for j, layer in enumerate(self.layers):
             moe = self.spec.layers[layer].moe
             assert moe is not None
@@ -97,7 +98,7 @@ class MappedLoad:
                 qe.activation = partial(activate, moe=moe)
             qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
             decoder.experts[layer] = _TypedExperts(qe)
-        quant_bytes = len(self.layers) * self.blobs.shape[1] * lay.blob_bytes
+            quant_bytes += qe.nbytes
         return QuantReport(lay.fmt, len(self.layers), self.float_bytes, quant_bytes, lay.packed, self.cache,
                            self.written)
 
