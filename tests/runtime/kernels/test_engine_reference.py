@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from freetoken_agent.runtime.builtin import builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.kernels import build
+from freetoken_agent.runtime.kernels.accuracy import kl, top1
 from freetoken_agent.runtime.kernels.apply import _TypedExperts, dequantized_reference, set_expert_mode
 from freetoken_agent.runtime.kernels.reference import Int8ActExperts
 from freetoken_agent.runtime.model.moe import activate
@@ -86,15 +86,6 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     folder = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     prompt = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     return Case(folder, prompt, RANDOM_BOUNDS)
-
-
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """Mean over positions of KL(p || q)."""
-    return float(F.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="batchmean"))
-
-
-def top1(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
 def _reference(model: Path, quant: str, activations: str) -> Engine:
