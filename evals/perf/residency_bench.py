@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-
 CODE_PROMPT = '''def read_config(path):
     """Read a JSON config file and return it as a dict; missing files give an empty config."""
     import json, os

@@ -28,7 +28,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
 from freetoken_agent.evals.perf import bench_gguf_decode, residency_bench
 from freetoken_agent.evals.perf.suite_llama import METHOD, MappedBudget, open_llama
 

@@ -114,6 +114,7 @@ class MappedBudget:
         self._pages = (self.length + _PAGE - 1) // _PAGE
         self._vec = (ctypes.c_ubyte * self._pages)()
         self._fd = os.open(self.path, os.O_RDONLY)
+        os.fsync(self._fd)  # a freshly written file's dirty pages cannot be evicted until they are on disk
 
     def _resident_pages(self) -> np.ndarray:
         if self._libc.mincore(ctypes.c_void_p(self.addr), ctypes.c_size_t(self.length), self._vec) != 0:
@@ -142,20 +143,23 @@ class MappedBudget:
 
     def enforce(self) -> int:
         """Evict random resident experts until the file fits the budget; returns the bytes evicted now."""
-        pages = self._resident_pages()
+        pages = self._resident_pages().copy()
         held = int(pages.sum()) * _PAGE
         self.peak = max(self.peak, held)
         if held <= self.budget:
             return 0
-        resident = [(o, n, int(pages[o // _PAGE : (o + n) // _PAGE].sum()) * _PAGE) for o, n in self.experts]
-        resident = [r for r in resident if r[2]]
-        self._rng.shuffle(resident)
+        order = list(range(len(self.experts)))
+        self._rng.shuffle(order)
         freed = 0
-        for offset, nbytes, held_here in resident:
+        for i in order:
             if held - freed <= self.budget:
                 break
-            self._evict(offset, nbytes)
-            freed += held_here
+            offset, nbytes = self.experts[i]
+            span = pages[offset // _PAGE : (offset + nbytes) // _PAGE]  # neighbours may share an edge page
+            if span.any():
+                self._evict(offset, nbytes)
+                freed += int(span.sum()) * _PAGE
+                span[:] = 0
         self.evicted += freed
         return freed
 

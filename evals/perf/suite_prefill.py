@@ -41,11 +41,11 @@ def _row(params: int, peer: str, prompt_len: int, runs: dict[str, list[Timing]])
     pre = [prompt_len / statistics.median(r[1] for r in v) for v in (ours_runs, peer_runs)]
     return {
         "params": params, "peer": peer, "prompt_tokens": prompt_len,
-        "ours_ttft_s": round(ttft[0], 4), "peer_ttft_s": round(ttft[1], 4), "ttft_ratio": round(ttft[1] / ttft[0], 3),
+        "ours_ttft_s": round(ttft[0], 6), "peer_ttft_s": round(ttft[1], 6), "ttft_ratio": round(ttft[1] / ttft[0], 3),
         "ours_prefill_tok_s": round(pre[0], 1), "peer_prefill_tok_s": round(pre[1], 1),
         "prefill_ratio": round(pre[0] / pre[1], 3),
         "first_token_agrees": ours_runs[0][2] == peer_runs[0][2],
-        "runs": {k: {"ttft_s": [round(r[0], 4) for r in v], "prefill_s": [round(r[1], 4) for r in v]}
+        "runs": {k: {"ttft_s": [round(r[0], 6) for r in v], "prefill_s": [round(r[1], 6) for r in v]}
                  for k, v in runs.items()},
     }  # fmt: skip
 
@@ -78,7 +78,6 @@ def prefill_q4(ours: Any, llm: Any, prompt: list[int], rounds: int, params: int)
 def prefill_fp32(folder: Path, prompt_len: int, rounds: int, threads: int) -> dict[str, Any]:
     """Ours vs ``transformers`` (fp32) on ``folder``; TTFT through each side's ``generate``."""
     import transformers
-
     from freetoken_agent.runtime.engine import Engine
 
     engine = Engine.from_pretrained(folder, threads=threads)

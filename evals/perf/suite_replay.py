@@ -69,7 +69,7 @@ def synthetic_session(turns: int = 12, seed: int = 0) -> Messages:
 def turn_prompts(messages: Messages, encode: Callable[[str], list[int]], max_turns: int, max_context: int,
                  vocab: int) -> list[list[int]]:
     """Token ids before each assistant message (teacher forcing) on an append-only token log, within the limits."""
-    fold = lambda ids: [259 + t % (vocab - 259) for t in ids]  # noqa: E731
+    fold = lambda ids: [259 + t % (vocab - 259) for t in ids]
     log: list[int] = []
     prompts: list[list[int]] = []
     for m in messages:
@@ -99,12 +99,6 @@ def conversations(folder: Path | None, encode: Callable[[str], list[int]], sessi
     return str(folder), [item for item in found[:sessions] if len(item[1]) >= 2]
 
 
-def _time(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def replay(ours: Any, llm: Any, name: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Both sides through one conversation, turn by turn alternating; a fresh session / reset KV first."""
     import llama_cpp
@@ -116,15 +110,19 @@ def replay(ours: Any, llm: Any, name: str, prompts: list[list[int]]) -> list[dic
     rows = []
     for turn, prompt in enumerate(prompts):
         before = ours.stats()["reused_tokens"]
-        ours_s = _time(lambda: session.generate(prompt, max_new_tokens=1, stop_token_ids=[]))
+        t0 = time.perf_counter()
+        session.generate(prompt, max_new_tokens=1, stop_token_ids=[])
+        ours_s = time.perf_counter() - t0
         ours_reused = ours.stats()["reused_tokens"] - before
         evaluated = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
+        t0 = time.perf_counter()
         gen = llm.generate(prompt, top_k=1, temp=0.0)
-        peer_s = _time(lambda: next(gen))
+        next(gen)
+        peer_s = time.perf_counter() - t0
         gen.close()
         peer_prefilled = llama_cpp.llama_perf_context(llm.ctx).n_p_eval - evaluated
-        rows.append({"session": name, "turn": turn, "prompt_tokens": len(prompt), "ours_ttft_s": round(ours_s, 4),
-                     "peer_ttft_s": round(peer_s, 4), "ours_reused": ours_reused,
+        rows.append({"session": name, "turn": turn, "prompt_tokens": len(prompt), "ours_ttft_s": round(ours_s, 6),
+                     "peer_ttft_s": round(peer_s, 6), "ours_reused": ours_reused,
                      "peer_prefilled": peer_prefilled})  # fmt: skip
     session.close()
     manager.radix.clear()
@@ -149,7 +147,7 @@ def measure(ours: Any, llm: Any, folder: Path | None, sessions: int, max_turns: 
         "peer": "llama.cpp Q4_0 prefix reuse", "source": source, "sessions": len(convs), "turns": len(rows),
         "max_context": max_context, "median_prompt_tokens": statistics.median(r["prompt_tokens"] for r in later),
         "median_new_tokens": statistics.median(r["peer_prefilled"] for r in later),
-        "ours_ttft_s": round(ours_med, 4), "peer_ttft_s": round(peer_med, 4), "ratio": round(peer_med / ours_med, 3),
+        "ours_ttft_s": round(ours_med, 6), "peer_ttft_s": round(peer_med, 6), "ratio": round(peer_med / ours_med, 3),
         "turn0_ours_ttft_s": statistics.median(r["ours_ttft_s"] for r in rows if r["turn"] == 0),
         "turn0_peer_ttft_s": statistics.median(r["peer_ttft_s"] for r in rows if r["turn"] == 0),
         "per_turn": rows,
