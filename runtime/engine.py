@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class Engine:
         self._kv: Any = None
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
         self.dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport with dense_quant="q8"/"q4"
+        self.decode_torch_threads: int | None = None  # torch threads during decode steps (None: unchanged)
         self.residency: Any = None  # runtime.experts.store.ExpertStore when loaded under a memory budget
         self.phase_listeners: list[Any] = []  # phase scheduling (issue 8): callables (phase, expected_s)
 
@@ -182,6 +184,13 @@ class Engine:
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
         engine.dense_quant = dense_report
+        if dense_report is not None or quant != "none":
+            from freetoken_agent.runtime.kernels import build, ops
+
+            if build.load() is not None and (threads is not None or os.environ.get("FREETOKEN_THREADS")):
+                ops.set_threads(n_threads)  # an explicit thread count sizes the kernels' pool too
+            if dense_report is not None:
+                engine.decode_torch_threads = 1
         if managed is not None:
             managed.install(engine.decoder)
             engine.residency = managed.store
@@ -296,9 +305,23 @@ class Engine:
                 stats.decode_s += time.perf_counter() - t0
                 yield TokenEvent(token, delta + checker.flush(), "length")
                 return
-            logits = self._forward(torch.tensor([token]), cache, last_only=True)
+            logits = self._decode_step(token, cache)
             stats.decode_s += time.perf_counter() - t0
             yield TokenEvent(token, delta)
+
+    def _decode_step(self, token: int, cache: Any) -> torch.Tensor:
+        """One decode step. With ``decode_torch_threads`` set (the default when the C kernels carry the dense
+        weights too), torch's own ops — norms, RoPE, attention over the cache, all tiny at one token — run on that
+        many threads while the kernels' pool keeps its own: two spinning pools on the same cores only take turns."""
+        n = self.decode_torch_threads
+        before = torch.get_num_threads()
+        if n is None or n == before:
+            return self._forward(torch.tensor([token]), cache, last_only=True)
+        torch.set_num_threads(n)
+        try:
+            return self._forward(torch.tensor([token]), cache, last_only=True)
+        finally:
+            torch.set_num_threads(before)
 
     def iter_generate(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
