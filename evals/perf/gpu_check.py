@@ -6,7 +6,10 @@ in one process, decode tok/s for:
 
 - ``lru`` and ``heat`` with the adaptive planner (cold experts fetched or computed on the CPU, per cost model);
 - ``lru-fetch``: every cold expert copied to a device slot (the reference server's behaviour);
-- ``cpu-moe``: every routed expert on the CPU, dense on the GPU (``--n-cpu-moe``-style static placement).
+- ``cpu-moe``: every routed expert on the CPU, dense on the GPU (``--n-cpu-moe``-style static placement);
+- the phase-aware run (``phase_gpu``): a synthetic agent session (plan / code / tool pauses) with the host tier at
+  ``--phase-host`` of the expert bytes, ``PhaseScheduler`` (staging on hints, prefetch during pauses) vs LRU:
+  misses at phase switches (``--phase-turns 0`` skips it).
 
     python -m freetoken_agent.evals.perf.gpu_check                 # on a machine with a GPU
     python -m freetoken_agent.evals.perf.gpu_check --cpu-dry-run   # tiny shape, simulated device tier (CI/CPU)
@@ -140,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=None, help="folder for the expert cache file (default $FREETOKEN_CACHE)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shape on the CPU with a simulated device tier")
+    from freetoken_agent.evals.perf import phase_gpu
+
+    phase_gpu.add_flags(p)
     args = p.parse_args(argv)
+    phase_gpu.check_flags(args)
     from freetoken_agent.runtime.experts.cache_file import cache_root
     from freetoken_agent.runtime.experts.layout import ExpertLayout
     from freetoken_agent.runtime.hardware import load_or_probe
@@ -186,10 +193,28 @@ def main(argv: list[str] | None = None) -> int:
         pl = r["planner"]
         print(f"| {r['run']} | {r['decode_tok_s']} | {pl['resident']}/{pl['fetch']}/{pl['host']} | "
               f"{r['device_hit_rate']} | {r['stall_s']} |")
-    over = [r["run"] for r in rows for t in ("device", "host") if r["limits"][t] is not None and r["peak"][t] > r["limits"][t]]
+    phase = None
+    if args.phase_turns:
+        from freetoken_agent.runtime.experts.setup import build_store
+
+        phase = phase_gpu.run(spec, weights, disk_path, args, device, build_store)
+        print(f"\nphase-aware run: {args.phase_turns} agent turns ({args.phase_warm} warm-up), host tier "
+              f"{args.phase_host:.0%} of the expert bytes, {args.phase_pause} s tool pauses\n"
+              "| run | switch misses (plan/code) | host misses | host hit rate | stall s | bytes read in pauses | "
+              "decode tok/s |\n|---|---|---|---|---|---|---|")
+        for r in phase["rows"]:
+            sm = r["switch_misses"]
+            print(f"| {r['run']} | {r['switch_total']} ({sm.get('plan', 0)}/{sm.get('code', 0)}) | {r['host_misses']} | "
+                  f"{r['host_hit_rate']} | {r['stall_s']} | {r['pause_bytes']} | {r['decode_tok_s']} |")
+        print(f"phase_switch_miss_reduction: {phase['phase_switch_miss_reduction']}")
+        rows_all = rows + phase["rows"]
+    else:
+        rows_all = rows
+    over = [r["run"] for r in rows_all for t in ("device", "host")
+            if r["limits"][t] is not None and r["peak"][t] > r["limits"][t]]
     print(f"\nbudgets respected: {'yes' if not over else 'NO: ' + ', '.join(over)}; total {time.perf_counter() - t_start:.0f} s")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "profile": profile.to_json()}, indent=2))
+        Path(args.out).write_text(json.dumps({"rows": rows, "phase": phase, "profile": profile.to_json()}, indent=2))
     return 0 if not over else 1
 
 

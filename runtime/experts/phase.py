@@ -16,6 +16,11 @@ module turns those hints into residency actions on the host slot pool:
   reserved so that the tool output's prefill does not evict it; bounded by what the disk can read in the
   expected pause.
 
+With a device tier in front (a GPU, or a simulated one), the host pool serves only the device tier's misses, so
+keys the device pool holds are neither staged nor reserved in host slots, and their host copies are evicted first.
+Staging into the device tier itself is not done here (the store's device path has no way to wait for a slot that
+a background copy is still filling).
+
 Outputs are unchanged: staging only decides which tier an expert is read from, never what is computed.
 """
 
@@ -76,6 +81,9 @@ class PhaseSchedulingPolicy(HeatPolicy):
         self.profiles, self.top_k, self.weight = profiles, top_k, weight
         self.phase = "plan"
         self.reserved: set[Key] = set()
+        self.faster: Any = None
+        """The device slot pool in front of this (host) pool, if any: keys it holds are not read from here, so
+        their host copies go first (the host tier should hold what the device tier misses)."""
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -101,7 +109,9 @@ class PhaseSchedulingPolicy(HeatPolicy):
         if not free:
             return None
         pool = [k for k in free if k not in self.reserved] or free
-        return min(pool, key=lambda k: (k in self.reserved, self.score(k), self._last.get(k, -1)))
+        faster = self.faster
+        return min(pool, key=lambda k: (k in self.reserved, faster is None or faster.slot_of(k) is None,
+                                         self.score(k), self._last.get(k, -1)))
 
 
 @dataclass
@@ -180,6 +190,7 @@ class PhaseScheduler:
             for key in store.host.resident():
                 sched.policy.touch(key)
             store.host.policy = sched.policy
+        sched.policy.faster = store.device
         engine.decoder.routing_observers.append(sched.observe_routing)
         engine.phase_listeners.append(sched.on_hint)
         engine.phase_scheduler = sched  # ``Engine.stats()["phase"]`` reports its snapshot
@@ -285,7 +296,8 @@ class PhaseScheduler:
     def stage(self, phase: str, n: int, reserve: bool) -> int:
         """Start background reads of ``phase``'s hot set into host slots; returns the bytes issued."""
         pool = self.store.host
-        keys = self.plan_stage(phase, n)
+        faster = self.store.device  # keys held by the device tier are not read from host slots: not staged there
+        keys = [k for k in self.plan_stage(phase, n) if faster is None or faster.slot_of(k) is None]
         if reserve:  # the hottest part of the staged set is kept through the onset (the rest competes on heat)
             fraction = TUNING.get(phase, TUNING["plan"]).reserve_fraction
             self.policy.reserved = set(keys[: int(self.store.host.n_slots * fraction)])
