@@ -85,6 +85,7 @@ class SimStore:
 
     def __init__(self, sim: Replay) -> None:
         self.sim, self.host, self._executor = sim, sim.pool, _Inline()
+        self.device = None  # one tier: host slots over the disk
 
     def _fill_host(self, key: tuple[int, int], slot: int) -> None:
         self.sim.background_read(slot)
