@@ -129,13 +129,13 @@ class ExpertCacheFile:
         end = self.data_start + self.data_bytes
         raw = os.pread(self._fd, TRAILER.size, end)
         if len(raw) < TRAILER.size:
-            return "it has no checksum (written by an older version)"
+            return "no checksum: written by an older version"
         magic, n, want = TRAILER.unpack(raw)
         if magic != TRAILER_MAGIC or n != self.data_bytes:
-            return "its checksum trailer is damaged"
+            return "checksum trailer damaged"
         with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
             crc = zlib.crc32(view[self.data_start : end])
-        return None if crc == want else "its expert data does not match the checksum"
+        return None if crc == want else "expert data does not match its checksum"
 
 
 def write_cache_file(
@@ -193,8 +193,9 @@ def open_or_write(
     """Open the cache file at ``path``, writing it first when missing or unreadable; returns (file, written).
 
     ``progress`` shows a bar while writing (default: when the file will exceed 256 MiB). ``verify`` also checks
-    the data against its checksum. A damaged file (bad header, truncated, checksum mismatch) is rewritten with a
-    one-line warning on stderr; a file for another layout is rewritten silently.
+    the data against its checksum. A damaged file (bad header, truncated, checksum mismatch) or, with ``verify``,
+    one without a checksum (older versions) is rewritten with a one-line note on stderr; a file for another layout
+    is rewritten silently.
     """
     if path.is_file():
         problem = None
@@ -208,7 +209,7 @@ def open_or_write(
         except (FreeTokenError, KeyError, TypeError, ValueError) as exc:
             problem = str(exc).removeprefix(f"{path}: ")
         if problem is not None:
-            print(f"freetoken: expert cache {path} is damaged ({problem}); writing it again", file=sys.stderr)
+            print(f"freetoken: rewriting the expert cache {path} ({problem})", file=sys.stderr)
     total = len(layers) * num_experts
     if progress if progress is not None else total * layout.blob_bytes > 256 * 2**20:
         from rich.progress import Progress
