@@ -60,6 +60,13 @@ def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
     return linear(act(linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
 
 
+EAGER_ATTENTION_TOKENS = 16
+"""Up to this many query tokens (decode steps, short chunks), attention is two batched matmuls and a softmax:
+torch's CPU ``scaled_dot_product_attention`` costs 15-40x more for one query (measured: 0.36 vs 15.8 ms over 512
+cached keys with GQA, 0.9 vs 16-75 ms over 2048; ``evals/perf/RESULTS.md``), while for long prompts it is on par
+and never materializes the [H, T, S] scores."""
+
+
 def attention_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,7 +102,7 @@ def attention_scores(
             top = ranked.topk(spec.keep_window, dim=-1).indices
             allowed = allowed & torch.zeros_like(allowed).scatter_(-1, top, True)
         mask = bias.masked_fill(~allowed, float("-inf"))
-    if sinks is None:
+    if sinks is None and t > EAGER_ATTENTION_TOKENS:
         # fused kernel: no [H, T, S] score tensor is materialized twice
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=spec.scale,
@@ -107,8 +114,11 @@ def attention_scores(
     if key_bias is not None:
         scores = scores + mask
     scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
     out = torch.matmul(probs.view(hkv, g * t, s), v.permute(1, 0, 2))  # [Hkv, G*T, Dv]
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
 
