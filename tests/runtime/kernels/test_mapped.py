@@ -15,11 +15,13 @@ import torch
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.cache_file import TRAILER, ExpertCacheFile
 from freetoken_agent.runtime.kernels import mapped
-from freetoken_agent.runtime.kernels.apply import quantize_experts
+from freetoken_agent.runtime.kernels.apply import quantize_experts, set_expert_mode
 from freetoken_agent.runtime.synthetic import write_synthetic
 
+from tests.runtime.checkpoints import ARCHITECTURES, save_checkpoint
+
 PROMPT = [3, 77, 512, 9, 1000, 41, 5, 260, 18, 700]
-SMALL = dict(num_hidden_layers=2, hidden_size=128, moe_intermediate_size=96, num_experts=8)
+SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "moe_intermediate_size": 96, "num_experts": 8}
 
 
 @pytest.fixture()
@@ -145,3 +147,28 @@ def test_unwritable_cache_falls_back_to_memory(
     assert engine.quant.cache is None and engine.quant.written
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ok"))
     assert torch.equal(engine.logits(PROMPT), Engine.from_pretrained(folder, quant="q4").logits(PROMPT))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_maps_what_in_memory_quantization_computes(
+    tmp_path: Path, cache: Path, arch: str
+) -> None:
+    """Per-expert, fused, transposed and biased expert layouts, dense-first layers, shared experts: same logits."""
+    save_checkpoint(arch, tmp_path / arch, seed=1)
+    ours = Engine.from_pretrained(tmp_path / arch, quant="q4")
+    assert ours.quant.cache is not None
+    plain = Engine.from_pretrained(tmp_path / arch)
+    quantize_experts(plain.decoder, "q4")
+    for engine in (ours, plain):
+        set_expert_mode(engine.decoder, "exact")
+    prompt = [5, 17, 300, 42, 7, 99, 211, 3]  # vocabulary 512
+    assert torch.equal(ours.logits(prompt), plain.logits(prompt))
+
+
+def test_the_cache_file_does_not_depend_on_the_compute_dtype(tmp_path: Path, cache: Path) -> None:
+    folder = _model(tmp_path)
+    fp32 = Engine.from_pretrained(folder, quant="q4")
+    bf16 = Engine.from_pretrained(folder, quant="q4", dtype="bfloat16")
+    assert not bf16.quant.written and bf16.quant.cache == fp32.quant.cache
+    out = bf16.logits(PROMPT)
+    assert torch.isfinite(out).all() and float((out - fp32.logits(PROMPT)).abs().max()) < 0.5
