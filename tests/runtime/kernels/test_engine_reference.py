@@ -143,13 +143,12 @@ def test_int8_mode_matches_int8_reference(case: Case, quant: str) -> None:
     assert top1(logits, ref_logits) >= 0.95 and kl(ref_logits, logits) <= 1e-3
 
 
-@needs_kernels
 @pytest.mark.parametrize("quant", ["q8", "q4"])
 def test_agreement_with_fp32(case: Case, quant: str) -> None:
     fp32 = Engine.from_pretrained(case.folder).logits(case.prompt)
     engine = Engine.from_pretrained(case.folder, quant=quant)
     min_top1, max_kl = case.bounds[quant]
-    for mode in ("exact", "int8"):
+    for mode in ("exact", "int8") if build.load() is not None else ("exact",):
         set_expert_mode(engine.decoder, mode)
         logits = engine.logits(case.prompt)
         assert top1(logits, fp32) >= min_top1 and kl(fp32, logits) <= max_kl, (mode, top1(logits, fp32))
