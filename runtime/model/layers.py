@@ -21,9 +21,11 @@ _ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approxi
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """Normalize in fp32, cast back, scale (HF order). One fused ``F.rms_norm`` instead of six ops: a decode step
+    runs ~4 of these per layer, and at one token each op is mostly dispatch overhead (41 -> 15 us)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == x.shape[-1:]:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,6 +84,9 @@ def attention_scores(
     t, h, dh = q.shape
     s, hkv, dv = v.shape
     g = h // hkv
+    if (t == 1 and keep is None and key_bias is None and spec.sliding_window is None and spec.chunk_size is None
+            and int(q_pos[0]) >= s - 1):  # a decode step that sees every cached key: no mask to build
+        return _one_query_attention(q, k, v, spec.scale, sinks)
     k_pos = torch.arange(s, device=q.device)
     allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
     if spec.sliding_window is not None:
@@ -121,6 +126,22 @@ def attention_scores(
         probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
     out = torch.matmul(probs.view(hkv, g * t, s), v.permute(1, 0, 2))  # [Hkv, G*T, Dv]
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
+
+
+def _one_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """q [1, H, Dh] over every key of k [S, Hkv, Dh], v [S, Hkv, Dv] → [1, H*Dv]."""
+    h, dh = q.shape[1:]
+    s, hkv, dv = v.shape
+    scores = torch.matmul(q.view(hkv, h // hkv, dh), k.permute(1, 2, 0)).view(h, s) * scale  # [H, S]
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    else:
+        probs = torch.softmax(torch.cat([scores, sinks.to(scores.dtype).view(h, 1)], dim=-1).float(), dim=-1)
+        probs = probs[:, :-1].to(v.dtype)
+    out = torch.matmul(probs.view(hkv, h // hkv, s), v.permute(1, 0, 2))  # [Hkv, G, Dv]
+    return out.reshape(1, h * dv)
 
 
 def position_scaled(q: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
