@@ -21,6 +21,7 @@ import ctypes
 import mmap
 import os
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ METHOD = ("emulated limit: after every decode step the GGUF's resident pages (mi
           "could be created here; llama.cpp opened with --no-repack so experts are read from the mmap")  # fmt: skip
 
 _MADV_PAGEOUT = 21  # reclaim the mapped pages now (Linux >= 5.4); MADV_DONTNEED would only unmap them
-_MADV_NORMAL, _MADV_RANDOM = 0, 1
+_MADV_NORMAL, _MADV_RANDOM, _MADV_DONTNEED = 0, 1, 4
 _PAGE = mmap.PAGESIZE
 
 
@@ -96,6 +97,13 @@ def expert_ranges(gguf_path: Path) -> list[tuple[int, int]]:
     return out
 
 
+def supported() -> str | None:
+    """None when ``MappedBudget`` can run here, else why not (it needs Linux: /proc/self/maps, mincore, madvise)."""
+    if not sys.platform.startswith("linux"):
+        return f"the emulated memory limit needs Linux (/proc, mincore, madvise); this is {sys.platform}"
+    return None
+
+
 class MappedBudget:
     """Holds the resident pages of a memory-mapped GGUF to ``budget`` bytes by evicting random resident experts.
 
@@ -128,7 +136,9 @@ class MappedBudget:
     def _evict(self, offset: int, nbytes: int) -> None:
         """Drop ``nbytes`` at ``offset`` (relative to the mapping) from the mapping and from the page cache."""
         nbytes = min(nbytes, self.length - offset)
-        self._libc.madvise(ctypes.c_void_p(self.addr + offset), ctypes.c_size_t(nbytes), _MADV_PAGEOUT)
+        addr, size = ctypes.c_void_p(self.addr + offset), ctypes.c_size_t(nbytes)
+        if self._libc.madvise(addr, size, _MADV_PAGEOUT) != 0:  # kernels before 5.4: unmap, then drop below
+            self._libc.madvise(addr, size, _MADV_DONTNEED)
         os.posix_fadvise(self._fd, self.offset + offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     def access(self, random_access: bool) -> None:

@@ -106,6 +106,9 @@ def test_table_and_json(report: tuple[dict[str, Any], Path], tmp_path: Path) -> 
     for text in ("| cpu_decode_q4", "llama.cpp Q4_0", "| cpu_prefill_q4 (64-token prompt)", "| TTFT q4",
                  "| TTFT fp32", "| agent replay TTFT", "host budget", "bandwidth fraction", "Method: emulated"):
         assert text in table, text
+    off = {**r, "rows": {**r["rows"], "over_budget_decode": {"skipped": "the emulated memory limit needs Linux"}}}
+    assert "| decode over the host budget | | skipped: the emulated memory limit needs Linux" in suite.format_table(off)
+    assert "over budget: host budget" not in suite.format_table(off)
     out = suite.write_json(r, tmp_path / "r" / "suite.json")
     saved = json.loads(out.read_text())
     for key in ("cpu_decode_ratio_vs_llamacpp", "bandwidth_fraction", "prefill_ratio_vs_llamacpp",
