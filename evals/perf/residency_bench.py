@@ -129,7 +129,7 @@ def run_one(model: Path, name: str, args: argparse.Namespace, host: int | None, 
         host_t = res["tiers"]["host"]
         row.update(hit_rate=host_t["hit_rate"], accuracy=res["prefetch"]["accuracy"],
                    disk_mb_per_tok=round(res["tiers"]["disk"]["bytes_read"] / 1e6 / (len(prompt) + args.tokens), 2),
-                   peak_mb=round(host_t["peak"] / 1e6, 1), stall_s=res["stall_s"])
+                   peak_mb=round(host_t["peak"] / 1e6, 1), peak_bytes=host_t["peak"], stall_s=res["stall_s"])
     store.close()
     del mapped
     return row

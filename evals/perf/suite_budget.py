@@ -105,7 +105,7 @@ def measure(folder: Path, threads: int, tokens: int, rounds: int, ratio: float =
         "peer_random_access_tok_s": round(med["llama.cpp random"], 2),
         "ratio_vs_random_access": round(med["ours"] / med["llama.cpp random"], 3),
         "peer_unbounded_tok_s": round(med["llama.cpp unbounded"], 2),
-        "ours_peak_host_bytes": max(int(r["peak_mb"] * 1e6) for r in runs["ours"]),
+        "ours_peak_host_bytes": max(r["peak_bytes"] for r in runs["ours"]),
         "peer_peak_file_bytes": peer_peak,
         "ours_disk_mb_per_token": statistics.median(r["disk_mb_per_tok"] for r in runs["ours"]),
         "peer_evicted_mb_per_token": statistics.median(r["evicted_mb_per_token"] for r in runs["llama.cpp"]),
