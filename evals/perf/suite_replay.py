@@ -7,7 +7,7 @@ token log, so the prompt before assistant turn N+1 extends the prompt before tur
 the recorded assistant text is teacher-forced. Ids are folded into the benchmark model's vocabulary above the
 GGUF's 259 special and byte tokens (the weights are random: only lengths and prefixes matter).
 
-Per turn, alternating ours / llama.cpp, the time from the turn's full prompt to its first greedy token:
+Per turn (ours first on even turns, llama.cpp first on odd ones), the time from the turn's full prompt to its first greedy token:
 - ours: one ``engine.session()`` for the whole conversation (radix prefix cache: only the new suffix is prefilled);
 - llama.cpp: one ``Llama`` whose ``generate`` keeps the previous turn's KV and evaluates only the suffix that
   extends it (llama-cpp-python's prefix match; the same reuse as ``llama-server``'s per-slot prompt cache).
@@ -99,31 +99,40 @@ def conversations(folder: Path | None, encode: Callable[[str], list[int]], sessi
     return str(folder), [item for item in found[:sessions] if len(item[1]) >= 2]
 
 
-def replay(ours: Any, llm: Any, name: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    """Both sides through one conversation, turn by turn alternating; a fresh session / reset KV first."""
+def _ours_turn(ours: Any, session: Any, prompt: list[int]) -> dict[str, Any]:
+    before = ours.stats()["reused_tokens"]
+    t0 = time.perf_counter()
+    session.generate(prompt, max_new_tokens=1, stop_token_ids=[])
+    ttft = time.perf_counter() - t0
+    return {"ours_ttft_s": round(ttft, 6), "ours_reused": ours.stats()["reused_tokens"] - before}
+
+
+def _llama_turn(llm: Any, prompt: list[int]) -> dict[str, Any]:
     import llama_cpp
 
+    evaluated = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
+    t0 = time.perf_counter()
+    gen = llm.generate(prompt, top_k=1, temp=0.0)  # keeps the previous KV; evaluates only the new suffix
+    next(gen)
+    ttft = time.perf_counter() - t0
+    gen.close()
+    return {"peer_ttft_s": round(ttft, 6), "peer_prefilled": llama_cpp.llama_perf_context(llm.ctx).n_p_eval - evaluated}
+
+
+def replay(ours: Any, llm: Any, name: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Both sides through one conversation, turn by turn, the side that goes first alternating; a fresh session /
+    reset KV first."""
     manager = ours.kv_manager()
     manager.radix.clear()
     session = ours.session()
     llm.reset()
     rows = []
     for turn, prompt in enumerate(prompts):
-        before = ours.stats()["reused_tokens"]
-        t0 = time.perf_counter()
-        session.generate(prompt, max_new_tokens=1, stop_token_ids=[])
-        ours_s = time.perf_counter() - t0
-        ours_reused = ours.stats()["reused_tokens"] - before
-        evaluated = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
-        t0 = time.perf_counter()
-        gen = llm.generate(prompt, top_k=1, temp=0.0)
-        next(gen)
-        peer_s = time.perf_counter() - t0
-        gen.close()
-        peer_prefilled = llama_cpp.llama_perf_context(llm.ctx).n_p_eval - evaluated
-        rows.append({"session": name, "turn": turn, "prompt_tokens": len(prompt), "ours_ttft_s": round(ours_s, 6),
-                     "peer_ttft_s": round(peer_s, 6), "ours_reused": ours_reused,
-                     "peer_prefilled": peer_prefilled})  # fmt: skip
+        row: dict[str, Any] = {"session": name, "turn": turn, "prompt_tokens": len(prompt)}
+        sides = [lambda p=prompt: _ours_turn(ours, session, p), lambda p=prompt: _llama_turn(llm, p)]
+        for fn in sides if turn % 2 == 0 else sides[::-1]:  # A/B, then B/A
+            row.update(fn())
+        rows.append(row)
     session.close()
     manager.radix.clear()
     return rows
