@@ -66,22 +66,21 @@ def measure_costs(engine: Any, tokens: list[int], read_gbps: float | None) -> Co
     return Costs(decode_s, prefill_s, read_s, blob)
 
 
-def learn(profiles: Any, trace: Trace) -> None:
-    """What a session's phase scheduler records: routing per phase, one turn per hint."""
-    from freetoken_agent.runtime.experts.phase import TUNING, onset_key
+def learn(profiles: Any, traces: list[Trace], layout: Any, costs: Costs, top_k: int) -> None:
+    """What a session's phase scheduler records (routing per phase, onset and script positions, one turn per
+    hint): the traces replayed through a ``PhaseScheduler`` that only records (all experts resident, no staging)."""
+    from freetoken_agent.runtime.experts.phase import PhaseScheduler
+    from freetoken_agent.runtime.experts.policies import make_policy
+    from freetoken_agent.runtime.experts.pool import SlotPool
+    from freetoken_agent.runtime.memory import MemoryBudget
 
-    ids = trace.ids.long()
-    onset_end = 0
-    for seg in segments(trace):
-        if seg.hint is not None:
-            profiles.end_turn()
-            onset_end = seg.start + TUNING[seg.phase].onset_tokens
-        spans = [(seg.phase, seg.start, seg.end), (onset_key(seg.phase), seg.start, min(seg.end, onset_end))]
-        for name, a, b in spans:
-            for j, layer in enumerate(trace.layers):
-                if b > a:
-                    counts = torch.bincount(ids[a:b, j].reshape(-1), minlength=profiles.experts).tolist()
-                    profiles.observe(name, layer, {e: n for e, n in enumerate(counts) if n})
+    n_slots = len(profiles.layers) * profiles.experts
+    ledger = MemoryBudget("host", n_slots * layout.stride)
+    pool = SlotPool("host", layout, n_slots, "cpu", ledger.reserve("experts"), make_policy("lru"))
+    replay = Replay(pool, costs, len(profiles.layers))
+    replay.scheduler = PhaseScheduler(SimStore(replay), profiles, top_k, stage_fraction=0.0, pause_prefetch=False)
+    for trace in traces:
+        replay.run(trace)
     profiles.end_turn()
 
 
@@ -159,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     top_k = traces[0].ids.shape[2]
     n_slots = max(int(args.budget * len(layers) * experts), 16)
     warm = PhaseProfiles(layers, experts)
-    for t in warm_traces:
-        learn(warm, t)
+    learn(warm, warm_traces, layout, costs, top_k)
     rows = [run_variant(v, traces, layout, n_slots, costs, warm, top_k, args.stage_fraction) for v in VARIANTS]
     best = min((r for r in rows if r["policy"] in ("lru", "heat")), key=lambda r: r["switch_misses"])
     ours = next(r for r in rows if r["policy"] == "phase+pause")

@@ -15,6 +15,9 @@ module turns those hints into residency actions on the host slot pool:
   the pause (when the engine is idle) is spent reading the *next* phase's hot set (the plan after the tool),
   reserved so that the tool output's prefill does not evict it; bounded by what the disk can read in the
   expected pause.
+- Onset scripts (``phase_script``): a phase's turn prefill and first generated tokens repeat by position (the
+  framing, ``THOUGHT:``, ``<tool_call>…``), so each position has its own profile; the hint stages the first
+  positions' experts ahead of the hot set, and each routed token stages the next position's.
 
 With a device tier in front (a GPU, or a simulated one), the host pool serves only the device tier's misses, so
 keys the device pool holds are neither staged nor reserved in host slots, and their host copies are evicted first.
@@ -39,6 +42,7 @@ from freetoken_agent.runtime.experts.phase_profiles import (
     PhaseProfiles,
     profile_path,
 )
+from freetoken_agent.runtime.experts.phase_script import AHEAD, SCRIPT_TOKENS, script_key, script_keys
 from freetoken_agent.runtime.experts.policies import HeatPolicy
 
 SWITCH_WINDOW = 16
@@ -148,9 +152,15 @@ class PhaseScheduler:
     def __init__(
         self, store: Any, profiles: PhaseProfiles, top_k: int, stage_fraction: float = 0.9,
         pause_prefetch: bool = True, read_gbps: float | None = None, save_path: Path | None = None,
+        script: bool = True,
     ) -> None:  # fmt: skip
         self.store, self.profiles, self.top_k = store, profiles, top_k
         self.stage_fraction, self.pause_prefetch = stage_fraction, pause_prefetch
+        self.script = script
+        """Stage each of a phase's first tokens' experts just ahead of it (``phase_script``)."""
+        self._decoded = 0
+        """Tokens generated (one-token steps) since the last hint: the script position."""
+        self._script_cache: dict[tuple[str, int | None], list[Key]] = {}
         self.read_gbps = read_gbps
         self.save_path = save_path
         self.phase = "plan"
@@ -215,6 +225,15 @@ class PhaseScheduler:
             self.profiles.observe(self.phase, layer, counts)
             if self._onset_left > 0:
                 self.profiles.observe(onset_key(self.phase), layer, counts)
+            position = self._decoded if tokens == 1 else None  # a prefill chunk: the turn's prefill position
+            if self.phase != "tool" and (position is None or position < SCRIPT_TOKENS):
+                self.profiles.observe(script_key(self.phase, position), layer, counts)
+                if layer == self.profiles.layers[0] and self.script and self.stage_fraction > 0:
+                    ahead = (0 if position is None else position) + AHEAD
+                    if ahead < SCRIPT_TOKENS:  # this token is routed: stage the one AHEAD positions later
+                        self.stage(self.phase, 0, reserve=False, first=self._script(self.phase, ahead))
+            if layer == self.profiles.layers[-1] and tokens == 1:
+                self._decoded += 1
             if layer == self.profiles.layers[-1]:
                 self._onset_left -= tokens
                 self._reserve_left -= tokens
@@ -236,6 +255,7 @@ class PhaseScheduler:
         with self._lock:  # hints arrive on the agent's thread, routing on the decode thread
             self.stats.hints.append((phase, expected_s))
             self.profiles.end_turn()
+            self._script_cache.clear()
             for key, p in list(self._pending.items()):  # staged for a phase that ran (or never came): settle
                 if p == self.phase and p != phase:
                     self.stats.wasted[p] = self.stats.wasted.get(p, 0) + 1
@@ -246,6 +266,7 @@ class PhaseScheduler:
                 self._window_left = SWITCH_WINDOW
                 self.stats.switches[phase] = self.stats.switches.get(phase, 0) + 1
             self.phase = phase
+            self._decoded = 0
             tuning = TUNING.get(phase, TUNING["plan"])
             self._onset_left, self._reserve_left = tuning.onset_tokens, tuning.reserve_tokens
             self.policy.set_phase(phase)
@@ -256,9 +277,22 @@ class PhaseScheduler:
                     if expected_s is not None and gbps:
                         blob = self.store.host.layout.blob_bytes
                         n = min(n, int(expected_s * gbps * 1e9 // blob))
-                    self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True)
+                    self.stats.pause_bytes += self.stage(AFTER_PAUSE, n, reserve=True, first=self._opening(AFTER_PAUSE))
                 return
-            self.stage(phase, self.stage_slots(), reserve=True)  # kept through the phase's onset
+            self.stage(phase, self.stage_slots(), reserve=True, first=self._opening(phase))  # kept through the onset
+
+    def _opening(self, phase: str) -> list[Key]:
+        """What ``phase``'s prefill and first ``AHEAD`` tokens need, in the order they need it (``phase_script``)."""
+        if not self.script:
+            return []
+        return [k for position in (None, *range(AHEAD)) for k in self._script(phase, position)]
+
+    def _script(self, phase: str, position: int | None) -> list[Key]:
+        """``script_keys``, cached until the profile folds the next turn (it is asked once per token)."""
+        key = (phase, position)
+        if key not in self._script_cache:
+            self._script_cache[key] = script_keys(self.profiles, phase, position)
+        return self._script_cache[key]
 
     def _close_window(self) -> None:
         if self._window is None:
@@ -293,24 +327,31 @@ class PhaseScheduler:
             order.append((rank[k[0]], k[0], k))
         return [k for _, _, k in sorted(order)]
 
-    def stage(self, phase: str, n: int, reserve: bool) -> int:
-        """Start background reads of ``phase``'s hot set into host slots; returns the bytes issued."""
+    def stage(self, phase: str, n: int, reserve: bool, first: Sequence[Key] = ()) -> int:
+        """Start background reads of ``first`` (script keys, needed soonest), then ``phase``'s hot set (``n`` keys)
+        into host slots; returns the bytes issued. ``reserve``: the hottest staged keys are kept through the onset
+        (the rest competes on heat); script keys are always reserved until their position has run."""
         pool = self.store.host
         faster = self.store.device  # keys held by the device tier are not read from host slots: not staged there
-        keys = [k for k in self.plan_stage(phase, n) if faster is None or faster.slot_of(k) is None]
-        if reserve:  # the hottest part of the staged set is kept through the onset (the rest competes on heat)
+        keys = list(dict.fromkeys([*first, *self.plan_stage(phase, n)]))
+        keys = [k for k in keys if faster is None or faster.slot_of(k) is None]
+        if reserve:
             fraction = TUNING.get(phase, TUNING["plan"]).reserve_fraction
             self.policy.reserved = set(keys[: int(self.store.host.n_slots * fraction)])
+        self.policy.reserved.update(k for k in first if k in keys)
         issued = 0
+        protect: set[int] = set()  # the slots of keys ranked before this one: never evicted for a later key
         for key in keys:
             with pool.lock:
-                if pool.slot_of(key) is not None:
+                slot = pool.slot_of(key)
+                if slot is not None:
+                    protect.add(slot)
                     continue
-                protect = {pool.table[k] for k in keys if k in pool.table}  # never evict one staged key for another
                 slot = pool.claim(key, protect)
             if slot is None:
                 self.stats.dropped += 1
                 continue
+            protect.add(slot)
             self._pending[key] = phase
             self.stats.staged[phase] = self.stats.staged.get(phase, 0) + 1
             self._executor().submit(self.store._fill_host, key, slot)
