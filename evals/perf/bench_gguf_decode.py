@@ -1,11 +1,13 @@
 """Decode tok/s at q4: our engine vs llama.cpp (``llama-cpp-python``) on the same weights, written as GGUF.
 
 A random-weight ``qwen3_moe`` of >= 1B parameters (64 experts, top-8, hidden 2048, expert intermediate 768) is written
-as a bf16 safetensors folder. Our engine loads it with ``quant="q4"``; the GGUF file gets the same dense weights (F32)
-and the engine's own Q4_0 expert blocks byte for byte (our block layout is GGUF's), so both sides compute with
-identical weights. Decode tok/s = N / (t(prompt + N+1 tokens) - t(prompt + 1 token)), rounds alternate A/B, medians.
+as a bf16 safetensors folder. Our engine loads it with ``quant="q4"``; the GGUF file gets the engine's own Q4_0 expert
+blocks byte for byte (our block layout is GGUF's) and the same dense weights: F32, or with ``--dense q8`` the Q8_0
+blocks our ``dense_quant="q8"`` computes with, so both sides compute with identical weights. Decode tok/s = N / the time of N single-token steps after the prompt (prefill untimed), rounds
+alternate A/B, medians.
 
-    python -m freetoken_agent.evals.perf.bench_gguf_decode [--threads 1] [--tokens 16] [--rounds 3] [--json]
+    python -m freetoken_agent.evals.perf.bench_gguf_decode [--threads 1,2] [--dense none,q8] [--prompt-len 32]
+        [--tokens 16] [--rounds 3] [--json]
 
 Needs ``pip install llama-cpp-python gguf``; nothing is downloaded.
 """
@@ -165,31 +167,34 @@ def measure(
     ops.set_threads(threads)
     load_s = time.perf_counter() - t0
     gguf_path = ensure_gguf(folder, threads, dense)
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=256, n_batch=64, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)  # fmt: skip
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, prompt_len + tokens + 64), n_batch=64,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(259, CONFIG["vocab_size"], (prompt_len,), generator=gen).tolist()
     follow = torch.randint(259, CONFIG["vocab_size"], (tokens + 1,), generator=gen).tolist()
 
-    def run_ours(n: int) -> None:
-        ours.generate(prompt, max_new_tokens=n, stop_token_ids=[])
+    def decode_ours(n: int) -> float:
+        """Seconds of ``n`` decode steps after the prompt (the prefill and first sample are not timed)."""
+        events = ours.iter_generate(prompt, max_new_tokens=n + 1, stop_token_ids=[])
+        next(events)
+        t0 = time.perf_counter()
+        for _ in events:
+            pass
+        return time.perf_counter() - t0
 
-    def run_llama(n: int) -> None:
+    def decode_llama(n: int) -> float:
         llm.reset()
         llm.eval(prompt)
+        t0 = time.perf_counter()
         for tok in follow[:n]:
             llm.eval([tok])
+        return time.perf_counter() - t0
 
-    def span(fn: Any, n: int) -> float:
-        s = time.perf_counter()
-        fn(n)
-        return time.perf_counter() - s
-
-    run_ours(2), run_llama(2)
+    decode_ours(2), decode_llama(2)
     rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
     for _ in range(rounds):
-        for label, fn in (("ours", run_ours), ("llama.cpp", run_llama)):
-            rates[label].append(tokens / max(span(fn, tokens + 1) - span(fn, 1), 1e-9))
+        for label, fn in (("ours", decode_ours), ("llama.cpp", decode_llama)):
+            rates[label].append(tokens / fn(tokens))
     # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
     ours_ids = ours.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids
     llm.reset()
@@ -202,7 +207,7 @@ def measure(
     params = sum(p.numel() for p in _params(folder))
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {
-        "params": params, "dense": dense, "threads": threads, "tokens": tokens, "rounds": rounds,
+        "params": params, "dense": dense, "prompt_len": prompt_len, "threads": threads, "tokens": tokens, "rounds": rounds,
         "load_s": round(load_s, 1),
         "ours_tok_s": round(med["ours"], 2), "llama_cpp_tok_s": round(med["llama.cpp"], 2),
         "ratio": round(med["ours"] / med["llama.cpp"], 3), "rates": rates,
@@ -224,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dense", default="none", help="comma-separated dense-weight formats: none (fp32), q8, q4")
+    ap.add_argument("--prompt-len", type=int, default=32, help="tokens in the context before the timed decode")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     folder = write_checkpoint(Path(args.dir) / "qwen3_moe-1b")
-    results = [measure(folder, int(t), args.tokens, args.rounds, dense=d)
+    results = [measure(folder, int(t), args.tokens, args.rounds, args.prompt_len, dense=d)
                for d in args.dense.split(",") for t in args.threads.split(",")]
     if args.json:
         print(json.dumps(results, indent=1))
