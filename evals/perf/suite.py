@@ -256,7 +256,7 @@ def write_json(report: dict[str, Any], out: Path) -> Path:
 
 def add_cli_args(p: Any) -> None:
     """``freetoken bench suite`` flags."""
-    p.add_argument("--quick", action="store_true", help="16 tokens, 3 rounds, small transformers model (<= 10 min)")
+    p.add_argument("--quick", action="store_true", help="every row at small sizes: 16 tokens, 3 rounds, 256-token prompt, 1 replayed session, a 0.33B over-budget model (2-4 min here)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument("--threads", type=int, default=1, help="threads for every engine (default 1)")
     p.add_argument("--out", default=None, help="where the JSON goes (default $FREETOKEN_CACHE/bench/suite.json)")
