@@ -63,6 +63,7 @@ def replay(local: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any
         manager.prestage.wait()  # the engine idles through the pause; the warm runs inside it
         over += manager.prestage.stats.seconds - before > pause_s
     local.end_session(key)
+    manager.prestage.close()  # the next replay gets a fresh manager (and stager thread)
     return {"ttft_s": ttft, "turn_prefill_tokens": turn_prefill, "turn_reused_tokens": reused,
             "warm": manager.prestage.stats.snapshot(), "warm_over_pause": over}
 
