@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from freetoken_agent.runtime.checkpoint.reader import load_config
 from freetoken_agent.runtime.errors import FreeTokenError, TokenizerError
-from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams, StopChecker
+from freetoken_agent.runtime.generation.sampling import (
+    Sampler,
+    SamplingParams,
+    StopChecker,
+)
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.decoder import Decoder

@@ -35,10 +35,9 @@ CONFIG: dict[str, Any] = dict(
 def write_checkpoint(folder: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
     """The random bf16 checkpoint (HF names), written once per folder."""
     config = config or CONFIG
-    from safetensors.torch import save_file
-
     from freetoken_agent.runtime.model.adapters import spec_from_config
     from freetoken_agent.runtime.model.weights import expected_tensors
+    from safetensors.torch import save_file
 
     if (folder / "model.safetensors").is_file():
         return folder
@@ -157,7 +156,6 @@ def measure(
     """Load both engines, then alternate decode timings; also compare their first greedy tokens. ``dense``: both
     sides' dense weights (``none`` = fp32 / F32, ``q8`` / ``q4`` = the same Q8_0 / Q4_0 blocks)."""
     import llama_cpp
-
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.kernels import ops
 

@@ -20,7 +20,6 @@ from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import FreeTokenError, UnexpectedTensorError
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner
-from freetoken_agent.runtime.kernels.dense import QuantLinear, quantize_dense
 from freetoken_agent.runtime.experts.backend import ManagedExperts
 from freetoken_agent.runtime.experts.cache_file import (
     ExpertCacheFile,
@@ -32,6 +31,7 @@ from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.experts.store import ExpertStore
+from freetoken_agent.runtime.kernels.dense import QuantLinear, quantize_dense
 from freetoken_agent.runtime.memory import (
     Budget,
     BudgetExceededError,

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.kernels import build
@@ -75,7 +74,7 @@ def test_quantized_dense_weights_shrink_the_budgeted_dense_claim(tmp_path: Path)
     folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
     plain = Engine.from_pretrained(folder, budget=Budget(host=64 << 20))
     small = Engine.from_pretrained(folder, budget=Budget(host=64 << 20), dense_quant="q4")
-    dense = lambda e: e.residency.ledgers["host"].reservations["dense"].nbytes  # noqa: E731
+    dense = lambda e: e.residency.ledgers["host"].reservations["dense"].nbytes
     assert dense(small) < dense(plain)
     saved = small.dense_quant.float_bytes - small.dense_quant.quant_bytes
     assert dense(plain) - dense(small) == saved
