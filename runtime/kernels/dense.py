@@ -22,9 +22,7 @@ from ..errors import FreeTokenError
 from ..model.spec import ModelSpec
 from ..model.weights import ModelWeights
 from ..quant.blocks import canonical_format
-from . import (
-    ops,  # at module level: a function-level ``from . import`` costs ~45 us per call here
-)
+from . import ops
 
 # leaves read only through ``layers.linear`` (see gqa_attention / mla_attention / output_gate / mlp)
 ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
