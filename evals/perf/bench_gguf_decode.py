@@ -205,6 +205,8 @@ def measure(
     params = sum(p.numel() for p in _params(folder))
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {
+        "dense_float_bytes": ours.dense_quant.float_bytes if ours.dense_quant else 0,
+        "dense_quant_bytes": ours.dense_quant.quant_bytes if ours.dense_quant else 0,
         "params": params, "dense": dense, "prompt_len": prompt_len, "threads": threads, "tokens": tokens, "rounds": rounds,
         "load_s": round(load_s, 1),
         "ours_tok_s": round(med["ours"], 2), "llama_cpp_tok_s": round(med["llama.cpp"], 2),

@@ -3,9 +3,11 @@
 Rows (each a pairwise comparison, runs alternating A/B in one process, medians; every ratio is a speed ratio,
 > 1 when ours is faster: tok/s ours / peer, times peer / ours):
 
-- ``cpu_decode_q4``: a ~1.3B-parameter random ``qwen3_moe`` (64 experts, top-8, Qwen3-30B-A3B expert shape),
-  ours with Q4_0 experts vs llama.cpp (``llama-cpp-python``) on the same weights written as GGUF Q4_0
-  (``bench_gguf_decode``); the ratio ours / llama.cpp is ``cpu_decode_ratio_vs_llamacpp``.
+- ``cpu_decode_q4_dense_q8`` / ``cpu_decode_q4``: a ~1.3B-parameter random ``qwen3_moe`` (64 experts, top-8,
+  Qwen3-30B-A3B expert shape), ours with Q4_0 experts vs llama.cpp (``llama-cpp-python``) on the same weights
+  written as GGUF (``bench_gguf_decode``): the attention projections and lm_head as Q8_0 on both sides (ours:
+  ``dense_quant="q8"``; what a user runs) — ``cpu_decode_ratio_vs_llamacpp`` — and as F32 on both sides —
+  ``cpu_decode_f32_dense_ratio_vs_llamacpp``.
 - ``cpu_decode_fp32``: ours vs ``transformers.generate`` on the same fp32 checkpoint (``bench_decode``).
 - ``cpu_prefill_q4`` / ``cpu_prefill_fp32``: prefill tok/s and TTFT of a prompt of a few hundred tokens, the same
   two pairs (``suite_prefill``): ``prefill_ratio_vs_llamacpp``, ``ttft_ratio_vs_llamacpp`` (and ``_vs_transformers``).
@@ -15,8 +17,8 @@ Rows (each a pairwise comparison, runs alternating A/B in one process, medians; 
 - ``over_budget_decode``: a model whose experts are 2.5x the host budget's expert share, ours streaming experts
   from the disk tier vs llama.cpp's mmap held to the same budget (``suite_budget``; the method is in the row):
   ``over_budget_decode_ratio_vs_llamacpp``.
-- ``bandwidth_fraction``: bytes one decode step of the q4 model reads (dense fp32 weights but the embedding,
-  8 experts x 4 layers at Q4_0, KV) x our tok/s, over the machine's streaming-read limit measured here (a ``torch``
+- ``bandwidth_fraction``: bytes one decode step of the q4 model with Q8_0 dense weights reads (dense weights but
+  the embedding, 8 experts x 4 layers at Q4_0, KV; the F32-dense figure is in the row too) x our tok/s, over the machine's streaming-read limit measured here (a ``torch``
   sum over 512 MiB, best of 7, on one thread and on all cores: the faster). On compute-bound CPUs the kernels top out near 55%
   (``../shared/CPU-KERNELS.md``).
 - peak host memory of the process (``ru_maxrss``); this CPU machine has no device tier.
@@ -138,8 +140,14 @@ def run(quick: bool = True, threads: int = 1, root: Path | None = None,
     say("q4 decode: ours vs llama.cpp on the same GGUF Q4_0 weights (the checkpoint and GGUF are written once)")
     g = bench_gguf_decode.measure(folder, threads, sz.tokens, sz.rounds)
     rows["cpu_decode_q4"] = {"ours_tok_s": g["ours_tok_s"], "peer": "llama.cpp Q4_0", "peer_tok_s": g["llama_cpp_tok_s"],
-                             "ratio": g["ratio"], "runs": g["rates"], "params": g["params"],
+                             "ratio": g["ratio"], "runs": g["rates"], "params": g["params"], "dense": "fp32 / F32",
                              "greedy_prefix_agreement": g["greedy_prefix_agreement"]}  # fmt: skip
+    say("q4 decode with Q8_0 dense weights on both sides (ours: dense_quant='q8'; the GGUF gets the same blocks)")
+    gq = bench_gguf_decode.measure(folder, threads, sz.tokens, sz.rounds, dense="q8")
+    rows["cpu_decode_q4_dense_q8"] = {
+        "ours_tok_s": gq["ours_tok_s"], "peer": "llama.cpp Q4_0 + Q8_0 dense", "peer_tok_s": gq["llama_cpp_tok_s"],
+        "ratio": gq["ratio"], "runs": gq["rates"], "params": gq["params"], "dense": "Q8_0 (both)",
+        "greedy_prefix_agreement": gq["greedy_prefix_agreement"]}  # fmt: skip
     say(f"q4 prefill + TTFT ({sz.prompt_tokens}-token prompt) and agent-session replay: ours vs llama.cpp")
     ours = Engine.from_pretrained(folder, quant="q4", threads=threads)
     llm = open_llama(folder / "model-q4_0.gguf", threads, n_ctx=max(sz.prompt_tokens, sz.replay_context) + 64)
@@ -169,13 +177,20 @@ def run(quick: bool = True, threads: int = 1, root: Path | None = None,
     # one thread often streams faster than all of them on a shared VM: the limit is the best of both
     gbps, read_threads = max((read_gbps(t), t) for t in sorted({1, cores}))
     per_token = decode_bytes_per_token(q4_config, 32 + sz.tokens)
-    ours_frac = per_token * g["ours_tok_s"] / (gbps * 1e9)
-    peer_frac = per_token * g["llama_cpp_tok_s"] / (gbps * 1e9)
-    rows["bandwidth"] = {"read_gbps": round(gbps, 2), "read_threads": read_threads, "bytes_per_token": per_token,
-                         "ours_fraction": round(ours_frac, 3), "llama_cpp_fraction": round(peer_frac, 3)}
+    per_token_q8 = per_token - gq["dense_float_bytes"] + gq["dense_quant_bytes"]  # the same step with Q8_0 dense
+    ours_frac = per_token_q8 * gq["ours_tok_s"] / (gbps * 1e9)
+    peer_frac = per_token_q8 * gq["llama_cpp_tok_s"] / (gbps * 1e9)
+    rows["bandwidth"] = {"read_gbps": round(gbps, 2), "read_threads": read_threads, "bytes_per_token": per_token_q8,
+                         "ours_fraction": round(ours_frac, 3), "llama_cpp_fraction": round(peer_frac, 3),
+                         "row": "cpu_decode_q4_dense_q8",
+                         "f32_dense": {"bytes_per_token": per_token,
+                                       "ours_fraction": round(per_token * g["ours_tok_s"] / (gbps * 1e9), 3),
+                                       "llama_cpp_fraction": round(per_token * g["llama_cpp_tok_s"] / (gbps * 1e9),
+                                                                   3)}}  # fmt: skip
     report["peak_host_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report.update({
-        "cpu_decode_ratio_vs_llamacpp": g["ratio"], "bandwidth_fraction": round(ours_frac, 3),
+        "cpu_decode_ratio_vs_llamacpp": gq["ratio"], "cpu_decode_f32_dense_ratio_vs_llamacpp": g["ratio"],
+        "bandwidth_fraction": round(ours_frac, 3),
         "prefill_ratio_vs_llamacpp": rows["cpu_prefill_q4"]["prefill_ratio"],
         "ttft_ratio_vs_llamacpp": rows["cpu_prefill_q4"]["ttft_ratio"],
         "cpu_decode_fp32_ratio_vs_transformers": rows["cpu_decode_fp32"]["ratio"],
@@ -215,9 +230,10 @@ def format_table(r: dict[str, Any]) -> str:
     def add(name: str, x: dict[str, Any], ours: str, peer: str, theirs: str, ratio: float) -> None:
         lines.append(f"| {name} | {_params(x['params'])} | {ours} | {peer} | {theirs} | {ratio:.2f}x |")
 
-    for key in ("cpu_decode_q4", "cpu_decode_fp32"):
+    for key in ("cpu_decode_q4_dense_q8", "cpu_decode_q4", "cpu_decode_fp32"):
         x = rows[key]
-        add(f"{key} ({r['tokens']} tokens)", x, f"{x['ours_tok_s']:.2f} tok/s", x["peer"],
+        dense = f", dense {x['dense']}" if "dense" in x else ""
+        add(f"{key} ({r['tokens']} tokens{dense})", x, f"{x['ours_tok_s']:.2f} tok/s", x["peer"],
             f"{x['peer_tok_s']:.2f} tok/s", x["ratio"])
     for key in ("cpu_prefill_q4", "cpu_prefill_fp32"):
         x, n = rows[key], rows[key]["prompt_tokens"]
@@ -236,7 +252,7 @@ def format_table(r: dict[str, Any]) -> str:
             f"{o['ours_tok_s']:.2f} tok/s", "llama.cpp mmap (best of 2 runs)", f"{o['peer_tok_s']:.2f} tok/s",
             o["ratio"])
     b = rows["bandwidth"]
-    lines.append(f"| bandwidth fraction (q4 decode) | | {b['ours_fraction']:.0%} | llama.cpp | "
+    lines.append(f"| bandwidth fraction (q4 decode, Q8_0 dense) | | {b['ours_fraction']:.0%} | llama.cpp | "
                  f"{b['llama_cpp_fraction']:.0%} | of {b['read_gbps']:.1f} GB/s read ({b['read_threads']} threads), "
                  f"{b['bytes_per_token'] / 2**20:.0f} MiB/token |")
     lines.append(f"| peak host memory | | {r['peak_host_bytes'] / 2**30:.2f} GiB | | | |")

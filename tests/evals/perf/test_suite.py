@@ -46,17 +46,24 @@ def test_bytes_per_token_counts_dense_experts_and_kv() -> None:
 
 def test_decode_rows_pairwise_with_ratios(report: tuple[dict[str, Any], Path]) -> None:
     r, root = report
-    q4 = r["rows"]["cpu_decode_q4"]
-    assert len(q4["runs"]["ours"]) == len(q4["runs"]["llama.cpp"]) == 3  # alternating rounds, medians
-    assert q4["ratio"] == pytest.approx(q4["ours_tok_s"] / q4["peer_tok_s"], rel=0.01)
-    assert r["cpu_decode_ratio_vs_llamacpp"] == q4["ratio"]
-    assert q4["greedy_prefix_agreement"] >= 1  # same weights: the first greedy token agrees
+    for key in ("cpu_decode_q4", "cpu_decode_q4_dense_q8"):
+        q4 = r["rows"][key]
+        assert len(q4["runs"]["ours"]) == len(q4["runs"]["llama.cpp"]) == 3  # alternating rounds, medians
+        assert q4["ratio"] == pytest.approx(q4["ours_tok_s"] / q4["peer_tok_s"], rel=0.01)
+        assert q4["greedy_prefix_agreement"] >= 1  # same weights: the first greedy token agrees
+    q8 = r["rows"]["cpu_decode_q4_dense_q8"]
+    assert r["cpu_decode_ratio_vs_llamacpp"] == q8["ratio"]
+    assert r["cpu_decode_f32_dense_ratio_vs_llamacpp"] == r["rows"]["cpu_decode_q4"]["ratio"]
     fp32 = r["rows"]["cpu_decode_fp32"]
     assert fp32["greedy_identical"] and fp32["ratio"] > 0
     bw = r["rows"]["bandwidth"]
-    frac = suite.decode_bytes_per_token(SMALL, 32 + 8) * q4["ours_tok_s"] / (bw["read_gbps"] * 1e9)
+    f32_bytes = suite.decode_bytes_per_token(SMALL, 32 + 8)
+    assert bw["f32_dense"]["bytes_per_token"] == f32_bytes
+    assert f32_bytes / 3.2 < f32_bytes - bw["bytes_per_token"] < f32_bytes  # the quantized dense weights read less
+    frac = bw["bytes_per_token"] * q8["ours_tok_s"] / (bw["read_gbps"] * 1e9)
     assert r["bandwidth_fraction"] == pytest.approx(frac, rel=0.01) and 0 < frac
-    assert (root / "gguf" / "qwen3_moe-d256-l2-e8" / "model-q4_0.gguf").is_file()
+    folder = root / "gguf" / "qwen3_moe-d256-l2-e8"
+    assert (folder / "model-q4_0.gguf").is_file() and (folder / "model-q4_0-dense-q8.gguf").is_file()
 
 
 def test_prefill_rows_time_both_sides_on_the_same_prompt(report: tuple[dict[str, Any], Path]) -> None:
