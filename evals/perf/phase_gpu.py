@@ -134,7 +134,11 @@ def run(spec: Any, weights: Any, disk_path: Path, args: argparse.Namespace, devi
     """Both rows and ``phase_switch_miss_reduction`` (1 − agent-phase / agent-lru switch misses)."""
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
-    from freetoken_agent.runtime.experts.setup import Managed, ResidencyConfig, _tensor_bytes
+    from freetoken_agent.runtime.experts.setup import (
+        Managed,
+        ResidencyConfig,
+        _tensor_bytes,
+    )
     from freetoken_agent.runtime.memory import Budget, parse_bytes
     from freetoken_agent.runtime.model.decoder import Decoder
 

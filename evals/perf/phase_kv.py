@@ -25,10 +25,11 @@ from typing import Any
 def replay(local: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prestage: bool,
            max_turns: int) -> dict[str, Any]:
     """One session through ``local`` (a fresh KV manager: nothing cached from other runs)."""
-    from freetoken_agent.backends import GenerateRequest
     from freetoken_agent.evals.perf.phase_trace import tool_seconds
-    from freetoken_agent.phases import Phase
     from freetoken_agent.runtime.kv import KVConfig
+
+    from freetoken_agent.backends import GenerateRequest
+    from freetoken_agent.phases import Phase
 
     engine, tokenizer, key = local.engine, local.engine.tokenizer, "replay"
     manager = engine.kv_manager(KVConfig(page_size=16, device_pages=4096))
@@ -70,10 +71,11 @@ def replay(local: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any
 
 def compare(files: list[Path], max_turns: int, rounds: int) -> dict[str, Any]:
     """Off and on, alternating per session and round; per-turn TTFT medians and prefill totals."""
-    from freetoken_agent.backends.local import LocalEngine
     from freetoken_agent.evals.builtin.data import session_messages
     from freetoken_agent.evals.builtin.template import BASH_TOOL
     from freetoken_agent.runtime.builtin import builtin_model_dir
+
+    from freetoken_agent.backends.local import LocalEngine
 
     local = LocalEngine.from_pretrained(builtin_model_dir(), threads=1)
     out: dict[str, dict[str, Any]] = {m: {"ttft_s": [], "turn_prefill_tokens": 0, "turn_reused_tokens": 0,

@@ -37,7 +37,7 @@ from freetoken_agent.evals.builtin.data import (
     split_sessions,
 )
 from freetoken_agent.evals.perf.phase_sim import Costs, Replay, SimStore
-from freetoken_agent.evals.perf.phase_trace import Trace, cached_trace, segments
+from freetoken_agent.evals.perf.phase_trace import Trace, cached_trace
 
 VARIANTS = ("lru", "heat", "phase-heat", "phase", "phase+pause")
 

@@ -42,7 +42,12 @@ from freetoken_agent.runtime.experts.phase_profiles import (
     PhaseProfiles,
     profile_path,
 )
-from freetoken_agent.runtime.experts.phase_script import AHEAD, SCRIPT_TOKENS, script_key, script_keys
+from freetoken_agent.runtime.experts.phase_script import (
+    AHEAD,
+    SCRIPT_TOKENS,
+    script_key,
+    script_keys,
+)
 from freetoken_agent.runtime.experts.policies import HeatPolicy
 
 SWITCH_WINDOW = 16

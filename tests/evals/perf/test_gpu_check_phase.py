@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from freetoken_agent.evals.perf import gpu_check, phase_gpu
 
 

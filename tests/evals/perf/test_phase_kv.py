@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from freetoken_agent.evals.builtin.data import DEFAULT_DATA_DIR
 from freetoken_agent.evals.perf import phase_live
 

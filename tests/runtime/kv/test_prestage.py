@@ -4,13 +4,11 @@ warming never takes pages that sessions hold."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.kv import KVConfig
+
 from tests.runtime.checkpoints import save_checkpoint
 
 pytest.importorskip("transformers")
