@@ -27,7 +27,13 @@ class PagedKVCache(RecurrentStates):
         self.length = 0
         self._pending = 0
         self._prepared: tuple[int, int] | None = None
+        self._run = False
+        """The page table is one ascending run of page ids: the cached positions are a view of the pool."""
         self._init_states()
+
+    def _pages_changed(self) -> None:
+        p = self.pages
+        self._run = bool(p) and p[-1] - p[0] == len(p) - 1 and p == list(range(p[0], p[0] + len(p)))
 
     def _prepare(self, n: int) -> None:
         """Make positions ``length..length+n`` writable: private last page, enough pages."""
@@ -41,6 +47,7 @@ class PagedKVCache(RecurrentStates):
         while len(self.pages) * ps < self.length + n:
             self.pages.append(self._alloc())
         self._prepared = (self.length, n)
+        self._pages_changed()
 
     def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
         n = parts[0].shape[0]
@@ -48,6 +55,8 @@ class PagedKVCache(RecurrentStates):
             self._prepare(n)
         self.pool.write(layer, self.pages, self.length, parts)
         self._pending = n
+        if self._run:  # no copy: a decode step over a long context would otherwise copy every cached position
+            return self.pool.view(layer, self.pages[0], self.length + n)
         return self.pool.gather(layer, self.pages, self.length + n)
 
     def advance(self) -> None:
@@ -62,6 +71,7 @@ class PagedKVCache(RecurrentStates):
         for page in pages:
             self.pool.incref(page)
         self.pages, self.length = list(pages), length
+        self._pages_changed()
 
     def truncate(self, length: int) -> None:
         """Forget positions ≥ ``length``; pages no longer needed are released."""
@@ -73,6 +83,7 @@ class PagedKVCache(RecurrentStates):
         del self.pages[keep:]
         self.length = length
         self._prepared = None
+        self._pages_changed()
 
     def release(self) -> None:
         self.truncate(0)

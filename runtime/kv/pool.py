@@ -119,6 +119,13 @@ class PagePool:
         idx = torch.tensor(pages[: -(-length // self.page_size)], dtype=torch.long, device=self.device)
         return [buf[idx].reshape(-1, *buf.shape[2:])[:length] for buf in store]
 
+    def view(self, layer: int, first: int, length: int) -> list[torch.Tensor]:
+        """``gather`` for a page table that is the run ``first, first + 1, ...``: views into the pool, no copy."""
+        store = self.data[layer]
+        assert store is not None, f"layer {layer} has never been written"
+        n = -(-length // self.page_size)
+        return [buf[first : first + n].reshape(-1, *buf.shape[2:])[:length] for buf in store]
+
     def copy_page(self, src: int, dst: int, other: PagePool | None = None) -> None:
         """Copy page ``src`` of ``other`` (default: this pool) into page ``dst`` of this pool, every layer."""
         source = other or self

@@ -1,0 +1,46 @@
+"""``PagedKVCache`` hands the decoder views of the pool when a sequence's pages are one ascending run, and a gathered
+copy otherwise: both must hold exactly what was appended."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.runtime.kv.paged import PagedKVCache
+from freetoken_agent.runtime.kv.pool import PagePool
+
+
+def _fill(cache: PagedKVCache, steps: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list]:
+    keys, values, last = [], [], []
+    for n in steps:
+        k, v = torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, 4, generator=gen)
+        last = cache.append(0, k, v)
+        cache.advance()
+        keys.append(k)
+        values.append(v)
+    return torch.cat(keys), torch.cat(values), last
+
+
+def test_a_run_of_pages_is_served_as_views_of_the_pool() -> None:
+    pool = PagePool(num_layers=1, num_pages=16, page_size=4)
+    cache = PagedKVCache(pool, pool.alloc)
+    keys, values, (k_all, v_all) = _fill(cache, [5, 1, 1, 6], torch.Generator().manual_seed(0))
+    assert cache.pages == list(range(len(cache.pages)))  # a fresh pool hands out ascending ids
+    assert torch.equal(k_all, keys) and torch.equal(v_all, values)
+    assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # no copy
+
+
+def test_scattered_pages_are_gathered() -> None:
+    pool = PagePool(num_layers=1, num_pages=16, page_size=4)
+    hole = PagedKVCache(pool, pool.alloc)
+    _fill(hole, [4], torch.Generator().manual_seed(1))  # takes page 0
+    cache = PagedKVCache(pool, pool.alloc)
+    gen = torch.Generator().manual_seed(2)
+    keys, values, _ = _fill(cache, [4], gen)  # page 1
+    hole.release()  # page 0 back on the free list: the next page this sequence gets is 0
+    more_k, more_v, (k_all, v_all) = _fill(cache, [3, 2], gen)
+    assert cache.pages[:2] == [1, 0]
+    assert torch.equal(k_all, torch.cat([keys, more_k])) and torch.equal(v_all, torch.cat([values, more_v]))
+    assert k_all.untyped_storage().data_ptr() != pool.data[0][0].untyped_storage().data_ptr()
+    cache.truncate(3)  # one page left: a run again
+    k_all, _ = cache.append(0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 4))
+    assert torch.equal(k_all[:3], keys[:3]) and torch.equal(k_all[3], torch.zeros(2, 8))
