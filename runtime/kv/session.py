@@ -162,8 +162,8 @@ class KVManager:
 
         ps = self.pool.page_size
         tokens = [int(t) for t in tokens[: len(tokens) // ps * ps]]
-        if not tokens:
-            return Warmed(0, 0)
+        if not tokens or any(getattr(layer, "recurrent", None) is not None for layer in engine.spec.layers):
+            return Warmed(0, 0)  # hybrid models do not share pages through the tree (see ``Session.stateful``)
         engine._check_ids(tokens)
         match = self.radix.match_prefix(tokens)
         if match.length == len(tokens):
