@@ -131,3 +131,17 @@ def test_the_expected_prompt_is_a_token_prefix_of_the_next_one() -> None:
     history = backend.engine.tokenizer.encode(backend.engine.render_chat(messages, schemas,
                                                                          add_generation_prompt=False))
     assert full[: len(known)] == known and len(known) > len(history)  # the framing is part of what is warmed
+
+
+def test_the_agent_commands_default_to_phase_scheduling_under_a_budget() -> None:
+    import argparse
+
+    from freetoken_agent.cli.run import agent_engine_kwargs
+
+    def kwargs(**flags: Any) -> dict[str, Any]:
+        base = {"quant": "none", "device_memory": None, "host_memory": None, "residency_policy": None}
+        return agent_engine_kwargs(argparse.Namespace(**{**base, **flags}))
+
+    assert kwargs() == {}  # no budget: the unbudgeted load path, no scheduler
+    assert kwargs(host_memory="64MB")["residency"].policy == "phase"
+    assert kwargs(host_memory="64MB", residency_policy="lru")["residency"].policy == "lru"
