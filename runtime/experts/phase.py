@@ -339,4 +339,5 @@ class PhaseScheduler:
     def snapshot(self) -> dict[str, object]:
         """What ``Engine.stats()["phase"]`` shows: the scheduler's counters (see ``PhaseStats``) and how many
         turns of each phase the profile has folded."""
-        return {"current": self.phase, **self.stats.snapshot(), "profile_turns": dict(self.profiles.turns)}
+        turns = {k: n for k, n in self.profiles.turns.items() if "#" not in k}  # script positions left out
+        return {"current": self.phase, **self.stats.snapshot(), "profile_turns": turns}
