@@ -120,11 +120,11 @@ def route(
     weights = scores.gather(1, ids)
     if spec.norm_topk:
         total = weights.sum(dim=-1, keepdim=True) if spec.norm_p == 1.0 else weights.norm(spec.norm_p, -1, True)
-        denom = total + spec.norm_eps
+        denom = total + spec.norm_eps if spec.norm_eps else total
         if spec.norm_min is not None:
             denom = denom.clamp(min=spec.norm_min)
         weights = weights / denom
-    return ids, weights * spec.scaling
+    return ids, weights * spec.scaling if spec.scaling != 1.0 else weights  # no op for nothing: decode pays per op
 
 
 def _sparsemixer(scores: torch.Tensor, eps: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
