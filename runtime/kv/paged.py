@@ -45,7 +45,9 @@ class PagedKVCache(RecurrentStates):
             pool.decref(self.pages[first])
             self.pages[first] = fresh
         while len(self.pages) * ps < self.length + n:
-            self.pages.append(self._alloc())
+            # the page after our last one when it is free: the sequence stays one run, served as views of the pool
+            page = pool.take(self.pages[-1] + 1) if self.pages else None
+            self.pages.append(self._alloc() if page is None else page)
         self._prepared = (self.length, n)
         self._pages_changed()
 

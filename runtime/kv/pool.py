@@ -70,6 +70,17 @@ class PagePool:
             self._dormant.append(self._free.pop(0))
         return n
 
+    def take(self, page: int) -> int | None:
+        """Page ``page`` with reference count 1 if it is free (a sequence extending its run of ids), else None."""
+        if not 0 <= page < self.num_pages or self.refs[page]:
+            return None
+        try:
+            self._free.remove(page)  # dormant pages are not on the free list
+        except ValueError:
+            return None
+        self.refs[page] = 1
+        return page
+
     def alloc(self) -> int:
         """A fresh page with reference count 1; raises ``OutOfPages`` when none is free."""
         if not self._free:

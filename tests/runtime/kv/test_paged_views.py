@@ -36,6 +36,8 @@ def test_scattered_pages_are_gathered() -> None:
     cache = PagedKVCache(pool, pool.alloc)
     gen = torch.Generator().manual_seed(2)
     keys, values, _ = _fill(cache, [4], gen)  # page 1
+    blocker = PagedKVCache(pool, pool.alloc)
+    _fill(blocker, [4], gen)  # page 2: the run cannot continue
     hole.release()  # page 0 back on the free list: the next page this sequence gets is 0
     more_k, more_v, (k_all, v_all) = _fill(cache, [3, 2], gen)
     assert cache.pages[:2] == [1, 0]
@@ -44,3 +46,22 @@ def test_scattered_pages_are_gathered() -> None:
     cache.truncate(3)  # one page left: a run again
     k_all, _ = cache.append(0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 4))
     assert torch.equal(k_all[:3], keys[:3]) and torch.equal(k_all[3], torch.zeros(2, 8))
+
+
+def test_a_sequence_extends_its_run_when_the_next_page_is_free() -> None:
+    pool = PagePool(num_layers=1, num_pages=16, page_size=4)
+    other = PagedKVCache(pool, pool.alloc)
+    gen = torch.Generator().manual_seed(3)
+    _fill(other, [4], gen)  # page 0
+    cache = PagedKVCache(pool, pool.alloc)
+    _fill(cache, [4], gen)  # page 1
+    third = PagedKVCache(pool, pool.alloc)
+    _fill(third, [4], gen)  # page 2
+    third.release()  # page 2 free again, but page 0 is released last: the free list's next pop is 0
+    other.release()
+    keys, _, (k_all, _) = _fill(cache, [4, 4], gen)
+    assert cache.pages == [1, 2, 3]  # took 2 and then 3, not 0
+    assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()
+    assert pool.take(2) is None and pool.take(99) is None  # in use / out of range
+    pool.retire(pool.num_free)
+    assert pool.take(0) is None  # retired pages are not free
