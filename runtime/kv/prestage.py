@@ -75,7 +75,8 @@ class PrefixStager:
         """False: pauses warm nothing (benchmarks compare with and without)."""
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
+        self._futures: list[Future[None]] = []
+        """Warms submitted and not yet seen finished by ``wait`` (one worker: they run in order)."""
 
     def register(self, phase: str, tokens: list[int]) -> None:
         """A prompt prefix that ``phase``'s turns start with (kept; re-warming a cached one costs a tree walk)."""
@@ -98,10 +99,11 @@ class PrefixStager:
             prompts = [t for phase in sorted(self.registered, key=lambda p: p != first) for t in self.registered[phase]]
         if not self.enabled or not (framings or prompts):
             return
-        self.wait()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-kv-prestage")
-        self._future = self._executor.submit(self._run, engine, framings, prompts)
+        future = self._executor.submit(self._run, engine, framings, prompts)  # queued behind a running one
+        with self._lock:
+            self._futures.append(future)
 
     def _run(self, engine: Any, framings: list[tuple[Session, list[int]]], prompts: list[list[int]]) -> None:
         t0 = time.perf_counter()
@@ -121,10 +123,15 @@ class PrefixStager:
         st.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
-        """Block until the background warm (if any) is done; re-raises its error."""
-        future = self._future  # kept once done: every caller must see it finished, not just the first
-        if future is not None:
-            future.result()
+        """Block until every submitted warm is done; re-raises the first error."""
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            future.exception()  # waits
+        with self._lock:  # only those seen finished are dropped (another thread may have queued one meanwhile)
+            self._futures = [f for f in self._futures if f not in futures]
+        for future in futures:
+            future.result()  # a failed warm is reported once, to the caller that found it
 
     def close(self) -> None:
         self.wait()
