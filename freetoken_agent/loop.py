@@ -31,12 +31,15 @@ from freetoken_agent.events import (
     AgentEvent, InvalidOutput, PhaseChanged, RunFinished, RunStarted, StepFinished, TextDelta, ToolCallFinished,
     ToolCallStarted, Usage, event_record,
 )
-from freetoken_agent.phases import Phase, PromptStaging
+from freetoken_agent.phases import Phase, PromptStaging, ToolOutputStaging
 from freetoken_agent.result import RunResult
 from freetoken_agent.trajectory import TrajectoryWriter
 
 if TYPE_CHECKING:
     from freetoken_agent.agent import Agent
+
+STREAM_PREFILL_CHARS = 512
+"""New characters of a running tool's output between two background prefills of it (``ToolOutputStaging``)."""
 
 
 @dataclass
@@ -265,8 +268,7 @@ class AgentRun:
             if event:
                 yield event
             started = time.monotonic()
-            watcher = self.agent.on_tool_output
-            self.ctx.on_output = None if watcher is None else (lambda text, cid=call.call_id: watcher(cid, text))
+            self.ctx.on_output = self._output_watcher(call, tool)
             result = await self._call_tool(call)
             self._add({"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": result.content})
             yield self._note(ToolCallFinished(self.step, call.call_id, call.name, call.arguments, result.content,
@@ -274,6 +276,33 @@ class AgentRun:
         if self._pending_note:
             self._add({"role": "user", "content": self._pending_note})
             self._pending_note = None
+
+    def _output_watcher(self, call: _Call, tool: Any) -> Any:
+        """``ctx.on_output`` for one call: the agent's ``on_tool_output`` callback, and — when the backend prefills
+        streamed tool output (``ToolOutputStaging``) and the tool says how its result starts — the conversation
+        with the result so far, every ``STREAM_PREFILL_CHARS`` new characters."""
+        watcher = self.agent.on_tool_output
+        backend = self.agent.backend
+        prefix_of = getattr(tool, "stream_prefix", None)
+        staging = isinstance(backend, ToolOutputStaging) and prefix_of is not None
+        if watcher is None and not staging:
+            return None
+        seen: list[str] = []
+        sent = [0]
+
+        def on_output(text: str) -> None:
+            if watcher is not None:
+                watcher(call.call_id, text)
+            if not staging:
+                return
+            seen.append(text)
+            prefix = prefix_of("".join(seen))
+            if len(prefix) - sent[0] >= STREAM_PREFILL_CHARS:
+                sent[0] = len(prefix)
+                slot = {"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": prefix}
+                backend.stream_tool_output(self.run_id, [*self.messages, slot], self.schemas)
+
+        return on_output
 
     async def _call_tool(self, call: _Call) -> Any:
         with anyio.CancelScope(deadline=self._deadline) as scope:

@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from freetoken_agent.runtime.phase import Phase
 
-__all__ = ["Phase", "PromptStaging"]
+__all__ = ["Phase", "PromptStaging", "ToolOutputStaging"]
 
 
 @runtime_checkable
@@ -24,4 +24,17 @@ class PromptStaging(Protocol):
 
     def expect_prompt(self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
         """Conversation ``session``'s next prompt renders ``messages``; the last one's content is still unknown."""
+        ...
+
+
+@runtime_checkable
+class ToolOutputStaging(Protocol):
+    """A backend that can prefill a running tool's output as it streams (``LocalEngine``): when the tool ends only
+    the tail of its result (e.g. the exit-status line) is left to prefill."""
+
+    def stream_tool_output(
+        self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """Conversation ``session``'s next prompt renders ``messages``; the last one's content *starts with* the
+        text given (the tool's result so far)."""
         ...

@@ -64,6 +64,9 @@ class Tool:
         self.writes: bool = writes
         self.kind: ToolKind = resolved_kind
         self.expected_s: float | None = expected_s
+        self.stream_prefix: Callable[[str], str] | None = None
+        """For a tool whose output streams (``ctx.on_output``): the output so far → the text its result will start
+        with (the agent loop lets a local engine prefill that while the tool runs)."""
         self.is_async: bool = inspect.iscoroutinefunction(fn)
         self._validator = jsonschema.Draft202012Validator(self.parameters)
         self._null_means_default: frozenset[str] = frozenset(

@@ -8,7 +8,7 @@ import sys
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
-from freetoken_agent.tools.process import ProcessOutcome, child_env, run_process
+from freetoken_agent.tools.process import ProcessOutcome, child_env, clean_terminal_text, run_process
 
 TEST_TAIL_CHARS = 4000
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
@@ -28,9 +28,14 @@ def _ended(outcome: ProcessOutcome, timeout_s: float, what: str) -> str:
     return f"exit code: {outcome.exit_code}"
 
 
+def shell_result_prefix(output: str) -> str:
+    """How ``run_shell``'s result starts, given the output so far (streamed or final): the output on whole lines."""
+    return output if output.endswith("\n") else output + "\n"
+
+
 @tool(kind="execute", writes=True, expected_s=5.0)
 async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = None) -> ToolResult:
-    """Run a shell command (bash) in the workspace root and return its exit code and output (stdout+stderr).
+    """Run a shell command (bash) in the workspace root and return its output (stdout+stderr) and exit code.
 
     Each call starts a fresh shell in the workspace root: cd and exported variables do not carry over (chain them:
     'cd src && make'). Stdin is closed; background processes are killed when the command ends; long output keeps
@@ -53,8 +58,10 @@ async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = No
         cancel_event=ctx.cancel_event,
     )
     output = outcome.output if outcome.output else "(no output)"
+    # the output first, the status last: the result then starts with what streamed while the command ran, so a
+    # local engine can prefill it during the run (``shell_result_prefix``) and only the status line is left
     return ToolResult(
-        content=f"{_ended(outcome, limit, 'Command')}\n{output}",
+        content=f"{shell_result_prefix(output)}{_ended(outcome, limit, 'Command')}",
         is_error=outcome.timed_out or outcome.cancelled,
         data={
             "exit_code": outcome.exit_code,
@@ -64,6 +71,16 @@ async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = No
             "output_truncated": outcome.truncated,
         },
     )
+
+
+def _streamed_prefix(text: str) -> str:
+    """The start of ``run_shell``'s result implied by output streamed so far: its whole lines, cleaned like the
+    final output (a partial last line may still change)."""
+    cleaned = clean_terminal_text(text)
+    return cleaned[: cleaned.rfind("\n") + 1]
+
+
+run_shell.stream_prefix = _streamed_prefix
 
 
 def summarize_pytest(output: str) -> dict[str, object]:

@@ -102,6 +102,21 @@ class LocalEngine(TextBackend):
         if ids:
             engine_session.expect(ids)
 
+    def stream_tool_output(
+        self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """The running tool's result starts with the last message's content (its output so far): prefill the
+        conversation up to there into the session in the background, so only the rest is left when the tool ends.
+        Each call supersedes a queued one; a prompt that finally tokenizes differently falls back to the longest
+        common prefix."""
+        engine_session = self._sessions.get(session)
+        if engine_session is None or not messages:
+            return
+        last = messages[-1]
+        ids = self.prefix_ids([*messages[:-1], {**last, "content": str(last.get("content") or "") + MARK}], tools)
+        if ids:
+            self.engine.kv_manager().prestage.feed(engine_session, ids)
+
     def register_prompt(self, phase: Phase, system: str, tools: list[dict[str, Any]] | None = None) -> int:
         """A prompt that ``phase``'s conversations start with (a sub-agent's system prompt and tool schemas): kept
         warm in the prefix cache, recomputed during tool pauses if evicted. Returns the tokens registered."""

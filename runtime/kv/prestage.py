@@ -54,11 +54,14 @@ class PrestageStats:
     """Prefix tokens that were already in the radix tree (nothing to compute)."""
     skipped: int = 0
     """Prefixes not warmed: the pool had no free or evictable page, or the session went away."""
+    streamed_tokens: int = 0
+    """Tokens of running tools' streamed output prefilled before the tool ended (``feed``)."""
     seconds: float = 0.0
 
     def snapshot(self) -> dict[str, object]:
         return {"runs": self.runs, "prefixes": self.prefixes, "prefilled_tokens": self.prefilled_tokens,
-                "cached_tokens": self.cached_tokens, "skipped": self.skipped, "seconds": round(self.seconds, 4)}
+                "cached_tokens": self.cached_tokens, "skipped": self.skipped, "streamed_tokens": self.streamed_tokens,
+                "seconds": round(self.seconds, 4)}
 
 
 class PrefixStager:
@@ -75,6 +78,8 @@ class PrefixStager:
         """False: pauses warm nothing (benchmarks compare with and without)."""
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._feeds: dict[int, tuple[Session, list[int]]] = {}
+        """session id → the newest streamed-output prefix not yet taken by the worker (``feed``)."""
         self._futures: list[Future[None]] = []
         """Warms submitted and not yet seen finished by ``wait`` (one worker: they run in order)."""
 
@@ -89,6 +94,35 @@ class PrefixStager:
         """``session``'s next prompt starts with ``tokens`` (replaces an earlier expectation)."""
         with self._lock:
             self.expected[session.id] = (session, [int(t) for t in tokens])
+
+    def feed(self, session: Session, tokens: list[int]) -> None:
+        """Prefill ``tokens`` (the conversation plus a running tool's output so far) into ``session`` in the
+        background (``Session.prefill``), queued behind other warms; a newer call for the same session replaces
+        tokens not yet taken, so a fast-streaming tool costs one prefill at a time."""
+        if not self.enabled or session.closed or session.stateful:
+            return
+        with self._lock:
+            queued = session.id in self._feeds
+            self._feeds[session.id] = (session, [int(t) for t in tokens])
+            if queued:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-kv-prestage")
+            self._futures.append(self._executor.submit(self._feed, session.id))
+
+    def _feed(self, session_id: int) -> None:
+        with self._lock:
+            session, tokens = self._feeds.pop(session_id)
+        if session.closed:
+            return
+        t0 = time.perf_counter()
+        try:
+            fed = session.prefill(tokens)
+        except OutOfPages:  # opportunistic, like warming: the turn itself will prefill what is missing
+            self.stats.skipped += 1
+            return
+        self.stats.streamed_tokens += fed
+        self.stats.seconds += time.perf_counter() - t0
 
     def start(self, engine: Any, first: str = "plan") -> None:
         """Warm the expected framings, then the registered prompts (``first``'s before the others), in the
@@ -123,7 +157,10 @@ class PrefixStager:
         st.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
-        """Block until every submitted warm is done; re-raises the first error."""
+        """Block until every submitted warm is done; re-raises the first error. A no-op on the worker itself (a
+        streamed-output prefill runs ``Session.prefill``, which waits for warms before touching pages)."""
+        if threading.current_thread().name.startswith("ft-kv-prestage"):
+            return
         with self._lock:
             futures = list(self._futures)
         for future in futures:

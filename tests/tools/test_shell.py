@@ -41,10 +41,10 @@ async def test_exit_code_output_cwd_env_stdin(root: Path, registry: ToolRegistry
     ctx = ToolContext(Workspace(root), env={"GREETING": "hello"})
     result = await registry.call("run_shell", {"command": "pwd; echo $GREETING; echo oops >&2; cat; exit 7"}, ctx)
     assert not result.is_error
-    assert result.content == f"exit code: 7\n{root.resolve()}\nhello\noops\n"
+    assert result.content == f"{root.resolve()}\nhello\noops\nexit code: 7"
     assert result.data is not None and result.data["exit_code"] == 7 and result.data["timed_out"] is False
     ok = await registry.call("run_shell", {"command": "true"}, ctx)
-    assert ok.content == "exit code: 0\n(no output)"
+    assert ok.content == "(no output)\nexit code: 0"
     empty = await registry.call("run_shell", {"command": "  "}, ctx)
     assert empty.is_error and "command is empty" in empty.content
 
@@ -65,7 +65,7 @@ async def test_timeout_kills_forked_children(root: Path, ctx: ToolContext, regis
     result = await registry.call("run_shell", {"command": command, "timeout_s": 1.5}, ctx)
     elapsed = time.monotonic() - start
     assert elapsed < 1.5 + SLACK_S, elapsed
-    assert result.is_error and result.content.startswith("Command timed out after 1.5 s; its process group was killed.")
+    assert result.is_error and result.content.endswith("Command timed out after 1.5 s; its process group was killed.")
     assert result.data is not None and result.data["exit_code"] is None and result.data["timed_out"] is True
     assert "never" not in result.content
     for name in ("bg.pid", "forked.pid"):
@@ -77,7 +77,7 @@ async def test_background_child_does_not_block_or_survive(root: Path, ctx: ToolC
     start = time.monotonic()
     result = await registry.call("run_shell", {"command": "sleep 60 & echo $! > bg.pid; echo done"}, ctx)
     assert time.monotonic() - start < SLACK_S  # the sleeper holds the output pipe, yet the call returns
-    assert result.content == "exit code: 0\ndone\n"
+    assert result.content == "done\nexit code: 0"
     assert wait_dead(int((root / "bg.pid").read_text()))
 
 
@@ -85,8 +85,8 @@ async def test_output_cap_keeps_head_and_tail(root: Path, registry: ToolRegistry
     ctx = ToolContext(Workspace(root), max_output_chars=1000)
     command = f"{sys.executable} -c \"print('HEAD'); print('x' * 100000); print('TAIL')\""
     result = await registry.call("run_shell", {"command": command}, ctx)
-    assert result.content.startswith("exit code: 0\nHEAD\nxxx")
-    assert result.content.endswith("xxx\nTAIL\n")
+    assert result.content.startswith("HEAD\nxxx") and result.content.endswith("exit code: 0")
+    assert result.content.endswith("xxx\nTAIL\nexit code: 0")
     assert "characters omitted ...]" in result.content and len(result.content) < 1200
     assert result.data is not None and result.data["output_truncated"] is True
 
@@ -124,7 +124,7 @@ async def test_output_streams_to_callback(root: Path, registry: ToolRegistry) ->
     ctx = ToolContext(Workspace(root), on_output=lambda text: seen.append((time.monotonic(), text)))
     result = await registry.call("run_shell", {"command": "echo first; sleep 0.5; echo second"}, ctx)
     assert "".join(text for _, text in seen) == "first\nsecond\n"
-    assert result.content == "exit code: 0\nfirst\nsecond\n"
+    assert result.content == "first\nsecond\nexit code: 0"
     assert len(seen) >= 2 and seen[-1][0] - seen[0][0] > 0.3  # chunks arrived as produced, not at the end
 
 
@@ -137,7 +137,7 @@ async def test_child_that_escapes_the_group_cannot_hang_the_call(
     result = await registry.call("run_shell", {"command": command}, ctx)
     try:
         assert time.monotonic() - start < SLACK_S + 1.5
-        assert result.content.startswith("exit code: 0\ndone")
+        assert result.content.startswith("done") and result.content.endswith("exit code: 0")
     finally:
         pid = int((root / "escaped.pid").read_text())
         if alive(pid):
@@ -147,4 +147,4 @@ async def test_child_that_escapes_the_group_cannot_hang_the_call(
 async def test_terminal_escapes_and_progress_redraws_are_cleaned(ctx: ToolContext, registry: ToolRegistry) -> None:
     command = r"printf '\033[1;31mFAILED\033[0m here\n'; printf 'get 10%%\rget 50%%\rget 100%%\n'; printf 'end\r\n'"
     result = await registry.call("run_shell", {"command": command}, ctx)
-    assert result.content == "exit code: 0\nFAILED here\nget 100%\nend\n"
+    assert result.content == "FAILED here\nget 100%\nend\nexit code: 0"

@@ -125,7 +125,7 @@ def test_agent_runs_against_the_server_with_openai_compatible(repo: Path) -> Non
     for before, after in zip(seen, seen[1:]):
         assert after[: len(before)] == before
     tool_results = [m for m in seen[-1] if m["role"] == "tool"]
-    assert tool_results[-1]["content"].startswith("exit code: 0")
+    assert tool_results[-1]["content"].endswith("exit code: 0")
 
 
 def test_openai_compatible_reports_an_unreachable_server(repo: Path) -> None:
