@@ -22,7 +22,7 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                    help="hard limit on host memory for weights and expert slots, e.g. 16GB or 64MB "
                         "(experts beyond it stream from the expert cache file on disk)")
     g.add_argument("--residency-policy", default=None, choices=["lru", "heat", "phase"],
-                   help="which expert leaves a full slot pool (default lru)")
+                   help="which expert leaves a full slot pool (default: lru; phase for run/acp under a budget)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
