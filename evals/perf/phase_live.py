@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if not 0 < args.budget < 1:
         raise SystemExit(f"phase_live: error: --budget must be a fraction in (0, 1), got {args.budget}")
+    if args.kv and (args.kv_turns < 2 or args.kv_rounds < 1):  # flags first: no data needed to reject them
+        raise SystemExit("phase_live: error: --kv-turns must be at least 2 and --kv-rounds at least 1")
     if not args.trajectories.is_dir():
         raise SystemExit(f"phase_live: error: trajectories folder {args.trajectories} does not exist")
     from freetoken_agent.runtime.builtin import builtin_model_dir
