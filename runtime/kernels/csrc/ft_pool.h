@@ -2,9 +2,11 @@
  *
  * Each participant (the calling thread is one) owns a contiguous share of the items, so its rows stream in one
  * long run for the hardware prefetcher and its hand-outs touch only its own cache line; when its share is done it
- * steals single items from the back of the others'. The caller returns as soon as every item is done, never
- * waiting for a worker that did not wake up (a busy core must not stall the call by a scheduler slice): it steals
- * that worker's share, and a late worker finds the job's shares empty and goes back to sleep.
+ * steals the back half of what is left of another share (and runs it front to back), again and again. The caller
+ * returns as soon as every item is done, never waiting for a worker that did not wake up (a busy core must not
+ * stall the call by a scheduler slice): it steals that worker's share, and a late worker finds the job's shares
+ * empty and goes back to sleep. Idle workers poll for ``spin_us`` (300 us; ``FREETOKEN_CPU_SPIN_US``) and then
+ * sleep: a call after a longer gap runs mostly on the caller while the woken worker's core comes back.
  * (Before: one shared ticket, one CAS per item on a line both cores wrote: two threads ran slower than one at
  * M = 1, where an item is under a microsecond of work.)
  */
@@ -73,10 +75,14 @@ static inline uint64_t ft_range(uint32_t seq, int64_t lo, int64_t hi) {
            (uint64_t)hi;
 }
 
-/* Claim one item of job `seq` from `slot` (front when `own`, back when stealing); -1 when it has none left. The
- * CAS succeeding proves the fn/ctx/base read before it belong to job `seq`: the next job rewrites them only after
- * every item of this one was claimed, and a claimed word never comes back. */
-static inline int64_t ft_claim(ft_slot *slot, uint32_t seq, int own, ft_task_fn *fn, void **ctx, int64_t *base) {
+/* Claim items of job `seq` from `slot`: the next one from the front when `own`, else (stealing) the back half of
+ * what is left, run front to back so the thief also streams forward (stolen one at a time from the back, a share ran
+ * in descending addresses and defeated the prefetcher: two threads were slower than one when a worker woke late).
+ * Returns the first item and sets *count; -1 when the slot has none. The CAS succeeding proves the fn/ctx/base read
+ * before it belong to job `seq`: the next job rewrites them only after every item of this one was claimed, and a
+ * claimed word never comes back. */
+static inline int64_t ft_claim(ft_slot *slot, uint32_t seq, int own, ft_task_fn *fn, void **ctx, int64_t *base,
+                               int64_t *count) {
     for (;;) {
         uint64_t r = atomic_load(&slot->range);
         if ((uint32_t)(r >> (2 * FT_IDX_BITS)) != (seq & ((1u << FT_SEQ_BITS) - 1))) return -1;
@@ -85,8 +91,12 @@ static inline int64_t ft_claim(ft_slot *slot, uint32_t seq, int own, ft_task_fn 
         *fn = atomic_load(&g_pool.fn);
         *ctx = atomic_load(&g_pool.ctx);
         *base = atomic_load(&g_pool.base);
-        uint64_t next = own ? ft_range(seq, lo + 1, hi) : ft_range(seq, lo, hi - 1);
-        if (atomic_compare_exchange_weak(&slot->range, &r, next)) return own ? lo : hi - 1;
+        int64_t n = own ? 1 : (hi - lo + 1) / 2;
+        uint64_t next = own ? ft_range(seq, lo + 1, hi) : ft_range(seq, lo, hi - n);
+        if (atomic_compare_exchange_weak(&slot->range, &r, next)) {
+            *count = n;
+            return own ? lo : hi - n;
+        }
     }
 }
 
@@ -95,17 +105,17 @@ static void ft_pool_work(uint32_t seq, int me) {
     int parts = g_pool.n_workers + 1;
     ft_task_fn fn;
     void *ctx;
-    int64_t base, i;
+    int64_t base, i, n;
     ft_slot *mine = &g_pool.slots[me];
-    while ((i = ft_claim(mine, seq, 1, &fn, &ctx, &base)) >= 0) {
+    while ((i = ft_claim(mine, seq, 1, &fn, &ctx, &base, &n)) >= 0) {
         fn(ctx, base + i);
         atomic_fetch_add_explicit(&mine->done, 1, memory_order_release);
     }
     for (int k = 1; k < parts; k++) {
         ft_slot *other = &g_pool.slots[(me + k) % parts];
-        while ((i = ft_claim(other, seq, 0, &fn, &ctx, &base)) >= 0) {
-            fn(ctx, base + i);
-            atomic_fetch_add_explicit(&mine->done, 1, memory_order_release);
+        while ((i = ft_claim(other, seq, 0, &fn, &ctx, &base, &n)) >= 0) {
+            for (int64_t j = i; j < i + n; j++) fn(ctx, base + j);
+            atomic_fetch_add_explicit(&mine->done, n, memory_order_release);
         }
     }
 }
