@@ -2,7 +2,7 @@
 
 On a CPU a decode step reads every dense weight once per token. With fp32 dense weights that dominates a small-active
 MoE (the 1.28B model of ``evals/perf/bench_gguf_decode.py`` reads 235 MB of fp32 dense weights per token against
-~16 MB of Q4_0 experts), so llama.cpp's habit — everything in GGUF blocks — is available here too, but only when asked:
+~85 MB of Q4_0 experts), so llama.cpp's habit — everything in GGUF blocks — is available here too, but only when asked:
 dense weights stay in the compute dtype by default.
 
 ``QuantLinear`` holds one ``[N, K]`` weight in the C kernels' packed Q8_0 / Q4_0 tiles and is called like
