@@ -107,6 +107,7 @@ class Engine:
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
         self.dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport with dense_quant="q8"/"q4"
         self.decode_torch_threads: int | None = None  # torch threads during decode steps (None: unchanged)
+        self.phase_scheduler: Any = None  # runtime.experts.phase.PhaseScheduler once attached (issue 8)
         self.residency: Any = None  # runtime.experts.store.ExpertStore when loaded under a memory budget
         self.phase_listeners: list[Any] = []  # phase scheduling (issue 8): callables (phase, expected_s)
 
@@ -316,15 +317,15 @@ class Engine:
         """One decode step. With ``decode_torch_threads`` set (the default when the C kernels carry the dense
         weights too), torch's own ops — norms, RoPE, attention over the cache, all tiny at one token — run on that
         many threads while the kernels' pool keeps its own: two spinning pools on the same cores only take turns."""
-        n = self.decode_torch_threads
-        before = torch.get_num_threads()
-        if n is None or n == before:
-            return self._forward(torch.tensor([token]), cache, last_only=True)
-        torch.set_num_threads(n)
+        n, before = self.decode_torch_threads, torch.get_num_threads()
+        switch = n is not None and n != before
+        if switch:
+            torch.set_num_threads(n)
         try:
             return self._forward(torch.tensor([token]), cache, last_only=True)
         finally:
-            torch.set_num_threads(before)
+            if switch:
+                torch.set_num_threads(before)
 
     def iter_generate(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
@@ -433,7 +434,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s = self._stats
-        sched = getattr(self, "phase_scheduler", None)  # runtime.experts.phase.PhaseScheduler, when attached
+        sched = self.phase_scheduler
         phase = {"current": s.phase, **(sched.snapshot() if sched is not None else {}), "scheduler": sched is not None,
                  "ttft_s": [round(t, 5) for t in self._kv.stats.ttft_s[-64:]] if self._kv is not None else []}
         return {

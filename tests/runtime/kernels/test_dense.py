@@ -85,3 +85,20 @@ def test_bad_dense_quant_value_is_one_clear_error(tmp_path: Path) -> None:
     folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
     with pytest.raises(FreeTokenError, match="unknown --quant"):
         Engine.from_pretrained(folder, dense_quant="q3")
+
+
+def test_decode_steps_run_torch_on_one_thread_with_quantized_dense_weights(tmp_path: Path) -> None:
+    folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
+    before = torch.get_num_threads()
+    try:
+        engine = Engine.from_pretrained(folder, threads=2, quant="q8", dense_quant="q8")
+        assert engine.decode_torch_threads == 1
+        seen: list[tuple[int, int]] = []  # (tokens in the forward, torch threads) at every MoE layer
+        engine.decoder.routing_observers.append(lambda layer, ids: seen.append((ids.shape[0], torch.get_num_threads())))
+        engine.generate([1, 2, 3, 4], max_new_tokens=3, stop_token_ids=[])
+        assert {t for n, t in seen if n == 4} == {2} and {t for n, t in seen if n == 1} == {1}  # prefill / decode
+        assert torch.get_num_threads() == 2  # restored after every step
+        plain = Engine.from_pretrained(folder, threads=2, quant="q8")
+        assert plain.decode_torch_threads is None  # torch carries the dense weights: it keeps its threads
+    finally:
+        torch.set_num_threads(before)
