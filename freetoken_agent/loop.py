@@ -288,19 +288,23 @@ class AgentRun:
         if watcher is None and not staging:
             return None
         seen: list[str] = []
-        sent = [0]
+        size = [0, 0]  # characters seen, characters seen at the last send
+        # past the output cap the result keeps only a head and a tail: streaming more cannot match it
+        cap = self.ctx.max_output_chars
 
         def on_output(text: str) -> None:
             if watcher is not None:
                 watcher(call.call_id, text)
-            if not staging:
+            if not staging or size[0] > cap:
                 return
             seen.append(text)
-            prefix = prefix_of("".join(seen))
-            if len(prefix) - sent[0] >= STREAM_PREFILL_CHARS:
-                sent[0] = len(prefix)
-                slot = {"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": prefix}
-                backend.stream_tool_output(self.run_id, [*self.messages, slot], self.schemas)
+            size[0] += len(text)
+            if size[0] - size[1] < STREAM_PREFILL_CHARS:  # join and clean only every few hundred characters
+                return
+            size[1] = size[0]
+            slot = {"role": "tool", "tool_call_id": call.call_id, "name": call.name,
+                    "content": prefix_of("".join(seen))}
+            backend.stream_tool_output(self.run_id, [*self.messages, slot], self.schemas)
 
         return on_output
 
