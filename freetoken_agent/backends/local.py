@@ -95,10 +95,7 @@ class LocalEngine(TextBackend):
     def expect_prompt(self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
         """Conversation ``session``'s next prompt renders ``messages``, whose last content is not known yet (a
         running tool's output): the tokens before it are warmed in the prefix cache at the next tool pause."""
-        engine_session = self._sessions.get(session)
-        if engine_session is None or not messages:
-            return
-        ids = self.prefix_ids([*messages[:-1], {**messages[-1], "content": MARK}], tools)
+        engine_session, ids = self._next_prompt(session, messages, tools, known="")
         if ids:
             engine_session.expect(ids)
 
@@ -109,13 +106,20 @@ class LocalEngine(TextBackend):
         conversation up to there into the session in the background, so only the rest is left when the tool ends.
         Each call supersedes a queued one; a prompt that finally tokenizes differently falls back to the longest
         common prefix."""
-        engine_session = self._sessions.get(session)
-        if engine_session is None or not messages:
-            return
-        last = messages[-1]
-        ids = self.prefix_ids([*messages[:-1], {**last, "content": str(last.get("content") or "") + MARK}], tools)
+        known = str(messages[-1].get("content") or "") if messages else ""
+        engine_session, ids = self._next_prompt(session, messages, tools, known)
         if ids:
             self.engine.kv_manager().prestage.feed(engine_session, ids)
+
+    def _next_prompt(
+        self, session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, known: str
+    ) -> tuple[Any, list[int]]:
+        """Conversation ``session``'s engine session and the ids of its next prompt up to where the last message's
+        content stops being ``known`` ([] when there is no such session)."""
+        engine_session = self._sessions.get(session)
+        if engine_session is None or not messages:
+            return None, []
+        return engine_session, self.prefix_ids([*messages[:-1], {**messages[-1], "content": known + MARK}], tools)
 
     def register_prompt(self, phase: Phase, system: str, tools: list[dict[str, Any]] | None = None) -> int:
         """A prompt that ``phase``'s conversations start with (a sub-agent's system prompt and tool schemas): kept
