@@ -10,6 +10,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from freetoken_agent.runtime.generation.sampling import (
     SamplingParams,
     StopChecker,
 )
+from freetoken_agent.runtime.kernels.ops import torch_heavy
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.decoder import Decoder
@@ -251,8 +253,10 @@ class Engine:
         return torch.cat([self._forward(ids[i : i + PREFILL_CHUNK], cache) for i in range(0, len(ids), PREFILL_CHUNK)])
 
     def _forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        hidden = self.decoder.forward(ids, cache)
-        return self.decoder.logits(hidden[-1:] if last_only else hidden)
+        # prefill: torch's threads carry it, so the kernels' idle workers sleep soon instead of polling in their way
+        with torch_heavy() if ids.numel() > 1 else nullcontext():
+            hidden = self.decoder.forward(ids, cache)
+            return self.decoder.logits(hidden[-1:] if last_only else hidden)
 
     def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
         if params is not None and kwargs:

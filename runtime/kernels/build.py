@@ -95,7 +95,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_set_isa": (i32, [i32]),
         "ft_set_threads": (i32, [i32]),
         "ft_get_threads": (i32, []),
-        "ft_set_spin_us": (None, [i32]),
+        "ft_set_spin_us": (i32, [i32]),
         "ft_linear": (i32, [i32, p, i64, i64, p, i64, p]),
         "ft_dequant": (None, [i32, p, i64, i64, p]),
         "ft_quantize": (None, [i32, p, i64, i64, p, i32]),
@@ -106,6 +106,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if an earlier ``load()`` got it; never builds or loads."""
+    lib = _state.get("lib")
+    return lib if isinstance(lib, ctypes.CDLL) else None
 
 
 def load() -> ctypes.CDLL | None:
@@ -127,7 +133,7 @@ def load() -> ctypes.CDLL | None:
 
                 lib.ft_set_threads(default_threads())
                 spin = os.environ.get("FREETOKEN_CPU_SPIN_US", "")
-                if spin.isdigit():  # how long idle workers poll before sleeping (default 300 us)
+                if spin.isdigit():  # how long idle workers poll before sleeping (default 5 ms)
                     lib.ft_set_spin_us(int(spin))
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 lib = None

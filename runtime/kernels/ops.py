@@ -7,6 +7,9 @@ choose the torch fallback themselves when ``build.load()`` returns ``None``.
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +75,48 @@ def set_threads(n: int) -> int:
 
 def get_threads() -> int:
     return int(_lib().ft_get_threads())
+
+
+HANDOFF_SPIN_US = 100  # idle workers' poll while torch carries the work (prefill): back-to-back calls only
+
+
+def set_spin_us(us: int) -> int:
+    """How long idle pool workers poll for the next call before sleeping, in µs; returns the previous value.
+
+    The default (5 ms, like ggml's pool and libgomp's) bridges the gaps between kernel calls of a decode step, so a
+    call never waits for a sleeping worker's core to come back. ``$FREETOKEN_CPU_SPIN_US`` sets it at load.
+    """
+    return int(_lib().ft_set_spin_us(int(us)))
+
+
+_handoff_lock = threading.Lock()
+_handoff = {"depth": 0, "saved": 0}
+
+
+@contextmanager
+def torch_heavy() -> Iterator[None]:
+    """While torch's own threads carry the work (a multi-token prefill: attention, big ``torch.mm``), idle pool
+    workers poll only ``HANDOFF_SPIN_US`` and then sleep instead of taking turns with torch on the same cores.
+    Nests and is safe across threads (the poll comes back when the last one leaves); a no-op while the kernels are
+    not loaded (it never builds them)."""
+    lib = _loaded[0] if _loaded else build.loaded()
+    if lib is None:
+        yield
+        return
+    with _handoff_lock:
+        _handoff["depth"] += 1
+        if _handoff["depth"] == 1:
+            prev = int(lib.ft_set_spin_us(HANDOFF_SPIN_US))
+            _handoff["saved"] = prev
+            if prev < HANDOFF_SPIN_US:  # a user's shorter setting stays theirs
+                lib.ft_set_spin_us(prev)
+    try:
+        yield
+    finally:
+        with _handoff_lock:
+            _handoff["depth"] -= 1
+            if _handoff["depth"] == 0:
+                lib.ft_set_spin_us(_handoff["saved"])
 
 
 def set_isa(name: str) -> str:

@@ -10,6 +10,9 @@
  * Weights are repacked 8 rows at a time (layout in ft_tiles.h). Activations are quantized per 32-block to int8
  * (scale = absmax / 127) and the block's d * sum(q) is kept for the zero-point corrections of unsigned codes.
  */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np: the pool keeps its threads on distinct CPUs */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -123,7 +126,9 @@ int ft_set_threads(int n) { return ft_pool_resize(n); }
 
 int ft_get_threads(void) { return g_pool.n_workers + 1; }
 
-void ft_set_spin_us(int us) { g_pool.spin_us = us < 0 ? 0 : us; }
+/* How long idle workers poll for the next job before sleeping; takes effect at once, also for workers polling now.
+ * Returns the previous value. */
+int ft_set_spin_us(int us) { return atomic_exchange(&g_pool.spin_us, us < 0 ? 0 : us); }
 
 /* ---------------------------------------------------------------- public: linear and dequantize */
 

@@ -5,8 +5,10 @@
  * steals the back half of what is left of another share (and runs it front to back), again and again. The caller
  * returns as soon as every item is done, never waiting for a worker that did not wake up (a busy core must not
  * stall the call by a scheduler slice): it steals that worker's share, and a late worker finds the job's shares
- * empty and goes back to sleep. Idle workers poll for ``spin_us`` (300 us; ``FREETOKEN_CPU_SPIN_US``) and then
- * sleep: a call after a longer gap runs mostly on the caller while the woken worker's core comes back.
+ * empty and goes back to sleep. Idle workers poll for ``spin_us`` (5 ms, as long as ggml's pool and libgomp poll;
+ * ``FREETOKEN_CPU_SPIN_US``; the engine shortens it while torch's threads carry a prefill) and then sleep: the gaps
+ * between the kernel calls of a decode step stay inside the poll, so no call waits for a sleeping worker's core.
+ * A worker that finds itself on another participant's CPU moves off it (``ft_pool_avoid``).
  * (Before: one shared ticket, one CAS per item on a line both cores wrote: two threads ran slower than one at
  * M = 1, where an item is under a microsecond of work.)
  */
@@ -34,6 +36,7 @@ typedef void (*ft_task_fn)(void *ctx, int64_t item);
 typedef struct {
     _Alignas(64) _Atomic uint64_t range;
     _Atomic int64_t done; /* items this participant finished in the current job */
+    _Atomic int cpu;      /* the CPU this participant last ran on (-1 unknown); slot 0 is the caller */
 } ft_slot;
 
 typedef struct {
@@ -46,15 +49,43 @@ typedef struct {
     _Atomic(void *) ctx;
     _Atomic int64_t base;   /* item offset of this round */
     _Atomic int stop;
-    int spin_us;
+    _Atomic int spin_us;    /* how long an idle worker polls before it sleeps; read on every check */
     ft_slot slots[FT_MAX_THREADS];
 } ft_pool;
 
-static ft_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_us = 300};
+#define FT_SPIN_US_DEFAULT 5000
+static ft_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_us = FT_SPIN_US_DEFAULT};
 
 /* One job at a time owns the pool; a caller that finds it busy (another Python thread: ctypes releases the GIL)
  * runs its items on its own thread instead of corrupting the running job. */
 static pthread_mutex_t g_run = PTHREAD_MUTEX_INITIALIZER;
+
+#ifdef __linux__
+static cpu_set_t g_allowed; /* the CPUs the pool's creator may run on (workers inherit them) */
+#endif
+
+/* A worker sharing a CPU with another participant (typically the caller: after an idle gap the OS may wake both on
+ * one CPU and leave the other idle for milliseconds, and a spinning worker then only takes turns with the caller)
+ * moves itself off the CPUs the others are on. Measured on this 2-vCPU machine: after a 10 ms sleep half the calls
+ * ran with caller and worker on one vCPU, at 1-thread speed. Linux only; cheap (sched_getcpu is a vDSO read). */
+static void ft_pool_avoid(int me) {
+#ifdef __linux__
+    int cpu = sched_getcpu(), parts = g_pool.n_workers + 1, clash = 0;
+    if (cpu < 0) return;
+    atomic_store_explicit(&g_pool.slots[me].cpu, cpu, memory_order_relaxed);
+    for (int p = 0; p < parts; p++)
+        if (p != me && atomic_load_explicit(&g_pool.slots[p].cpu, memory_order_relaxed) == cpu) clash = 1;
+    if (!clash) return;
+    cpu_set_t m = g_allowed;
+    for (int p = 0; p < parts; p++) {
+        int c = atomic_load_explicit(&g_pool.slots[p].cpu, memory_order_relaxed);
+        if (p != me && c >= 0 && c < CPU_SETSIZE) CPU_CLR(c, &m);
+    }
+    if (CPU_COUNT(&m) > 0) pthread_setaffinity_np(pthread_self(), sizeof m, &m);
+#else
+    (void)me;
+#endif
+}
 
 static inline double ft_now_us(void) {
     struct timespec ts;
@@ -128,7 +159,10 @@ static void *ft_pool_main(void *arg) {
         int spins = 0;
         while (atomic_load(&g_pool.gen) == seen && !atomic_load(&g_pool.stop)) {
             ft_cpu_relax();
-            if ((++spins & 255) == 0 && ft_now_us() - t0 > g_pool.spin_us) break;
+            if ((++spins & 255) == 0) {
+                if (ft_now_us() - t0 > atomic_load_explicit(&g_pool.spin_us, memory_order_relaxed)) break;
+                if ((spins & 4095) == 0) ft_pool_avoid(me);
+            }
         }
         if (atomic_load(&g_pool.gen) == seen) {
             pthread_mutex_lock(&g_pool.mu);
@@ -138,6 +172,7 @@ static void *ft_pool_main(void *arg) {
         }
         if (atomic_load(&g_pool.stop)) return NULL;
         seen = atomic_load(&g_pool.gen);
+        ft_pool_avoid(me);
         ft_pool_work(seen, me);
     }
 }
@@ -163,6 +198,10 @@ static int ft_pool_resize(int n_threads) {
         return n_threads;
     }
     ft_pool_stop();
+#ifdef __linux__
+    if (sched_getaffinity(0, sizeof g_allowed, &g_allowed) != 0) CPU_ZERO(&g_allowed);
+#endif
+    for (int i = 0; i < FT_MAX_THREADS; i++) atomic_store(&g_pool.slots[i].cpu, -1);
     int want = n_threads - 1;
     for (int i = 0; i < want; i++) {
         if (pthread_create(&g_pool.threads[i], NULL, ft_pool_main, (void *)(intptr_t)(i + 1)) != 0) break;
@@ -179,6 +218,9 @@ static int ft_pool_resize(int n_threads) {
 static void ft_pool_round(ft_task_fn fn, void *ctx, int64_t base, int64_t n) {
     int parts = g_pool.n_workers + 1;
     uint32_t seq = atomic_load(&g_pool.gen) + 1;
+#ifdef __linux__
+    atomic_store_explicit(&g_pool.slots[0].cpu, sched_getcpu(), memory_order_relaxed);
+#endif
     atomic_store(&g_pool.fn, fn);
     atomic_store(&g_pool.ctx, ctx);
     atomic_store(&g_pool.base, base);

@@ -162,3 +162,57 @@ def test_pool_shares_and_stealing_cover_every_item_once(isas: list[str]) -> None
                     assert torch.equal(ops.dequantize(p), q.dequantize())
     finally:
         ops.set_threads(before)
+
+
+def test_spin_setting_and_torch_heavy_nest_and_restore(isas: list[str]) -> None:
+    before = ops.set_spin_us(4000)
+    try:
+        assert ops.set_spin_us(4000) == 4000
+        with ops.torch_heavy():
+            assert ops.set_spin_us(ops.HANDOFF_SPIN_US) == ops.HANDOFF_SPIN_US  # short poll inside
+            with ops.torch_heavy():  # nested (and from another thread the same): the outer value comes back once
+                pass
+            assert ops.set_spin_us(ops.HANDOFF_SPIN_US) == ops.HANDOFF_SPIN_US
+        assert ops.set_spin_us(20) == 4000
+        with ops.torch_heavy():  # a user's shorter poll is kept
+            assert ops.set_spin_us(20) == 20
+        assert ops.set_spin_us(4000) == 20
+    finally:
+        ops.set_spin_us(before)
+
+
+def _task_ids() -> set[int]:
+    import os
+
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+def test_a_worker_moves_off_the_callers_cpu(isas: list[str]) -> None:
+    # after an idle gap the OS may wake the caller and a worker on one CPU and leave another idle: a worker that
+    # finds itself on another participant's CPU narrows its affinity to the CPUs nobody in the pool is on
+    import os
+    import time
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    before_threads, before_aff = ops.get_threads(), os.sched_getaffinity(0)
+    try:
+        ops.set_threads(1)
+        old = _task_ids()
+        ops.set_threads(2)
+        (worker,) = _task_ids() - old
+        w = ops.PackedWeight.from_blocks(quantize(torch.randn(512, 256), "q8"))
+        x = torch.randn(1, 256)
+        for home in cpus[:2]:
+            os.sched_setaffinity(0, {home})  # the calling thread only (pid 0 = this thread)
+            os.sched_setaffinity(worker, {home})  # both on one CPU, as the OS sometimes leaves them
+            deadline = time.monotonic() + 5
+            while home in os.sched_getaffinity(worker) and time.monotonic() < deadline:
+                ops.linear(w, x)
+            assert os.sched_getaffinity(worker) == set(cpus) - {home}
+    finally:
+        os.sched_setaffinity(0, before_aff)
+        ops.set_threads(1)
+        ops.set_threads(before_threads)
