@@ -99,12 +99,16 @@ def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
     return paths
 
 
-def time_paths(paths: list[Path], reps: int, budget_s: float, batch: int = 5, pause_s: float = 0.005) -> list[float]:
+def time_paths(
+    paths: list[Path], reps: int, budget_s: float, batch: int = 5, pause_s: float = 0.010, warm_s: float = 0.0005
+) -> list[float]:
     """Median seconds per call of each path, timed round-robin in batches.
 
-    Each round runs every path after a short pause (thread pools that poll after a call — ggml's does — go
-    idle instead of competing with the next path), one untimed call (its own pool wakes up), then ``batch``
-    timed calls, each on the next weight copy.
+    Each round runs every path after a pause longer than any pool polls (ggml's threadpool polls ~7.7 ms after a
+    call, libgomp's a few ms, ours 5 ms): every path starts with its pool asleep, none competes with the next
+    path. Then untimed calls for ``warm_s`` (at least one) wake the path's pool: a woken thread joins some
+    100 µs later on this VM, and one call of 30 µs ran before it arrived. Then ``batch`` timed calls, each on the
+    next weight copy, measure the steady state a decode step sees (its kernel calls come back to back).
     """
     times: list[list[float]] = [[] for _ in paths]
     cursor = [0] * len(paths)
@@ -112,7 +116,12 @@ def time_paths(paths: list[Path], reps: int, budget_s: float, batch: int = 5, pa
     for r in range(max(1, reps // batch)):
         for j, p in enumerate(paths):
             time.sleep(pause_s)
-            p.run(cursor[j] % p.copies)
+            t_warm = time.perf_counter()
+            while True:
+                cursor[j] += 1
+                p.run(cursor[j] % p.copies)
+                if time.perf_counter() - t_warm >= warm_s:
+                    break
             for _ in range(batch):
                 cursor[j] += 1
                 i = cursor[j] % p.copies

@@ -53,6 +53,10 @@ class PackedWeight:
     k: int
     data: torch.Tensor
 
+    def __post_init__(self) -> None:  # looked up once: a decode step makes dozens of calls of a few µs each
+        object.__setattr__(self, "code", FMT_CODE.get(self.fmt, -1))
+        object.__setattr__(self, "ptr", self.data.data_ptr())
+
     @classmethod
     def from_blocks(cls, qw: BlockQuantized) -> PackedWeight:
         return cls(qw.fmt, qw.shape[0], qw.shape[1], pack_blocks(qw.blocks))
@@ -139,9 +143,10 @@ def linear(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     """``x [M, K] fp32 → x @ W^T [M, N]`` with int8-quantized activations."""
     if x.dim() != 2 or x.shape[1] != w.k:
         raise FreeTokenError(f"linear: x must be [M, {w.k}], got {tuple(x.shape)}")
-    x = _f32(x)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    if _lib().ft_linear(FMT_CODE[w.fmt], w.data.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()):
+    if (_loaded[0] if _loaded else _lib()).ft_linear(w.code, w.ptr, w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()):
         raise MemoryError("ft_linear: out of memory")
     return y
 

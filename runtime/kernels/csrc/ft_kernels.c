@@ -186,15 +186,52 @@ static void linear_item(void *p, int64_t item) {
     }
 }
 
+/* Each calling thread keeps its quantized-activation buffers between calls (grown when needed, never shared with
+ * another caller; whole cache lines, so no neighbour's writes bounce the lines workers read): no malloc per call. */
+static _Thread_local struct {
+    int8_t *q;
+    float *d, *s;
+    int64_t cap_q, cap_b;
+} tl_act;
+
+static void *ft_lines(void *old, int64_t bytes) {
+    free(old);
+    return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+}
+
+static int qact_scratch(qact *a, int64_t m, int64_t k) {
+    a->nb = (k + QK - 1) / QK;
+    const int64_t nq = m * a->nb * QK, nbk = m * a->nb + 1;
+    if (nq > tl_act.cap_q) {
+        tl_act.q = (int8_t *)ft_lines(tl_act.q, nq);
+        tl_act.cap_q = tl_act.q ? nq : 0;
+    }
+    if (nbk > tl_act.cap_b) {
+        tl_act.d = (float *)ft_lines(tl_act.d, nbk * (int64_t)sizeof(float));
+        tl_act.s = (float *)ft_lines(tl_act.s, nbk * (int64_t)sizeof(float));
+        tl_act.cap_b = tl_act.d && tl_act.s ? nbk : 0;
+    }
+    a->q = tl_act.q;
+    a->d = tl_act.d;
+    a->s = tl_act.s;
+    return tl_act.cap_q >= nq && tl_act.cap_b >= nbk;
+}
+
 /* y[M, N] = x[M, K] @ W^T for repacked W; returns 0, or -1 on allocation failure. */
+#define FT_KEEP_ACT (1 << 20) /* bigger activations (long prefills) are allocated per call and freed */
+
 int ft_linear(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
     qact a;
-    if (!qact_alloc(&a, m, k)) { qact_free(&a); return -1; }
+    const int keep = m * ((k + QK - 1) / QK) * QK <= FT_KEEP_ACT;
+    if (keep ? !qact_scratch(&a, m, k) : !qact_alloc(&a, m, k)) {
+        if (!keep) qact_free(&a);
+        return -1;
+    }
     for (int64_t i = 0; i < m; i++)
         quantize_row(x + i * k, k, a.nb, a.q + i * a.nb * QK, a.d + i * a.nb, a.s + i * a.nb);
     linear_ctx c = {w, n, k, m, a.nb, a.nb * tile_block_bytes(fmt), &a, y, pick_tile_dot(fmt), pick_tile_dot4(fmt)};
     ft_parallel_for(linear_item, &c, (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
-    qact_free(&a);
+    if (!keep) qact_free(&a);
     return 0;
 }
 
