@@ -282,7 +282,7 @@ static void dequant_item(void *p, int64_t t) {
 void ft_dequant(int fmt, const uint8_t *w, int64_t n, int64_t k, float *y) {
     if (g_isa < 0) g_isa = detect_isa();
     dequant_ctx c = {fmt, w, n, k, (k + QK - 1) / QK, y};
-    ft_parallel_for(dequant_item, &c, (n + TR - 1) / TR);
+    ft_parallel_run(dequant_item, &c, (n + TR - 1) / TR, 1); /* the values go to torch.mm next */
 }
 
 /* ---------------------------------------------------------------- public: memory read bandwidth */

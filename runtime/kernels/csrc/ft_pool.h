@@ -50,6 +50,7 @@ typedef struct {
     _Atomic int64_t base;   /* item offset of this round */
     _Atomic int stop;
     _Atomic int spin_us;    /* how long an idle worker polls before it sleeps; read on every check */
+    _Atomic uint32_t sleep_gen; /* a job after which workers sleep at once (its result goes to torch's threads) */
     ft_slot slots[FT_MAX_THREADS];
 } ft_pool;
 
@@ -157,7 +158,8 @@ static void *ft_pool_main(void *arg) {
     for (;;) {
         double t0 = ft_now_us();
         int spins = 0;
-        while (atomic_load(&g_pool.gen) == seen && !atomic_load(&g_pool.stop)) {
+        const int poll = atomic_load(&g_pool.sleep_gen) != seen;
+        while (poll && atomic_load(&g_pool.gen) == seen && !atomic_load(&g_pool.stop)) {
             ft_cpu_relax();
             if ((++spins & 255) == 0) {
                 if (ft_now_us() - t0 > atomic_load_explicit(&g_pool.spin_us, memory_order_relaxed)) break;
@@ -215,9 +217,10 @@ static int ft_pool_resize(int n_threads) {
 /* One round of at most FT_MAX_ROUND items: equal contiguous shares, then wake the workers and work. The caller
  * returns once every item is done; it never waits for a worker the OS has not scheduled (it steals that share),
  * only for items already claimed. */
-static void ft_pool_round(ft_task_fn fn, void *ctx, int64_t base, int64_t n) {
+static void ft_pool_round(ft_task_fn fn, void *ctx, int64_t base, int64_t n, int sleep_after) {
     int parts = g_pool.n_workers + 1;
     uint32_t seq = atomic_load(&g_pool.gen) + 1;
+    if (sleep_after) atomic_store(&g_pool.sleep_gen, seq);
 #ifdef __linux__
     atomic_store_explicit(&g_pool.slots[0].cpu, sched_getcpu(), memory_order_relaxed);
 #endif
@@ -244,8 +247,10 @@ static void ft_pool_round(ft_task_fn fn, void *ctx, int64_t base, int64_t n) {
 }
 
 /* Run fn(ctx, i) for i in [0, n) on the pool; returns when all are done. Safe to call from several threads
- * (only one of them uses the pool at a time; the others run their items serially). */
-static void ft_parallel_for(ft_task_fn fn, void *ctx, int64_t n) {
+ * (only one of them uses the pool at a time; the others run their items serially). ``sleep_after``: the workers
+ * sleep as soon as this job is done instead of polling (the caller hands the result to torch's threads, e.g. a
+ * dequantized weight about to go through torch.mm: a polling worker would only take turns with them). */
+static void ft_parallel_run(ft_task_fn fn, void *ctx, int64_t n, int sleep_after) {
     if (n <= 0) return;
     if (n == 1 || pthread_mutex_trylock(&g_run) != 0) {
         for (int64_t i = 0; i < n; i++) fn(ctx, i);
@@ -255,9 +260,12 @@ static void ft_parallel_for(ft_task_fn fn, void *ctx, int64_t n) {
         for (int64_t i = 0; i < n; i++) fn(ctx, i);
     } else {
         for (int64_t base = 0; base < n; base += FT_MAX_ROUND)
-            ft_pool_round(fn, ctx, base, n - base < FT_MAX_ROUND ? n - base : FT_MAX_ROUND);
+            ft_pool_round(fn, ctx, base, n - base < FT_MAX_ROUND ? n - base : FT_MAX_ROUND,
+                          sleep_after && base + FT_MAX_ROUND >= n);
     }
     pthread_mutex_unlock(&g_run);
 }
+
+static void ft_parallel_for(ft_task_fn fn, void *ctx, int64_t n) { ft_parallel_run(fn, ctx, n, 0); }
 
 #endif

@@ -216,3 +216,39 @@ def test_a_worker_moves_off_the_callers_cpu(isas: list[str]) -> None:
         os.sched_setaffinity(0, before_aff)
         ops.set_threads(1)
         ops.set_threads(before_threads)
+
+
+def _state(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="needs /proc")
+def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(isas: list[str]) -> None:
+    # a dequantized weight goes to torch.mm next: the pool's workers must not poll into torch's threads
+    import time
+
+    before_threads, before_spin = ops.get_threads(), ops.set_spin_us(10_000_000)
+    try:
+        ops.set_threads(1)
+        old = _task_ids()
+        ops.set_threads(2)
+        (worker,) = _task_ids() - old
+        w = ops.PackedWeight.from_blocks(quantize(torch.randn(512, 256), "q8"))
+        x = torch.randn(1, 256)
+
+        def settle(want: str) -> str:
+            deadline = time.monotonic() + 5
+            while _state(worker) != want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return _state(worker)
+
+        for _ in range(50):
+            ops.linear(w, x)
+        assert settle("R") == "R"  # polling for the next call (10 s)
+        ops.dequantize(w)
+        assert settle("S") == "S"  # asleep at once
+    finally:
+        ops.set_spin_us(before_spin)
+        ops.set_threads(1)
+        ops.set_threads(before_threads)
