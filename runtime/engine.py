@@ -190,12 +190,13 @@ class Engine:
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
         engine.dense_quant = dense_report
-        if dense_report is not None or quant != "none":
-            from freetoken_agent.runtime.kernels import build, ops
+        from freetoken_agent.runtime.kernels import build, ops
 
-            if build.load() is not None and (threads is not None or os.environ.get("FREETOKEN_THREADS")):
+        # the C kernels carry quantized weights, and a decode step's fp32 GEMVs and norms (runtime/model/layers.py)
+        if build.load() is not None:
+            if threads is not None or os.environ.get("FREETOKEN_THREADS"):
                 ops.set_threads(n_threads)  # an explicit thread count sizes the kernels' pool too
-            if dense_report is not None:
+            if device == "cpu":  # the kernels' pool carries a decode step's big products: torch's ops are small
                 engine.decode_torch_threads = 1
         if managed is not None:
             managed.install(engine.decoder)

@@ -252,3 +252,44 @@ def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(isas: list[str
         ops.set_spin_us(before_spin)
         ops.set_threads(1)
         ops.set_threads(before_threads)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048, 256), (3, 100, 37), (8, 64, 1000), (2, 33, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool, isas: list[str]) -> None:
+    m, k, n = shape
+    w, x = torch.randn(n, k), torch.randn(m, k)
+    b = torch.randn(n) if bias else None
+    expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    before = ops.get_threads()
+    try:
+        for isa in isas:
+            ops.set_isa(isa)
+            for threads in (1, 2, 3):
+                ops.set_threads(threads)
+                got = ops.gemv_f32(w, x, b)
+                assert got.shape == (m, n)
+                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * k**0.5)
+    finally:
+        ops.set_isa("best")
+        ops.set_threads(before)
+    with pytest.raises(FreeTokenError):
+        ops.gemv_f32(w, torch.randn(ops.GEMV_MAX_M + 1, k))
+    with pytest.raises(FreeTokenError):
+        ops.gemv_f32(w.t(), x[:, :n] if n <= k else x)  # not contiguous / wrong K
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (16, 128), (2, 4, 128), (3, 100), (1, 7)])
+def test_rms_norm_matches_torch(shape: tuple[int, ...], isas: list[str]) -> None:
+    x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    ref = torch.nn.functional.rms_norm(x.double(), shape[-1:], w.double(), 1e-6).float()
+    try:
+        for isa in isas:
+            ops.set_isa(isa)
+            assert torch.allclose(ops.rms_norm(x, w, 1e-6), ref, rtol=1e-5, atol=1e-6)
+            unit = torch.nn.functional.rms_norm(x.double(), shape[-1:], None, 1e-6).float()
+            assert torch.allclose(ops.rms_norm(x, None, 1e-6), unit, rtol=1e-5, atol=1e-6)
+    finally:
+        ops.set_isa("best")
+    with pytest.raises(FreeTokenError):
+        ops.rms_norm(x.double(), w, 1e-6)
