@@ -190,6 +190,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out
 
 
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query's attention over every cached key: ``q [H, Dh]``, ``k [S, Hkv, Dh]``, ``v [S, Hkv, Dv]`` → ``[H, Dv]``.
+
+    fp32 on the CPU; k and v may be views with any stride between positions (a paged cache's run of pages) but
+    contiguous heads. Split over key blocks on the kernels' pool and merged in fp32 (``ft_attn.h``).
+    """
+    h, dh = q.shape
+    s, hkv, dk = k.shape
+    dv = v.shape[2]
+    ok = (
+        dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and h % hkv == 0 and q.is_contiguous()
+        and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1)
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+    )  # fmt: skip
+    if not ok:
+        raise FreeTokenError(
+            f"attn_decode: want fp32 q [H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with contiguous heads, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    out = torch.empty(h, dv, dtype=torch.float32)
+    if _lib().ft_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, dh, dv, k.stride(0), v.stride(0),
+                             scale, out.data_ptr()):
+        raise MemoryError("ft_attn_decode: out of memory")
+    return out
+
+
 def dequantize(w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[N, K]`` values of a packed weight (C, multi-threaded); ``out`` may be a reused buffer."""
     if out is None:

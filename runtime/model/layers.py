@@ -205,9 +205,20 @@ def _causal_attention(
 def _one_query_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None
 ) -> torch.Tensor:
-    """q [1, H, Dh] over every key of k [S, Hkv, Dh], v [S, Hkv, Dv] → [1, H*Dv]."""
+    """q [1, H, Dh] over every key of k [S, Hkv, Dh], v [S, Hkv, Dv] → [1, H*Dv]. Where the kernels are loaded an
+    fp32 cache goes through their split-over-keys kernel on the pool (``ft_attn.h``): torch runs both matmuls on
+    one thread through a permuted copy of K."""
     h, dh = q.shape[1:]
     s, hkv, dv = v.shape
+    if (
+        sinks is None
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and k.device.type == "cpu"
+        and k.stride()[1:] == (dh, 1)
+        and v.stride()[1:] == (dv, 1)
+        and kops.fast() is not None
+    ):
+        return kops.attn_decode(q.reshape(h, dh).contiguous(), k, v, scale).view(1, h * dv)
     scores = torch.matmul(q.view(hkv, h // hkv, dh), k.permute(1, 2, 0)).view(h, s) * scale  # [H, S]
     if sinks is None:
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)

@@ -87,7 +87,7 @@ def test_bad_dense_quant_value_is_one_clear_error(tmp_path: Path) -> None:
         Engine.from_pretrained(folder, dense_quant="q3")
 
 
-def test_decode_steps_run_torch_on_one_thread_with_quantized_dense_weights(tmp_path: Path) -> None:
+def test_decode_steps_run_torch_on_one_thread_when_the_kernels_carry_the_big_products(tmp_path: Path) -> None:
     folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
     before = torch.get_num_threads()
     try:
@@ -98,7 +98,7 @@ def test_decode_steps_run_torch_on_one_thread_with_quantized_dense_weights(tmp_p
         engine.generate([1, 2, 3, 4], max_new_tokens=3, stop_token_ids=[])
         assert {t for n, t in seen if n == 4} == {2} and {t for n, t in seen if n == 1} == {1}  # prefill / decode
         assert torch.get_num_threads() == 2  # restored after every step
-        plain = Engine.from_pretrained(folder, threads=2, quant="q8")
-        assert plain.decode_torch_threads is None  # torch carries the dense weights: it keeps its threads
+        plain = Engine.from_pretrained(folder, threads=2, quant="none")
+        assert plain.decode_torch_threads == 1  # fp32 projections go through the kernels' GEMV on the pool
     finally:
         torch.set_num_threads(before)

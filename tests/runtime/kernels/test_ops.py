@@ -293,3 +293,41 @@ def test_rms_norm_matches_torch(shape: tuple[int, ...], isas: list[str]) -> None
         ops.set_isa("best")
     with pytest.raises(FreeTokenError):
         ops.rms_norm(x.double(), w, 1e-6)
+
+
+def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    g = q.shape[0] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
+    probs = torch.softmax(torch.einsum("hd,shd->hs", q.double(), kk) * scale, dim=-1)
+    return torch.einsum("hs,shd->hd", probs, vv).float()
+
+
+@pytest.mark.parametrize("dims", [(1, 16, 4, 128, 128), (37, 8, 8, 64, 64), (300, 16, 4, 128, 128),
+                                  (129, 4, 1, 72, 40), (513, 6, 2, 24, 136)])  # fmt: skip
+def test_attn_decode_matches_softmax_attention(dims: tuple[int, ...], isas: list[str]) -> None:
+    s, h, hkv, dh, dv = dims
+    q = torch.randn(h, dh)
+    pool_k, pool_v = torch.randn(s + 7, hkv + 1, dh) * 3, torch.randn(s + 7, hkv + 1, dv)
+    k, v = pool_k[5 : 5 + s, :hkv], pool_v[2 : 2 + s, 1:]  # strided views, as a paged cache's run of pages
+    expected = _attention_reference(q, k, v, dh**-0.5)
+    before = ops.get_threads()
+    try:
+        for isa in isas:
+            ops.set_isa(isa)
+            for threads in (1, 2, 3):
+                ops.set_threads(threads)
+                assert torch.allclose(ops.attn_decode(q, k, v, dh**-0.5), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        ops.set_isa("best")
+        ops.set_threads(before)
+    with pytest.raises(FreeTokenError):
+        ops.attn_decode(q, k.transpose(1, 2), v, 1.0)  # heads not contiguous
+
+
+def test_decode_attention_in_the_engine_path_matches_torch(isas: list[str]) -> None:
+    from freetoken_agent.runtime.model import layers
+
+    q, k, v = torch.randn(1, 8, 32), torch.randn(200, 2, 32), torch.randn(200, 2, 32)
+    got = layers._one_query_attention(q, k, v, 0.2, None)
+    expected = _attention_reference(q[0], k, v, 0.2).reshape(1, -1)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)

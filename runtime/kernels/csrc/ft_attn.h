@@ -1,0 +1,195 @@
+/* Attention for one query token over a KV cache (a decode step), on the kernels' pool, split over keys.
+ *
+ * q [H, Dh]; keys k[s] = k + s * k_stride (Hkv rows of Dh floats each, contiguous), values likewise [Hkv, Dv];
+ * query head h reads kv head h / (H / Hkv). Items are (kv head, block of ATTN_BLOCK keys): each computes the G
+ * query heads' scores against its keys, their block max, exp-sum and exp-weighted value sum, written to a scratch
+ * row; the caller then merges the blocks (the split-K "flash decoding" combine) in fp32. K and V are read once, by
+ * every pool thread at once — torch runs the two matmuls on one thread, through a permuted (copied) view of K.
+ * exp is a vectorized polynomial (Cephes' expf: relative error ~2e-7 on [-87, 0]).
+ */
+#ifndef FT_ATTN_H
+#define FT_ATTN_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define ATTN_BLOCK 128
+
+typedef struct {
+    const float *q, *k, *v;
+    int64_t s, h, hkv, dh, dv, k_stride, v_stride, blocks;
+    float scale;
+    float *part; /* per (kv head, block, g): [max, sum, o[Dv]] */
+} attn_ctx;
+
+#ifdef FT_X86
+FT_AVX2 static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f)); /* below: 0 (exp underflows anyway) */
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+FT_AVX2 static float dot_avx2(const float *a, const float *b, int64_t k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    }
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (; i < k; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* o[0:n] += p * v[0:n] */
+FT_AVX2 static void axpy_avx2(float *o, float p, const float *v, int64_t n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+    for (; i < n; i++) o[i] += p * v[i];
+}
+
+/* x[0:n] = exp(x - m), returns the sum */
+FT_AVX2 static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float s = hsum256(acc);
+    for (; i < n; i++) s += (x[i] = expf(x[i] - m));
+    return s;
+}
+
+/* the 8 horizontal sums of a[0..7], in order, in one vector */
+FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* sc[i] = q . k[i] * scale for n keys (key i at k + i * stride): 8 keys at a time, 8 independent FMA chains */
+FT_AVX2 static void qk_avx2(const float *q, const float *k, int64_t stride, int64_t n, int64_t dh, float scale,
+                            float *sc) {
+    int64_t i = 0;
+    if (dh % 8 == 0)
+        for (; i + 8 <= n; i += 8) {
+            __m256 a[8];
+            for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+            const float *kb = k + i * stride;
+            for (int64_t d = 0; d < dh; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + u * stride + d), a[u]);
+            }
+            _mm256_storeu_ps(sc + i, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+        }
+    for (; i < n; i++) sc[i] = dot_avx2(q, k + i * stride, dh) * scale;
+}
+
+/* o[0:dv] = sum_i p[i] * v[i] (value i at v + i * stride), 64 output values at a time in registers */
+FT_AVX2 static void pv_avx2(const float *p, const float *v, int64_t stride, int64_t n, int64_t dv, float *o) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= dv; d0 += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 pv = _mm256_set1_ps(p[i]);
+            const float *vr = v + i * stride + d0;
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + d0 + 8 * u, a[u]);
+    }
+    if (d0 < dv) {
+        memset(o + d0, 0, sizeof(float) * (size_t)(dv - d0));
+        for (int64_t i = 0; i < n; i++) axpy_avx2(o + d0, p[i], v + i * stride + d0, dv - d0);
+    }
+}
+#endif
+
+static void attn_item(void *p, int64_t item) {
+    const attn_ctx *c = (const attn_ctx *)p;
+    const int64_t hk = item / c->blocks, blk = item % c->blocks, g = c->h / c->hkv;
+    const int64_t s0 = blk * ATTN_BLOCK, n = c->s - s0 < ATTN_BLOCK ? c->s - s0 : ATTN_BLOCK;
+    float sc[ATTN_BLOCK];
+#ifdef FT_X86
+    const int avx = g_isa >= FT_ISA_AVX2;
+#endif
+    for (int64_t j = 0; j < g; j++) {
+        const int64_t h = hk * g + j;
+        const float *q = c->q + h * c->dh, *kb = c->k + s0 * c->k_stride + hk * c->dh;
+        const float *vb = c->v + s0 * c->v_stride + hk * c->dv;
+        float *row = c->part + ((hk * c->blocks + blk) * g + j) * (2 + c->dv);
+        float *o = row + 2, m = -INFINITY, sum;
+#ifdef FT_X86
+        if (avx) {
+            qk_avx2(q, kb, c->k_stride, n, c->dh, c->scale, sc);
+            for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
+            sum = exp_sub_sum_avx2(sc, n, m);
+            pv_avx2(sc, vb, c->v_stride, n, c->dv, o);
+            row[0] = m;
+            row[1] = sum;
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < n; i++) {
+            sc[i] = dot_f32_c(q, kb + i * c->k_stride, c->dh) * c->scale;
+            if (sc[i] > m) m = sc[i];
+        }
+        sum = 0.f;
+        for (int64_t i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - m));
+        memset(o, 0, sizeof(float) * (size_t)c->dv);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t d = 0; d < c->dv; d++) o[d] += sc[i] * vb[i * c->v_stride + d];
+        row[0] = m;
+        row[1] = sum;
+    }
+}
+
+/* out[H, Dv] = softmax(q k^T * scale) v for one query over s keys; returns 0, or -1 on allocation failure. */
+int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, int64_t h, int64_t hkv, int64_t dh,
+                   int64_t dv, int64_t k_stride, int64_t v_stride, float scale, float *out) {
+    if (g_isa < 0) g_isa = detect_isa();
+    if (s < 1 || hkv < 1 || h % hkv) return -1;
+    const int64_t blocks = (s + ATTN_BLOCK - 1) / ATTN_BLOCK, g = h / hkv;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(hkv * blocks * g * (2 + dv)));
+    if (!part) return -1;
+    attn_ctx c = {q, k, v, s, h, hkv, dh, dv, k_stride, v_stride, blocks, scale, part};
+    ft_parallel_for(attn_item, &c, hkv * blocks);
+    for (int64_t hh = 0; hh < h; hh++) { /* merge the blocks: rescale each by exp(its max - the max) */
+        const int64_t hk = hh / g, j = hh % g;
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float bm = part[((hk * blocks + b) * g + j) * (2 + dv)];
+            if (bm > m) m = bm;
+        }
+        float *o = out + hh * dv;
+        memset(o, 0, sizeof(float) * (size_t)dv);
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *row = part + ((hk * blocks + b) * g + j) * (2 + dv);
+            const float w = expf(row[0] - m);
+            sum += w * row[1];
+            for (int64_t d = 0; d < dv; d++) o[d] += w * row[2 + d];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < dv; d++) o[d] *= inv;
+    }
+    free(part);
+    return 0;
+}
+
+#endif
