@@ -190,6 +190,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, half: bool) -> torch.Tensor:
+    """Rotary embedding of ``x [T, H, Dh]`` by ``cos``/``sin [T, R/2]`` (the first ``R = rotary_dim`` channels of
+    each head rotate: pairs ``(i, i + R/2)`` when ``half``, else ``(2i, 2i + 1)``), fp32, on the calling thread."""
+    t, h, dh = x.shape
+    r2 = rotary_dim // 2
+    tensors = (x, cos, sin)
+    if (
+        rotary_dim % 2 or rotary_dim > dh or cos.shape != (t, r2) or sin.shape != (t, r2)
+        or any(z.dtype != torch.float32 or not z.is_contiguous() or z.device.type != "cpu" for z in tensors)
+    ):  # fmt: skip
+        raise FreeTokenError(f"rope: want contiguous fp32 x [T, H, Dh], cos/sin [T, R/2], got {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _lib().ft_rope(x.data_ptr(), t, h, dh, rotary_dim, cos.data_ptr(), sin.data_ptr(), int(half), out.data_ptr())
+    return out
+
+
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query's attention over every cached key: ``q [H, Dh]``, ``k [S, Hkv, Dh]``, ``v [S, Hkv, Dv]`` → ``[H, Dv]``.
 

@@ -26,7 +26,7 @@ _ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approxi
 
 
 SMALL_NORM = 1 << 14  # values up to which an fp32 RMSNorm runs in C on the calling thread (a decode step's)
-GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows (routers: 64-256 experts) stay in torch: no faster in the pool
+GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows stay in torch (L2-resident: no faster through the pool)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,13 +53,16 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; a decode-sized product (a few rows) with a big fp32 CPU weight goes through the kernels' fp32
-    GEMV when they are loaded: it streams the weight on every pool thread, where torch's GEMV often uses one."""
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = GEMV_MIN_ROWS
+) -> torch.Tensor:
+    """``F.linear``; a decode-sized product (a few rows) with an fp32 CPU weight of at least ``min_rows`` rows goes
+    through the kernels' fp32 GEMV when they are loaded: it streams the weight on every pool thread, where torch's
+    GEMV often uses one."""
     if (
         x.dim() == 2
         and x.shape[0] <= kops.GEMV_MAX_M
-        and weight.shape[0] >= GEMV_MIN_ROWS
+        and weight.shape[0] >= min_rows
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)

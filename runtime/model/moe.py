@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.model.layers import dense_linear
 from freetoken_agent.runtime.model.spec import MoESpec, RouterSpec
 
 
@@ -99,7 +100,9 @@ def route(
         if spec.norm_topk and spec.scoring == "sigmoid":
             weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.norm_eps)
         return ids, weights * spec.scaling
-    logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [T, E]
+    # [T, E]. A decode step's router weight is cold (the experts streamed through the cache since): measured 36 us
+    # in torch, 20 us through the pool on 2 threads
+    logits = dense_linear(x.float(), weight.float(), None if bias is None else bias.float(), min_rows=0)
     if spec.logit_softcap > 0:
         logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
     scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(logits)

@@ -122,4 +122,31 @@ void ft_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, floa
     }
 }
 
+/* Rotary embedding of x [T, H, Dh] (contiguous) by cos/sin [T, R/2] into out: the first R channels of each head
+ * rotate, the rest are copied. ``half``: pairs (i, i + R/2) (Llama/Qwen); else adjacent pairs (2i, 2i + 1). */
+void ft_rope(const float *x, int64_t t, int64_t h, int64_t dh, int64_t r, const float *cos, const float *sin,
+             int half, float *out) {
+    const int64_t r2 = r / 2;
+    for (int64_t i = 0; i < t; i++) {
+        const float *c = cos + i * r2, *s = sin + i * r2;
+        for (int64_t j = 0; j < h; j++) {
+            const float *xi = x + (i * h + j) * dh;
+            float *o = out + (i * h + j) * dh;
+            if (half)
+                for (int64_t u = 0; u < r2; u++) {
+                    const float a = xi[u], b = xi[u + r2];
+                    o[u] = a * c[u] - b * s[u];
+                    o[u + r2] = b * c[u] + a * s[u];
+                }
+            else
+                for (int64_t u = 0; u < r2; u++) {
+                    const float a = xi[2 * u], b = xi[2 * u + 1];
+                    o[2 * u] = a * c[u] - b * s[u];
+                    o[2 * u + 1] = b * c[u] + a * s[u];
+                }
+            for (int64_t u = r; u < dh; u++) o[u] = xi[u];
+        }
+    }
+}
+
 #endif

@@ -331,3 +331,30 @@ def test_decode_attention_in_the_engine_path_matches_torch(isas: list[str]) -> N
     got = layers._one_query_attention(q, k, v, 0.2, None)
     expected = _attention_reference(q[0], k, v, 0.2).reshape(1, -1)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("dims", [(1, 16, 128, 128), (3, 4, 64, 32), (2, 5, 72, 72)])
+def test_rope_kernel_matches_the_torch_rotation(style: str, dims: tuple[int, int, int, int], isas: list[str]) -> None:
+    from freetoken_agent.runtime.model.rope import Rotary
+    from freetoken_agent.runtime.model.spec import RopeSpec
+
+    t, h, dh, r = dims
+    rotary = Rotary(RopeSpec(dim=r, theta=10000.0, style=style))
+    x = torch.randn(t, h, dh)
+    cos, sin = rotary.cos_sin(torch.arange(5, 5 + t))
+    got = ops.rope(x, cos, sin, r, style == "half")
+    # the torch formula (what Rotary.apply computes without the kernels)
+    rot, rest = x[..., :r], x[..., r:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "half":
+        a, b = rot[..., : r // 2], rot[..., r // 2 :]
+        want = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        want = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    want = torch.cat((want, rest), dim=-1)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(rotary.apply(x, cos, sin), want, rtol=1e-6, atol=1e-6)  # the engine's call goes to C
+    with pytest.raises(FreeTokenError):
+        ops.rope(x, cos[:, :-1], sin, r, True)
