@@ -190,10 +190,12 @@ class Engine:
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
         engine.dense_quant = dense_report
-        from freetoken_agent.runtime.kernels import build, ops
+        from freetoken_agent.runtime.kernels import build, hugepages, ops
 
         # the C kernels carry quantized weights, and a decode step's fp32 GEMVs and norms (runtime/model/layers.py)
         if build.load() is not None:
+            if device == "cpu" and managed is None:
+                hugepages.adopt_dense(weights)  # the kernels stream these every token: 2 MiB pages
             if threads is not None or os.environ.get("FREETOKEN_THREADS"):
                 ops.set_threads(n_threads)  # an explicit thread count sizes the kernels' pool too
             if device == "cpu":  # the kernels' pool carries a decode step's big products: torch's ops are small

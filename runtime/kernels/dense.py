@@ -22,7 +22,7 @@ from ..errors import FreeTokenError
 from ..model.spec import ModelSpec
 from ..model.weights import ModelWeights
 from ..quant.blocks import canonical_format
-from . import ops
+from . import hugepages, ops
 
 # leaves read only through ``layers.linear`` (see gqa_attention / mla_attention / output_gate / mlp)
 ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
@@ -81,6 +81,7 @@ def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQua
     if weights.embed.device.type != "cpu":
         raise FreeTokenError("quantized dense weights run on the CPU kernels; load with device='cpu'")
     count = before = after = 0
+    made: list[QuantLinear] = []
 
     def convert(table: dict[str, Any], leaves: tuple[str, ...]) -> None:
         nonlocal count, before, after
@@ -89,6 +90,7 @@ def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQua
             if isinstance(w, torch.Tensor) and w.dim() == 2:
                 ql = QuantLinear(w, fmt)
                 table[f"{leaf}.weight"] = ql
+                made.append(ql)
                 count, before, after = count + 1, before + w.nbytes, after + ql.nbytes
 
     for layer, lw in zip(spec.layers, weights.layers):
@@ -102,5 +104,9 @@ def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQua
     if isinstance(head, torch.Tensor):
         ql = QuantLinear(head, fmt)
         weights.lm_head = ql  # type: ignore[assignment]
+        made.append(ql)
         count, before, after = count + 1, before + head.nbytes * (head is not weights.embed), after + ql.nbytes
+    # every packed weight in one allocation of 2 MiB pages (hugepages.py): a decode step streams them all
+    for ql, data in zip(made, hugepages.arena([ql.packed.data for ql in made])):
+        ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
     return DenseQuantReport(fmt, count, before, after)

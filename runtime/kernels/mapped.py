@@ -5,9 +5,9 @@ Legend: ``L`` MoE layers, ``E`` experts per layer, ``S`` blob stride in the file
 The first load quantizes and repacks every expert once — one expert in memory at a time, never the float
 checkpoint as a whole — into the expert-major cache file of ``runtime/experts/cache_file.py`` (the residency
 path's file: same key, checkpoint files + blob layout, so a changed checkpoint or format gets a new file). Every
-later load checks the file (header, size, CRC-32 of the data) and maps it copy-on-write: each MoE layer gets a
-``QuantizedExperts`` whose ``w13``/``w2`` are strided views into the mapping (the kernels take a row stride), so
-nothing is quantized and nothing is copied. A damaged file is rewritten with a one-line warning; when the cache
+later load checks the file (header, size, CRC-32 of the data) and reads it into 2 MiB pages (``hugepages.py``;
+a copy-on-write mapping where those are unavailable): each MoE layer gets a ``QuantizedExperts`` whose
+``w13``/``w2`` are strided views into that memory (the kernels take a row stride), so nothing is quantized. A damaged file is rewritten with a one-line warning; when the cache
 cannot be written at all (read-only or full disk) the experts are quantized into memory, with a warning.
 """
 
@@ -26,7 +26,7 @@ from ..errors import UnexpectedTensorError
 from ..experts.cache_file import cache_key, cache_root, open_or_write
 from ..experts.layout import ExpertLayout
 from ..model.spec import ModelSpec
-from . import build, ops
+from . import build, hugepages, ops
 from .apply import QuantReport, _TypedExperts
 from .experts import QuantizedExperts
 from .layout import pack_blocks
@@ -104,10 +104,23 @@ class MappedLoad:
 
 
 def _map(path: Path, data_start: int, shape: tuple[int, int, int]) -> torch.Tensor:
-    """The file's data region as ``uint8 [L, E, S]``, mapped copy-on-write (pages load on first touch)."""
+    """The file's data region as ``uint8 [L, E, S]``: read into 2 MiB pages (``hugepages.py``: the kernels stream
+    these bytes every token, and the file's own mapping has 4 KiB pages), else mapped copy-on-write."""
+    n = shape[0] * shape[1] * shape[2]
+    if hugepages.enabled():
+        out = hugepages.empty(n)
+        view = memoryview(out.numpy())
+        with open(path, "rb") as f:
+            f.seek(data_start)
+            done = 0
+            while done < n:
+                got = f.readinto(view[done : min(n, done + (64 << 20))])
+                if not got:
+                    raise OSError(f"{path} ended {n - done} bytes early")
+                done += got
+        return out.view(*shape)
     size = path.stat().st_size
     whole = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    n = shape[0] * shape[1] * shape[2]
     return whole[data_start : data_start + n].view(*shape)
 
 

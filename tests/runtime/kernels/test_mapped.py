@@ -1,7 +1,8 @@
 """The full-RAM ``quant=`` path: experts quantized once into the expert cache file, mapped from it afterwards.
 
 Evidence that a second load quantized nothing: the process-wide quantization counter does not move, the report
-says "not written", the file's mtime is unchanged and the file is mapped into this process (``/proc/self/maps``).
+says "not written" and the file's mtime is unchanged. The experts are read into 2 MiB pages (``hugepages.py``), or
+with ``FREETOKEN_HUGEPAGES=0`` the file is mapped into this process (``/proc/self/maps``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.cache_file import TRAILER, ExpertCacheFile
-from freetoken_agent.runtime.kernels import mapped
+from freetoken_agent.runtime.kernels import hugepages, mapped
 from freetoken_agent.runtime.kernels.apply import quantize_experts, set_expert_mode
 from freetoken_agent.runtime.synthetic import write_synthetic
 
@@ -40,8 +41,12 @@ def _mapped_files() -> str:
     return maps.read_text() if maps.is_file() else ""
 
 
-@pytest.mark.parametrize("quant", ["q4", "q8"])
-def test_second_load_maps_the_cache_and_quantizes_nothing(tmp_path: Path, cache: Path, quant: str) -> None:
+@pytest.mark.parametrize("quant,pages", [("q4", "2m"), ("q8", "2m"), ("q4", "4k")])
+def test_second_load_maps_the_cache_and_quantizes_nothing(
+    tmp_path: Path, cache: Path, quant: str, pages: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if pages == "4k":  # without 2 MiB pages the experts stay a copy-on-write mapping of the file
+        monkeypatch.setenv("FREETOKEN_HUGEPAGES", "0")
     folder = _model(tmp_path)
     before = mapped.QUANTIZED_EXPERTS[0]
     first = Engine.from_pretrained(folder, quant=quant)
@@ -56,8 +61,8 @@ def test_second_load_maps_the_cache_and_quantizes_nothing(tmp_path: Path, cache:
     second = Engine.from_pretrained(folder, quant=quant)
     assert not second.quant.written and second.quant.cache == path
     assert mapped.QUANTIZED_EXPERTS[0] == counted and path.stat().st_mtime_ns == mtime
-    if _mapped_files():
-        assert str(path) in _mapped_files()
+    if _mapped_files():  # read into 2 MiB pages (the file is closed), or mapped
+        assert (str(path) in _mapped_files()) == (pages == "4k" or not hugepages.enabled())
     assert torch.equal(second.logits(PROMPT), logits)
     report = second.quant
     assert report.layers == 2 and report.quant_bytes < report.float_bytes / (3.5 if quant == "q8" else 6.5)

@@ -1,0 +1,60 @@
+"""Weights in 2 MiB pages: alignment, contents, the arena, and the engine's dense weights moved there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.kernels import build, hugepages
+from freetoken_agent.runtime.synthetic import write_synthetic
+
+
+def _anon_huge_kb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return -1
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="Linux only")
+def test_empty_is_aligned_and_backed_by_huge_pages_where_the_kernel_allows() -> None:
+    t = hugepages.empty(5 << 20)
+    assert t.dtype == torch.uint8 and t.numel() == 5 << 20 and t.data_ptr() % hugepages.HUGE == 0
+    before = _anon_huge_kb()
+    t.fill_(7)  # first touch: the kernel backs the region (2 MiB pages where it has them)
+    assert int(t.sum()) == 7 * (5 << 20)
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.is_file() and "[never]" not in mode.read_text() and before >= 0:
+        assert _anon_huge_kb() >= before  # not asserted strictly: the kernel may be out of free 2 MiB pages
+
+
+def test_copy_and_arena_keep_values_dtype_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    for setting in ("1", "0"):
+        monkeypatch.setenv("FREETOKEN_HUGEPAGES", setting)
+        a, b, c = torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(2, 2).to(torch.bfloat16)
+        assert torch.equal(hugepages.copy(a), a)
+        got = hugepages.arena([a, b, c])
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, [a, b, c]))
+        assert all(x.data_ptr() % 64 == 0 for x in got)
+
+
+def test_engine_moves_big_dense_weights_and_keeps_tied_embeddings_tied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if build.load() is None:
+        pytest.skip("the C kernels are unavailable")
+    folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=2, hidden_size=1024, num_hidden_layers=2,
+                             moe_intermediate_size=64, num_experts=4, vocab_size=4096, tie_word_embeddings=True)
+    engine = Engine.from_pretrained(folder)
+    weights = engine.decoder.weights
+    assert weights.lm_head is weights.embed  # tied, and still one tensor after the move
+    assert weights.lm_head.numel() >= hugepages.BIG_WEIGHT  # the (tied) head moves; these small projections stay
+    if hugepages.enabled():  # the arena's only weight starts on a 2 MiB boundary
+        assert weights.lm_head.data_ptr() % hugepages.HUGE == 0
+    ids = [5, 77, 300, 9]
+    logits = engine.logits(ids)
+    monkeypatch.setenv("FREETOKEN_HUGEPAGES", "0")
+    assert torch.equal(Engine.from_pretrained(folder).logits(ids), logits)
