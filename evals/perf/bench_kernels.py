@@ -73,6 +73,16 @@ def _copies(nbytes: int) -> int:
     return max(2, min(512, -(-_working_set[0] // max(1, nbytes))))
 
 
+def _alloc(nbytes: int) -> torch.Tensor:
+    """Weight memory for every path: 2 MiB pages (as the engine keeps its weights) or ordinary, per ``run``."""
+    from freetoken_agent.runtime.kernels import hugepages
+
+    return hugepages.empty(nbytes) if _huge[0] else torch.empty(nbytes, dtype=torch.uint8)
+
+
+_huge = [True]
+
+
 def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
     """Our C GEMV (q4, q8) and, from M=16, the prefill path (C dequantize to fp32 + torch.mm)."""
     from freetoken_agent.runtime.kernels import ops
@@ -83,7 +93,8 @@ def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
     for fmt in ("q4", "q8"):
         pw = ops.PackedWeight.from_blocks(quantize(w, fmt, refine=False))
         copies = _copies(pw.nbytes)
-        big = pw.data.repeat(copies)
+        big = _alloc(pw.nbytes * copies)
+        big.view(copies, pw.nbytes).copy_(pw.data.view(1, -1).expand(copies, -1))
         views = [ops.PackedWeight(pw.fmt, n, k, big[i * pw.nbytes : (i + 1) * pw.nbytes]) for i in range(copies)]
         paths.append(Path("freetoken-c", fmt, pw.nbytes, copies, lambda i, v=views: ops.linear(v[i], x)))
         if m >= 16:
@@ -150,7 +161,10 @@ def moe_layer_paths(threads: int) -> list[Path]:
 
     e, d, i, k = 64, 2048, 768, 8
     one = QuantizedExperts.from_float(torch.randn(1, 2 * i, d) / 45, torch.randn(1, d, i) / 28, "q4")
-    qe = QuantizedExperts("q4", one.w13.repeat(e, 1), one.w2.repeat(e, 1), d, i, packed=True)
+    w13, w2 = _alloc(one.w13.numel() * e).view(e, -1), _alloc(one.w2.numel() * e).view(e, -1)
+    w13.copy_(one.w13.expand(e, -1))
+    w2.copy_(one.w2.expand(e, -1))
+    qe = QuantizedExperts("q4", w13, w2, d, i, packed=True)
     x = torch.randn(1, d)
     gen = torch.Generator().manual_seed(0)
     routes = [torch.randperm(e, generator=gen)[:k].reshape(1, k) for _ in range(64)]
@@ -181,6 +195,7 @@ def run(
     progress: Callable[[str], None] | None = None,
     working_set: int = WORKING_SET,
     moe_layer: bool = True,
+    huge_pages: bool = True,
 ) -> Report:
     """Run the benchmark; ``thread_counts`` defaults to (1, all usable CPUs).
 
@@ -194,15 +209,17 @@ def run(
     if build.load() is None:
         raise RuntimeError(f"the C kernels are unavailable: {build.status().reason}")
     _working_set[0] = working_set
+    _huge[0] = huge_pages
     cpus = usable_cpus()
     threads = thread_counts or tuple(sorted({1, cpus}))
     peer = ggml_peer.load() if with_ggml else None
-    notes = [f"isa={build.status().isa}", f"cpus={cpus}", f"loadavg={_loadavg()}"]
+    notes = [f"isa={build.status().isa}", f"cpus={cpus}", f"loadavg={_loadavg()}",
+             f"weights in {'2 MiB' if huge_pages else '4 KiB'} pages (every path)"]
     notes.append(f"ggml={peer.version}" if peer else f"ggml: {ggml_peer.unavailable_reason() if with_ggml else 'off'}")
     torch_threads = torch.get_num_threads()
     bw: dict[str, float] = {}
     results: list[Result] = []
-    read_buf = torch.ones(max(working_set, 64 << 20), dtype=torch.uint8)
+    read_buf = _alloc(max(working_set, 64 << 20)).fill_(1)
     try:
         for th in threads:
             ops.set_threads(th)
@@ -215,7 +232,7 @@ def run(
                     x = torch.randn(m, k)
                     paths = our_paths(n, k, m, x)
                     if peer is not None:
-                        paths += peer.paths(n, k, m, x, th, _copies)
+                        paths += peer.paths(n, k, m, x, th, _copies, alloc=_alloc)
                     paths.append(read_path(paths[0].nbytes, read_buf))
                     if warm:
                         time_paths(paths, reps, budget_s)

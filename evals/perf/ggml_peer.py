@@ -96,8 +96,12 @@ class GgmlPeer:
             self._pools[threads] = self.ggml_threadpool_new(params)
         return self._pools[threads]
 
-    def paths(self, n: int, k: int, m: int, x: torch.Tensor, threads: int, copies_for: Callable[[int], int]) -> list:
-        """One path per ggml format for ``y = x @ W^T`` with ``W [n, k]`` (ggml: weight ne = [k, n])."""
+    def paths(
+        self, n: int, k: int, m: int, x: torch.Tensor, threads: int, copies_for: Callable[[int], int],
+        alloc: Callable[[int], torch.Tensor] | None = None,
+    ) -> list:
+        """One path per ggml format for ``y = x @ W^T`` with ``W [n, k]`` (ggml: weight ne = [k, n]). ``alloc``
+        (bytes → uint8 tensor) provides each ggml context's memory (the benchmark's 2 MiB pages); default: ggml's."""
         from .bench_kernels import Path
 
         out = []
@@ -110,7 +114,10 @@ class GgmlPeer:
             copies = copies_for(nbytes)
             overhead = self.ggml_tensor_overhead() * (3 * copies + 2) + self.ggml_graph_overhead() * copies
             mem = overhead + copies * (nbytes + n * m * 4 + 64) + k * m * 4 + (1 << 20)
-            ctx = self.ggml_init(_InitParams(mem, None, False))
+            buf = alloc(mem) if alloc is not None else None
+            if buf is not None:
+                self._keep.append(buf)
+            ctx = self.ggml_init(_InitParams(mem, None if buf is None else buf.data_ptr(), False))
             if not ctx:
                 raise MemoryError(f"ggml_init could not allocate {mem} bytes")
             self._ctxs.append(ctx)

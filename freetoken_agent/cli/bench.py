@@ -24,6 +24,9 @@ def _kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", default=None, help="comma-separated token counts M (default: 1,4,16,64,256)")
     p.add_argument("--working-set-mb", type=int, default=256, help="MiB of weight copies cycled per path (default 256)")
     p.add_argument("--no-moe-layer", action="store_true", help="skip the whole-MoE-layer rows")
+    p.add_argument("--pages", choices=("2m", "4k"), default="2m",
+                   help="page size of every path's weight copies, ours and ggml's alike (default 2m: the engine "
+                        "keeps its weights in 2 MiB pages; 4k: ordinary allocations)")
 
 
 def _parse_ints(text: str | None, what: str) -> tuple[int, ...] | None:
@@ -62,6 +65,7 @@ def _kernels(args: argparse.Namespace) -> int:
         raise CLIError(f"--working-set-mb must be at least 1, got {args.working_set_mb}")
     kwargs["working_set"] = args.working_set_mb << 20
     kwargs["moe_layer"] = not args.no_moe_layer
+    kwargs["huge_pages"] = args.pages == "2m"
     try:
         report = bk.run(progress=None if args.json else lambda s: print(s, file=sys.stderr), **kwargs)  # type: ignore[arg-type]
     except RuntimeError as exc:
