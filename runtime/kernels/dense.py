@@ -107,6 +107,7 @@ def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQua
         made.append(ql)
         count, before, after = count + 1, before + head.nbytes * (head is not weights.embed), after + ql.nbytes
     # every packed weight in one allocation of 2 MiB pages (hugepages.py): a decode step streams them all
-    for ql, data in zip(made, hugepages.arena([ql.packed.data for ql in made])):
-        ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
+    if hugepages.enabled() and hugepages.fits(after):
+        for ql, data in zip(made, hugepages.arena([ql.packed.data for ql in made])):
+            ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
     return DenseQuantReport(fmt, count, before, after)

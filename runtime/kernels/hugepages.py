@@ -42,6 +42,23 @@ def enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("FREETOKEN_HUGEPAGES", "1") not in ("0", "off")
 
 
+FIT_SHARE = 0.75  # of MemAvailable a copy into 2 MiB pages may take; beyond it weights stay where they are
+
+
+def fits(nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` leaves room (``FIT_SHARE`` of ``MemAvailable``). A file mapping's pages are
+    clean and the kernel can drop them under pressure; an anonymous copy cannot be dropped (no swap here), so a model
+    larger than RAM must keep its mapping rather than be killed for memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return nbytes <= FIT_SHARE * int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def empty(nbytes: int) -> torch.Tensor:
     """An uninitialized ``uint8 [nbytes]`` tensor starting on a 2 MiB boundary of anonymous memory marked for
     transparent huge pages (ordinary ``torch.empty`` where that is unavailable). The mapping lives as long as any
@@ -110,7 +127,8 @@ def adopt_dense(weights: Any) -> int:
                 found.setdefault(id(t), t)
     if big(weights.lm_head):
         found.setdefault(id(weights.lm_head), weights.lm_head)
-    if not found:
+    total = sum(t.numel() * t.element_size() for t in found.values())
+    if not found or not fits(total):  # the copy briefly doubles these weights
         return 0
     moved = dict(zip(found, arena(list(found.values()))))
     for table in tables:
@@ -121,4 +139,4 @@ def adopt_dense(weights: Any) -> int:
         if weights.embed is weights.lm_head:
             weights.embed = moved[id(weights.lm_head)]
         weights.lm_head = moved[id(weights.lm_head)]
-    return sum(t.numel() * t.element_size() for t in found.values())
+    return total

@@ -7,8 +7,9 @@ checkpoint as a whole — into the expert-major cache file of ``runtime/experts/
 path's file: same key, checkpoint files + blob layout, so a changed checkpoint or format gets a new file). Every
 later load checks the file (header, size, CRC-32 of the data) and reads it into 2 MiB pages (``hugepages.py``;
 a copy-on-write mapping where those are unavailable): each MoE layer gets a ``QuantizedExperts`` whose
-``w13``/``w2`` are strided views into that memory (the kernels take a row stride), so nothing is quantized. A damaged file is rewritten with a one-line warning; when the cache
-cannot be written at all (read-only or full disk) the experts are quantized into memory, with a warning.
+``w13``/``w2`` are strided views into that memory (the kernels take a row stride), so nothing is quantized. A
+damaged file is rewritten with a one-line warning; when the cache cannot be written at all (read-only or full disk)
+the experts are quantized into memory, with a warning.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _map(path: Path, data_start: int, shape: tuple[int, int, int]) -> torch.Tens
     """The file's data region as ``uint8 [L, E, S]``: read into 2 MiB pages (``hugepages.py``: the kernels stream
     these bytes every token, and the file's own mapping has 4 KiB pages), else mapped copy-on-write."""
     n = shape[0] * shape[1] * shape[2]
-    if hugepages.enabled():
+    if hugepages.enabled() and hugepages.fits(n):  # else the mapping: its pages can be dropped under pressure
         out = hugepages.empty(n)
         view = memoryview(out.numpy())
         with open(path, "rb") as f:

@@ -7,20 +7,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
-from freetoken_agent.runtime.model.layers import (
-    dense_linear,
-    gqa_attention,
-    layer_norm,
-    mla_attention,
-    mlp,
-    rms_norm,
-)
-from freetoken_agent.runtime.model.mixers.gated_deltanet import (
-    gated_deltanet,
-    kimi_delta,
-)
+from freetoken_agent.runtime.model.layers import dense_linear, gqa_attention, layer_norm, mla_attention, mlp, rms_norm
+from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet, kimi_delta
 from freetoken_agent.runtime.model.mixers.lightning import lightning
 from freetoken_agent.runtime.model.mixers.mamba import mamba
 from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
@@ -30,6 +21,7 @@ from freetoken_agent.runtime.model.moe import ExpertsBackend, route
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
+
 
 MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2, "mamba": mamba,
           "lightning": lightning, "kda": kimi_delta}

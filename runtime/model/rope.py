@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.model.spec import RopeSpec
 

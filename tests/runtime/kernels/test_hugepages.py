@@ -58,3 +58,17 @@ def test_engine_moves_big_dense_weights_and_keeps_tied_embeddings_tied(
     logits = engine.logits(ids)
     monkeypatch.setenv("FREETOKEN_HUGEPAGES", "0")
     assert torch.equal(Engine.from_pretrained(folder).logits(ids), logits)
+
+
+def test_a_copy_that_would_not_fit_in_memory_is_not_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hugepages.fits(1 << 20) or not Path("/proc/meminfo").is_file()
+    assert not hugepages.fits(1 << 62)  # larger than any machine's MemAvailable
+    monkeypatch.setattr(hugepages, "FIT_SHARE", 0.0)  # nothing fits: the dense weights stay where they are
+
+    class Weights:
+        layers: list = []
+        lm_head = embed = torch.randn(1024, 1024)
+
+    w = Weights()
+    before = w.lm_head
+    assert hugepages.adopt_dense(w) == 0 and w.lm_head is before
