@@ -54,7 +54,8 @@ class PackedWeight:
     data: torch.Tensor
 
     def __post_init__(self) -> None:  # looked up once: a decode step makes dozens of calls of a few µs each
-        object.__setattr__(self, "code", FMT_CODE.get(self.fmt, -1))
+        object.__setattr__(self, "fmt", canonical_format(self.fmt))  # "q4" → "q4_0"; unknown formats raise
+        object.__setattr__(self, "code", FMT_CODE[self.fmt])
         object.__setattr__(self, "ptr", self.data.data_ptr())
 
     @classmethod
@@ -238,7 +239,7 @@ def dequantize(w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor
         out = torch.empty(w.n, w.k, dtype=torch.float32)
     if tuple(out.shape) != (w.n, w.k) or out.dtype != torch.float32 or not out.is_contiguous():
         raise FreeTokenError(f"dequantize: out must be contiguous fp32 [{w.n}, {w.k}]")
-    _lib().ft_dequant(FMT_CODE[w.fmt], _ptr(w.data), w.n, w.k, _ptr(out))
+    _lib().ft_dequant(w.code, w.ptr, w.n, w.k, _ptr(out))
     return out
 
 
