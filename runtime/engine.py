@@ -198,7 +198,9 @@ class Engine:
                 hugepages.adopt_dense(weights)  # the kernels stream these every token: 2 MiB pages
             if threads is not None or os.environ.get("FREETOKEN_THREADS"):
                 ops.set_threads(n_threads)  # an explicit thread count sizes the kernels' pool too
-            if device == "cpu":  # the kernels' pool carries a decode step's big products: torch's ops are small
+            if device == "cpu" and (dense_report is not None or torch_dtype == torch.float32):
+                # the kernels' pool carries a decode step's big products (quantized, or fp32 through its GEMV):
+                # torch's own ops are small. bf16 dense weights stay with torch's threads.
                 engine.decode_torch_threads = 1
         if managed is not None:
             managed.install(engine.decoder)

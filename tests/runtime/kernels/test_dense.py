@@ -102,3 +102,13 @@ def test_decode_steps_run_torch_on_one_thread_when_the_kernels_carry_the_big_pro
         assert plain.decode_torch_threads == 1  # fp32 projections go through the kernels' GEMV on the pool
     finally:
         torch.set_num_threads(before)
+
+
+def test_bf16_dense_weights_keep_torchs_threads_in_decode(tmp_path: Path) -> None:
+    # the fp32 GEMV on the pool does not take bf16 weights: torch must keep its threads for them
+    folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
+    before = torch.get_num_threads()
+    try:
+        assert Engine.from_pretrained(folder, threads=2, dtype="bfloat16").decode_torch_threads is None
+    finally:
+        torch.set_num_threads(before)
