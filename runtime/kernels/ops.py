@@ -104,7 +104,7 @@ def torch_heavy() -> Iterator[None]:
     workers poll only ``HANDOFF_SPIN_US`` and then sleep instead of taking turns with torch on the same cores.
     Nests and is safe across threads (the poll comes back when the last one leaves); a no-op while the kernels are
     not loaded (it never builds them)."""
-    lib = _loaded[0] if _loaded else build.loaded()
+    lib = fast()
     if lib is None:
         yield
         return
