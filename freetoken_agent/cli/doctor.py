@@ -77,5 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     ks = kernel_status()  # builds the C kernels on first use; says why not when it cannot
     table.add_row("cpu expert kernels", f"C, {ks.isa} ({ks.path})" if ks.available else ks.reason)
+    from freetoken_agent.runtime.kernels import hugepages
+
+    table.add_row("weights in 2 MiB pages", hugepages.describe())
     Console().print(table)
     return 0

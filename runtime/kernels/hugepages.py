@@ -37,6 +37,20 @@ def _madvise(addr: int, length: int) -> bool:
     return libc.madvise(addr, length, MADV_HUGEPAGE) == 0
 
 
+def describe() -> str:
+    """One line for ``freetoken doctor``: whether weights go to 2 MiB pages here, and the kernel's THP mode."""
+    if not enabled():
+        return "off (FREETOKEN_HUGEPAGES=0)" if sys.platform.startswith("linux") else "not on this OS"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "asked for (MADV_HUGEPAGE); transparent huge pages unavailable: 4 KiB pages"
+    if mode == "never":
+        return "asked for, but transparent huge pages are off (mode never): 4 KiB pages"
+    return f"yes: expert and dense weights marked MADV_HUGEPAGE (transparent huge pages: {mode})"
+
+
 def enabled() -> bool:
     """Whether weights go to 2 MiB pages: Linux, and not turned off with ``FREETOKEN_HUGEPAGES=0``."""
     return sys.platform.startswith("linux") and os.environ.get("FREETOKEN_HUGEPAGES", "1") not in ("0", "off")

@@ -72,3 +72,10 @@ def test_a_copy_that_would_not_fit_in_memory_is_not_made(monkeypatch: pytest.Mon
     w = Weights()
     before = w.lm_head
     assert hugepages.adopt_dense(w) == 0 and w.lm_head is before
+
+
+def test_doctor_line_says_whether_weights_get_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_HUGEPAGES", "0")
+    assert hugepages.describe().startswith(("off", "not on"))
+    monkeypatch.delenv("FREETOKEN_HUGEPAGES")
+    assert hugepages.describe()  # the mode this kernel reports
