@@ -198,9 +198,12 @@ class Engine:
                 hugepages.adopt_dense(weights)  # the kernels stream these every token: 2 MiB pages
             if threads is not None or os.environ.get("FREETOKEN_THREADS"):
                 ops.set_threads(n_threads)  # an explicit thread count sizes the kernels' pool too
-            if device == "cpu" and (dense_report is not None or torch_dtype == torch.float32):
-                # the kernels' pool carries a decode step's big products (quantized, or fp32 through its GEMV):
-                # torch's own ops are small. bf16 dense weights stay with torch's threads.
+            gqa_only = all(lay.recurrent is None and (lay.attention is None or lay.attention.kind == "gqa")
+                           for lay in spec.layers)
+            if device == "cpu" and (dense_report is not None or (torch_dtype == torch.float32 and gqa_only)):
+                # the kernels' pool carries a decode step's big products (quantized, or fp32 through its GEMV and
+                # its attention): torch's own ops are small. bf16 dense weights, MLA's latent attention and
+                # recurrent mixers stay with torch's threads.
                 engine.decode_torch_threads = 1
         if managed is not None:
             managed.install(engine.decoder)

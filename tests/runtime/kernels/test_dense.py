@@ -112,3 +112,13 @@ def test_bf16_dense_weights_keep_torchs_threads_in_decode(tmp_path: Path) -> Non
         assert Engine.from_pretrained(folder, threads=2, dtype="bfloat16").decode_torch_threads is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_mla_models_keep_torchs_threads_in_decode(tmp_path: Path) -> None:
+    # MLA's latent attention runs in torch: a decode step must not take its threads away
+    folder = write_synthetic("deepseek_v3", tmp_path / "m", seed=3)
+    before = torch.get_num_threads()
+    try:
+        assert Engine.from_pretrained(folder, threads=2).decode_torch_threads is None
+    finally:
+        torch.set_num_threads(before)
