@@ -104,21 +104,12 @@ def test_decode_steps_run_torch_on_one_thread_when_the_kernels_carry_the_big_pro
         torch.set_num_threads(before)
 
 
-def test_bf16_dense_weights_keep_torchs_threads_in_decode(tmp_path: Path) -> None:
-    # the fp32 GEMV on the pool does not take bf16 weights: torch must keep its threads for them
-    folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
+@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "bfloat16"), ("deepseek_v3", "float32")])
+def test_decode_keeps_torchs_threads_where_torch_carries_the_big_products(tmp_path: Path, arch: str, dtype: str) -> None:
+    # the pool's GEMV is fp32 only, and MLA's latent attention runs in torch: their decode steps keep torch's threads
+    folder = write_synthetic(arch, tmp_path / "m", seed=3)
     before = torch.get_num_threads()
     try:
-        assert Engine.from_pretrained(folder, threads=2, dtype="bfloat16").decode_torch_threads is None
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_mla_models_keep_torchs_threads_in_decode(tmp_path: Path) -> None:
-    # MLA's latent attention runs in torch: a decode step must not take its threads away
-    folder = write_synthetic("deepseek_v3", tmp_path / "m", seed=3)
-    before = torch.get_num_threads()
-    try:
-        assert Engine.from_pretrained(folder, threads=2).decode_torch_threads is None
+        assert Engine.from_pretrained(folder, threads=2, dtype=dtype).decode_torch_threads is None
     finally:
         torch.set_num_threads(before)

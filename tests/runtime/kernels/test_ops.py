@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -187,8 +189,21 @@ def _task_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
+@pytest.fixture()
+def pool_worker(isas: list[str]) -> Iterator[int]:
+    """A fresh 2-thread pool; yields its one worker's thread id, then restores the thread count."""
+    before = ops.get_threads()
+    ops.set_threads(1)
+    old = _task_ids()
+    ops.set_threads(2)
+    (worker,) = _task_ids() - old
+    yield worker
+    ops.set_threads(1)
+    ops.set_threads(before)
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
-def test_a_worker_moves_off_the_callers_cpu(isas: list[str]) -> None:
+def test_a_worker_moves_off_the_callers_cpu(pool_worker: int) -> None:
     # after an idle gap the OS may wake the caller and a worker on one CPU and leave another idle: a worker that
     # finds itself on another participant's CPU narrows its affinity to the CPUs nobody in the pool is on
     import os
@@ -197,12 +212,8 @@ def test_a_worker_moves_off_the_callers_cpu(isas: list[str]) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs 2 CPUs")
-    before_threads, before_aff = ops.get_threads(), os.sched_getaffinity(0)
+    before_aff, worker = os.sched_getaffinity(0), pool_worker
     try:
-        ops.set_threads(1)
-        old = _task_ids()
-        ops.set_threads(2)
-        (worker,) = _task_ids() - old
         w = ops.PackedWeight.from_blocks(quantize(torch.randn(512, 256), "q8"))
         x = torch.randn(1, 256)
         for home in cpus[:2]:
@@ -214,8 +225,6 @@ def test_a_worker_moves_off_the_callers_cpu(isas: list[str]) -> None:
             assert os.sched_getaffinity(worker) == set(cpus) - {home}
     finally:
         os.sched_setaffinity(0, before_aff)
-        ops.set_threads(1)
-        ops.set_threads(before_threads)
 
 
 def _state(tid: int) -> str:
@@ -224,16 +233,12 @@ def _state(tid: int) -> str:
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="needs /proc")
-def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(isas: list[str]) -> None:
+def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(pool_worker: int) -> None:
     # a dequantized weight goes to torch.mm next: the pool's workers must not poll into torch's threads
     import time
 
-    before_threads, before_spin = ops.get_threads(), ops.set_spin_us(10_000_000)
+    before_spin, worker = ops.set_spin_us(10_000_000), pool_worker
     try:
-        ops.set_threads(1)
-        old = _task_ids()
-        ops.set_threads(2)
-        (worker,) = _task_ids() - old
         w = ops.PackedWeight.from_blocks(quantize(torch.randn(512, 256), "q8"))
         x = torch.randn(1, 256)
 
@@ -250,8 +255,6 @@ def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(isas: list[str
         assert settle("S") == "S"  # asleep at once
     finally:
         ops.set_spin_us(before_spin)
-        ops.set_threads(1)
-        ops.set_threads(before_threads)
 
 
 @pytest.mark.parametrize("shape", [(1, 2048, 256), (3, 100, 37), (8, 64, 1000), (2, 33, 5)])
