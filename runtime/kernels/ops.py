@@ -207,8 +207,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     return out
 
 
-def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query's attention over every cached key: ``q [H, Dh]``, ``k [S, Hkv, Dh]``, ``v [S, Hkv, Dv]`` → ``[H, Dv]``.
+def attn_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One query's attention over every cached key: ``q [H, Dh]``, ``k [S, Hkv, Dh]``, ``v [S, Hkv, Dv]`` → ``[H, Dv]``;
+    ``sinks [H]`` (GPT-OSS) add one logit per head to the softmax that carries no value.
 
     fp32 on the CPU; k and v may be views with any stride between positions (a paged cache's run of pages) but
     contiguous heads. Split over key blocks on the kernels' pool and merged in fp32 (``ft_attn.h``).
@@ -221,6 +224,9 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
         and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1)
         and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
     )  # fmt: skip
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        ok = ok and sinks.shape == (h,) and sinks.device.type == "cpu"
     if not ok:
         raise FreeTokenError(
             f"attn_decode: want fp32 q [H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with contiguous heads, got "
@@ -228,7 +234,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
         )
     out = torch.empty(h, dv, dtype=torch.float32)
     if _lib().ft_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, dh, dv, k.stride(0), v.stride(0),
-                             scale, out.data_ptr()):
+                             scale, None if sinks is None else sinks.data_ptr(), out.data_ptr()):
         raise MemoryError("ft_attn_decode: out of memory")
     return out
 

@@ -214,14 +214,13 @@ def _one_query_attention(
     h, dh = q.shape[1:]
     s, hkv, dv = v.shape
     if (
-        sinks is None
-        and q.dtype == k.dtype == v.dtype == torch.float32
+        q.dtype == k.dtype == v.dtype == torch.float32
         and k.device.type == "cpu"
         and k.stride()[1:] == (dh, 1)
         and v.stride()[1:] == (dv, 1)
         and kops.fast() is not None
     ):
-        return kops.attn_decode(q.reshape(h, dh).contiguous(), k, v, scale).view(1, h * dv)
+        return kops.attn_decode(q.reshape(h, dh).contiguous(), k, v, scale, sinks).view(1, h * dv)
     scores = torch.matmul(q.view(hkv, h // hkv, dh), k.permute(1, 2, 0)).view(h, s) * scale  # [H, S]
     if sinks is None:
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)

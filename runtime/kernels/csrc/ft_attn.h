@@ -160,9 +160,11 @@ static void attn_item(void *p, int64_t item) {
     }
 }
 
-/* out[H, Dv] = softmax(q k^T * scale) v for one query over s keys; returns 0, or -1 on allocation failure. */
+/* out[H, Dv] = softmax(q k^T * scale) v for one query over s keys; with `sinks` (NULL: none) head h's softmax has one
+ * more logit, sinks[h], that takes probability but carries no value (GPT-OSS). Returns 0, or -1 on allocation
+ * failure. */
 int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, int64_t h, int64_t hkv, int64_t dh,
-                   int64_t dv, int64_t k_stride, int64_t v_stride, float scale, float *out) {
+                   int64_t dv, int64_t k_stride, int64_t v_stride, float scale, const float *sinks, float *out) {
     if (g_isa < 0) g_isa = detect_isa();
     if (s < 1 || hkv < 1 || h % hkv) return -1;
     const int64_t blocks = (s + ATTN_BLOCK - 1) / ATTN_BLOCK, g = h / hkv;
@@ -172,11 +174,12 @@ int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, in
     ft_parallel_for(attn_item, &c, hkv * blocks);
     for (int64_t hh = 0; hh < h; hh++) { /* merge the blocks: rescale each by exp(its max - the max) */
         const int64_t hk = hh / g, j = hh % g;
-        float m = -INFINITY, sum = 0.f;
+        float m = sinks ? sinks[hh] : -INFINITY, sum = 0.f;
         for (int64_t b = 0; b < blocks; b++) {
             const float bm = part[((hk * blocks + b) * g + j) * (2 + dv)];
             if (bm > m) m = bm;
         }
+        if (sinks) sum = expf(sinks[hh] - m);
         float *o = out + hh * dv;
         memset(o, 0, sizeof(float) * (size_t)dv);
         for (int64_t b = 0; b < blocks; b++) {

@@ -298,10 +298,15 @@ def test_rms_norm_matches_torch(shape: tuple[int, ...], isas: list[str]) -> None
         ops.rms_norm(x.double(), w, 1e-6)
 
 
-def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     g = q.shape[0] // k.shape[1]
     kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
-    probs = torch.softmax(torch.einsum("hd,shd->hs", q.double(), kk) * scale, dim=-1)
+    scores = torch.einsum("hd,shd->hs", q.double(), kk) * scale
+    if sinks is not None:  # one more logit per head, carrying no value
+        scores = torch.cat([scores, sinks.double()[:, None]], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[:, : k.shape[0]]
     return torch.einsum("hs,shd->hd", probs, vv).float()
 
 
@@ -327,13 +332,19 @@ def test_attn_decode_matches_softmax_attention(dims: tuple[int, ...], isas: list
         ops.attn_decode(q, k.transpose(1, 2), v, 1.0)  # heads not contiguous
 
 
-def test_decode_attention_in_the_engine_path_matches_torch(isas: list[str]) -> None:
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_in_the_engine_path_matches_torch(with_sinks: bool, isas: list[str]) -> None:
     from freetoken_agent.runtime.model import layers
 
     q, k, v = torch.randn(1, 8, 32), torch.randn(200, 2, 32), torch.randn(200, 2, 32)
-    got = layers._one_query_attention(q, k, v, 0.2, None)
-    expected = _attention_reference(q[0], k, v, 0.2).reshape(1, -1)
+    sinks = torch.randn(8) * 3 if with_sinks else None
+    got = layers._one_query_attention(q, k, v, 0.2, sinks)
+    expected = _attention_reference(q[0], k, v, 0.2, sinks).reshape(1, -1)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    for isa in isas:  # the kernel itself, sinks included, on every ISA path
+        ops.set_isa(isa)
+        assert torch.allclose(ops.attn_decode(q[0], k, v, 0.2, sinks), expected.view(8, 32), rtol=1e-5, atol=1e-5)
+    ops.set_isa("best")
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])
