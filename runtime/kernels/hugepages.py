@@ -86,7 +86,7 @@ def empty(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mmap
     start = (-whole.data_ptr()) % HUGE
     out = whole[start : start + nbytes]
-    _madvise(out.data_ptr(), (nbytes + HUGE - 1) // HUGE * HUGE)
+    _madvise(out.data_ptr(), min((nbytes + HUGE - 1) // HUGE * HUGE, len(m) - start))  # whole 2 MiB pages, in the map
     return out
 
 
