@@ -27,14 +27,12 @@ _libc: list[ctypes.CDLL | None] = []
 def _madvise(addr: int, length: int) -> bool:
     if not _libc:
         try:
-            _libc.append(ctypes.CDLL(None, use_errno=True))
-        except OSError:
-            _libc.append(None)
-    libc = _libc[0]
-    if libc is None or not hasattr(libc, "madvise"):
-        return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(addr, length, MADV_HUGEPAGE) == 0
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            libc = None
+        _libc.append(libc)
+    return _libc[0] is not None and _libc[0].madvise(addr, length, MADV_HUGEPAGE) == 0
 
 
 def describe() -> str:
@@ -88,15 +86,6 @@ def empty(nbytes: int) -> torch.Tensor:
     out = whole[start : start + nbytes]
     _madvise(out.data_ptr(), min((nbytes + HUGE - 1) // HUGE * HUGE, len(m) - start))  # whole 2 MiB pages, in the map
     return out
-
-
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (any dtype, contiguous) copied into 2 MiB pages, same shape and dtype."""
-    t = t.contiguous()
-    nbytes = t.numel() * t.element_size()
-    out = empty(nbytes)
-    out.copy_(t.reshape(-1).view(torch.uint8))
-    return out.view(t.dtype).view(t.shape)
 
 
 def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,20 +20,29 @@ TINY = {**CONFIG, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 
         "num_hidden_layers": 2, "intermediate_size": 512}  # fmt: skip
 
 
+PROMPT = torch.randint(259, 512, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _both_logits(engine: Engine, gguf_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our logits and llama.cpp's over ``PROMPT`` (llama.cpp on one thread, every position's scores kept)."""
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(PROMPT)
+    return engine.logits(PROMPT), torch.tensor(llm.scores[: len(PROMPT)], dtype=torch.float32)
+
+
+def _assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    corr = torch.corrcoef(torch.stack([ours.flatten(), theirs.flatten()]))[0, 1]
+    assert float(corr) > 0.999
+    assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.75
+
+
 def test_llama_cpp_runs_our_q4_blocks_with_matching_logits(tmp_path: Path) -> None:
     folder = write_checkpoint(tmp_path / "tiny", seed=2, config=TINY)
     engine = Engine.from_pretrained(folder, quant="q4")
     for backend in engine.decoder.experts:
         backend.inner.dequant_threshold = 1  # fp32 activations on our side
-    gguf_path = write_gguf(engine, folder, tmp_path / "tiny-q4_0.gguf")
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    prompt = torch.randint(259, 512, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm.eval(prompt)
-    theirs = torch.tensor(llm.scores[: len(prompt)], dtype=torch.float32)
-    ours = engine.logits(prompt)
-    corr = torch.corrcoef(torch.stack([ours.flatten(), theirs.flatten()]))[0, 1]
-    assert float(corr) > 0.999  # measured 1.0000 (max |diff| 0.04 at logit std 1.0)
-    assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.75
+    ours, theirs = _both_logits(engine, write_gguf(engine, folder, tmp_path / "tiny-q4_0.gguf"))
+    _assert_close(ours, theirs)  # measured corr 1.0000 (max |diff| 0.04 at logit std 1.0)
 
 
 def test_llama_cpp_runs_our_quantized_dense_weights_with_matching_logits(tmp_path: Path) -> None:
@@ -44,14 +53,7 @@ def test_llama_cpp_runs_our_quantized_dense_weights_with_matching_logits(tmp_pat
     dense = "q8"
     folder = write_checkpoint(tmp_path / "tiny", seed=2, config=TINY)
     engine = Engine.from_pretrained(folder, quant="q4", dense_quant=dense)
-    gguf_path = write_gguf(engine, folder, tmp_path / f"tiny-{dense}.gguf", dense)
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    prompt = torch.randint(259, 512, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm.eval(prompt)
-    theirs = torch.tensor(llm.scores[: len(prompt)], dtype=torch.float32)
-    ours = engine.logits(prompt)
-    corr = torch.corrcoef(torch.stack([ours.flatten(), theirs.flatten()]))[0, 1]
-    plain = Engine.from_pretrained(folder, quant="q4").logits(prompt)  # the F32-dense model is a different one
-    assert float(corr) > 0.999
-    assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.75
+    ours, theirs = _both_logits(engine, write_gguf(engine, folder, tmp_path / f"tiny-{dense}.gguf", dense))
+    plain = Engine.from_pretrained(folder, quant="q4").logits(PROMPT)  # the F32-dense model is a different one
+    _assert_close(ours, theirs)
     assert float((ours - theirs).abs().max()) < float((plain - theirs).abs().max())

@@ -10,7 +10,6 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from freetoken_agent.runtime.builtin import builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.phase import (
     TUNING,
@@ -25,17 +24,12 @@ from freetoken_agent.runtime.memory import Budget
 from freetoken_agent import Agent, Phase, ScriptedBackend
 from freetoken_agent.events import PhaseChanged
 from tests.sdk.conftest import hermes_call
+from tests.runtime.experts.builtin_budget import DENSE, EXPERTS, MODEL, isolated_cache
 
-MODEL = builtin_model_dir()
-DENSE, EXPERTS = 13221888, 33030144  # the built-in model's dense and routed-expert bytes (float32)
 PROMPT = "<|im_start|>user\nThe test in calc.py fails; fix add().<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
-    torch.set_num_threads(1)
-    return tmp_path / "cache"
+cache = pytest.fixture(autouse=True)(isolated_cache)
 
 
 def budgeted(fraction: float = 0.4, policy: str = "lru") -> Engine:

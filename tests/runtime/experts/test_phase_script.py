@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-from freetoken_agent.runtime.builtin import builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.phase import PhaseScheduler
 from freetoken_agent.runtime.experts.phase_profiles import PhaseProfiles
 from freetoken_agent.runtime.experts.phase_script import AHEAD, script_key, script_keys
 from freetoken_agent.runtime.experts.setup import ResidencyConfig
 from freetoken_agent.runtime.memory import Budget
-
-MODEL = builtin_model_dir()
-DENSE, EXPERTS = 13221888, 33030144  # the built-in model's dense and routed-expert bytes (float32)
+from tests.runtime.experts.builtin_budget import DENSE, EXPERTS, MODEL, isolated_cache
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
-    torch.set_num_threads(1)
+cache = pytest.fixture(autouse=True)(isolated_cache)
 
 
 def turn(sched: PhaseScheduler, layers: list[int], tokens: int) -> None:

@@ -113,3 +113,37 @@ def test_decode_keeps_torchs_threads_where_torch_carries_the_big_products(tmp_pa
         assert Engine.from_pretrained(folder, threads=2, dtype=dtype).decode_torch_threads is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_decode_steps_use_the_c_ops_and_prefill_cuts_the_pools_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a decode step of an fp32 GQA engine runs attention, its fp32 products, norms and RoPE through the kernels;
+    # a multi-token prefill runs with the pool's short poll (torch's threads carry it)
+    from freetoken_agent.runtime.kernels import build, ops
+
+    if build.load() is None:
+        pytest.skip("the C kernels are unavailable")
+    folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
+    engine = Engine.from_pretrained(folder, threads=2)
+    calls: dict[str, int] = {}
+    for name in ("attn_decode", "gemv_f32", "rms_norm", "rope"):
+        real = getattr(ops, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name, **kw: object) -> object:
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(ops, name, counted)
+    spins: list[tuple[int, int]] = []  # (tokens in the forward, the pool's poll) at every MoE layer
+
+    def poll_now(layer: int, ids: torch.Tensor) -> None:
+        current = ops.set_spin_us(0)
+        ops.set_spin_us(current)
+        spins.append((ids.shape[0], current))
+
+    engine.decoder.routing_observers.append(poll_now)
+    engine.generate([1, 2, 3, 4], max_new_tokens=3, stop_token_ids=[])
+    assert all(calls.get(name, 0) > 0 for name in ("attn_decode", "gemv_f32", "rms_norm", "rope")), calls
+    assert {s for n, s in spins if n == 4} == {ops.HANDOFF_SPIN_US}
+    assert {s for n, s in spins if n == 1} and ops.HANDOFF_SPIN_US not in {s for n, s in spins if n == 1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -257,6 +258,25 @@ def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(pool_worker: i
         ops.set_spin_us(before_spin)
 
 
+@contextmanager
+def every_path(isas: list[str], threads: tuple[int, ...] = (1, 2, 3)) -> Iterator[Iterator[tuple[str, int]]]:
+    """Iterate over every ISA path x pool size (each set while its iteration runs); restores both afterwards."""
+    before = ops.get_threads()
+
+    def paths() -> Iterator[tuple[str, int]]:
+        for isa in isas:
+            ops.set_isa(isa)
+            for n in threads:
+                ops.set_threads(n)
+                yield isa, n
+
+    try:
+        yield paths()
+    finally:
+        ops.set_isa("best")
+        ops.set_threads(before)
+
+
 @pytest.mark.parametrize("shape", [(1, 2048, 256), (3, 100, 37), (8, 64, 1000), (2, 33, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool, isas: list[str]) -> None:
@@ -264,18 +284,11 @@ def test_gemv_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool, 
     w, x = torch.randn(n, k), torch.randn(m, k)
     b = torch.randn(n) if bias else None
     expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
-    before = ops.get_threads()
-    try:
-        for isa in isas:
-            ops.set_isa(isa)
-            for threads in (1, 2, 3):
-                ops.set_threads(threads)
-                got = ops.gemv_f32(w, x, b)
-                assert got.shape == (m, n)
-                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * k**0.5)
-    finally:
-        ops.set_isa("best")
-        ops.set_threads(before)
+    with every_path(isas) as paths:
+        for _ in paths:
+            got = ops.gemv_f32(w, x, b)
+            assert got.shape == (m, n)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * k**0.5)
     with pytest.raises(FreeTokenError):
         ops.gemv_f32(w, torch.randn(ops.GEMV_MAX_M + 1, k))
     with pytest.raises(FreeTokenError):
@@ -286,14 +299,11 @@ def test_gemv_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool, 
 def test_rms_norm_matches_torch(shape: tuple[int, ...], isas: list[str]) -> None:
     x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
     ref = torch.nn.functional.rms_norm(x.double(), shape[-1:], w.double(), 1e-6).float()
-    try:
-        for isa in isas:
-            ops.set_isa(isa)
+    unit = torch.nn.functional.rms_norm(x.double(), shape[-1:], None, 1e-6).float()
+    with every_path(isas, threads=(1,)) as paths:
+        for _ in paths:
             assert torch.allclose(ops.rms_norm(x, w, 1e-6), ref, rtol=1e-5, atol=1e-6)
-            unit = torch.nn.functional.rms_norm(x.double(), shape[-1:], None, 1e-6).float()
             assert torch.allclose(ops.rms_norm(x, None, 1e-6), unit, rtol=1e-5, atol=1e-6)
-    finally:
-        ops.set_isa("best")
     with pytest.raises(FreeTokenError):
         ops.rms_norm(x.double(), w, 1e-6)
 
@@ -318,16 +328,9 @@ def test_attn_decode_matches_softmax_attention(dims: tuple[int, ...], isas: list
     pool_k, pool_v = torch.randn(s + 7, hkv + 1, dh) * 3, torch.randn(s + 7, hkv + 1, dv)
     k, v = pool_k[5 : 5 + s, :hkv], pool_v[2 : 2 + s, 1:]  # strided views, as a paged cache's run of pages
     expected = _attention_reference(q, k, v, dh**-0.5)
-    before = ops.get_threads()
-    try:
-        for isa in isas:
-            ops.set_isa(isa)
-            for threads in (1, 2, 3):
-                ops.set_threads(threads)
-                assert torch.allclose(ops.attn_decode(q, k, v, dh**-0.5), expected, rtol=1e-5, atol=1e-5)
-    finally:
-        ops.set_isa("best")
-        ops.set_threads(before)
+    with every_path(isas) as paths:
+        for _ in paths:
+            assert torch.allclose(ops.attn_decode(q, k, v, dh**-0.5), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(FreeTokenError):
         ops.attn_decode(q, k.transpose(1, 2), v, 1.0)  # heads not contiguous
 
@@ -341,10 +344,9 @@ def test_decode_attention_in_the_engine_path_matches_torch(with_sinks: bool, isa
     got = layers._one_query_attention(q, k, v, 0.2, sinks)
     expected = _attention_reference(q[0], k, v, 0.2, sinks).reshape(1, -1)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    for isa in isas:  # the kernel itself, sinks included, on every ISA path
-        ops.set_isa(isa)
-        assert torch.allclose(ops.attn_decode(q[0], k, v, 0.2, sinks), expected.view(8, 32), rtol=1e-5, atol=1e-5)
-    ops.set_isa("best")
+    with every_path(isas, threads=(1,)) as paths:  # the kernel itself, sinks included, on every ISA path
+        for _ in paths:
+            assert torch.allclose(ops.attn_decode(q[0], k, v, 0.2, sinks), expected.view(8, 32), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])
