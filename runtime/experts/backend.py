@@ -11,6 +11,10 @@ and accumulated in the same order. Quantized experts on the host reproduce ``Qua
 the fused C call sums a token's experts in the order of the ids it gets, so it runs over the slot pool only when
 the slots ascend with the expert ids, else as one call per expert accumulated in id order (same fp32 adds).
 With a device tier, quantized experts run one per call (tokens identical in the tests; not bitwise guaranteed).
+
+Deterministic mode (``ops.set_deterministic``): float experts multiply through ``moe.expert_linear`` (as
+``TorchExperts`` does) and quantized host experts always take the int8 kernels (``QuantizedExperts``'
+``dequant_threshold`` is unbounded then), so a token's output does not depend on the others routed with it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNeed
 from freetoken_agent.runtime.experts.layout import SlotViews
 from freetoken_agent.runtime.experts.store import ExpertStore
-from freetoken_agent.runtime.model.moe import activate
+from freetoken_agent.runtime.model.moe import activate, expert_linear
 from freetoken_agent.runtime.model.spec import MoESpec
 
 Lookahead = Callable[[torch.Tensor], list[int]]
@@ -72,10 +76,10 @@ class ManagedExperts:
     def _float_expert(self, views: SlotViews, slot: int, x: torch.Tensor) -> torch.Tensor:
         """One float expert on its tokens, exactly as ``TorchExperts`` computes it: ``x [n, D] → [n, D]``."""
         assert views.gate_up is not None and views.down is not None
-        h = x @ views.gate_up[slot].T  # [n, 2I]
+        h = expert_linear(x, views.gate_up[slot])  # [n, 2I]
         if views.gate_up_bias is not None:
             h = h + views.gate_up_bias[slot]
-        h = activate(h, self.spec) @ views.down[slot].T  # [n, D]
+        h = expert_linear(activate(h, self.spec), views.down[slot])  # [n, D]
         if views.down_bias is not None:
             h = h + views.down_bias[slot]
         return h

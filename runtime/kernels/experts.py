@@ -14,11 +14,17 @@ process (``crossover_tokens``); ``$FREETOKEN_DEQUANT_THRESHOLD`` pins it.
 
 ``exact = True`` sends every expert through dequantize + fp32 ``torch.mm``: activations are never rounded, so the
 layer equals plain-torch experts over the dequantized weights up to fp32 summation order (slower decode).
+
+Deterministic mode (``ops.set_deterministic``): no expert ever switches to dequantize + ``torch.mm`` by its token
+count (``dequant_threshold`` is unbounded), so every token takes the int8 kernels, which are batch invariant (each
+row quantized and summed on its own); ``exact`` experts and the no-kernel path multiply through
+``invariant.linear`` instead of ``torch.mm``, activations through ``invariant.pointwise``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -26,7 +32,7 @@ import torch
 
 from ..errors import FreeTokenError
 from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format, dequantize, quantize
-from . import build, ops
+from . import build, invariant, ops
 from .layout import pack_blocks, unpack_blocks
 from .torch_fallback import Int4Weight, int4_linear, int4pack
 
@@ -102,7 +108,10 @@ class QuantizedExperts:
 
     @property
     def dequant_threshold(self) -> int:
-        """Tokens per expert from which an expert runs as dequantize + ``torch.mm`` (default: measured)."""
+        """Tokens per expert from which an expert runs as dequantize + ``torch.mm`` (default: measured; never in
+        deterministic mode)."""
+        if ops.deterministic():
+            return sys.maxsize
         if self._threshold is None:
             self._threshold = crossover_tokens()
         return self._threshold
@@ -205,21 +214,25 @@ class QuantizedExperts:
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation is not None:
             return self.activation(h)
-        return torch.nn.functional.silu(h[:, : self.intermediate]) * h[:, self.intermediate :]
+        gate = h[:, : self.intermediate]
+        silu = invariant.pointwise(torch.nn.functional.silu, gate) if ops.deterministic() else torch.nn.functional.silu(gate)
+        return silu * h[:, self.intermediate :]
 
     def _expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens ``x [n, D]`` with fp32 weights (prefill, or no kernels) → ``[n, D]``."""
-        int4 = self.int4 is not None and not self.exact
+        deterministic = ops.deterministic()
+        int4 = self.int4 is not None and not self.exact and not deterministic
+        mm = invariant.linear if deterministic else lambda a, w: torch.mm(a, w.t())
         if int4:
             w13, w2 = self.int4[e]  # type: ignore[index]
             h = int4_linear(w13, x)
         else:
             gate_up, down = self._expert_float(e)
-            h = torch.mm(x, gate_up.t())  # [n, 2I]
+            h = mm(x, gate_up)  # [n, 2I]
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]
         a = self._act(h)
-        y = int4_linear(w2, a) if int4 else torch.mm(a, down.t())  # [n, D]
+        y = int4_linear(w2, a) if int4 else mm(a, down)  # [n, D]
         return y if self.down_bias is None else y + self.down_bias[e]
 
     def _expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Typed wrappers over the C kernels: quantized linear, dequantize, fused MoE step, read bandwidth.
+"""Typed wrappers over the C kernels: quantized linear, dequantize, fused MoE step, fp32 linear, norm, rope,
+attention, read bandwidth; and the process-wide deterministic (batch-invariant) switch.
 
 Every function takes repacked weights (``layout.pack_blocks``) and checks shapes before calling into C; callers
-choose the torch fallback themselves when ``build.load()`` returns ``None``.
+choose the torch fallback themselves when ``build.load()`` returns ``None``. What the switch changes, and what is
+batch invariant without it, is listed in ``invariant.py``.
 """
 
 from __future__ import annotations
@@ -124,6 +126,28 @@ def torch_heavy() -> Iterator[None]:
                 lib.ft_set_spin_us(_handoff["saved"])
 
 
+_deterministic = [False]
+
+
+def set_deterministic(on: bool) -> None:
+    """Turn batch-invariant numerics on or off for the whole process (default off).
+
+    On, every op that mixes rows or keys reduces each row (each query) in one fixed order, so a row's bits do not
+    depend on how many rows share the call, on its place among them, or on how a prompt was cut into chunks: a
+    greedy request returns the same tokens whatever else is batched with it and whether its KV prefix was cached.
+    It needs the C kernels (built here on first use; raises ``FreeTokenError`` where they cannot load) and holds
+    for CPU tensors. See ``invariant.py`` for the ops it covers and what it costs.
+    """
+    if on:
+        _lib()
+    _deterministic[0] = bool(on)
+
+
+def deterministic() -> bool:
+    """Whether batch-invariant numerics are on (``set_deterministic``)."""
+    return _deterministic[0]
+
+
 def set_isa(name: str) -> str:
     """Force an ISA path (``best``, ``portable``, ``avx2``, ``avx512vnni``); raises if this CPU lacks it."""
     if name not in ISA_CODE:
@@ -177,8 +201,32 @@ def gemv_f32(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = 
     return y
 
 
+def linear_f32(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] fp32 @ weight [N, K]^T (+ bias [N])`` → fp32 ``[M, N]`` for any M, batch invariant.
+
+    ``weight`` is fp32 or bf16 (widened exactly in the kernel), ``bias`` fp32. Row i of the result is bitwise the
+    same whatever M is (one fixed reduction order per row: ``ft_dense.h``). Everything contiguous on the CPU.
+    """
+    n, k = weight.shape
+    ok = x.dim() == 2 and x.shape[1] == k and (bias is None or bias.shape == (n,))
+    ok = ok and weight.dtype in (torch.float32, torch.bfloat16) and x.dtype == torch.float32
+    ok = ok and (bias is None or bias.dtype == torch.float32)
+    tensors = (weight, x) if bias is None else (weight, x, bias)
+    if not ok or any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise FreeTokenError("linear_f32: want contiguous fp32/bf16 weight [N, K], fp32 x [M, K] and bias [N]")
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return y
+    fp32 = weight.dtype == torch.float32
+    if _lib().ft_gemm_f32(weight.data_ptr() if fp32 else None, None if fp32 else weight.data_ptr(), n, k,
+                          x.data_ptr(), x.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr()):
+        raise MemoryError("ft_gemm_f32: out of memory")
+    return y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, fp32, on the calling thread (small inputs)."""
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, fp32; each row reduced in one fixed order
+    (batch invariant), on the calling thread for small inputs and on the pool for large ones."""
     dim = x.shape[-1]
     tensors = (x,) if weight is None else (x, weight)
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors) or (
@@ -236,6 +284,42 @@ def attn_decode(
     if _lib().ft_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, dh, dv, k.stride(0), v.stride(0),
                              scale, None if sinks is None else sinks.data_ptr(), out.data_ptr()):
         raise MemoryError("ft_attn_decode: out of memory")
+    return out
+
+
+def attn_queries(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [T, H, Dh]`` over ``k [S, Hkv, Dh]``, ``v [S, Hkv, Dv]`` → ``[T, H, Dv]``: query t sees
+    keys ``lo[t] <= s < hi[t]`` (int64 ``[T]``, non-empty ranges); ``sinks [H]`` as in ``attn_decode``.
+
+    Each query is computed exactly as ``attn_decode`` computes it over its keys alone: bitwise the same whether it
+    is decoded by itself or inside a prefill chunk. Layout rules as in ``attn_decode``; q contiguous.
+    """
+    t, h, dh = q.shape
+    s, hkv, dk = k.shape
+    dv = v.shape[2]
+    lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
+    ok = (
+        dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and t >= 1 and h % hkv == 0 and q.is_contiguous()
+        and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1) and lo.shape == hi.shape == (t,)
+        and all(z.dtype == torch.float32 and z.device.type == "cpu" for z in (q, k, v))
+        and bool(((lo >= 0) & (hi > lo) & (hi <= s)).all())
+    )  # fmt: skip
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        ok = ok and sinks.shape == (h,) and sinks.device.type == "cpu"
+    if not ok:
+        raise FreeTokenError(
+            f"attention: want fp32 q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with contiguous heads and key ranges "
+            f"0 <= lo < hi <= S, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    out = torch.empty(t, h, dv, dtype=torch.float32)
+    if _lib().ft_attn_queries(q.data_ptr(), t, k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(), h, hkv, dh,
+                              dv, k.stride(0), v.stride(0), scale, None if sinks is None else sinks.data_ptr(),
+                              out.data_ptr()):
+        raise MemoryError("ft_attn_queries: out of memory")
     return out
 
 

@@ -2,12 +2,18 @@
 
 Legend: T new tokens, S cached + new positions, D hidden, H query heads, Hkv key/value heads, G = H / Hkv,
 Dh query/key head dim, Dv value head dim. Weights are plain dicts of tensors named after the checkpoint's leaves.
+
+With ``ops.set_deterministic(True)`` every op here that mixes rows or keys goes through ``kernels/invariant.py``
+(a row's bits then never depend on the batch or the chunking; that module lists what is invariant anyway).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from freetoken_agent.runtime.kernels import invariant
 from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.indexer import (
@@ -33,6 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32, cast back, scale (HF order). One fused op instead of six: a decode step runs ~4 of these
     per layer, and at one token each op is mostly dispatch overhead (six ops 41 us, ``F.rms_norm`` 11-15 us, the C
     kernel 5 us where the kernels are loaded)."""
+    if kops.deterministic():
+        return invariant.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == x.shape[-1:]:
         if x.numel() <= SMALL_NORM and x.is_contiguous() and x.device.type == "cpu" and kops.fast() is not None:
             return kops.rms_norm(x, weight, eps)
@@ -42,6 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Mean-centred LayerNorm, computed in fp32 (Cohere without bias, PhiMoE with)."""
+    if kops.deterministic():
+        return invariant.layer_norm(x, weight, eps, bias)
     h = x.float()
     h = h - h.mean(-1, keepdim=True)
     h = weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
@@ -49,6 +59,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Te
 
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    if kops.deterministic():
+        return invariant.rms_norm(x, None, eps)
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -58,7 +70,9 @@ def dense_linear(
 ) -> torch.Tensor:
     """``F.linear``; a decode-sized product (a few rows) with an fp32 CPU weight of at least ``min_rows`` rows goes
     through the kernels' fp32 GEMV when they are loaded: it streams the weight on every pool thread, where torch's
-    GEMV often uses one."""
+    GEMV often uses one. Deterministic mode: the batch-invariant kernel for every M (``invariant.linear``)."""
+    if kops.deterministic():
+        return invariant.linear(x, weight, bias)
     if (
         x.dim() == 2
         and x.shape[0] <= kops.GEMV_MAX_M
@@ -75,6 +89,11 @@ def dense_linear(
     return F.linear(x, weight, bias)
 
 
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an activation or gate; in deterministic mode with no value on torch's scalar tail."""
+    return invariant.pointwise(fn, x) if kops.deterministic() else fn(x)
+
+
 def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     weight = w[f"{name}.weight"]
     if isinstance(weight, torch.Tensor):
@@ -86,14 +105,15 @@ def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
     """Gated MLP: down(act(gate(x)) * up(x))."""
     act = _ACT.get(spec.activation, F.silu)
     if not spec.gated:
-        return linear(act(linear(x, w, "up_proj")), w, "down_proj")
+        return linear(elementwise(act, linear(x, w, "up_proj")), w, "down_proj")
     if spec.fused:
         gate, up = linear(x, w, "input_linear").chunk(2, dim=-1)
         if spec.activation == "swiglu_oai":
             gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
-            return linear((up + 1.0) * (gate * torch.sigmoid(gate * spec.swiglu_alpha)), w, "output_linear")
-        return linear(act(gate) * up, w, "output_linear")
-    return linear(act(linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
+            glu = gate * elementwise(torch.sigmoid, gate * spec.swiglu_alpha)
+            return linear((up + 1.0) * glu, w, "output_linear")
+        return linear(elementwise(act, gate) * up, w, "output_linear")
+    return linear(elementwise(act, linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
 
 
 EAGER_ATTENTION_TOKENS = 16
@@ -113,8 +133,61 @@ def attention_scores(
     keep: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]; ``keep`` [T, S] further
-    restricts which keys each query sees (sparse attention)."""
+    """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]; ``keep`` [T, S] (or
+    [Hkv, T, S]) further restricts which keys each query sees (sparse attention), ``key_bias`` [S, Hkv] (Doge)."""
+    if kops.deterministic():
+        return _invariant_attention(q, k, v, q_pos, spec, sinks, keep, key_bias)
+    return _attention(q, k, v, q_pos, spec, sinks, keep, key_bias)
+
+
+def _invariant_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``attention_scores`` with each query computed exactly as if it were decoded alone over its visible keys.
+
+    A key range per query (causal, sliding window, chunked attention; fp32 on the CPU) runs in one C call that
+    treats every query as a decode step (``ops.attn_queries``); other masks and dtypes run one torch call per query
+    over keys ``0..p`` — the shapes a decode step at position p has.
+    """
+    t, h, dh = q.shape
+    dv = v.shape[2]
+    if keep is None and key_bias is None and q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu":
+        hi = q_pos.to(torch.int64) + 1  # [T]: query at p sees keys < p + 1
+        lo = torch.zeros_like(hi)
+        if spec.sliding_window is not None:
+            lo = (hi - spec.sliding_window).clamp(min=0)
+        if spec.chunk_size is not None:
+            lo = torch.maximum(lo, q_pos.to(torch.int64) // spec.chunk_size * spec.chunk_size)
+        k = k if k.stride()[1:] == (dh, 1) else k.contiguous()
+        v = v if v.stride()[1:] == (dv, 1) else v.contiguous()  # MLA: values are a slice of each head's row
+        return kops.attn_queries(q.contiguous(), k, v, lo, hi, spec.scale, sinks).view(t, h * dv)
+    outs = []
+    for i, p in enumerate(q_pos.tolist()):
+        seen = p + 1
+        keep_i = None if keep is None else keep[..., i : i + 1, :seen]
+        bias_i = None if key_bias is None else key_bias[:seen]
+        outs.append(_attention(q[i : i + 1], k[:seen], v[:seen], q_pos[i : i + 1], spec, sinks, keep_i, bias_i))
+    return torch.cat(outs)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``attention_scores``' fast paths (its arguments); not batch invariant."""
     t, h, dh = q.shape
     s, hkv, dv = v.shape
     g = h // hkv
@@ -274,7 +347,7 @@ def gqa_attention(
     q = position_scaled(q, positions, spec)
     key_bias = keep = None
     if spec.dynamic_mask:
-        dt = torch.exp(w["A"] * F.softplus(linear(v.reshape(t, -1), w, "dt_proj")))  # [T, Hkv]
+        dt = torch.exp(w["A"] * elementwise(F.softplus, linear(v.reshape(t, -1), w, "dt_proj")))  # [T, Hkv]
         k_all, v_all, key_bias = cache.append(layer, k, v, dt)
     elif spec.block_indexer is not None:
         bx = spec.block_indexer
@@ -285,7 +358,7 @@ def gqa_attention(
         k_all, v_all = cache.append(layer, k, v)
     out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"), keep=keep, key_bias=key_bias)
     if gate is not None:
-        out = out * torch.sigmoid(gate)
+        out = out * elementwise(torch.sigmoid, gate)
     if spec.output_gate != "none":
         out = output_gate(out, x, w, spec)
     return linear(out, w, "o_proj")
@@ -297,7 +370,7 @@ def output_gate(out: torch.Tensor, x: torch.Tensor, w: Weights, spec: AttentionS
     g = linear(x, w, "gate")
     if spec.output_gate_bias:
         g = g.view(t, h, -1) + w["gate_bias"][None, :, None]
-    g = F.softplus(g.float()).to(out.dtype) if spec.output_gate == "softplus" else torch.sigmoid(g)
+    g = elementwise(F.softplus, g.float()).to(out.dtype) if spec.output_gate == "softplus" else elementwise(torch.sigmoid, g)
     if spec.output_gate_per_head:
         return (out.view(t, h, -1) * g.view(t, h, 1)).reshape(t, -1)
     return out * g.reshape(t, -1)
@@ -357,7 +430,7 @@ def mla_attention(
     q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
     out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, w.get("sinks"), keep)
     if gate is not None:
-        out = out * torch.sigmoid(gate.float()).to(out.dtype)
+        out = out * elementwise(torch.sigmoid, gate.float()).to(out.dtype)
     if spec.output_gate != "none":
         out = output_gate(out, x, w, spec)
     return linear(out, w, "o_proj")

@@ -2,7 +2,9 @@
 
 Legend: T tokens, D hidden, E experts, K experts per token, I expert intermediate size.
 ``ExpertsBackend`` is the seam fast paths plug into (quantized CPU kernels, residency-managed experts); ``TorchExperts``
-is the plain-torch reference every fast path is tested against.
+is the plain-torch reference every fast path is tested against. In deterministic mode (``ops.set_deterministic``)
+the router's logits, the reference experts' matmuls and the activations are batch invariant
+(``kernels/invariant.py``): a token's routing and expert outputs do not depend on the other tokens of the call.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from freetoken_agent.runtime.model.layers import dense_linear
+from freetoken_agent.runtime.kernels import invariant
+from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 from freetoken_agent.runtime.model.spec import MoESpec, RouterSpec
 
 
@@ -25,23 +29,28 @@ class ExpertsBackend(Protocol):
         ...
 
 
+def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [n, In] @ weight [Out, In]^T`` for one expert's tokens; batch invariant in deterministic mode."""
+    return invariant.linear(x, weight) if kops.deterministic() else x @ weight.T
+
+
 def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
     """[N, 2I] (gate columns then up columns) → [N, I]; ungated experts: [N, I] → [N, I]."""
     if not moe.gated:
         if moe.activation == "relu2":
             return torch.square(F.relu(gate_up))
-        return F.silu(gate_up) if moe.activation == "silu" else F.gelu(gate_up)
+        return elementwise(F.silu if moe.activation == "silu" else F.gelu, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if moe.activation == "swiglu_oai":
         gate = gate.clamp(max=moe.swiglu_limit)
         up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+        return (up + 1) * (gate * elementwise(torch.sigmoid, gate * moe.swiglu_alpha))
     if moe.activation == "silu":
-        return F.silu(gate) * up
+        return elementwise(F.silu, gate) * up
     if moe.activation == "silu_clamp":
-        return F.silu(gate.clamp(max=moe.swiglu_limit)) * up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
+        return elementwise(F.silu, gate.clamp(max=moe.swiglu_limit)) * up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
     if moe.activation == "gelu":
-        return F.gelu(gate) * up
+        return elementwise(F.gelu, gate) * up
     raise ValueError(f"unknown expert activation {moe.activation!r}")
 
 
@@ -71,10 +80,10 @@ class TorchExperts:
             if n == 0:
                 continue
             tokens = token_of[start : start + n]
-            h = x[tokens] @ self.gate_up[e].T  # [n, 2I]
+            h = expert_linear(x[tokens], self.gate_up[e])  # [n, 2I]
             if self.gate_up_bias is not None:
                 h = h + self.gate_up_bias[e]
-            h = activate(h, self.spec) @ self.down[e].T  # [n, D]
+            h = expert_linear(activate(h, self.spec), self.down[e])  # [n, D]
             if self.down_bias is not None:
                 h = h + self.down_bias[e]
             out.index_add_(0, tokens, (h * weight_of[start : start + n, None]).to(out.dtype))
@@ -91,12 +100,13 @@ def route(
     correction: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
+    linear = invariant.linear if kops.deterministic() else F.linear
     if spec.scoring == "sparsemixer":
-        return _sparsemixer(F.linear(x, weight, bias).float(), spec.jitter_eps, top_k)
+        return _sparsemixer(linear(x, weight, bias).float(), spec.jitter_eps, top_k)
     if spec.topk_before_scoring:
-        logits = F.linear(x, weight, bias).float()  # [T, E]
+        logits = linear(x, weight, bias).float()  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)
-        weights = torch.sigmoid(top) if spec.scoring == "sigmoid" else torch.softmax(top, dim=-1)
+        weights = elementwise(torch.sigmoid, top) if spec.scoring == "sigmoid" else torch.softmax(top, dim=-1)
         if spec.norm_topk and spec.scoring == "sigmoid":
             weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.norm_eps)
         return ids, weights * spec.scaling
@@ -104,8 +114,8 @@ def route(
     # in torch, 20 us through the pool on 2 threads
     logits = dense_linear(x.float(), weight.float(), None if bias is None else bias.float(), min_rows=0)
     if spec.logit_softcap > 0:
-        logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
-    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(logits)
+        logits = elementwise(torch.tanh, logits / spec.logit_softcap) * spec.logit_softcap
+    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else elementwise(torch.sigmoid, logits)
     base = logits if spec.correction_on_logits else scores
     choice = base + correction.float().reshape(-1) if correction is not None else base
     if spec.n_group > 1:

@@ -1,11 +1,14 @@
-/* Attention for one query token over a KV cache (a decode step), on the kernels' pool, split over keys.
+/* Attention of query tokens over a KV cache, on the kernels' pool, split over keys.
  *
- * q [H, Dh]; keys k[s] = k + s * k_stride (Hkv rows of Dh floats each, contiguous), values likewise [Hkv, Dv];
- * query head h reads kv head h / (H / Hkv). Items are (kv head, block of ATTN_BLOCK keys): each computes the G
- * query heads' scores against its keys, their block max, exp-sum and exp-weighted value sum, written to a scratch
- * row; the caller then merges the blocks (the split-K "flash decoding" combine) in fp32. K and V are read once, by
- * every pool thread at once — torch runs the two matmuls on one thread, through a permuted (copied) view of K.
- * exp is a vectorized polynomial (Cephes' expf: relative error ~2e-7 on [-87, 0]).
+ * q [T, H, Dh]; keys k[s] = k + s * k_stride (Hkv rows of Dh floats each, contiguous), values likewise [Hkv, Dv];
+ * query head h reads kv head h / (H / Hkv); query t sees keys [lo[t], hi[t]) (causal, sliding window, chunk).
+ * Items are (query, kv head, block of ATTN_BLOCK keys counted from lo[t]): each computes the G query heads' scores
+ * against its keys, their block max, exp-sum and exp-weighted value sum, written to a scratch row; then each
+ * query's blocks are merged in block order (the split-K "flash decoding" combine) in fp32. So a query's bits depend
+ * only on its own q, keys and range: the same whether it is decoded alone (T = 1, a decode step) or one of a
+ * prefill chunk (batch invariance). K and V are read by every pool thread at once — torch runs the two matmuls on
+ * one thread, through a permuted (copied) view of K. exp is a vectorized polynomial (Cephes' expf: relative error
+ * ~2e-7 on [-87, 0]).
  */
 #ifndef FT_ATTN_H
 #define FT_ATTN_H
@@ -16,10 +19,12 @@
 #define ATTN_BLOCK 128
 
 typedef struct {
-    const float *q, *k, *v;
-    int64_t s, h, hkv, dh, dv, k_stride, v_stride, blocks;
+    const float *q, *k, *v, *sinks;
+    const int64_t *lo, *hi; /* query t sees keys [lo[t], hi[t]) */
+    int64_t h, hkv, dh, dv, k_stride, v_stride, blocks; /* blocks: the most any query has */
     float scale;
-    float *part; /* per (kv head, block, g): [max, sum, o[Dv]] */
+    float *part; /* per (query, kv head, block, g): [max, sum, o[Dv]] */
+    float *out;  /* [T, H, Dv] */
 } attn_ctx;
 
 #ifdef FT_X86
@@ -123,17 +128,19 @@ FT_AVX2 static void pv_avx2(const float *p, const float *v, int64_t stride, int6
 
 static void attn_item(void *p, int64_t item) {
     const attn_ctx *c = (const attn_ctx *)p;
-    const int64_t hk = item / c->blocks, blk = item % c->blocks, g = c->h / c->hkv;
-    const int64_t s0 = blk * ATTN_BLOCK, n = c->s - s0 < ATTN_BLOCK ? c->s - s0 : ATTN_BLOCK;
+    const int64_t tq = item / (c->hkv * c->blocks), hk = item / c->blocks % c->hkv, blk = item % c->blocks;
+    const int64_t g = c->h / c->hkv, s0 = c->lo[tq] + blk * ATTN_BLOCK;
+    if (s0 >= c->hi[tq]) return; /* this query has fewer blocks */
+    const int64_t n = c->hi[tq] - s0 < ATTN_BLOCK ? c->hi[tq] - s0 : ATTN_BLOCK;
     float sc[ATTN_BLOCK];
 #ifdef FT_X86
     const int avx = g_isa >= FT_ISA_AVX2;
 #endif
     for (int64_t j = 0; j < g; j++) {
         const int64_t h = hk * g + j;
-        const float *q = c->q + h * c->dh, *kb = c->k + s0 * c->k_stride + hk * c->dh;
+        const float *q = c->q + (tq * c->h + h) * c->dh, *kb = c->k + s0 * c->k_stride + hk * c->dh;
         const float *vb = c->v + s0 * c->v_stride + hk * c->dv;
-        float *row = c->part + ((hk * c->blocks + blk) * g + j) * (2 + c->dv);
+        float *row = c->part + (((tq * c->hkv + hk) * c->blocks + blk) * g + j) * (2 + c->dv);
         float *o = row + 2, m = -INFINITY, sum;
 #ifdef FT_X86
         if (avx) {
@@ -160,30 +167,23 @@ static void attn_item(void *p, int64_t item) {
     }
 }
 
-/* out[H, Dv] = softmax(q k^T * scale) v for one query over s keys; with `sinks` (NULL: none) head h's softmax has one
- * more logit, sinks[h], that takes probability but carries no value (GPT-OSS). Returns 0, or -1 on allocation
- * failure. */
-int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, int64_t h, int64_t hkv, int64_t dh,
-                   int64_t dv, int64_t k_stride, int64_t v_stride, float scale, const float *sinks, float *out) {
-    if (g_isa < 0) g_isa = detect_isa();
-    if (s < 1 || hkv < 1 || h % hkv) return -1;
-    const int64_t blocks = (s + ATTN_BLOCK - 1) / ATTN_BLOCK, g = h / hkv;
-    float *part = (float *)malloc(sizeof(float) * (size_t)(hkv * blocks * g * (2 + dv)));
-    if (!part) return -1;
-    attn_ctx c = {q, k, v, s, h, hkv, dh, dv, k_stride, v_stride, blocks, scale, part};
-    ft_parallel_for(attn_item, &c, hkv * blocks);
-    for (int64_t hh = 0; hh < h; hh++) { /* merge the blocks: rescale each by exp(its max - the max) */
+/* query tq's heads: merge its blocks in order, rescaling each by exp(its max - the max) */
+static void attn_merge_item(void *p, int64_t tq) {
+    const attn_ctx *c = (const attn_ctx *)p;
+    const int64_t g = c->h / c->hkv, dv = c->dv;
+    const int64_t nb = (c->hi[tq] - c->lo[tq] + ATTN_BLOCK - 1) / ATTN_BLOCK;
+    for (int64_t hh = 0; hh < c->h; hh++) {
         const int64_t hk = hh / g, j = hh % g;
-        float m = sinks ? sinks[hh] : -INFINITY, sum = 0.f;
-        for (int64_t b = 0; b < blocks; b++) {
-            const float bm = part[((hk * blocks + b) * g + j) * (2 + dv)];
-            if (bm > m) m = bm;
-        }
-        if (sinks) sum = expf(sinks[hh] - m);
-        float *o = out + hh * dv;
+        const float *first = c->part + ((tq * c->hkv + hk) * c->blocks * g + j) * (2 + dv);
+        const int64_t step = g * (2 + dv); /* from one block's row to the next */
+        float m = c->sinks ? c->sinks[hh] : -INFINITY, sum = 0.f;
+        for (int64_t b = 0; b < nb; b++)
+            if (first[b * step] > m) m = first[b * step];
+        if (c->sinks) sum = expf(c->sinks[hh] - m);
+        float *o = c->out + (tq * c->h + hh) * dv;
         memset(o, 0, sizeof(float) * (size_t)dv);
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *row = part + ((hk * blocks + b) * g + j) * (2 + dv);
+        for (int64_t b = 0; b < nb; b++) {
+            const float *row = first + b * step;
             const float w = expf(row[0] - m);
             sum += w * row[1];
             for (int64_t d = 0; d < dv; d++) o[d] += w * row[2 + d];
@@ -191,8 +191,46 @@ int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, in
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < dv; d++) o[d] *= inv;
     }
+}
+
+#define ATTN_PART_BYTES (8 << 20) /* scratch per round of queries */
+
+/* out[T, H, Dv]: query t (q + t * H * Dh) attends keys [lo[t], hi[t]) with softmax(q k^T * scale) v; with `sinks`
+ * (NULL: none) head h's softmax has one more logit, sinks[h], that takes probability but carries no value
+ * (GPT-OSS). Every range must be non-empty. Returns 0, or -1 on bad sizes or allocation failure. */
+int ft_attn_queries(const float *q, int64_t t, const float *k, const float *v, const int64_t *lo, const int64_t *hi,
+                    int64_t h, int64_t hkv, int64_t dh, int64_t dv, int64_t k_stride, int64_t v_stride, float scale,
+                    const float *sinks, float *out) {
+    if (g_isa < 0) g_isa = detect_isa();
+    if (t < 1 || hkv < 1 || h % hkv) return -1;
+    int64_t blocks = 1;
+    for (int64_t i = 0; i < t; i++) {
+        if (hi[i] <= lo[i] || lo[i] < 0) return -1;
+        const int64_t b = (hi[i] - lo[i] + ATTN_BLOCK - 1) / ATTN_BLOCK;
+        blocks = b > blocks ? b : blocks;
+    }
+    const int64_t per_query = hkv * blocks * (h / hkv) * (2 + dv); /* floats of scratch */
+    int64_t round = ATTN_PART_BYTES / (int64_t)sizeof(float) / per_query;
+    round = round < 1 ? 1 : (round > t ? t : round);
+    float *part = (float *)malloc(sizeof(float) * (size_t)(round * per_query));
+    if (!part) return -1;
+    for (int64_t t0 = 0; t0 < t; t0 += round) {
+        const int64_t n = t - t0 < round ? t - t0 : round;
+        attn_ctx c = {q + t0 * h * dh, k, v, sinks, lo + t0, hi + t0, h, hkv, dh, dv, k_stride, v_stride, blocks,
+                      scale, part, out + t0 * h * dv};
+        ft_parallel_for(attn_item, &c, n * hkv * blocks);
+        if (n >= 4) ft_parallel_for(attn_merge_item, &c, n);
+        else for (int64_t i = 0; i < n; i++) attn_merge_item(&c, i);
+    }
     free(part);
     return 0;
+}
+
+/* out[H, Dv] for one query over all s keys (a decode step): ft_attn_queries with the range [0, s). */
+int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, int64_t h, int64_t hkv, int64_t dh,
+                   int64_t dv, int64_t k_stride, int64_t v_stride, float scale, const float *sinks, float *out) {
+    const int64_t lo = 0, hi = s;
+    return ft_attn_queries(q, 1, k, v, &lo, &hi, h, hkv, dh, dv, k_stride, v_stride, scale, sinks, out);
 }
 
 #endif

@@ -1,13 +1,20 @@
-/* Small fp32 ops of a decode step, where torch spends more on dispatch than on the work.
+/* Small fp32 ops of a decode step, where torch spends more on dispatch than on the work, and the batch-invariant
+ * fp32 linear of deterministic mode.
  *
- * - ft_gemv_f32: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for few rows M (decode), fp32 weights in torch's Linear
- *   layout, on the kernels' pool. torch's CPU fp32 GEMV runs on one thread at M = 1, so on two cores a decode step
- *   over fp32 projections (or a MoE router) read its weights at one core's bandwidth.
- * - ft_rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, on the calling thread: at one token torch's
- *   F.rms_norm costs ~11 us of dispatch for a microsecond of work, and a decode step runs ~4 per layer.
+ * - ft_gemm_f32: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for any M, fp32 or bf16 weights in torch's Linear layout,
+ *   on the kernels' pool. Every (row, output) pair is one dot product reduced in one fixed order — lanes k mod 16
+ *   (two 8-lane accumulators, or one 16-lane one on AVX-512), added half to half, a fixed horizontal tree, then the
+ *   K mod 16 tail in order — whatever M, the row's place among them, the thread count or the tiling: row i's bits
+ *   never depend on the other rows (batch invariance). The AVX-512 path tiles 4 weight rows x 4 activation rows and
+ *   gives the AVX2 path's bits; the portable path has its own fixed order (8 lanes, pairwise).
+ *   torch's CPU fp32 GEMV runs on one thread at M = 1 and its GEMM changes algorithm with M.
+ * - ft_gemv_f32: the same for M <= GEMV_MAX_M (decode).
+ * - ft_rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows on the pool when there are many: at one token
+ *   torch's F.rms_norm costs ~11 us of dispatch for a microsecond of work, and a decode step runs ~4 per layer.
+ *   Each row is reduced in one fixed order (batch invariant).
  *
- * Both accumulate in fp32 in their own order (8 lanes, then a pairwise reduction): results differ from torch's by
- * rounding only (tests: max relative error ~1e-6).
+ * Both accumulate in fp32 in their own order: results differ from torch's by rounding only (tests: max relative
+ * error ~1e-6).
  */
 #ifndef FT_DENSE_H
 #define FT_DENSE_H
@@ -19,7 +26,9 @@
 #define GEMV_MAX_M 8
 
 typedef struct {
-    const float *w, *x, *bias;
+    const float *w;       /* fp32 weight [N, K], or NULL when wb holds a bf16 one */
+    const uint16_t *wb;   /* bf16 weight [N, K] (widened to fp32 exactly, per item) */
+    const float *x, *bias;
     float *y;
     int64_t n, k, m;
 } gemv_ctx;
@@ -55,7 +64,7 @@ FT_AVX2 static float rms_sumsq_avx2(const float *x, int64_t k) {
     return s;
 }
 
-/* one weight row against up to GEMV_MAX_M activation rows: the row is read from memory once */
+/* one weight row against m <= GEMV_MAX_M activation rows (row j at x + j * k): the row is read once */
 FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int64_t m, float *out) {
     __m256 acc[GEMV_MAX_M][2];
     for (int64_t j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
@@ -73,40 +82,122 @@ FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int
         out[j] = s;
     }
 }
+
+/* 4 weight rows (row r at w + r * k) x 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
+ * gemv_row_avx2 reduces it (a 16-lane accumulator's halves are its two 8-lane ones), with 4x fewer loads */
+FT_VNNI static void gemm4x4_avx512(const float *w, const float *x, int64_t k, float *out) {
+    __m512 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < 4; r++) acc[j][r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < 4; r++) wv[r] = _mm512_loadu_ps(w + r * k + i);
+        for (int j = 0; j < 4; j++) {
+            const __m512 xv = _mm512_loadu_ps(x + j * k + i);
+            for (int r = 0; r < 4; r++) acc[j][r] = _mm512_fmadd_ps(wv[r], xv, acc[j][r]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < 4; r++) {
+            const __m256 lo = _mm512_castps512_ps256(acc[j][r]);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][r]), 1));
+            float s = hsum256(_mm256_add_ps(lo, hi));
+            for (int64_t t = i; t < k; t++) s += w[r * k + t] * x[j * k + t];
+            out[j * 4 + r] = s;
+        }
+}
 #endif
 
-static void gemv_item(void *p, int64_t item) {
-    const gemv_ctx *c = (const gemv_ctx *)p;
-    int64_t r0 = item * GEMV_ROWS_PER_ITEM, r1 = r0 + GEMV_ROWS_PER_ITEM;
-    if (r1 > c->n) r1 = c->n;
-    float out[GEMV_MAX_M];
-    for (int64_t r = r0; r < r1; r++) {
-        const float *w = c->w + r * c->k;
+/* y[j, r0 + r] for weight rows w[0..nr) (row r at w + r * k) and activation rows j in [j0, j1) */
+static void gemv_block(const gemv_ctx *c, const float *w, int64_t r0, int64_t nr, int64_t j0, int64_t j1) {
+    const int64_t k = c->k, n = c->n;
+    float out[GEMV_MAX_M * 4];
+    int64_t r = 0;
+#ifdef FT_X86
+    if (g_isa >= FT_ISA_AVX512VNNI && j1 - j0 == 4)
+        for (; r + 4 <= nr; r += 4) {
+            gemm4x4_avx512(w + r * k, c->x + j0 * k, k, out);
+            for (int64_t j = 0; j < 4; j++)
+                for (int u = 0; u < 4; u++) c->y[(j0 + j) * n + r0 + r + u] = out[j * 4 + u];
+        }
+#endif
+    for (; r < nr; r++) {
 #ifdef FT_X86
         if (g_isa >= FT_ISA_AVX2)
-            gemv_row_avx2(w, c->x, c->k, c->m, out);
+            gemv_row_avx2(w + r * k, c->x + j0 * k, k, j1 - j0, out);
         else
 #endif
-            for (int64_t j = 0; j < c->m; j++) out[j] = dot_f32_c(w, c->x + j * c->k, c->k);
-        for (int64_t j = 0; j < c->m; j++) c->y[j * c->n + r] = out[j] + (c->bias ? c->bias[r] : 0.f);
+            for (int64_t j = j0; j < j1; j++) out[j - j0] = dot_f32_c(w + r * k, c->x + j * k, k);
+        for (int64_t j = j0; j < j1; j++) c->y[j * n + r0 + r] = out[j - j0];
     }
+}
+
+/* item = GEMV_ROWS_PER_ITEM weight rows (kept in cache) against every activation row, 4 rows at a time */
+static void gemv_item(void *p, int64_t item) {
+    const gemv_ctx *c = (const gemv_ctx *)p;
+    const int64_t k = c->k, r0 = item * GEMV_ROWS_PER_ITEM;
+    const int64_t nr = c->n - r0 < GEMV_ROWS_PER_ITEM ? c->n - r0 : GEMV_ROWS_PER_ITEM;
+    const float *w = c->w ? c->w + r0 * k : NULL;
+    float *wide = NULL;
+    if (!w) { /* bf16 -> fp32 is exact: the shift puts the 16 bits on top of an fp32 */
+        wide = (float *)malloc(sizeof(float) * (size_t)(nr * k));
+        if (!wide) return; /* ft_gemm_f32 pre-checks that this size can be allocated */
+        const uint16_t *src = c->wb + r0 * k;
+        for (int64_t i = 0; i < nr * k; i++) {
+            const uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(wide + i, &bits, 4);
+        }
+        w = wide;
+    }
+    const int64_t step = c->m <= GEMV_MAX_M ? c->m : 4;
+    for (int64_t j0 = 0; j0 < c->m; j0 += step) {
+        const int64_t j1 = j0 + step < c->m ? j0 + step : c->m;
+        gemv_block(c, w, r0, nr, j0, j1);
+    }
+    if (c->bias)
+        for (int64_t j = 0; j < c->m; j++)
+            for (int64_t r = 0; r < nr; r++) c->y[j * c->n + r0 + r] += c->bias[r0 + r];
+    free(wide);
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) for any M; W is fp32 (w) or bf16 (wb, w NULL); everything contiguous.
+ * Row i of y is bitwise the same for every M (see the top of the file). Returns 0, or -1 on allocation failure. */
+int ft_gemm_f32(const float *w, const uint16_t *wb, int64_t n, int64_t k, const float *x, int64_t m,
+                const float *bias, float *y) {
+    if (m < 1 || n < 1 || (!w && !wb)) return m == 0 ? 0 : -1;
+    if (g_isa < 0) g_isa = detect_isa();
+    if (!w) { /* fail here, not silently in an item */
+        void *probe = malloc(sizeof(float) * (size_t)(GEMV_ROWS_PER_ITEM * k));
+        if (!probe) return -1;
+        free(probe);
+    }
+    gemv_ctx c = {w, wb, x, bias, y, n, k, m};
+    ft_parallel_for(gemv_item, &c, (n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM);
+    return 0;
 }
 
 /* y[M, N] = x[M, K] @ W^T (+ bias); M <= GEMV_MAX_M (returns -1 otherwise), everything contiguous fp32. */
 int ft_gemv_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y) {
     if (m < 1 || m > GEMV_MAX_M) return -1;
-    if (g_isa < 0) g_isa = detect_isa();
-    gemv_ctx c = {w, x, bias, y, n, k, m};
-    ft_parallel_for(gemv_item, &c, (n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM);
-    return 0;
+    return ft_gemm_f32(w, NULL, n, k, x, m, bias, y);
 }
 
-/* out[r, :] = x[r, :] * 1/sqrt(mean(x[r, :]^2) + eps) * w (w may be NULL: no scale), rows of `dim` values. */
-void ft_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
-    if (g_isa < 0) g_isa = detect_isa();
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *o = out + r * dim;
+typedef struct {
+    const float *x, *w;
+    int64_t rows, dim;
+    float eps;
+    float *out;
+} norm_ctx;
+
+#define NORM_ROWS_PER_ITEM 16
+
+static void rms_norm_item(void *p, int64_t item) {
+    const norm_ctx *c = (const norm_ctx *)p;
+    const int64_t dim = c->dim;
+    for (int64_t r = item * NORM_ROWS_PER_ITEM; r < c->rows && r < (item + 1) * NORM_ROWS_PER_ITEM; r++) {
+        const float *xr = c->x + r * dim;
+        float *o = c->out + r * dim;
         float ss;
 #ifdef FT_X86
         if (g_isa >= FT_ISA_AVX2) {
@@ -114,12 +205,25 @@ void ft_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, floa
         } else
 #endif
             ss = dot_f32_c(xr, xr, dim);
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        if (w)
-            for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+        const float inv = 1.f / sqrtf(ss / (float)dim + c->eps);
+        if (c->w)
+            for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * c->w[i];
         else
             for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv;
     }
+}
+
+#define NORM_POOL_VALUES (1 << 16) /* below, the calling thread alone (a decode step's norms: ~1 us each) */
+
+/* out[r, :] = x[r, :] * 1/sqrt(mean(x[r, :]^2) + eps) * w (w may be NULL: no scale), rows of `dim` values. */
+void ft_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
+    if (g_isa < 0) g_isa = detect_isa();
+    norm_ctx c = {x, w, rows, dim, eps, out};
+    const int64_t items = (rows + NORM_ROWS_PER_ITEM - 1) / NORM_ROWS_PER_ITEM;
+    if (rows * dim < NORM_POOL_VALUES)
+        for (int64_t i = 0; i < items; i++) rms_norm_item(&c, i);
+    else
+        ft_parallel_for(rms_norm_item, &c, items);
 }
 
 /* Rotary embedding of x [T, H, Dh] (contiguous) by cos/sin [T, R/2] into out: the first R channels of each head
