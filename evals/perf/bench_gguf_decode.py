@@ -15,9 +15,11 @@ Needs ``pip install llama-cpp-python gguf``; nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,27 +34,72 @@ CONFIG: dict[str, Any] = dict(
 )  # fmt: skip
 
 
-def write_checkpoint(folder: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
-    """The random bf16 checkpoint (HF names), written once per folder."""
+def write_checkpoint(folder: Path, seed: int = 0, config: dict[str, Any] | None = None,
+                     shard_bytes: int = 4 * 2**30) -> Path:
+    """The random bf16 checkpoint (HF names), written once per folder: ``model.safetensors``, or shards of about
+    ``shard_bytes`` (``model-0000i-of-0000n.safetensors``) when it is bigger, so a 7B model never sits in memory
+    whole. ``config.json`` is written last: it marks a complete folder."""
     config = config or CONFIG
     from freetoken_agent.runtime.model.adapters import spec_from_config
     from freetoken_agent.runtime.model.weights import expected_tensors
     from safetensors.torch import save_file
 
-    if (folder / "model.safetensors").is_file():
+    if (folder / "config.json").is_file() and checkpoint_files(folder):
         return folder
+    folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
+    shard: dict[str, torch.Tensor] = {}
+    n = size = 0
     for name, shape in expected_tensors(spec_from_config(config)).items():
+        if size >= shard_bytes:  # only the current shard is held in memory
+            n += 1
+            save_file(shard, str(folder / f"shard-{n}.tmp"), metadata={"format": "pt"})
+            shard, size = {}, 0
         if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            t = torch.ones(shape, dtype=torch.bfloat16)
         else:
             std = (1.0 / shape[-1]) ** 0.5
-            tensors[name] = (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            t = (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+        shard[name] = t
+        size += t.numel() * 2
+    n += 1
+    save_file(shard, str(folder / f"shard-{n}.tmp"), metadata={"format": "pt"})
+    del shard
+    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for i, name in enumerate(names, 1):
+        (folder / f"shard-{i}.tmp").replace(folder / name)
+    if n > 1:
+        weight_map = {}
+        for name in names:
+            weight_map.update({k: name for k in _keys(folder / name)})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files (one, or the shards ``write_checkpoint`` wrote)."""
+    return sorted(folder.glob("model*.safetensors"))
+
+
+def _keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return list(f.keys())
+
+
+@contextlib.contextmanager
+def open_checkpoint(folder: Path) -> Iterator[Callable[[str], torch.Tensor]]:
+    """``get(name) -> tensor`` over every safetensors file of ``folder`` (memory-mapped, read on demand)."""
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for file in checkpoint_files(folder):
+            f = stack.enter_context(safe_open(str(file), "pt"))
+            where.update({k: f for k in f.keys()})
+        yield lambda name: where[name].get_tensor(name)
 
 
 def gguf_name(dense: str = "none") -> str:
@@ -78,7 +125,6 @@ def write_gguf(engine: Any, folder: Path, out: Path, dense: str = "none") -> Pat
     """GGUF (arch ``qwen3moe``) with the engine's Q4_0 expert blocks and the dense weights as F32 (``dense="none"``)
     or as the Q8_0/Q4_0 blocks our ``dense_quant`` computes with (attention projections and output)."""
     import gguf
-    from safetensors import safe_open
 
     c = json.loads((folder / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), "qwen3moe")
@@ -107,20 +153,20 @@ def write_gguf(engine: Any, folder: Path, out: Path, dense: str = "none") -> Pat
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     i_dim = c["moe_intermediate_size"]
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+    with open_checkpoint(folder) as get:
         def f32(name: str) -> Any:
-            return f.get_tensor(name).float().numpy()
+            return get(name).float().numpy()
 
         w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
         w.add_tensor("output_norm.weight", f32("model.norm.weight"))
-        _dense_tensor(w, "output.weight", f.get_tensor("lm_head.weight"), dense)
+        _dense_tensor(w, "output.weight", get("lm_head.weight"), dense)
         for layer in range(c["num_hidden_layers"]):
             p, b = f"model.layers.{layer}", f"blk.{layer}"
             w.add_tensor(f"{b}.attn_norm.weight", f32(f"{p}.input_layernorm.weight"))
             w.add_tensor(f"{b}.ffn_norm.weight", f32(f"{p}.post_attention_layernorm.weight"))
             pairs = (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"))
             for ours, theirs in pairs:
-                _dense_tensor(w, f"{b}.{theirs}.weight", f.get_tensor(f"{p}.self_attn.{ours}.weight"), dense)
+                _dense_tensor(w, f"{b}.{theirs}.weight", get(f"{p}.self_attn.{ours}.weight"), dense)
             w.add_tensor(f"{b}.attn_q_norm.weight", f32(f"{p}.self_attn.q_norm.weight"))
             w.add_tensor(f"{b}.attn_k_norm.weight", f32(f"{p}.self_attn.k_norm.weight"))
             w.add_tensor(f"{b}.ffn_gate_inp.weight", f32(f"{p}.mlp.gate.weight"))
@@ -202,7 +248,7 @@ def measure(
         if len(theirs_ids) == 8:
             break
     agree = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b), 8)
-    params = sum(p.numel() for p in _params(folder))
+    params = param_count(folder)
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {
         "dense_float_bytes": ours.dense_quant.float_bytes if ours.dense_quant else 0,
@@ -218,8 +264,16 @@ def measure(
 def _params(folder: Path) -> list[torch.Tensor]:
     from safetensors import safe_open
 
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return [torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()]
+    out = []
+    for file in checkpoint_files(folder):
+        with safe_open(str(file), "pt") as f:
+            out += [torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()]
+    return out
+
+
+def param_count(folder: Path) -> int:
+    """Parameters in the folder's checkpoint (from the safetensors headers; nothing is read)."""
+    return sum(p.numel() for p in _params(folder))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,310 @@
+"""Concurrent agent sessions against ``freetoken serve`` and llama.cpp's ``llama-server``, on the same weights.
+
+N = 1, 2, 4, 8 recorded agent sessions (``concurrent_load``) replay turn by turn at once over ``/v1/completions``
+(streaming, greedy, ``--max-tokens`` per request, the scaled tool pauses in between). Each server runs alone, as a
+subprocess on 127.0.0.1, restarted for every N (so no run inherits another's prefix cache): ours as
+``freetoken serve --model DIR --quant q4 --threads T``, the peer as ``llama-server --parallel N -c N*ctx -t T``.
+Per N and server: aggregate generated tok/s over the wall time, p50/p99 time to first token, p50/p99 inter-token
+latency; then ours/llama.cpp and each N's throughput over N=1.
+
+Identical prompts: ours gets the prompt text and tokenizes it with the model's tokenizer; llama-server gets the
+token ids that same tokenizer produced (its GGUF vocabulary is a filler list of the same size, see
+``concurrent_model``) with ``ignore_eos``. Every reported ``usage.prompt_tokens`` is checked against the ids sent.
+Ours stops at its end-of-sequence token; tok/s counts the tokens each server reports.
+
+    python -m freetoken_agent.evals.perf.bench_concurrent build-peer          # llama-server, 15-40 min
+    python -m freetoken_agent.evals.perf.bench_concurrent prepare             # the 7.5B model + GGUF, once
+    python -m freetoken_agent.evals.perf.bench_concurrent run [--n 1,2,4,8] [--servers ours,llama.cpp]
+        [--turns 4] [--ctx 2048] [--max-tokens 48] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from freetoken_agent.evals.perf import llama_server
+from freetoken_agent.evals.perf.concurrent_load import Session, Turn, Workload, build_sessions, run_sessions, summarize
+
+DEFAULT_DIR = Path("/tmp/freetoken-bench-concurrent")
+_SHARED = Path("/work/shared/data/agent-trajectories")
+_REPO_SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "agent-trajectories"
+DEFAULT_TRAJECTORIES = _SHARED if _SHARED.is_dir() else _REPO_SHARED
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server under test: its command line for N sessions on a port, and a request body for a turn."""
+
+    name: str
+    command: Callable[[int, int], list[str]]
+    """``(port, n) -> argv``."""
+    body: Callable[[Turn, int], dict[str, Any]]
+    """``(turn, max_tokens) -> JSON body`` of a streaming ``/v1/completions`` request."""
+
+
+def ours(model: str | None, threads: int, quant: str, quant_dense: str) -> Server:
+    def command(port: int, n: int) -> list[str]:
+        argv = [sys.executable, "-m", "freetoken_agent.cli", "serve", "--port", str(port), "--threads", str(threads),
+                "--quant", quant, "--quant-dense", quant_dense, "--name", "bench"]
+        return argv + (["--model", model] if model else [])
+
+    def body(turn: Turn, max_tokens: int) -> dict[str, Any]:
+        return {"model": "bench", "prompt": turn.text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+
+    return Server("ours", command, body)
+
+
+def llama_cpp(binary: Path, gguf: Path, threads: int, ctx: int) -> Server:
+    def command(port: int, n: int) -> list[str]:
+        return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(n),
+                "-c", str(n * ctx), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+
+    def body(turn: Turn, max_tokens: int) -> dict[str, Any]:
+        return {"prompt": turn.ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "cache_prompt": True, "stream_options": {"include_usage": True}}
+
+    return Server("llama.cpp", command, body)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it was started in its own session), SIGKILL after 15 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+
+
+@contextlib.contextmanager
+def running(argv: list[str], port: int, log: Path, startup_timeout_s: float) -> Iterator[str]:
+    """Start ``argv`` and wait for ``GET /health`` to answer 200; yields the base URL; stops the server after."""
+    import httpx
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited with {proc.returncode} while starting; see {log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{argv[0]} not healthy after {startup_timeout_s:.0f} s; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(1.0)
+        yield base
+    finally:
+        _stop(proc)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One measurement: which sessions, how long it may take."""
+
+    workload: Workload
+    request_timeout_s: float = 600.0
+    deadline_s: float = 900.0
+    """No session starts a turn later than this (seconds after the first request)."""
+    startup_timeout_s: float = 900.0
+    log_dir: Path = DEFAULT_DIR / "logs"
+
+
+def measure(server: Server, n: int, sessions: list[Session], warmup: Turn, cfg: RunConfig) -> dict[str, Any]:
+    """Start ``server`` for ``n`` sessions, warm it up with one short request, replay, summarize, stop it."""
+    from freetoken_agent.evals.perf.concurrent_load import RequestResult, stream_request
+
+    port = _free_port()
+    log = cfg.log_dir / f"{server.name}-n{n}.log"
+    t0 = time.perf_counter()
+    with running(server.command(port, n), port, log, cfg.startup_timeout_s) as base:
+        startup_s = time.perf_counter() - t0
+        url = f"{base}/v1/completions"
+
+        async def go() -> tuple[Any, list[Any], float]:
+            import httpx
+
+            async with httpx.AsyncClient(timeout=cfg.request_timeout_s) as client:
+                warm = await stream_request(client, url, server.body(warmup, 4), RequestResult(-1, 0, len(warmup.ids)))
+            results, wall = await run_sessions(url, sessions[:n], lambda t: server.body(t, cfg.workload.max_tokens),
+                                               cfg.request_timeout_s, cfg.deadline_s)
+            return warm, results, wall
+
+        warm, results, wall = asyncio.run(go())
+    if warm.error:
+        raise RuntimeError(f"{server.name}: the warm-up request failed: {warm.error}; see {log}")
+    return {"server": server.name, "n": n, "startup_s": round(startup_s, 1), **summarize(results, wall)}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_n1`` (tok/s over the same server's N=1) and ``ours_vs_llama`` (tok/s, ours over llama.cpp at that N)."""
+    by = {(r["server"], r["n"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["server"], 1))
+        r["vs_n1"] = r["tok_s"] / base["tok_s"] if base and base["tok_s"] else None
+        if r["server"] == "ours":
+            peer = by.get(("llama.cpp", r["n"]))
+            r["ours_vs_llama"] = r["tok_s"] / peer["tok_s"] if peer and peer["tok_s"] else None
+
+
+def table(rows: list[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    t = Table(title=title)
+    for col in ("N", "server", "tok/s", "vs N=1", "ours/llama", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                "ITL p99 ms", "requests", "errors", "tokens", "wall s"):
+        t.add_column(col, justify="right")
+    for r in sorted(rows, key=lambda r: (r["n"], r["server"] != "ours")):
+        t.add_row(str(r["n"]), r["server"], f"{r['tok_s']:.2f}", x(r.get("vs_n1")), x(r.get("ours_vs_llama")),
+                  ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
+                  str(r["requests"]), str(r["errors"]), str(r["tokens"]), f"{r['wall_s']:.0f}")
+    return t
+
+
+def _tokenizer(folder: Path) -> tuple[Callable[[list[dict[str, str]]], str], Callable[[str], list[int]]]:
+    """(render, encode) of the model folder's chat template and tokenizer."""
+    from freetoken_agent.runtime.tokenizer.chat import ChatTemplate
+    from freetoken_agent.runtime.tokenizer.tokenizer import Tokenizer
+
+    tok, template = Tokenizer.from_pretrained(folder), ChatTemplate.from_pretrained(folder)
+    if template is None:
+        raise SystemExit(f"the model in {folder} has no chat template")
+    return (lambda messages: template.render(messages, None, True)), tok.encode
+
+
+def run(args: argparse.Namespace) -> int:
+    from freetoken_agent.evals.perf.concurrent_model import prepare_model
+
+    counts = sorted({int(n) for n in args.n.split(",")})
+    names = args.servers.split(",")
+    if args.model:
+        from freetoken_agent.runtime.models import resolve_model
+
+        folder, gguf = resolve_model(args.model), None
+    else:
+        folder, gguf = prepare_model(Path(args.dir) / "qwen3_moe-7b", dense=args.quant_dense, threads=args.threads)
+    render, encode = _tokenizer(folder)
+    w = Workload(turns=args.turns, ctx=args.ctx, max_tokens=args.max_tokens, max_message_chars=args.max_message_chars,
+                 pause_scale=args.pause_scale, max_pause_s=args.max_pause)
+    sessions = build_sessions(Path(args.trajectories), max(counts), w, render, encode)
+    warmup_text = "Hello"
+    warmup = Turn(warmup_text, encode(warmup_text), 0.0)
+    servers = []
+    if "ours" in names:
+        servers.append(ours(str(folder), args.threads, args.quant, args.quant_dense))
+    if "llama.cpp" in names:
+        binary = llama_server.find_peer(Path(args.peer_cache))
+        if binary is None:
+            print(f"skipping llama.cpp: {llama_server.why_missing(Path(args.peer_cache))}", file=sys.stderr)
+        elif gguf is None:
+            print("skipping llama.cpp: --model has no GGUF twin (only the default synthetic model has one)",
+                  file=sys.stderr)
+        else:
+            servers.append(llama_cpp(binary, gguf, args.threads, args.ctx))
+    cfg = RunConfig(w, args.request_timeout, args.deadline, args.startup_timeout, Path(args.dir) / "logs")
+    rows = []
+    for server in servers:
+        for n in counts:
+            print(f"{server.name}: N={n} ...", file=sys.stderr, flush=True)
+            rows.append(measure(server, n, sessions, warmup, cfg))
+            r = rows[-1]
+            print(f"  {r['tok_s']:.2f} tok/s, {r['requests']} requests, {r['errors']} errors, {r['wall_s']} s",
+                  file=sys.stderr, flush=True)
+    add_ratios(rows)
+    from freetoken_agent.evals.perf.bench_gguf_decode import param_count
+
+    meta = {"model": str(folder), "params": param_count(folder), "sessions": [s.name for s in sessions],
+            "prompt_tokens_per_turn": [[len(t.ids) for t in s.turns] for s in sessions], "workload": vars(w),
+            "threads": args.threads, "quant": args.quant, "quant_dense": args.quant_dense}
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return 0
+    from rich.console import Console
+
+    title = (f"{len(sessions)} agent sessions x {w.turns} turns, {w.max_tokens} tokens/request, "
+             f"{meta['params'] / 1e9:.2f}B params, {args.threads} threads")
+    Console(width=160).print(table(rows, title))
+    for r in rows:
+        if r["first_error"] or r["prompt_token_mismatches"]:
+            print(f"{r['server']} N={r['n']}: first error {r['first_error']!r}, "
+                  f"{r['prompt_token_mismatches']} prompt-token mismatches", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-peer", help="build llama-server from the llama-cpp-python sdist (PyPI)")
+    b.add_argument("--cache", default=str(llama_server.DEFAULT_CACHE))
+    b.add_argument("--version", default=llama_server.DEFAULT_VERSION, help="llama-cpp-python sdist version")
+    b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p = sub.add_parser("prepare", help="write the 7.5B checkpoint, its GGUF and our expert cache file")
+    r = sub.add_parser("run", help="the benchmark")
+    for q in (p, r):
+        q.add_argument("--dir", default=str(DEFAULT_DIR), help="where the model, GGUF and server logs live")
+        q.add_argument("--threads", type=int, default=2)
+        q.add_argument("--quant-dense", default="none", choices=("none", "q8", "q4"),
+                       help="dense weights on both sides: none = fp32 / F32, else the same Q8_0 / Q4_0 blocks")
+    r.add_argument("--model", default=None,
+                   help="serve this folder ('builtin', 'synthetic:ARCH') instead of the 7.5B model; ours only")
+    r.add_argument("--trajectories", default=str(DEFAULT_TRAJECTORIES))
+    r.add_argument("--servers", default="ours,llama.cpp")
+    r.add_argument("--n", default="1,2,4,8", help="comma-separated concurrent session counts")
+    r.add_argument("--turns", type=int, default=4, help="turns per session")
+    r.add_argument("--ctx", type=int, default=2048, help="context per session (tokens)")
+    r.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
+    r.add_argument("--max-message-chars", type=int, default=1500)
+    r.add_argument("--pause-scale", type=float, default=0.05, help="recorded tool pauses are scaled by this")
+    r.add_argument("--max-pause", type=float, default=2.0, help="... and capped at this many seconds")
+    r.add_argument("--quant", default="q4", choices=("none", "q8", "q4"), help="our expert format")
+    r.add_argument("--peer-cache", default=str(llama_server.DEFAULT_CACHE))
+    r.add_argument("--request-timeout", type=float, default=600.0)
+    r.add_argument("--deadline", type=float, default=900.0, help="no turn starts later than this (s) into a run")
+    r.add_argument("--startup-timeout", type=float, default=900.0)
+    r.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cmd == "build-peer":
+        print(llama_server.build_peer(Path(args.cache), args.version, args.jobs))
+        return 0
+    if args.cmd == "prepare":
+        from freetoken_agent.evals.perf.concurrent_model import prepare_model
+
+        folder, gguf = prepare_model(Path(args.dir) / "qwen3_moe-7b", dense=args.quant_dense, threads=args.threads)
+        print(folder, gguf)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
