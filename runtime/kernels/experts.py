@@ -215,8 +215,8 @@ class QuantizedExperts:
         if self.activation is not None:
             return self.activation(h)
         gate = h[:, : self.intermediate]
-        silu = invariant.pointwise(torch.nn.functional.silu, gate) if ops.deterministic() else torch.nn.functional.silu(gate)
-        return silu * h[:, self.intermediate :]
+        silu = torch.nn.functional.silu
+        return (invariant.pointwise(silu, gate) if ops.deterministic() else silu(gate)) * h[:, self.intermediate :]
 
     def _expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens ``x [n, D]`` with fp32 weights (prefill, or no kernels) → ``[n, D]``."""

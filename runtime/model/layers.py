@@ -370,7 +370,10 @@ def output_gate(out: torch.Tensor, x: torch.Tensor, w: Weights, spec: AttentionS
     g = linear(x, w, "gate")
     if spec.output_gate_bias:
         g = g.view(t, h, -1) + w["gate_bias"][None, :, None]
-    g = elementwise(F.softplus, g.float()).to(out.dtype) if spec.output_gate == "softplus" else elementwise(torch.sigmoid, g)
+    if spec.output_gate == "softplus":
+        g = elementwise(F.softplus, g.float()).to(out.dtype)
+    else:
+        g = elementwise(torch.sigmoid, g)
     if spec.output_gate_per_head:
         return (out.view(t, h, -1) * g.view(t, h, 1)).reshape(t, -1)
     return out * g.reshape(t, -1)
