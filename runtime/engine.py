@@ -1,16 +1,17 @@
-"""The engine API: load a Hugging Face MoE folder, compute logits, generate (blocking or streaming), chat.
+"""The engine API: load a Hugging Face MoE folder; submit requests; logits, generate (blocking or streaming), chat.
 
-``Engine._decode`` is the one token loop: a synchronous generator of ``TokenEvent``. ``generate`` consumes it,
-``stream`` runs each step in a worker thread so an async caller stays responsive and can cancel between tokens.
+``Engine`` is a facade over the parts it builds at load: spec → weights → experts → ``ModelRunner`` (the one code
+path that runs the layers, ``runtime/runner.py``) → ``Scheduler`` (continuous batching on the engine's own thread,
+``runtime/scheduler.py``). ``submit(request) -> RequestHandle`` is safe from any thread or task; ``generate``,
+``iter_generate``, ``stream``, ``chat`` and ``logits`` are thin wrappers over it, so concurrent callers share steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,36 +19,34 @@ from typing import Any
 import torch
 from freetoken_agent.runtime.checkpoint.reader import load_config
 from freetoken_agent.runtime.errors import FreeTokenError, TokenizerError
-from freetoken_agent.runtime.generation.sampling import (
-    Sampler,
-    SamplingParams,
-    StopChecker,
-)
-from freetoken_agent.runtime.kernels.ops import torch_heavy
-from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.generation.sampling import SamplingParams
 from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.decoder import Decoder
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import load_weights
 from freetoken_agent.runtime.phase import Phase
+from freetoken_agent.runtime.runner import ModelRunner
+from freetoken_agent.runtime.scheduler import (
+    ContextLengthError,
+    Request,
+    RequestCancelled,
+    RequestHandle,
+    RequestResult,
+    Scheduler,
+    TokenEvent,
+)
 from freetoken_agent.runtime.threads import configure_threads
 from freetoken_agent.runtime.tokenizer.chat import ChatTemplate
-from freetoken_agent.runtime.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
+from freetoken_agent.runtime.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["ContextLengthError", "Engine", "GenerationResult", "Request", "RequestCancelled", "RequestHandle",
+           "TokenEvent"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 PREFILL_CHUNK = 512
-"""Prompt tokens per forward during prefill (bounds the attention score matrix)."""
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token. ``text`` is the decoded delta (may be empty while a character is incomplete)."""
-
-    token_id: int
-    text: str
-    finish_reason: str | None = None
-    """Set on the last event: ``stop`` (stop token/string) or ``length`` (max_new_tokens)."""
+"""Tokens per scheduler step (decode tokens of running sequences + prefill chunks): bounds the attention score
+matrix and how long one step keeps other sessions waiting."""
 
 
 @dataclass
@@ -65,15 +64,18 @@ class GenerationResult:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    @classmethod
+    def of(cls, r: RequestResult) -> GenerationResult:
+        return cls(r.token_ids, r.text, r.finish_reason, r.prompt_tokens, r.prefill_s, r.decode_s)
+
 
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
-    """Prompt tokens actually prefilled."""
-    reused_tokens: int = 0
-    """Prompt tokens whose KV came from a cache instead of being prefilled."""
+    """Prompt tokens actually prefilled (recomputation after a preemption included)."""
     generated_tokens: int = 0
     prefill_s: float = 0.0
+    """Seconds of steps that prefilled (a step that mixes prefill chunks and decode tokens counts here)."""
     decode_s: float = 0.0
     requests: int = 0
     phase: str | None = None
@@ -108,10 +110,25 @@ class Engine:
         self._kv: Any = None
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
         self.dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport with dense_quant="q8"/"q4"
-        self.decode_torch_threads: int | None = None  # torch threads during decode steps (None: unchanged)
+        self.lock = threading.RLock()
+        """Held by the scheduler thread for each step; KV and residency changes from other threads take it."""
+        self.runner = ModelRunner(decoder)
+        self.scheduler = Scheduler(
+            self.runner, self.kv_manager, self.lock, tokenizer, self.eos_token_ids, spec.vocab_size,
+            spec.max_position, token_budget=PREFILL_CHUNK, on_step=self._on_step,
+        )
         self.phase_scheduler: Any = None  # runtime.experts.phase.PhaseScheduler once attached (issue 8)
         self.residency: Any = None  # runtime.experts.store.ExpertStore when loaded under a memory budget
         self.phase_listeners: list[Any] = []  # phase scheduling (issue 8): callables (phase, expected_s)
+
+    @property
+    def decode_torch_threads(self) -> int | None:
+        """Torch threads during decode-only steps (None: unchanged); see ``ModelRunner``."""
+        return self.runner.decode_torch_threads
+
+    @decode_torch_threads.setter
+    def decode_torch_threads(self, n: int | None) -> None:
+        self.runner.decode_torch_threads = n
 
     # ------------------------------------------------------------------------------------------------ loading
 
@@ -245,28 +262,33 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ compute
 
-    def _check_ids(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        if ids.numel() == 0:
-            raise FreeTokenError("the prompt is empty: give at least one token")
-        bad = ids[(ids < 0) | (ids >= self.spec.vocab_size)]
-        if bad.numel():
-            raise FreeTokenError(f"token id {int(bad[0])} is outside the vocabulary (size {self.spec.vocab_size})")
-        return ids
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue a request on the engine's scheduler; returns its handle at once (safe from any thread or task).
+
+        Raises ``ContextLengthError`` for a prompt that does not fit the context (``max_new_tokens`` is clipped to
+        what is left of it) and ``FreeTokenError`` for ids outside the vocabulary.
+        """
+        self._stats.requests += 1
+        return self.scheduler.submit(request)
+
+    def _on_step(self, sched: Scheduler, seconds: float, prefill: int, decode: int) -> None:
+        s = self._stats
+        s.prompt_tokens += prefill
+        s.generated_tokens += decode
+        if prefill:
+            s.prefill_s += seconds
+        else:
+            s.decode_s += seconds
 
     def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """One full forward without reuse: logits [T, vocab] in fp32 (for verification)."""
-        ids = self._check_ids(token_ids)
-        cache = self.decoder.new_cache()
-        return torch.cat([self._forward(ids[i : i + PREFILL_CHUNK], cache) for i in range(0, len(ids), PREFILL_CHUNK)])
+        ids = [int(t) for t in torch.as_tensor(token_ids).reshape(-1).tolist()]
+        result = self.submit(Request(ids, kind="logits", reuse=False)).result()
+        assert result.logits is not None
+        return result.logits
 
-    def _forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        # prefill: torch's threads carry it, so the kernels' idle workers sleep soon instead of polling in their way
-        with torch_heavy() if ids.numel() > 1 else nullcontext():
-            hidden = self.decoder.forward(ids, cache)
-            return self.decoder.logits(hidden[-1:] if last_only else hidden)
-
-    def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
+    def sampling(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
+        """``params``, or ``SamplingParams`` built from keyword arguments (one clear error for bad values)."""
         if params is not None and kwargs:
             raise TypeError("pass either a SamplingParams or keyword arguments, not both")
         if params is not None:
@@ -280,101 +302,39 @@ class Engine:
         except ValueError as exc:
             raise FreeTokenError(f"invalid sampling parameters: {exc}") from None
 
-    def _decode(
-        self, token_ids: list[int] | torch.Tensor, params: SamplingParams, cache: Any = None
-    ) -> Iterator[TokenEvent]:
-        """The token loop: prefill the prompt, then decode one token per step until a stop condition.
-
-        With a ``cache`` that already holds the first ``cache.length`` prompt positions (a session's reused
-        prefix), only the rest of the prompt is prefilled. At least one prompt token must remain to feed.
-        """
-        ids = self._check_ids(token_ids)
-        stats = self._stats
-        stats.requests += 1
-        stops = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-        sampler = Sampler(params)
-        text = IncrementalDecoder(self._tokenizer) if self._tokenizer is not None else None
-        checker = StopChecker(params.stop)
-        cache = self.decoder.new_cache() if cache is None else cache
-        start = cache.length
-        if not 0 <= start < len(ids):
-            raise FreeTokenError(f"cannot reuse {start} cached positions for a prompt of {len(ids)} tokens")
-        if params.max_new_tokens == 0:
-            return
-        t0 = time.perf_counter()
-        for i in range(start, len(ids), PREFILL_CHUNK):
-            logits = self._forward(ids[i : i + PREFILL_CHUNK], cache, last_only=True)
-        stats.prompt_tokens += len(ids) - start
-        stats.reused_tokens += start
-        stats.prefill_s += time.perf_counter() - t0
-        for step in range(params.max_new_tokens):
-            t0 = time.perf_counter()
-            token = sampler(logits[-1])
-            stats.generated_tokens += 1
-            delta = text.push(token) if text is not None else ""
-            delta, hit_stop = checker.feed(delta)
-            if token in stops or hit_stop:
-                stats.decode_s += time.perf_counter() - t0
-                yield TokenEvent(token, delta + ("" if hit_stop else checker.flush()), "stop")
-                return
-            if step == params.max_new_tokens - 1:
-                stats.decode_s += time.perf_counter() - t0
-                yield TokenEvent(token, delta + checker.flush(), "length")
-                return
-            logits = self._decode_step(token, cache)
-            stats.decode_s += time.perf_counter() - t0
-            yield TokenEvent(token, delta)
-
-    def _decode_step(self, token: int, cache: Any) -> torch.Tensor:
-        """One decode step. With ``decode_torch_threads`` set (the default when the C kernels carry the dense
-        weights too), torch's own ops — norms, RoPE, attention over the cache, all tiny at one token — run on that
-        many threads while the kernels' pool keeps its own: two spinning pools on the same cores only take turns."""
-        n, before = self.decode_torch_threads, torch.get_num_threads()
-        switch = n is not None and n != before
-        if switch:
-            torch.set_num_threads(n)
-        try:
-            return self._forward(torch.tensor([token]), cache, last_only=True)
-        finally:
-            if switch:
-                torch.set_num_threads(before)
+    def _request(self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None,
+                 kwargs: dict[str, Any]) -> Request:
+        phase = kwargs.pop("phase", None)
+        ids = [int(t) for t in torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).tolist()]
+        return Request(ids, self.sampling(params, kwargs), phase=None if phase is None else Phase(phase).value)
 
     def iter_generate(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
     ) -> Iterator[TokenEvent]:
-        """Blocking token stream: yields each ``TokenEvent`` as it is produced."""
-        return self._decode(token_ids, self._params(params, kwargs))
+        """Blocking token stream: yields each ``TokenEvent`` as it is produced (stopping early cancels)."""
+        handle = self.submit(self._request(token_ids, params, kwargs))
+        try:
+            yield from handle
+        finally:
+            handle.cancel()
 
     def generate(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
     ) -> GenerationResult:
         """Generate from a prompt of token ids (blocking). Keyword arguments are ``SamplingParams`` fields."""
-        p = self._params(params, kwargs)
-        before = (self._stats.prefill_s, self._stats.decode_s)
-        out_ids, pieces, reason = [], [], "length"
-        for ev in self._decode(token_ids, p):
-            out_ids.append(ev.token_id)
-            pieces.append(ev.text)
-            reason = ev.finish_reason or reason
-        return GenerationResult(
-            out_ids, "".join(pieces), reason, torch.as_tensor(token_ids).numel(),
-            self._stats.prefill_s - before[0], self._stats.decode_s - before[1],
-        )
+        return GenerationResult.of(self.submit(self._request(token_ids, params, kwargs)).result())
 
     async def stream(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any
     ) -> AsyncIterator[TokenEvent]:
-        """Async variant of ``generate``: yields each token as it is produced; cancellable between tokens."""
-        import anyio.to_thread
-
-        p = self._params(params, kwargs)
-        steps = self._decode(token_ids, p)
-        done = object()
-        while True:
-            ev = await anyio.to_thread.run_sync(next, steps, done)
-            if ev is done:
-                return
-            yield ev  # type: ignore[misc]
+        """Async variant of ``generate``: yields each token as the engine thread produces it, never blocking the
+        event loop; leaving the loop early (or being cancelled) cancels the request."""
+        handle = self.submit(self._request(token_ids, params, kwargs))
+        try:
+            async for ev in handle:
+                yield ev
+        finally:
+            handle.cancel()
 
     def chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -383,6 +343,10 @@ class Engine:
         """Render the conversation with the model's chat template and generate the assistant's reply."""
         prompt = self.render_chat(messages, tools, add_generation_prompt=True)
         return self.generate(self.tokenizer.encode(prompt), params, **kwargs)
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still in flight fail with ``RequestCancelled``."""
+        self.scheduler.close()
 
     # ------------------------------------------------------------------------------------------------ phases, stats
 
@@ -414,7 +378,11 @@ class Engine:
                 budget = int(os.environ.get("FREETOKEN_KV_BUDGET_MB", "1024")) * 2**20
                 pages = max(16, budget // (16 * max(self.kv_bytes_per_token(), 1)))
                 config = KVConfig(page_size=16, device_pages=int(pages))
-            self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device), self._elastic_kv(config))
+            if self._kv is not None and (self.scheduler.running or self.scheduler.waiting):
+                raise RuntimeError("cannot replace the KV manager while requests are in flight")
+            stateful = any(layer.recurrent is not None for layer in self.spec.layers)
+            self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device), self._elastic_kv(config),
+                                 stateful=stateful, lock=self.lock)
         return self._kv
 
     def _elastic_kv(self, config: Any) -> Any:
@@ -437,12 +405,13 @@ class Engine:
     def hint(self, phase: Phase | str, expected_s: float | None = None) -> None:
         """The agent says which phase comes next. Recorded now; residency and KV policies act on it."""
         name = Phase(phase).value
-        self._stats.phase = name
-        self._stats.phase_hints[name] = self._stats.phase_hints.get(name, 0) + 1
-        if self.residency is not None:
-            self.residency.on_phase(name)
-        for listener in self.phase_listeners:  # phase scheduling (issue 8): staging, pause prefetch
-            listener(name, expected_s)
+        with self.lock:  # staging touches the expert store: never in the middle of a step
+            self._stats.phase = name
+            self._stats.phase_hints[name] = self._stats.phase_hints.get(name, 0) + 1
+            if self.residency is not None:
+                self.residency.on_phase(name)
+            for listener in self.phase_listeners:  # phase scheduling (issue 8): staging, pause prefetch
+                listener(name, expected_s)
 
     def stats(self) -> dict[str, Any]:
         s = self._stats
@@ -454,7 +423,7 @@ class Engine:
             "threads": self.threads,
             "requests": s.requests,
             "prompt_tokens": s.prompt_tokens,
-            "reused_tokens": s.reused_tokens,
+            "reused_tokens": self.scheduler.stats.reused_tokens,
             "generated_tokens": s.generated_tokens,
             "prefill_s": round(s.prefill_s, 4),
             "decode_s": round(s.decode_s, 4),
@@ -462,6 +431,7 @@ class Engine:
             "decode_tok_s": round(s.generated_tokens / s.decode_s, 2) if s.decode_s else None,
             "phase": phase,
             "phase_hints": dict(s.phase_hints),
+            "scheduler": {**self.scheduler.snapshot(), "phase_mix": self.scheduler.phase_mix()},
             "kv": self._kv.snapshot() if self._kv is not None else None,
             "residency": self.residency.stats() if self.residency is not None else None,
         }

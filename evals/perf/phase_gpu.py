@@ -72,6 +72,7 @@ def session(vocab: int, args: argparse.Namespace, seed: int = 0) -> list[tuple[s
 
 def run_row(name: str, build: Any, args: argparse.Namespace) -> dict[str, Any]:
     """One row: ``build(policy)`` gives a fresh budgeted engine; the session is replayed with hints."""
+    from freetoken_agent.evals.perf.feeding import Feeder
     from freetoken_agent.runtime.experts.phase import PhaseScheduler
     from freetoken_agent.runtime.experts.phase_profiles import PhaseProfiles
     from freetoken_agent.runtime.experts.policies import make_policy
@@ -83,8 +84,8 @@ def run_row(name: str, build: Any, args: argparse.Namespace) -> dict[str, Any]:
     sched = PhaseScheduler.attach(engine, profiles)
     if name == "agent-lru":  # measure only: LRU eviction, no staging, no pause prefetch
         store.host.policy = make_policy("lru")
-        sched.stage_fraction, sched.pause_prefetch = 0.0, False
-    cache = engine.decoder.new_cache()
+        sched.stage_fraction, sched.pause_prefetch, sched.script = 0.0, False, False
+    feeder = Feeder(engine)  # teacher forcing: the session's tokens are given, fed through the engine's scheduler
     segments = session(engine.spec.vocab_size, args)
     pauses = decode_s = 0.0
     decoded = 0
@@ -104,11 +105,11 @@ def run_row(name: str, build: Any, args: argparse.Namespace) -> dict[str, Any]:
             pauses += time.perf_counter() - t0
             continue
         if kind == "prefill":
-            engine._forward(torch.tensor(tokens), cache, last_only=True)
+            feeder.feed(tokens)
             continue
         for t in tokens:
             t0 = time.perf_counter()
-            engine._forward(torch.tensor([t]), cache, last_only=True)
+            feeder.feed([t])
             if base:
                 decode_s += time.perf_counter() - t0
                 decoded += 1
@@ -157,6 +158,7 @@ def run(spec: Any, weights: Any, disk_path: Path, args: argparse.Namespace, devi
         store, plan = build_store(ExpertCacheFile(disk_path), ledgers, spec.layers[-1].moe.top_k, device, cfg)
         engine = Engine(spec, Decoder(spec, weights, device), None, None)
         Managed(weights, store, plan, ledgers, spec, 0, False).install(engine.decoder)
+        engine.kv_manager()  # before the store is attached: the session's KV stays outside the expert budget
         engine.residency = store
         return engine
 

@@ -38,6 +38,7 @@ def run_session(model: Path, tokenizer: Any, path: Path, policy: str, lookahead:
     """One session on a fresh budgeted engine; returns (scheduler snapshot, host tier counters)."""
     from freetoken_agent.evals.perf.routing_report import token_phases
     from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.evals.perf.feeding import Feeder
     from freetoken_agent.runtime.experts.phase import PhaseScheduler
     from freetoken_agent.runtime.experts.policies import make_policy
     from freetoken_agent.runtime.experts.setup import ResidencyConfig
@@ -52,14 +53,14 @@ def run_session(model: Path, tokenizer: Any, path: Path, policy: str, lookahead:
     sched = PhaseScheduler.attach(engine)  # loads (and on close saves) the model's profile
     if policy != "phase+pause":  # measure only: the baseline's own policy, no staging
         engine.residency.host.policy = make_policy(policy)
-        sched.stage_fraction, sched.pause_prefetch = 0.0, False
-    cache = engine.decoder.new_cache()
+        sched.stage_fraction, sched.pause_prefetch, sched.script = 0.0, False, False
+    feeder = Feeder(engine)  # teacher forcing through the engine's scheduler
     for seg in segments(trace):
         if seg.hint is not None:
             engine.hint(seg.hint, seg.pause_s or None)
         step = 1 if seg.kind == "decode" else 512
         for a in range(seg.start, seg.end, step):
-            engine._forward(torch.tensor(ids[a : min(seg.end, a + step)]), cache, last_only=True)
+            feeder.feed(ids[a : min(seg.end, a + step)])
         engine.residency.drain()
     if policy != "phase+pause":
         sched.save_path = None  # a measuring run does not write the profile

@@ -7,9 +7,6 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-import anyio.to_thread
-
 from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import detect_format
 from freetoken_agent.events import Usage
@@ -39,13 +36,20 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+POOL_SIZE = 16
+"""Idle sessions kept for key-less requests (each holds its KV until the pool evicts it under memory pressure)."""
+
+
 class LocalEngine(TextBackend):
     """A backend around a runtime ``Engine`` in this process.
 
     The prompt is rendered with the model's chat template (tools included); tool calls are parsed in the format
     the template reveals (or ``tool_format``). Each conversation (``request.session``, the agent's run id) gets an
     engine session, so a turn prefills only what its cached prefix does not cover; phase hints go to that session
-    (a ``tool`` hint lets it keep, offload or drop its KV while the tool runs). Generations run one at a time.
+    (a ``tool`` hint lets it keep, offload or drop its KV while the tool runs). Requests without a conversation key
+    (a server's clients) take the idle pooled session whose log shares the longest prefix with their prompt, so a
+    client's next turn continues its own KV (hybrid models included). Any number of requests run at once: the
+    engine's scheduler batches them.
 
     Phase scheduling: with ``phase_scheduling`` None (default) a ``PhaseScheduler`` is attached when the engine was
     loaded under a memory budget with the ``phase`` residency policy (True: whenever it has a budget; False: never).
@@ -60,7 +64,8 @@ class LocalEngine(TextBackend):
         self.tool_format = tool_format or detect_format(engine.chat_template, config)
         self._eos = set(engine.eos_token_ids)
         self._sessions: dict[str, Any] = {}
-        self._lock = anyio.Lock()
+        self._pool: list[Any] = []
+        """Idle engine sessions for requests without a conversation key (``POOL_SIZE`` at most)."""
         self.pause_decisions: list[str] = []  # what the engine chose at each tool pause (keep/offload/drop)
         self.scheduler = attach_scheduler(engine, phase_scheduling)
         """The engine's ``PhaseScheduler`` (None on an engine without one)."""
@@ -160,24 +165,49 @@ class LocalEngine(TextBackend):
         sampling = {"max_new_tokens": request.max_tokens, "temperature": 0.0 if greedy else request.temperature,
                     "top_p": 1.0 if greedy else request.top_p, "seed": request.seed, "stop": tuple(request.stop)}
         count, finish = 0, "length"
-        async with self._lock:
-            async for chunk in self._stream(ids, request.session, sampling):
-                if isinstance(chunk, TextChunk):
-                    count += 1
-                    if chunk.text:
-                        yield chunk
-                else:
-                    finish = chunk
+        async for chunk in self._stream(ids, request.session, sampling):
+            if isinstance(chunk, TextChunk):
+                count += 1
+                if chunk.text:
+                    yield chunk
+            else:
+                finish = chunk
         yield GenerationDone(finish, Usage(len(ids), count))
+
+    @property
+    def pooled_sessions(self) -> tuple[Any, ...]:
+        """The idle sessions kept for key-less requests."""
+        return tuple(self._pool)
+
+    def _checkout(self, ids: list[int]) -> Any:
+        """The idle pooled session sharing the longest prefix with ``ids`` (a new one when none shares any)."""
+        best = max(self._pool, key=lambda s: _shared(s.log, ids), default=None)
+        if best is not None and (_shared(best.log, ids) or len(self._pool) >= POOL_SIZE):
+            self._pool.remove(best)
+            return best
+        return self.engine.session()
+
+    def _checkin(self, session: Any) -> None:
+        self._pool.append(session)
+        while len(self._pool) > POOL_SIZE:
+            self._pool.pop(0).close()
 
     async def _stream(self, ids: list[int], key: str | None, sampling: dict[str, Any]) -> AsyncIterator[Any]:
         """Token texts (end-of-sequence text removed), then the finish reason."""
         session = self._session(key)
-        if session is None and self.engine._kv is not None:  # sessions wait for a running prefix warm themselves
-            await anyio.to_thread.run_sync(self.engine._kv.prestage.wait)
-        events = session.stream(ids, **sampling) if session is not None else self.engine.stream(ids, **sampling)
+        pooled = session is None or session.busy  # a second request of one conversation runs beside it
+        if pooled:
+            session = self._checkout(ids)
+        try:
+            async for item in self._events(session, ids, sampling):
+                yield item
+        finally:
+            if pooled:
+                self._checkin(session)
+
+    async def _events(self, session: Any, ids: list[int], sampling: dict[str, Any]) -> AsyncIterator[Any]:
         finish = "length"
-        async for event in events:
+        async for event in session.stream(ids, **sampling):
             text = event.text
             if event.finish_reason == "stop" and event.token_id in self._eos:
                 eos_text = self.engine.tokenizer.decode([event.token_id])
@@ -185,6 +215,15 @@ class LocalEngine(TextBackend):
             yield TextChunk(text)
             finish = event.finish_reason or finish
         yield finish
+
+
+def _shared(log: list[int], ids: list[int]) -> int:
+    n = 0
+    for a, b in zip(log, ids):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def attach_scheduler(engine: Any, enabled: bool | None) -> Any:

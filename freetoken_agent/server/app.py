@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/chat/completions`` (streaming, tools), ``/v1/completions``.
 
 Any :class:`~freetoken_agent.backends.Backend` can serve: ``freetoken serve`` uses ``LocalEngine``; tests use
-``ScriptedBackend``. Requests are served one at a time (one engine, one sequence).
+``ScriptedBackend``. Requests run concurrently (the local engine batches them on its scheduler); a client that
+disconnects — streaming or not — cancels its generation; a prompt that does not fit the model's context is a 400.
 """
 
 from __future__ import annotations
@@ -18,22 +19,24 @@ from starlette.routing import Route
 
 from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
+from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.scheduler import ContextLengthError
 from freetoken_agent.server.protocol import (
     RequestError, chat_request, completion_request, envelope, error_body, new_id, usage_dict,
 )
 
 
 class OpenAIServer:
-    """Serves one backend under one model id."""
+    """Serves one backend under one model id.
 
-    session_key = "openai-server"
-    """All requests share one engine conversation: consecutive turns of a client reuse its KV prefix."""
+    Requests carry no conversation key: the local engine gives each the idle session that shares the longest prefix
+    with its prompt, so consecutive turns of a client reuse its KV while other clients run beside it.
+    """
 
     def __init__(self, backend: Backend, model_id: str, default_max_tokens: int = 1024) -> None:
         self.backend = backend
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
-        self._lock = anyio.Lock()
 
     def app(self) -> Starlette:
         """The ASGI application."""
@@ -63,12 +66,11 @@ class OpenAIServer:
             req = chat_request(body, self.default_max_tokens)
         except RequestError as exc:
             return JSONResponse(error_body(str(exc)), status_code=400)
-        req.session = self.session_key
         rid = new_id("chatcmpl")
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(self._chat_chunks(req, rid, usage)), media_type="text/event-stream")
-        return JSONResponse(await self._chat_whole(req, rid))
+            return await _streaming(self._chat_chunks(req, rid, usage))
+        return await _whole(request, self._chat_whole(req, rid))
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -76,23 +78,25 @@ class OpenAIServer:
             req = completion_request(body, self.default_max_tokens)
         except RequestError as exc:
             return JSONResponse(error_body(str(exc)), status_code=400)
-        req.session = self.session_key
         if not isinstance(self.backend, TextBackend):
             return JSONResponse(error_body("this backend serves chat completions only"), status_code=400)
         rid = new_id("cmpl")
         if body.get("stream"):
-            return StreamingResponse(_sse(self._text_chunks(req, rid)), media_type="text/event-stream")
+            return await _streaming(self._text_chunks(req, rid))
+        return await _whole(request, self._text_whole(req, rid))
+
+    async def _text_whole(self, req: GenerateRequest, rid: str) -> dict[str, Any]:
+        backend = self.backend
+        assert isinstance(backend, TextBackend)  # checked by ``completions``
         text, done = [], GenerationDone("stop")
-        async with self._lock:
-            async for item in self.backend.stream_text(req):
-                if isinstance(item, TextChunk):
-                    text.append(item.text)
-                else:
-                    done = item
+        async for item in backend.stream_text(req):
+            if isinstance(item, TextChunk):
+                text.append(item.text)
+            else:
+                done = item
         choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": done.finish_reason}
         u = done.usage
-        return JSONResponse(envelope("text_completion", rid, self.model_id, [choice],
-                                     usage_dict(u.prompt_tokens, u.completion_tokens)))
+        return envelope("text_completion", rid, self.model_id, [choice], usage_dict(u.prompt_tokens, u.completion_tokens))
 
     # ------------------------------------------------------------------------------------------ chat internals
     async def _chat_events(self, req: GenerateRequest) -> AsyncIterator[Any]:
@@ -101,18 +105,17 @@ class OpenAIServer:
         A call is announced to the client only once it has parsed (name and arguments in one delta), so a client
         never holds a call whose arguments never come.
         """
-        async with self._lock:
-            number = 0
-            async for event in self.backend.generate(req):
-                if isinstance(event, ToolCallStarted):
-                    continue
-                if isinstance(event, ToolCallFinished):
-                    yield number, event
-                    number += 1
-                elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
-                    yield None, TextDelta(event.raw)
-                else:
-                    yield None, event
+        number = 0
+        async for event in self.backend.generate(req):
+            if isinstance(event, ToolCallStarted):
+                continue
+            if isinstance(event, ToolCallFinished):
+                yield number, event
+                number += 1
+            elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
+                yield None, TextDelta(event.raw)
+            else:
+                yield None, event
 
     async def _chat_whole(self, req: GenerateRequest, rid: str) -> dict[str, Any]:
         text, calls, done = [], [], GenerationDone("stop")
@@ -137,9 +140,14 @@ class OpenAIServer:
             return envelope("chat.completion.chunk", rid, self.model_id,
                             [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
 
+        events = self._chat_events(req)
+        try:  # the engine accepts or refuses the request here, before the response starts
+            first = [await events.__anext__()]
+        except StopAsyncIteration:
+            first = []
         yield chunk({"role": "assistant", "content": ""})
         done, any_call = GenerationDone("stop"), False
-        async for number, event in self._chat_events(req):
+        async for number, event in _chain(first, events):
             if isinstance(event, TextDelta) and event.text:
                 yield chunk({"reasoning_content": event.text} if event.reasoning else {"content": event.text})
             elif isinstance(event, ToolCallFinished):
@@ -157,18 +165,69 @@ class OpenAIServer:
     async def _text_chunks(self, req: GenerateRequest, rid: str) -> AsyncIterator[dict]:
         backend = self.backend
         assert isinstance(backend, TextBackend)  # checked by ``completions``
-        async with self._lock:
-            async for item in backend.stream_text(req):
-                if isinstance(item, TextChunk):
-                    yield envelope("text_completion", rid, self.model_id,
-                                   [{"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}])
-                else:
-                    yield envelope("text_completion", rid, self.model_id,
-                                   [{"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}],
-                                   usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
+        async for item in backend.stream_text(req):
+            if isinstance(item, TextChunk):
+                yield envelope("text_completion", rid, self.model_id,
+                               [{"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}])
+            else:
+                yield envelope("text_completion", rid, self.model_id,
+                               [{"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}],
+                               usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    async for item in chunks:
-        yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
-    yield "data: [DONE]\n\n"
+async def _chain(head: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
+
+
+def _refusal(exc: Exception) -> Response:
+    """A request the engine refuses before generating (too long for the context, ids outside the vocabulary)."""
+    kind = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_request_error"
+    return JSONResponse(error_body(str(exc), kind), status_code=400)
+
+
+async def _whole(request: Request, work: Any) -> Response:
+    """Run ``work`` (a coroutine producing the response body) until it ends or the client disconnects: a client
+    that goes away cancels its generation instead of leaving it running."""
+    out: dict[str, Any] = {}
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            out["body"] = await work
+            tg.cancel_scope.cancel()
+    except FreeTokenError as exc:
+        return _refusal(exc)
+    if "body" not in out:  # disconnected: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(out["body"])
+
+
+async def _streaming(chunks: AsyncIterator[dict[str, Any]]) -> Response:
+    """An SSE response; the first chunk is produced before the response starts, so a request the engine refuses
+    gets a 400 instead of a stream that breaks. A disconnect cancels the generator (and with it the generation)."""
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except FreeTokenError as exc:
+        return _refusal(exc)
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield f"data: {json.dumps(first, ensure_ascii=False)}\n\n"
+                async for item in chunks:
+                    yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()
+
+    return StreamingResponse(sse(), media_type="text/event-stream")

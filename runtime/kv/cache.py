@@ -96,6 +96,9 @@ class KVCache(RecurrentStates):
         self._pending = t
         return [buf[:end] for buf in store]
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more positions: grows on ``append``, nothing to reserve (the paged cache's interface)."""
+
     def advance(self) -> None:
         """Commit the tokens appended by the current forward (called once after all layers)."""
         self.length += self._pending

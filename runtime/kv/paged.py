@@ -35,8 +35,10 @@ class PagedKVCache(RecurrentStates):
         p = self.pages
         self._run = bool(p) and p[-1] - p[0] == len(p) - 1 and p == list(range(p[0], p[0] + len(p)))
 
-    def _prepare(self, n: int) -> None:
-        """Make positions ``length..length+n`` writable: private last page, enough pages."""
+    def reserve(self, n: int) -> None:
+        """Make positions ``length..length+n`` writable: private last page, enough pages (may raise
+        ``OutOfPages``; pages taken before that stay with this cache). The scheduler reserves every row of a step
+        before the forward, so a forward never runs out of pages halfway through its layers."""
         ps, pool = self.pool.page_size, self.pool
         first = self.length // ps
         if first < len(self.pages) and pool.refs[self.pages[first]] > 1:
@@ -54,7 +56,7 @@ class PagedKVCache(RecurrentStates):
     def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
         n = parts[0].shape[0]
         if self._prepared != (self.length, n):
-            self._prepare(n)
+            self.reserve(n)
         self.pool.write(layer, self.pages, self.length, parts)
         self._pending = n
         if self._run:  # no copy: a decode step over a long context would otherwise copy every cached position

@@ -8,6 +8,7 @@ holds, and falls back to the longest common prefix when the client's history div
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -86,9 +87,16 @@ class ElasticKV:
 class KVManager:
     """Page pools + radix cache + pause policy, shared by an engine's sessions."""
 
-    def __init__(self, num_layers: int, config: KVConfig, device: str = "cpu", elastic: ElasticKV | None = None
-                 ) -> None:
+    def __init__(self, num_layers: int, config: KVConfig, device: str = "cpu", elastic: ElasticKV | None = None,
+                 stateful: bool = False, lock: Any = None) -> None:
+        """``stateful``: the model has recurrent layers (hybrid), whose states the radix tree cannot share.
+        ``lock``: the engine's lock, held by its scheduler thread for each step; every change to pages, the radix
+        tree or a session's cache from another thread takes it."""
+        import threading
+
         self.config = config
+        self.stateful = stateful
+        self.lock = lock if lock is not None else threading.RLock()
         self.elastic = elastic
         if elastic is not None:  # capacity = everything the tier could ever give; active = what is reserved now
             limit = elastic.reservation.budget.limit
@@ -153,33 +161,22 @@ class KVManager:
     def warm(self, engine: Engine, tokens: list[int]) -> Warmed:
         """Compute the KV of ``tokens``' full pages into the radix tree, only what it does not hold already.
 
-        The pages belong to the tree alone (unpinned, evictable LRU); no session is touched. Pages come from the
-        free list or by evicting unpinned radix leaves, never by growing an elastic pool (that would take expert
-        slots away while the phase scheduler stages them). Raises ``OutOfPages`` when neither has one.
+        The pages belong to the tree alone (unpinned, evictable LRU); no session is touched. It runs through the
+        engine's scheduler as a background, opportunistic prefill: pages come from the free list or by evicting
+        unpinned radix leaves, never by growing an elastic pool (that would take expert slots away while the phase
+        scheduler stages them) nor from other sequences. Raises ``OutOfPages`` when neither has one. Blocks until
+        done: call it from a worker thread (the prestager's), not from the engine's.
         """
-        import torch
-        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+        from freetoken_agent.runtime.scheduler import Request
 
         ps = self.pool.page_size
         tokens = [int(t) for t in tokens[: len(tokens) // ps * ps]]
-        if not tokens or any(getattr(layer, "recurrent", None) is not None for layer in engine.spec.layers):
+        if not tokens or self.stateful:
             return Warmed(0, 0)  # hybrid models do not share pages through the tree (see ``Session.stateful``)
-        engine._check_ids(tokens)
-        match = self.radix.match_prefix(tokens)
-        if match.length == len(tokens):
-            return Warmed(match.length, 0)
-        cache = PagedKVCache(self.pool, self._alloc_cached)
-        cache.adopt(match.pages, match.length)  # our references keep these pages through evictions below
-        ids = torch.tensor(tokens)
-        try:
-            for i in range(match.length, len(tokens), PREFILL_CHUNK):
-                engine.decoder.forward(ids[i : i + PREFILL_CHUNK], cache)
-            self.radix.insert(tokens, cache.pages)
-        finally:
-            cache.release()
-        return Warmed(match.length, len(tokens) - match.length)
+        result = engine.submit(Request(tokens, kind="prefill", background=True, opportunistic=True)).result()
+        return Warmed(result.reused_tokens, len(tokens) - result.reused_tokens)
 
-    def _alloc_cached(self) -> int:
+    def alloc_cached(self) -> int:
         """A free page, evicting unpinned radix leaves if needed; never grows the pool."""
         while True:
             try:
@@ -236,7 +233,11 @@ class KVManager:
 
 
 class Session:
-    """One conversation's KV state. Not thread-safe: one turn at a time."""
+    """One conversation's KV state: an append-only token log whose KV sits in ``cache``.
+
+    Turns run through the engine's scheduler (one turn in flight per session); ``begin``/``end`` are its hooks on
+    the engine thread. Every other method may be called from any thread: it takes the engine's lock.
+    """
 
     def __init__(self, engine: Engine, manager: KVManager, session_id: int) -> None:
         self.engine, self.manager, self.id = engine, manager, session_id
@@ -246,24 +247,30 @@ class Session:
         self._pinned: Node | None = None
         self._offloaded: list[int] | None = None
         self.closed = False
-        self.stateful = any(getattr(layer, "recurrent", None) is not None for layer in engine.spec.layers)
+        self.stateful = manager.stateful
         """Hybrid model: recurrent layers' states cannot be rewound or shared, so reuse goes through snapshots
         taken at the end of each turn, and the radix tree (shared pages without states) is not used."""
         self._snapshots: dict[int, dict[int, Any]] = {}
         """Position → recurrent states of every stateful layer at that position (the last few turn ends)."""
+        self.phase: str | None = None
+        """The phase this session's agent said comes next (scheduling input: idle ``tool`` sessions lose their
+        KV first under memory pressure)."""
+        self.last_used = time.monotonic()
+        self._inflight: Any = None  # the RequestHandle of this session's request in flight
+        self._submit_lock = threading.Lock()
 
-    # ------------------------------------------------------------------------------------------------ turns
+    # ------------------------------------------------------------------------------------------------ engine hooks
 
-    def _prepare(self, prompt: list[int], keep_one: bool = True) -> int:
-        """Align the cache with ``prompt``; returns how many prompt positions are reused.
+    def begin(self, prompt: list[int], keep_one: bool = True) -> int:
+        """Align the cache with ``prompt`` (engine thread, at admission); returns how many positions are reused.
 
         With ``keep_one`` at least one prompt token is left unfed (its logits start the reply).
         """
-        stats = self.manager.stats
-        self.manager.prestage.wait()  # a warm running on the pool's pages finishes first
+        self.last_used = time.monotonic()
         self.resume()
         if self.stateful:
             return self._prepare_stateful(prompt, keep_one)
+        stats = self.manager.stats
         common = _lcp(prompt, self.log)
         if common < len(self.log):
             stats.divergences += 1
@@ -298,40 +305,63 @@ class Session:
         self._snapshots = {p: snap for p, snap in self._snapshots.items() if p <= position}
         return position
 
+    def end(self, tokens: list[int]) -> None:
+        """The cache now holds ``tokens`` (engine thread, when a request finishes or is preempted): publish."""
+        self.log = list(tokens[: self.cache.length])
+        self.last_used = time.monotonic()
+        self._publish()
+
+    def evict(self) -> None:
+        """Release this session's KV under memory pressure (engine thread); the next turn recomputes what the
+        radix tree no longer holds."""
+        with self.manager.lock:
+            self._release_kv()
+
+    # ------------------------------------------------------------------------------------------------ turns
+
+    @property
+    def busy(self) -> bool:
+        """A request of this session is in flight."""
+        return self._inflight is not None and not self._inflight.done
+
+    def submit(self, request: Any) -> Any:
+        """Submit ``request`` (its ``session`` is set to this one); returns the ``RequestHandle``, or None for a
+        background request while another is in flight (opportunistic work is skipped, never queued twice). A
+        foreground turn waits for this session's background prefill in flight: it covers the turn's prefix."""
+        if self.closed:
+            raise RuntimeError("session is closed")
+        with self._submit_lock:
+            prev = self._inflight
+            if prev is not None and not prev.done:
+                if request.background:
+                    return None
+                prev.wait()
+            request.session = self
+            request.phase = request.phase or self.phase
+            self._inflight = self.engine.submit(request)
+            return self._inflight
+
     def prefill(self, prefix: list[int]) -> int:
         """Prefill ``prefix`` (e.g. the conversation plus tool output streamed so far) without generating.
 
         Called while a tool runs, so that when it ends only the tail is left to prefill. If the final prompt
         tokenizes the boundary differently, the next turn falls back to the longest common prefix. Returns how
-        many tokens were fed now.
+        many tokens were fed now (0 when another request of this session is in flight).
         """
-        import torch
-        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+        from freetoken_agent.runtime.scheduler import Request
 
         prefix = [int(t) for t in prefix]
-        self.engine._check_ids(prefix)
-        reused = self._prepare(prefix, keep_one=False)
         t0 = time.perf_counter()
-        self._feed(prefix, reused)
+        handle = self.submit(Request(prefix, kind="prefill", background=True))
+        if handle is None:
+            return 0
+        result = handle.result()
+        fed = len(prefix) - result.reused_tokens
         stats = self.manager.stats
-        stats.prefilled_tokens += len(prefix) - reused
-        stats.background_prefill_tokens += len(prefix) - reused
+        stats.prefilled_tokens += fed
+        stats.background_prefill_tokens += fed
         stats.background_prefill_s += time.perf_counter() - t0
-        return len(prefix) - reused
-
-    def _feed(self, tokens: list[int], start: int) -> None:
-        """Forward ``tokens[start:]`` into this session's cache (which holds ``tokens[:start]``) and publish."""
-        import torch
-
-        from freetoken_agent.runtime.engine import PREFILL_CHUNK
-
-        ids = torch.tensor(tokens)
-        try:
-            for i in range(start, len(tokens), PREFILL_CHUNK):
-                self.engine.decoder.forward(ids[i : i + PREFILL_CHUNK], self.cache)
-        finally:
-            self.log = tokens[: self.cache.length]
-            self._publish()
+        return fed
 
     def warm(self, tokens: list[int]) -> Warmed:
         """KV pre-staging of the known start of this session's next prompt (run by ``PrefixStager`` in a pause).
@@ -341,13 +371,20 @@ class Session:
         them. Otherwise (the history re-renders differently) the prefix is warmed in the radix tree only
         (``KVManager.warm``: full pages, the session untouched) and the next turn adopts it by its radix match.
         """
+        from freetoken_agent.runtime.scheduler import Request
+
         tokens = [int(t) for t in tokens]
-        own = len(self.log)
-        if self.stateful or not own or own >= len(tokens) or tokens[:own] != self.log or self.cache.length != own:
+        with self.manager.lock:
+            own = len(self.log)
+            extends = (not self.stateful and own and own < len(tokens) and tokens[:own] == self.log
+                       and self.cache.length == own)
+        if not extends:
             return self.manager.warm(self.engine, tokens)
-        self.engine._check_ids(tokens)
-        self._feed(tokens, own)
-        return Warmed(own, len(tokens) - own)
+        handle = self.submit(Request(tokens, kind="prefill", background=True, opportunistic=True))
+        if handle is None:
+            return Warmed(own, 0)
+        result = handle.result()
+        return Warmed(result.reused_tokens, len(tokens) - result.reused_tokens)
 
     def _publish(self) -> None:
         """Share the full pages of this session's log through the radix tree and pin that path (attention-only
@@ -366,80 +403,82 @@ class Session:
         self.manager.radix.lock(node)
         self._pinned = node
 
+    def _request(self, prompt: list[int], params: SamplingParams | None, phase: Phase | str | None,
+                 kwargs: dict[str, Any]) -> Any:
+        from freetoken_agent.runtime.scheduler import Request
+
+        if self.closed:
+            raise RuntimeError("session is closed")
+        if phase is not None:
+            self.hint(phase)
+        prompt = [int(t) for t in prompt]
+        return Request(prompt, self.engine.sampling(params, kwargs))
+
+    def _turn(self, request: Any) -> Any:
+        t0 = time.perf_counter()
+        handle = self.submit(request)
+        return handle, t0
+
+    def _account(self, prompt_len: int, result: Any, t0: float, first_s: float | None) -> None:
+        stats = self.manager.stats
+        stats.turns += 1
+        stats.prompt_tokens += prompt_len
+        stats.prefix_hit_tokens += result.reused_tokens
+        stats.prefilled_tokens += prompt_len - result.reused_tokens
+        if first_s is not None:
+            stats.ttft_s.append(first_s - t0)
+
     def iter_generate(
         self, prompt: list[int], params: SamplingParams | None = None, phase: Phase | str | None = None,
         **kwargs: Any,
     ) -> Iterator[TokenEvent]:
         """Generate a reply to ``prompt`` (the whole conversation so far, as token ids), reusing cached KV."""
-        if self.closed:
-            raise RuntimeError("session is closed")
-        if phase is not None:
-            self.engine.hint(phase)
-        prompt = [int(t) for t in prompt]
-        p = self.engine._params(params, kwargs)
-        stats = self.manager.stats
-        t0 = time.perf_counter()
-        reused = self._prepare(prompt)
-        stats.turns += 1
-        stats.prompt_tokens += len(prompt)
-        stats.prefix_hit_tokens += reused
-        stats.prefilled_tokens += len(prompt) - reused
-        generated: list[int] = []
-        first = True
+        request = self._request(prompt, params, phase, kwargs)
+        handle, t0 = self._turn(request)
+        first = None
         try:
-            for ev in self.engine._decode(prompt, p, cache=self.cache):
-                if first:
-                    stats.ttft_s.append(time.perf_counter() - t0)
-                    first = False
-                generated.append(ev.token_id)
+            for ev in handle:
+                first = first or time.perf_counter()
                 yield ev
         finally:
-            self.log = (prompt + generated)[: self.cache.length]
-            self._publish()
+            handle.cancel()  # a consumer that stopped early frees the slot; a no-op once finished
+        self._account(len(request.prompt), handle.result(), t0, first)
 
     def prefill_logits(self, prompt: list[int]) -> tuple[int, Any]:
         """Verification path: align with ``prompt`` and prefill the rest; returns (reused, logits [T_new, V])."""
-        import torch
-        from freetoken_agent.runtime.engine import PREFILL_CHUNK
+        from freetoken_agent.runtime.scheduler import Request
 
-        prompt = [int(t) for t in prompt]
-        reused = self._prepare(prompt)
-        ids = torch.tensor(prompt)
-        dec = self.engine.decoder
-        try:
-            parts = [dec.logits(dec.forward(ids[i : i + PREFILL_CHUNK], self.cache))
-                     for i in range(reused, len(prompt), PREFILL_CHUNK)]
-        finally:
-            self.log = prompt[: self.cache.length]
-            self._publish()
-        return reused, torch.cat(parts)
+        result = self.submit(Request([int(t) for t in prompt], kind="logits")).result()
+        return result.reused_tokens, result.logits
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, **kwargs: Any) -> Any:
         """Blocking turn; returns the engine's ``GenerationResult``."""
         from freetoken_agent.runtime.engine import GenerationResult
 
-        ids, pieces, reason = [], [], "length"
-        for ev in self.iter_generate(prompt, params, **kwargs):
-            ids.append(ev.token_id)
-            pieces.append(ev.text)
-            reason = ev.finish_reason or reason
-        return GenerationResult(ids, "".join(pieces), reason, len(prompt))
+        phase = kwargs.pop("phase", None)
+        request = self._request(prompt, params, phase, kwargs)
+        handle, t0 = self._turn(request)
+        result = handle.result()
+        self._account(len(request.prompt), result, t0, t0 + result.prefill_s)
+        return GenerationResult.of(result)
 
     async def stream(self, prompt: list[int], params: SamplingParams | None = None, **kwargs: Any
                      ) -> AsyncIterator[TokenEvent]:
-        """Async turn, one worker-thread step per token (cancellable between tokens)."""
+        """Async turn: tokens as the engine thread produces them, without blocking the event loop; leaving the
+        loop early (or being cancelled) cancels the request."""
         import anyio.to_thread
 
-        steps = self.iter_generate(prompt, params, **kwargs)
-        done = object()
+        phase = kwargs.pop("phase", None)
+        request = self._request(prompt, params, phase, kwargs)
+        handle, t0 = await anyio.to_thread.run_sync(self._turn, request)  # may wait for a background prefill
+        first = None
         try:
-            while True:
-                ev = await anyio.to_thread.run_sync(next, steps, done)
-                if ev is done:
-                    return
-                yield ev  # type: ignore[misc]
+            async for ev in handle:
+                first = first or time.perf_counter()
+                yield ev
         finally:
-            steps.close()
+            handle.cancel()
+        self._account(len(request.prompt), await handle.aresult(), t0, first)
 
     # ------------------------------------------------------------------------------------------------ pauses
 
@@ -450,8 +489,10 @@ class Session:
         next prompt (``expect``) and the registered per-phase prompts in the prefix cache (``prestage``: only free
         or evictable pages, so whatever the session's KV decision was, no memory is taken from anyone).
         """
+        name = str(getattr(phase, "value", phase))
+        self.phase = name
         self.engine.hint(phase, expected_s)
-        if str(getattr(phase, "value", phase)) == "tool":
+        if name == "tool":
             decision = self.pause(expected_s)
             self.manager.prestage.start(self.engine)
             return decision
@@ -463,15 +504,17 @@ class Session:
         the chat template puts before a tool's output): warmed into the prefix cache at the next tool pause."""
         self.manager.prestage.expect(self, tokens)
 
-
     def pause(self, expected_s: float | None) -> str:
         """A tool runs for about ``expected_s`` seconds: keep, offload to host, or drop this session's KV."""
         rate = self.engine.stats().get("prefill_tok_s") or self.manager.config.prefill_tok_s_guess
-        decision = self.manager.decide(self, expected_s, rate)
-        if decision == "offload":
-            self._offload()
-        elif decision == "drop":
-            self.drop()
+        with self.manager.lock:
+            if self._inflight is not None and not self._inflight.done:
+                return "keep"  # a request of this session is running: its KV is in use
+            decision = self.manager.decide(self, expected_s, rate)
+            if decision == "offload":
+                self._offload()
+            elif decision == "drop":
+                self.drop()
         return decision
 
     def _offload(self) -> None:
@@ -479,7 +522,6 @@ class Session:
         assert host is not None
         if self._offloaded is not None:
             return
-        self.manager.prestage.wait()
         pages = []
         for page in self.cache.pages:
             dst = host.alloc()
@@ -497,24 +539,22 @@ class Session:
 
     def resume(self) -> None:
         """Bring offloaded KV back to the device tier (no-op if nothing is offloaded)."""
-        if self._offloaded is None:
-            return
-        self.manager.prestage.wait()
-        host, pool = self.manager.host, self.manager.pool
-        assert host is not None
-        pages = []
-        for src in self._offloaded:
-            dst = self.manager.alloc()
-            pool.copy_page(src, dst, other=host)
-            host.decref(src)
-            pages.append(dst)
-        self.cache.pages = pages
-        self._offloaded = None
-        self.manager.stats.restores += 1
+        with self.manager.lock:
+            if self._offloaded is None:
+                return
+            host, pool = self.manager.host, self.manager.pool
+            assert host is not None
+            pages = []
+            for src in self._offloaded:
+                dst = self.manager.alloc()
+                pool.copy_page(src, dst, other=host)
+                host.decref(src)
+                pages.append(dst)
+            self.cache.pages = pages
+            self._offloaded = None
+            self.manager.stats.restores += 1
 
-    def drop(self) -> None:
-        """Release this session's KV; its published pages stay in the radix tree until evicted."""
-        self.manager.prestage.wait()
+    def _release_kv(self) -> None:
         if self._offloaded is not None:
             for page in self._offloaded:
                 self.manager.host.decref(page)  # type: ignore[union-attr]
@@ -525,13 +565,23 @@ class Session:
         if self._pinned is not None:
             self.manager.radix.unlock(self._pinned)
             self._pinned = None
-        self.manager.stats.drops += 1
+
+    def drop(self) -> None:
+        """Release this session's KV; its published pages stay in the radix tree until evicted."""
+        with self.manager.lock:
+            self._release_kv()
+            self.manager.stats.drops += 1
 
     def close(self) -> None:
+        """End the session: a turn in flight is cancelled, the KV released (published pages stay shared)."""
         if self.closed:
             return
-        self.drop()
-        self.manager.stats.drops -= 1  # closing is not a pause decision
-        self.manager.sessions.pop(self.id, None)
-        self.closed = True
-        self.manager.rebalance()
+        inflight = self._inflight
+        if inflight is not None and not inflight.done:
+            inflight.cancel()
+            inflight.wait()
+        with self.manager.lock:
+            self._release_kv()
+            self.manager.sessions.pop(self.id, None)
+            self.closed = True
+            self.manager.rebalance()

@@ -1,12 +1,21 @@
 """The generic decoder: executes any ``ModelSpec`` (one code path for every architecture).
 
-Legend: T new tokens, D hidden, V vocab. Single sequence; positions continue from the KV cache's length.
+Legend: T new tokens (of every sequence in the batch, concatenated), D hidden, V vocab.
+
+``forward_batch`` is the one code path that runs the layers (``ModelRunner`` in ``runtime/runner.py`` is its only
+caller besides tests and ``forward``): a ragged batch of sequences, each with its own cache and a chunk of new tokens
+(a prefill chunk or one decode token). Token-wise work (embedding, norms, MLPs, router, experts, multipliers) runs
+once over all T rows — the MoE layer groups every row of the batch by expert, so each selected expert is read once
+per step; token mixers (attention over a sequence's own KV, recurrent states) run per sequence on its slice.
+Positions of a sequence continue from its cache's length.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from typing import NamedTuple
 
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
@@ -26,6 +35,17 @@ from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, Mo
 MIXERS = {"gated_deltanet": gated_deltanet, "short_conv": short_conv, "mamba2": mamba2, "mamba": mamba,
           "lightning": lightning, "kda": kimi_delta}
 """Recurrent mixer kind → ``fn(x, weights, spec, layer, cache, eps) -> [T, D]``."""
+
+
+class Segment(NamedTuple):
+    """One sequence's rows ``[start, end)`` of a batched forward, its cache and its positions [end - start]."""
+
+    start: int
+    end: int
+    cache: KVCache
+    positions: torch.Tensor
+    scratch: dict
+    """Per-forward values this sequence's layers share (sparse-attention indices)."""
 
 
 class Decoder:
@@ -52,26 +72,41 @@ class Decoder:
     def new_cache(self) -> KVCache:
         return KVCache(self.spec.num_layers)
 
-    @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """token_ids [T] → final hidden states [T, D] (after the final norm); appends to ``cache``."""
+        """token_ids [T] of one sequence → final hidden states [T, D] (after the final norm); appends to ``cache``."""
+        return self.forward_batch([token_ids], [cache])
+
+    @torch.inference_mode()
+    def forward_batch(self, token_ids: list[torch.Tensor], caches: list[KVCache]) -> torch.Tensor:
+        """Chunks token_ids[b] [T_b] of sequences b → final hidden states [ΣT_b, D], rows in batch order.
+
+        Each chunk is appended to ``caches[b]`` (distinct caches) and its positions continue from that cache's length.
+        """
+        if len(token_ids) != len(caches) or not token_ids:
+            raise ValueError("forward_batch takes one cache per chunk, and at least one chunk")
         spec, w = self.spec, self.weights
-        for i in self._recurrent:  # fail before touching the cache if a recurrent state is not at cache.length
-            cache.get_state(i)
-        self._scratch: dict = {}  # per-forward values shared between layers (sparse-attention indices)
-        positions = torch.arange(cache.length, cache.length + token_ids.shape[0], device=self.device)
-        h = F.embedding(token_ids.to(self.device), w.embed)
+        segments, start = [], 0
+        for ids, cache in zip(token_ids, caches):
+            for i in self._recurrent:  # fail before touching any cache if a recurrent state is not at cache.length
+                cache.get_state(i)
+            n = int(ids.shape[0])
+            positions = torch.arange(cache.length, cache.length + n, device=self.device)
+            segments.append(Segment(start, start + n, cache, positions, {}))
+            start += n
+        self._batch_scratch: dict = {}  # per-forward values of the whole batch (the MoE shortcut)
+        flat = token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
+        h = F.embedding(flat.to(self.device), w.embed)
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
         if spec.hyper_streams:
-            return self._forward_hyper(h, cache, positions)
+            return self._forward_hyper(h, segments)
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
             if spec.parallel_block:
                 x = self._norm(h, lw, "attn_in")
-                h = h + self._mixer(i, x, lw, cache, positions) + self._ffn(i, x, lw)
+                h = h + self._mixer(i, x, lw, segments) + self._ffn(i, x, lw)
                 continue
             if layer.parts != "ffn":
-                h = self._mix(i, h, lw, cache, positions)
+                h = self._mix(i, h, lw, segments)
             if layer.parts != "mixer":
                 x = self._norm(h, lw, "ffn_in")
                 if spec.residual_from_norm:
@@ -81,11 +116,12 @@ class Decoder:
                 x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
                 h = self._residual(h, x, layer.residual_scales[2:])
             if layer.moe_shortcut == "add":
-                h = h + self._scratch.pop("moe_shortcut")
-        cache.advance()
+                h = h + self._batch_scratch.pop("moe_shortcut")
+        for seg in segments:
+            seg.cache.advance()
         return self._norm(h, None, "final")
 
-    def _forward_hyper(self, h: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+    def _forward_hyper(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Hyper-connection variant of the layer loop: N residual streams instead of one."""
         spec = self.spec
         streams = h[:, None, :].expand(-1, spec.hyper_streams, -1).contiguous()  # [T, N, D]
@@ -94,16 +130,17 @@ class Decoder:
                 hc = {k: lw.norms[f"{role}_{k}"] for k in ("fn", "base", "scale")}
                 post, x = hc_pre(streams, hc, spec.hyper_magnitude, spec.hyper_eps, spec.norm_eps)
                 x = self._norm(x, lw, norm)
-                x = self._mixer(i, x, lw, cache, positions) if role == "hc_mix" else self._ffn(i, x, lw)
+                x = self._mixer(i, x, lw, segments) if role == "hc_mix" else self._ffn(i, x, lw)
                 streams = hc_post(streams, post, x)
-        cache.advance()
+        for seg in segments:
+            seg.cache.advance()
         h = hc_head(streams, self.weights.hyper_head, spec.hyper_eps, spec.norm_eps)
         return self._norm(h, None, "final")
 
-    def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+    def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, segments: list[Segment]) -> torch.Tensor:
         """Token-mixing half of layer ``i`` (attention or a recurrent mixer) with its norms and residual."""
         normed = self._norm(h, lw, "attn_in")
-        x = self._norm(self._mixer(i, normed, lw, cache, positions), lw, "attn_out")
+        x = self._norm(self._mixer(i, normed, lw, segments), lw, "attn_out")
         base = normed if self.spec.residual_from_norm else h
         if "res_mix" in lw.norms:
             base = base * lw.norms["res_mix"]
@@ -114,7 +151,16 @@ class Decoder:
         beta *= self.spec.residual_multiplier
         return (h if alpha == 1.0 else h * alpha) + (x if beta == 1.0 else x * beta)
 
-    def _mixer(self, i: int, x: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+    def _mixer(self, i: int, x: torch.Tensor, lw: LayerWeights, segments: list[Segment]) -> torch.Tensor:
+        """x [T, D] of the whole batch → the mixer's output [T, D], each sequence over its own cache."""
+        if len(segments) == 1:
+            seg = segments[0]
+            return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch)
+        return torch.cat([self._mixer_one(i, x[s.start : s.end], lw, s.cache, s.positions, s.scratch)
+                          for s in segments])
+
+    def _mixer_one(self, i: int, x: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor,
+                   scratch: dict) -> torch.Tensor:
         spec, layer = self.spec, self.spec.layers[i]
         if layer.recurrent is not None:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
@@ -122,7 +168,7 @@ class Decoder:
             return moa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
         if layer.attention.kind == "mla":
             return mla_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps,
-                                 self._scratch)
+                                 scratch)
         return gqa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
 
     def _norm(self, x: torch.Tensor, lw: LayerWeights | None, role: str) -> torch.Tensor:
@@ -142,7 +188,7 @@ class Decoder:
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         layer = self.spec.layers[i]
         if layer.moe_shortcut == "compute" and lw.moe is not None:
-            self._scratch["moe_shortcut"] = self._moe(i, x, lw.moe)
+            self._batch_scratch["moe_shortcut"] = self._moe(i, x, lw.moe)
         if lw.moe is None or layer.moe_shortcut == "compute":
             assert layer.mlp is not None and lw.mlp is not None
             return mlp(x, lw.mlp, layer.mlp)
