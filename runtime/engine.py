@@ -145,6 +145,7 @@ class Engine:
         budget: Any = None,
         residency: Any = None,
         dense_quant: str = "none",
+        deterministic: bool = False,
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
@@ -155,6 +156,10 @@ class Engine:
         ``budget`` (``runtime.memory.Budget``) / ``residency`` (``runtime.experts.setup.ResidencyConfig``): keep
         routed experts in budgeted tiers (slots ← expert cache file) instead of loading them all; see
         ``runtime/experts/``. ``engine.residency`` is then the ``ExpertStore``.
+
+        ``deterministic``: switch the kernels to their batch-invariant mode (process-wide,
+        ``runtime.kernels.ops.set_deterministic``): each row's result is then independent of what shares its step
+        and of how its prefix was chunked, so a greedy request returns the same tokens every time.
 
         ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
@@ -167,6 +172,10 @@ class Engine:
         from freetoken_agent.runtime.quant.native import open_checkpoint
 
         quant = check_quant(quant)
+        if deterministic:
+            from freetoken_agent.runtime.kernels import ops as kernel_ops
+
+            kernel_ops.set_deterministic(True)
         n_threads = configure_threads(threads)
         spec = spec_from_config(load_config(path))
         reader = open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read

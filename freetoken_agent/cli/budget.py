@@ -21,16 +21,21 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", default=None, metavar="SIZE",
                    help="hard limit on host memory for weights and expert slots, e.g. 16GB or 64MB "
                         "(experts beyond it stream from the expert cache file on disk)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a greedy request gives the same tokens whatever shares its batch "
+                        "and whether its prefix came from the cache (slower prefill; see the README)")
     g.add_argument("--residency-policy", default=None, choices=["lru", "heat", "phase"],
                    help="which expert leaves a full slot pool (default: lru; phase for run/acp under a budget)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``dense_quant=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``deterministic=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if getattr(args, "quant_dense", "none") != "none":
         quant["dense_quant"] = args.quant_dense
+    if getattr(args, "deterministic", False):
+        quant["deterministic"] = True
     if device is None and host is None and policy is None:
         return quant
     from freetoken_agent.runtime.experts.setup import ResidencyConfig

@@ -45,11 +45,16 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
+            Route("/stats", self.stats, methods=["GET"]),
         ])
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": 0, "owned_by": "freetoken"}]})
+
+    async def stats(self, request: Request) -> Response:
+        """The backend's statistics (the engine's: scheduler, KV, residency), or {} for backends without any."""
+        return JSONResponse(self.backend.stats() or {})
 
     async def _body(self, request: Request) -> dict[str, Any]:
         try:
@@ -198,13 +203,18 @@ async def _whole(request: Request, work: Any) -> Response:
             pass
         scope.cancel()
 
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch, tg.cancel_scope)
+    async def run(scope: anyio.CancelScope) -> None:
+        try:
             out["body"] = await work
-            tg.cancel_scope.cancel()
-    except FreeTokenError as exc:
-        return _refusal(exc)
+        except FreeTokenError as exc:
+            out["error"] = exc
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        tg.start_soon(run, tg.cancel_scope)
+    if "error" in out:
+        return _refusal(out["error"])
     if "body" not in out:  # disconnected: nobody reads this
         return Response(status_code=499)
     return JSONResponse(out["body"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import time
 from collections.abc import Iterator
@@ -94,3 +95,62 @@ def test_missing_model_folder_is_one_line() -> None:
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "freetoken serve: error: model folder not found: /nonexistent/m"
+
+
+def _stats(server: str) -> dict:
+    return httpx.get(server.removesuffix("/v1") + "/stats", timeout=5).json()["scheduler"]
+
+
+def test_parallel_requests_share_steps(server: str) -> None:
+    client = openai.OpenAI(base_url=server, api_key="none", max_retries=0)
+    texts: list[str] = [""] * 6
+
+    def one(i: int) -> None:
+        stream = client.completions.create(model="tiny-moe", prompt=f"def f{i}(x): return x +", max_tokens=24,
+                                           temperature=0, stream=True)
+        texts[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert _stats(server)["max_batch"] >= 2  # the requests overlapped in the engine's steps
+    alone = [client.completions.create(model="tiny-moe", prompt=f"def f{i}(x): return x +", max_tokens=24,
+                                       temperature=0).choices[0].text for i in range(2)]
+    assert texts[:2] == alone  # batched or alone: the same greedy text
+
+
+def test_context_is_enforced_over_http(server: str) -> None:
+    client = openai.OpenAI(base_url=server, api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny-moe", prompt=" x" * 6000, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": " x" * 6000}],
+                                       max_tokens=4, stream=True)
+    per = client.completions.create(model="tiny-moe", prompt=" x" * 100, max_tokens=1).usage.prompt_tokens / 100
+    near = client.completions.create(model="tiny-moe", prompt=" x" * int(4084 / per), max_tokens=10**9,
+                                     temperature=0)
+    used = near.usage.prompt_tokens + near.usage.completion_tokens
+    assert near.usage.prompt_tokens < 4096 and used <= 4096  # max_tokens clipped: never past the context
+
+
+def test_a_disconnected_client_stops_its_generation(server: str) -> None:
+    before = _stats(server)["cancelled"]
+    with httpx.stream("POST", f"{server}/completions", timeout=30, json={
+            "model": "tiny-moe", "prompt": "hello", "max_tokens": 3000, "stream": True, "temperature": 0}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 4:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while _stats(server)["cancelled"] == before or _stats(server)["running"]:
+        assert time.monotonic() < deadline, "the generation kept running after the client left"
+        time.sleep(0.1)
+    # a non-streaming client that gives up stops its generation too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/completions", timeout=1.0, json={
+            "model": "tiny-moe", "prompt": "hello", "max_tokens": 3000, "temperature": 0})
+    deadline = time.monotonic() + 20
+    while _stats(server)["cancelled"] < before + 2 or _stats(server)["running"]:
+        assert time.monotonic() < deadline, "the abandoned request kept generating"
+        time.sleep(0.1)
