@@ -42,6 +42,14 @@ static float dot_f32_c(const float *a, const float *b, int64_t k) {
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
+/* a bf16 value as fp32 (exact: the 16 bits become the top of an fp32) */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 #ifdef FT_X86
 FT_AVX2 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -83,77 +91,126 @@ FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int
     }
 }
 
-/* 4 weight rows (row r at w + r * k) x 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
- * gemv_row_avx2 reduces it (a 16-lane accumulator's halves are its two 8-lane ones), with 4x fewer loads */
-FT_VNNI static void gemm4x4_avx512(const float *w, const float *x, int64_t k, float *out) {
-    __m512 acc[4][4];
-    for (int j = 0; j < 4; j++)
-        for (int r = 0; r < 4; r++) acc[j][r] = _mm512_setzero_ps();
+/* 8 bf16 weights widened to fp32 (exact: the 16 bits become the top of an fp32) */
+FT_AVX2 static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* gemv_row_avx2 over a bf16 weight row, widened in registers (decode: the row streams at 2 bytes a value);
+ * the same products and sums, so the same bits as widening the row first */
+FT_AVX2 static void gemv_row_bf16_avx2(const uint16_t *w, const float *x, int64_t k, int64_t m, float *out) {
+    __m256 acc[GEMV_MAX_M][2];
+    for (int64_t j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
-        __m512 wv[4];
-        for (int r = 0; r < 4; r++) wv[r] = _mm512_loadu_ps(w + r * k + i);
-        for (int j = 0; j < 4; j++) {
-            const __m512 xv = _mm512_loadu_ps(x + j * k + i);
-            for (int r = 0; r < 4; r++) acc[j][r] = _mm512_fmadd_ps(wv[r], xv, acc[j][r]);
+        const __m256 w0 = load_bf16x8(w + i), w1 = load_bf16x8(w + i + 8);
+        for (int64_t j = 0; j < m; j++) {
+            acc[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * k + i), acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + j * k + i + 8), acc[j][1]);
         }
     }
-    for (int j = 0; j < 4; j++)
-        for (int r = 0; r < 4; r++) {
-            const __m256 lo = _mm512_castps512_ps256(acc[j][r]);
-            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][r]), 1));
-            float s = hsum256(_mm256_add_ps(lo, hi));
-            for (int64_t t = i; t < k; t++) s += w[r * k + t] * x[j * k + t];
-            out[j * 4 + r] = s;
-        }
+    for (int64_t j = 0; j < m; j++) {
+        float s = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
+        for (int64_t t = i; t < k; t++) s += bf16_to_f32(w[t]) * x[j * k + t];
+        out[j] = s;
+    }
 }
+
+/* 4 weight rows (row r at w + r * k) x 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
+ * gemv_row_avx2 reduces it (a 16-lane accumulator's halves are its two 8-lane ones), with 4x fewer loads; one body
+ * for fp32 weights and for bf16 ones widened in registers */
+#define FT_GEMM4X4(NAME, WT, LOAD16, SCALAR)                                                                   \
+    FT_VNNI static void NAME(const WT *w, const float *x, int64_t k, float *out) {                            \
+        __m512 acc[4][4];                                                                                      \
+        for (int j = 0; j < 4; j++)                                                                            \
+            for (int r = 0; r < 4; r++) acc[j][r] = _mm512_setzero_ps();                                       \
+        int64_t i = 0;                                                                                         \
+        for (; i + 16 <= k; i += 16) {                                                                         \
+            __m512 wv[4];                                                                                      \
+            for (int r = 0; r < 4; r++) wv[r] = LOAD16(w + r * k + i);                                         \
+            for (int j = 0; j < 4; j++) {                                                                      \
+                const __m512 xv = _mm512_loadu_ps(x + j * k + i);                                              \
+                for (int r = 0; r < 4; r++) acc[j][r] = _mm512_fmadd_ps(wv[r], xv, acc[j][r]);                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int j = 0; j < 4; j++)                                                                            \
+            for (int r = 0; r < 4; r++) {                                                                      \
+                const __m256 lo = _mm512_castps512_ps256(acc[j][r]);                                           \
+                const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][r]), 1));    \
+                float s = hsum256(_mm256_add_ps(lo, hi));                                                      \
+                for (int64_t t = i; t < k; t++) s += SCALAR(w[r * k + t]) * x[j * k + t];                      \
+                out[j * 4 + r] = s;                                                                            \
+            }                                                                                                  \
+    }
+
+FT_VNNI static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#define FT_SAME(v) (v)
+FT_GEMM4X4(gemm4x4_avx512, float, _mm512_loadu_ps, FT_SAME)
+FT_GEMM4X4(gemm4x4_bf16_avx512, uint16_t, load_bf16x16, bf16_to_f32)
 #endif
 
-/* y[j, r0 + r] for weight rows w[0..nr) (row r at w + r * k) and activation rows j in [j0, j1) */
-static void gemv_block(const gemv_ctx *c, const float *w, int64_t r0, int64_t nr, int64_t j0, int64_t j1) {
+/* y[j, r0 + r] for weight rows r0 + [0, nr) (row r at w + r * k, fp32, or at wb + r * k, bf16, w NULL) and
+ * activation rows j in [j0, j1) */
+static void gemv_block(const gemv_ctx *c, const float *w, const uint16_t *wb, int64_t r0, int64_t nr, int64_t j0,
+                       int64_t j1) {
     const int64_t k = c->k, n = c->n;
     float out[GEMV_MAX_M * 4];
     int64_t r = 0;
 #ifdef FT_X86
     if (g_isa >= FT_ISA_AVX512VNNI && j1 - j0 == 4)
         for (; r + 4 <= nr; r += 4) {
-            gemm4x4_avx512(w + r * k, c->x + j0 * k, k, out);
+            if (w)
+                gemm4x4_avx512(w + r * k, c->x + j0 * k, k, out);
+            else
+                gemm4x4_bf16_avx512(wb + r * k, c->x + j0 * k, k, out);
             for (int64_t j = 0; j < 4; j++)
                 for (int u = 0; u < 4; u++) c->y[(j0 + j) * n + r0 + r + u] = out[j * 4 + u];
         }
 #endif
     for (; r < nr; r++) {
 #ifdef FT_X86
-        if (g_isa >= FT_ISA_AVX2)
-            gemv_row_avx2(w + r * k, c->x + j0 * k, k, j1 - j0, out);
-        else
+        if (g_isa >= FT_ISA_AVX2) {
+            if (w)
+                gemv_row_avx2(w + r * k, c->x + j0 * k, k, j1 - j0, out);
+            else
+                gemv_row_bf16_avx2(wb + r * k, c->x + j0 * k, k, j1 - j0, out);
+        } else
 #endif
-            for (int64_t j = j0; j < j1; j++) out[j - j0] = dot_f32_c(w + r * k, c->x + j * k, k);
+        {
+            const float *row = w + r * k; /* the portable path gets fp32 rows (gemv_item widens bf16 ones) */
+            for (int64_t j = j0; j < j1; j++) out[j - j0] = dot_f32_c(row, c->x + j * k, k);
+        }
         for (int64_t j = j0; j < j1; j++) c->y[j * n + r0 + r] = out[j - j0];
     }
 }
 
-/* item = GEMV_ROWS_PER_ITEM weight rows (kept in cache) against every activation row, 4 rows at a time */
+/* item = GEMV_ROWS_PER_ITEM weight rows (kept in cache) against every activation row, in blocks of activation rows
+ * (4 from 4 up on AVX-512, else all of them up to GEMV_MAX_M, else 4) */
 static void gemv_item(void *p, int64_t item) {
     const gemv_ctx *c = (const gemv_ctx *)p;
     const int64_t k = c->k, r0 = item * GEMV_ROWS_PER_ITEM;
     const int64_t nr = c->n - r0 < GEMV_ROWS_PER_ITEM ? c->n - r0 : GEMV_ROWS_PER_ITEM;
     const float *w = c->w ? c->w + r0 * k : NULL;
+    const uint16_t *wb = c->w ? NULL : c->wb + r0 * k;
     float *wide = NULL;
-    if (!w) { /* bf16 -> fp32 is exact: the shift puts the 16 bits on top of an fp32 */
-        wide = (float *)malloc(sizeof(float) * (size_t)(nr * k));
-        if (!wide) return; /* ft_gemm_f32 pre-checks that this size can be allocated */
-        const uint16_t *src = c->wb + r0 * k;
-        for (int64_t i = 0; i < nr * k; i++) {
-            const uint32_t bits = (uint32_t)src[i] << 16;
-            memcpy(wide + i, &bits, 4);
+    int tiles = 0;
+#ifdef FT_X86
+    tiles = g_isa >= FT_ISA_AVX512VNNI;
+    if (g_isa < FT_ISA_AVX2)
+#endif
+        if (!w) { /* portable: widen the item's rows once for all activation rows */
+            wide = (float *)malloc(sizeof(float) * (size_t)(nr * k));
+            if (!wide) return; /* ft_gemm_f32 pre-checks that this size can be allocated */
+            for (int64_t i = 0; i < nr * k; i++) wide[i] = bf16_to_f32(wb[i]);
+            w = wide;
         }
-        w = wide;
-    }
-    const int64_t step = c->m <= GEMV_MAX_M ? c->m : 4;
+    const int64_t step = c->m >= 4 && tiles ? 4 : (c->m <= GEMV_MAX_M ? c->m : 4);
     for (int64_t j0 = 0; j0 < c->m; j0 += step) {
         const int64_t j1 = j0 + step < c->m ? j0 + step : c->m;
-        gemv_block(c, w, r0, nr, j0, j1);
+        gemv_block(c, w, wb, r0, nr, j0, j1);
     }
     if (c->bias)
         for (int64_t j = 0; j < c->m; j++)

@@ -95,7 +95,8 @@ def test_dense_linear(dtype: torch.dtype, shape: tuple[int, int], bias: bool, is
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "topk_first"])
 def test_router(scoring: str, isas: list[str], deterministic: None) -> None:
     first = scoring == "topk_first"
-    spec = RouterSpec(scoring="softmax" if first else scoring, topk_before_scoring=first, norm_topk=True)  # type: ignore[arg-type]
+    spec = RouterSpec(scoring="softmax" if first else scoring,  # type: ignore[arg-type]
+                      topk_before_scoring=first, norm_topk=True)
     weight = torch.randn(24, 96)
 
     def ids_and_weights(x: torch.Tensor) -> torch.Tensor:
