@@ -37,7 +37,13 @@ class SlotPool:
         self.hits = self.misses = self.evictions = 0
         self.per_layer: int | None = None
         """Per-layer pools: each layer holds at most this many slots (None: one global pool)."""
+        self._split: tuple[int, int] | None = None
         self._allocate(n_slots)
+
+    def split_per_layer(self, layers: int, floor: int) -> None:
+        """Act as ``layers`` per-layer pools of equal share (at least ``floor`` slots each), kept through resizes."""
+        self._split = (layers, floor)
+        self.per_layer = max(floor, self.n_slots // layers)
 
     def _allocate(self, n_slots: int) -> None:
         self.reservation.grow(n_slots * self.layout.stride)  # raises before any allocation when it does not fit
@@ -163,6 +169,8 @@ class SlotPool:
             del self.data
             self.reservation.shrink(before)
             self._allocate(n_slots)
+            if self._split is not None:
+                self.split_per_layer(*self._split)
             return before - n_slots * self.layout.stride
 
     @property

@@ -254,7 +254,7 @@ def build_store(
     if config.pools == "layer":
         for pool in (host_pool, dev_pool):
             if pool is not None:
-                pool.per_layer = max(top_k, pool.n_slots // len(disk.layers))
+                pool.split_per_layer(len(disk.layers), top_k)
     store = ExpertStore(disk, host_pool, dev_pool, ledgers, prefetch=config.prefetch)
     host_pool.reservation.on_shrink = store.shrink_host
     store.min_slots = top_k

@@ -240,6 +240,9 @@ class ExpertStore:
         """
         pool = self.host
         self.drain()
+        deadline = time.monotonic() + 30
+        while pool.loading and time.monotonic() < deadline:  # phase staging fills slots from its own thread
+            time.sleep(0.001)
         stride = pool.layout.stride
         keep = max(self.min_slots + len(pool.pinned), pool.n_slots - -(-nbytes // stride))
         if keep >= pool.n_slots:

@@ -48,6 +48,12 @@ def dense_bytes(model: Path) -> int:
     return e.residency.ledgers["host"].reservations["dense"].nbytes
 
 
+def kv_room(model: Path) -> int:
+    """Host bytes for the KV pool's first growth step (16 pages of 16 positions): the KV lives in the same budget
+    and takes its pages from the expert-slot pool, so a budget sized for the experts alone leaves it none."""
+    return Engine.from_pretrained(model).kv_bytes_per_token() * 16 * 16
+
+
 def check_budget(engine: Engine) -> None:
     for ledger in engine.residency.ledgers.values():
         if ledger.limit is not None:
@@ -67,7 +73,7 @@ def test_budgeted_tokens_match_unbudgeted(model: Path, reference: Engine, q4_ref
     ref = q4_reference if quant == "q4" else reference
     want = ref.generate(prompt, max_new_tokens=NEW).token_ids
     experts = ref.quant.quant_bytes if quant == "q4" else expert_bytes(reference)
-    host = dense_bytes(model) + int(fraction * experts)
+    host = dense_bytes(model) + int(fraction * experts) + kv_room(model)
     try:
         engine = Engine.from_pretrained(model, quant=quant, budget=Budget(host=host),
                                         residency=ResidencyConfig(policy=policy, prefetch=prefetch))
@@ -107,7 +113,7 @@ def test_experts_three_times_the_host_budget_stream_from_disk(model: Path, refer
 def test_quantized_experts_from_the_disk_tier(model: Path, quant: str) -> None:
     ref = Engine.from_pretrained(model, quant=quant)
     prompts = [[1, 2, 3], [400, 12, 99, 250, 7, 7, 7], list(range(30, 60))]
-    host = dense_bytes(model) + expert_bytes(Engine.from_pretrained(model)) // 12
+    host = dense_bytes(model) + expert_bytes(Engine.from_pretrained(model)) // 12 + kv_room(model)
     engine = Engine.from_pretrained(model, quant=quant, budget=Budget(host=host),
                                     residency=ResidencyConfig(policy="heat"))
     for p in prompts:
@@ -126,7 +132,7 @@ def test_budget_too_small_is_one_clear_error(model: Path) -> None:
 
 def test_pinned_experts_are_never_evicted(model: Path, reference: Engine) -> None:
     pins = ((0, 0), (1, 3), (2, 7))
-    host = dense_bytes(model) + expert_bytes(reference) // 4
+    host = dense_bytes(model) + expert_bytes(reference) // 4 + kv_room(model)
     engine = Engine.from_pretrained(model, budget=Budget(host=host), residency=ResidencyConfig(pin=pins))
     prompt = list(range(100, 140))
     assert engine.generate(prompt, max_new_tokens=NEW).token_ids == reference.generate(prompt, max_new_tokens=NEW).token_ids
@@ -170,7 +176,7 @@ def test_phase_hint_switches_the_phase_policy(model: Path, reference: Engine) ->
 
 
 def test_per_layer_pools_cap_each_layer(model: Path, reference: Engine) -> None:
-    host = dense_bytes(model) + expert_bytes(reference) // 2
+    host = dense_bytes(model) + expert_bytes(reference) // 2 + kv_room(model)
     engine = Engine.from_pretrained(model, budget=Budget(host=host),
                                     residency=ResidencyConfig(pools="layer", prefetch=False))
     prompt = list(range(60, 110))
