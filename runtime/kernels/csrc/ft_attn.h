@@ -2,13 +2,13 @@
  *
  * q [T, H, Dh]; keys k[s] = k + s * k_stride (Hkv rows of Dh floats each, contiguous), values likewise [Hkv, Dv];
  * query head h reads kv head h / (H / Hkv); query t sees keys [lo[t], hi[t]) (causal, sliding window, chunk).
- * Items are (query, kv head, block of ATTN_BLOCK keys counted from lo[t]): each computes the G query heads' scores
- * against its keys, their block max, exp-sum and exp-weighted value sum, written to a scratch row; then each
- * query's blocks are merged in block order (the split-K "flash decoding" combine) in fp32. So a query's bits depend
- * only on its own q, keys and range: the same whether it is decoded alone (T = 1, a decode step) or one of a
- * prefill chunk (batch invariance). K and V are read by every pool thread at once — torch runs the two matmuls on
- * one thread, through a permuted (copied) view of K. exp is a vectorized polynomial (Cephes' expf: relative error
- * ~2e-7 on [-87, 0]).
+ * Items are (a few queries, kv head, block of ATTN_BLOCK keys counted from each query's lo[t]): for each query, the
+ * G query heads' scores against its keys, their block max, exp-sum and exp-weighted value sum, written to a scratch
+ * row; then each query's blocks are merged in block order (the split-K "flash decoding" combine) in fp32. So a
+ * query's bits depend only on its own q, keys and range: the same whether it is decoded alone (T = 1, a decode
+ * step) or one of a prefill chunk (batch invariance). K and V are read by every pool thread at once — torch runs
+ * the two matmuls on one thread, through a permuted (copied) view of K. exp is a vectorized polynomial (Cephes'
+ * expf: relative error ~2e-7 on [-87, 0]).
  */
 #ifndef FT_ATTN_H
 #define FT_ATTN_H
@@ -21,7 +21,7 @@
 typedef struct {
     const float *q, *k, *v, *sinks;
     const int64_t *lo, *hi; /* query t sees keys [lo[t], hi[t]) */
-    int64_t h, hkv, dh, dv, k_stride, v_stride, blocks; /* blocks: the most any query has */
+    int64_t t, h, hkv, dh, dv, k_stride, v_stride, blocks; /* t queries; blocks: the most any query has */
     float scale;
     float *part; /* per (query, kv head, block, g): [max, sum, o[Dv]] */
     float *out;  /* [T, H, Dv] */
@@ -126,44 +126,51 @@ FT_AVX2 static void pv_avx2(const float *p, const float *v, int64_t stride, int6
 }
 #endif
 
+#define ATTN_QUERIES_PER_ITEM 8 /* queries of a chunk that share an item: its key block is read once for them */
+
+/* item = (group of queries, kv head, key block): each query of the group on its own block of keys, in the same
+ * order as when it is alone (the group only keeps the block in cache) */
 static void attn_item(void *p, int64_t item) {
     const attn_ctx *c = (const attn_ctx *)p;
-    const int64_t tq = item / (c->hkv * c->blocks), hk = item / c->blocks % c->hkv, blk = item % c->blocks;
-    const int64_t g = c->h / c->hkv, s0 = c->lo[tq] + blk * ATTN_BLOCK;
-    if (s0 >= c->hi[tq]) return; /* this query has fewer blocks */
-    const int64_t n = c->hi[tq] - s0 < ATTN_BLOCK ? c->hi[tq] - s0 : ATTN_BLOCK;
+    const int64_t grp = item / (c->hkv * c->blocks), hk = item / c->blocks % c->hkv, blk = item % c->blocks;
+    const int64_t g = c->h / c->hkv;
     float sc[ATTN_BLOCK];
 #ifdef FT_X86
     const int avx = g_isa >= FT_ISA_AVX2;
 #endif
-    for (int64_t j = 0; j < g; j++) {
-        const int64_t h = hk * g + j;
-        const float *q = c->q + (tq * c->h + h) * c->dh, *kb = c->k + s0 * c->k_stride + hk * c->dh;
-        const float *vb = c->v + s0 * c->v_stride + hk * c->dv;
-        float *row = c->part + (((tq * c->hkv + hk) * c->blocks + blk) * g + j) * (2 + c->dv);
-        float *o = row + 2, m = -INFINITY, sum;
+    for (int64_t tq = grp * ATTN_QUERIES_PER_ITEM; tq < (grp + 1) * ATTN_QUERIES_PER_ITEM && tq < c->t; tq++) {
+        const int64_t s0 = c->lo[tq] + blk * ATTN_BLOCK;
+        if (s0 >= c->hi[tq]) continue; /* this query has fewer blocks */
+        const int64_t n = c->hi[tq] - s0 < ATTN_BLOCK ? c->hi[tq] - s0 : ATTN_BLOCK;
+        for (int64_t j = 0; j < g; j++) {
+            const int64_t h = hk * g + j;
+            const float *q = c->q + (tq * c->h + h) * c->dh, *kb = c->k + s0 * c->k_stride + hk * c->dh;
+            const float *vb = c->v + s0 * c->v_stride + hk * c->dv;
+            float *row = c->part + (((tq * c->hkv + hk) * c->blocks + blk) * g + j) * (2 + c->dv);
+            float *o = row + 2, m = -INFINITY, sum;
 #ifdef FT_X86
-        if (avx) {
-            qk_avx2(q, kb, c->k_stride, n, c->dh, c->scale, sc);
-            for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
-            sum = exp_sub_sum_avx2(sc, n, m);
-            pv_avx2(sc, vb, c->v_stride, n, c->dv, o);
+            if (avx) {
+                qk_avx2(q, kb, c->k_stride, n, c->dh, c->scale, sc);
+                for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
+                sum = exp_sub_sum_avx2(sc, n, m);
+                pv_avx2(sc, vb, c->v_stride, n, c->dv, o);
+                row[0] = m;
+                row[1] = sum;
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < n; i++) {
+                sc[i] = dot_f32_c(q, kb + i * c->k_stride, c->dh) * c->scale;
+                if (sc[i] > m) m = sc[i];
+            }
+            sum = 0.f;
+            for (int64_t i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - m));
+            memset(o, 0, sizeof(float) * (size_t)c->dv);
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t d = 0; d < c->dv; d++) o[d] += sc[i] * vb[i * c->v_stride + d];
             row[0] = m;
             row[1] = sum;
-            continue;
         }
-#endif
-        for (int64_t i = 0; i < n; i++) {
-            sc[i] = dot_f32_c(q, kb + i * c->k_stride, c->dh) * c->scale;
-            if (sc[i] > m) m = sc[i];
-        }
-        sum = 0.f;
-        for (int64_t i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - m));
-        memset(o, 0, sizeof(float) * (size_t)c->dv);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t d = 0; d < c->dv; d++) o[d] += sc[i] * vb[i * c->v_stride + d];
-        row[0] = m;
-        row[1] = sum;
     }
 }
 
@@ -216,9 +223,10 @@ int ft_attn_queries(const float *q, int64_t t, const float *k, const float *v, c
     if (!part) return -1;
     for (int64_t t0 = 0; t0 < t; t0 += round) {
         const int64_t n = t - t0 < round ? t - t0 : round;
-        attn_ctx c = {q + t0 * h * dh, k, v, sinks, lo + t0, hi + t0, h, hkv, dh, dv, k_stride, v_stride, blocks,
+        attn_ctx c = {q + t0 * h * dh, k, v, sinks, lo + t0, hi + t0, n, h, hkv, dh, dv, k_stride, v_stride, blocks,
                       scale, part, out + t0 * h * dv};
-        ft_parallel_for(attn_item, &c, n * hkv * blocks);
+        const int64_t groups = (n + ATTN_QUERIES_PER_ITEM - 1) / ATTN_QUERIES_PER_ITEM;
+        ft_parallel_for(attn_item, &c, groups * hkv * blocks);
         if (n >= 4) ft_parallel_for(attn_merge_item, &c, n);
         else for (int64_t i = 0; i < n; i++) attn_merge_item(&c, i);
     }

@@ -27,7 +27,7 @@
 
 typedef struct {
     const float *w;       /* fp32 weight [N, K], or NULL when wb holds a bf16 one */
-    const uint16_t *wb;   /* bf16 weight [N, K] (widened to fp32 exactly, per item) */
+    const uint16_t *wb;   /* bf16 weight [N, K]: widened to fp32 (exactly) in registers, or per item (portable) */
     const float *x, *bias;
     float *y;
     int64_t n, k, m;
