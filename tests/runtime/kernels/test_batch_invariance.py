@@ -3,7 +3,9 @@
 For fresh random inputs and random row counts M in 1..40: row i of the batched call is bitwise (``torch.equal``)
 the call with that row alone, and a shuffled batch gives the shuffled rows — for every op that mixes rows, on every
 ISA path and pool size the kernels have. Attention: a chunk of T queries after S cached keys equals the queries
-decoded one by one. End to end: a prompt fed as one chunk, as two, or token by token gives the same final logits.
+decoded one by one. End to end (``Decoder.forward``, tiny random qwen3_moe in fp32, bf16, q4 experts + q8 dense,
+residency-managed experts; deepseek_v3 for MLA, gpt_oss for sinks and a sliding window): a prompt fed as one chunk,
+as two (a cached prefix, then a chunk), or token by token gives bit-identical final logits.
 Ops that are invariant without the switch (quantized linears, the fused MoE step, rotary) are checked with it off.
 """
 
@@ -270,28 +272,38 @@ def test_chunked_attention_kernel_equals_the_decode_kernel(isas: list[str]) -> N
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen3_moe_invariance")
-    save_checkpoint("qwen3_moe", folder, seed=5)
-    return folder
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A tiny random checkpoint per architecture, written once per module."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = tmp_path_factory.mktemp(f"{arch}_invariance")
+            save_checkpoint(arch, made[arch], seed=5)
+        return made[arch]
+
+    return get
 
 
-ENGINES: dict[str, dict[str, object]] = {
-    "fp32": {},
-    "bf16": {"dtype": "bfloat16"},
-    "q4_dense_q8": {"quant": "q4", "dense_quant": "q8"},
-    "managed_fp32": {"budget": Budget()},  # residency-managed experts (ManagedExperts), float and quantized
-    "managed_q4": {"quant": "q4", "budget": Budget()},
+ENGINES: dict[str, tuple[str, dict[str, object]]] = {
+    "fp32": ("qwen3_moe", {}),
+    "bf16": ("qwen3_moe", {"dtype": "bfloat16"}),
+    "q4_dense_q8": ("qwen3_moe", {"quant": "q4", "dense_quant": "q8"}),
+    "managed_fp32": ("qwen3_moe", {"budget": Budget()}),  # residency-managed experts (ManagedExperts)
+    "managed_q4": ("qwen3_moe", {"quant": "q4", "budget": Budget()}),
+    "mla": ("deepseek_v3", {}),  # MLA, grouped sigmoid router, shared experts, YaRN
+    "sinks_window": ("gpt_oss", {}),  # attention sinks, sliding window, router and expert biases
 }
 
 
 @pytest.mark.parametrize("mode", list(ENGINES))
-def test_prompt_as_one_chunk_equals_token_by_token(qwen3_moe: Path, mode: str, isas: list[str],
+def test_prompt_as_one_chunk_equals_token_by_token(checkpoint: Callable[[str], Path], mode: str, isas: list[str],
                                                    deterministic: None) -> None:  # fmt: skip
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.backend import ManagedExperts
 
-    decoder = Engine.from_pretrained(qwen3_moe, **ENGINES[mode]).decoder  # type: ignore[arg-type]
+    arch, kwargs = ENGINES[mode]
+    decoder = Engine.from_pretrained(checkpoint(arch), **kwargs).decoder  # type: ignore[arg-type]
     assert any(isinstance(b, ManagedExperts) for b in decoder.experts) == mode.startswith("managed")
     prompt = torch.randint(0, 512, (random.randint(12, 40),))
     cut = random.randint(1, prompt.shape[0] - 1)
