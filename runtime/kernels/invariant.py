@@ -14,8 +14,9 @@ Invariant by default (no switch needed; the tests check them bitwise):
   * quantized dense linears (``QuantLinear``, ``ops.linear``) and the fused MoE step (``ops.moe``): activations
     are quantized per row and every tile kernel (1-token and 4-token) sums a row in integer arithmetic, then in
     the same fp32 order;
-  * the C fp32 GEMV (``ops.gemv_f32``, decode-sized products), the C RMSNorm and the C rotary embedding, the C
-    decode attention; the torch rotary formula (elementwise, no reduction).
+  * the C fp32 linear (``ops.linear_f32``: fp32 products of up to ``GEMV_MAX_M`` rows with weights of at least
+    ``layers.GEMV_MIN_ROWS`` rows), the C RMSNorm (up to ``layers.SMALL_NORM`` values), the C rotary embedding and
+    the torch rotary formula (bitwise equal: elementwise, no reduction), the C decode attention.
 Only with the switch (each costs time in prefill; see evals/perf/RESULTS.md):
   * fp32 and bf16 dense linears, lm_head and routers → ``linear`` (C ``ft_gemm_f32`` for every M, fixed order);
   * RMSNorm / LayerNorm → the C row norm for every size;

@@ -176,29 +176,12 @@ def linear(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-GEMV_MAX_M = 8  # rows the C fp32 GEMV takes (ft_dense.h)
+GEMV_MAX_M = 8  # rows up to which fp32 products go through the C kernel by default (decode; ft_dense.h)
 
 
 def fast() -> ctypes.CDLL | None:
     """The kernels if something already loaded them (never builds): the switch for the small fp32 decode ops."""
     return _loaded[0] if _loaded else build.loaded()
-
-
-def gemv_f32(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T (+ bias)`` in fp32 on the kernels' pool, for M <= ``GEMV_MAX_M`` (decode).
-
-    torch's fp32 GEMV runs on one thread at M = 1; this one streams the weight on every pool thread. Everything
-    must be contiguous fp32 on the CPU (checked).
-    """
-    n, k = weight.shape
-    ok = x.dim() == 2 and x.shape[1] == k and 1 <= x.shape[0] <= GEMV_MAX_M and (bias is None or bias.shape == (n,))
-    tensors = (weight, x) if bias is None else (weight, x, bias)
-    if not ok or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-        raise FreeTokenError(f"gemv_f32: want contiguous fp32 weight [N, K], x [<= {GEMV_MAX_M}, K], bias [N]")
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    _lib().ft_gemv_f32(weight.data_ptr(), n, k, x.data_ptr(), x.shape[0], None if bias is None else bias.data_ptr(),
-                       y.data_ptr())
-    return y
 
 
 def linear_f32(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

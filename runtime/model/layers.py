@@ -38,13 +38,16 @@ GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows stay in torch (L2-resident: 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32, cast back, scale (HF order). One fused op instead of six: a decode step runs ~4 of these
     per layer, and at one token each op is mostly dispatch overhead (six ops 41 us, ``F.rms_norm`` 11-15 us, the C
-    kernel 5 us where the kernels are loaded)."""
-    if kops.deterministic():
-        return invariant.rms_norm(x, weight, eps)
+    kernel 5 us where the kernels are loaded). Deterministic mode: the C kernel for every size."""
+    det = kops.deterministic()
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == x.shape[-1:]:
-        if x.numel() <= SMALL_NORM and x.is_contiguous() and x.device.type == "cpu" and kops.fast() is not None:
+        small = det or x.numel() <= SMALL_NORM
+        if small and x.is_contiguous() and x.device.type == "cpu" and kops.fast() is not None:
             return kops.rms_norm(x, weight, eps)
-        return F.rms_norm(x, weight.shape, weight, eps)
+        if not det:
+            return F.rms_norm(x, weight.shape, weight, eps)
+    if det:
+        return invariant.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
@@ -70,13 +73,12 @@ def dense_linear(
 ) -> torch.Tensor:
     """``F.linear``; a decode-sized product (a few rows) with an fp32 CPU weight of at least ``min_rows`` rows goes
     through the kernels' fp32 GEMV when they are loaded: it streams the weight on every pool thread, where torch's
-    GEMV often uses one. Deterministic mode: the batch-invariant kernel for every M (``invariant.linear``)."""
-    if kops.deterministic():
-        return invariant.linear(x, weight, bias)
+    GEMV often uses one. Deterministic mode: that kernel for every M and weight (``invariant.linear``), which reduces
+    each row in one fixed order."""
+    det = kops.deterministic()
     if (
         x.dim() == 2
-        and x.shape[0] <= kops.GEMV_MAX_M
-        and weight.shape[0] >= min_rows
+        and (det or (x.shape[0] <= kops.GEMV_MAX_M and weight.shape[0] >= min_rows))
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
@@ -85,7 +87,9 @@ def dense_linear(
         and x.is_contiguous()
         and kops.fast() is not None
     ):
-        return kops.gemv_f32(weight, x, bias)
+        return kops.linear_f32(weight, x, bias)
+    if det:
+        return invariant.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -8,7 +8,6 @@
  *   never depend on the other rows (batch invariance). The AVX-512 path tiles 4 weight rows x 4 activation rows and
  *   gives the AVX2 path's bits; the portable path has its own fixed order (8 lanes, pairwise).
  *   torch's CPU fp32 GEMV runs on one thread at M = 1 and its GEMM changes algorithm with M.
- * - ft_gemv_f32: the same for M <= GEMV_MAX_M (decode).
  * - ft_rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows on the pool when there are many: at one token
  *   torch's F.rms_norm costs ~11 us of dispatch for a microsecond of work, and a decode step runs ~4 per layer.
  *   Each row is reduced in one fixed order (batch invariant).
@@ -232,12 +231,6 @@ int ft_gemm_f32(const float *w, const uint16_t *wb, int64_t n, int64_t k, const 
     gemv_ctx c = {w, wb, x, bias, y, n, k, m};
     ft_parallel_for(gemv_item, &c, (n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM);
     return 0;
-}
-
-/* y[M, N] = x[M, K] @ W^T (+ bias); M <= GEMV_MAX_M (returns -1 otherwise), everything contiguous fp32. */
-int ft_gemv_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y) {
-    if (m < 1 || m > GEMV_MAX_M) return -1;
-    return ft_gemm_f32(w, NULL, n, k, x, m, bias, y);
 }
 
 typedef struct {

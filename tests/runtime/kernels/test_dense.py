@@ -127,7 +127,7 @@ def test_decode_steps_use_the_c_ops_and_prefill_cuts_the_pools_poll(
     folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=3)
     engine = Engine.from_pretrained(folder, threads=2)
     calls: dict[str, int] = {}
-    for name in ("attn_decode", "gemv_f32", "rms_norm", "rope"):
+    for name in ("attn_decode", "linear_f32", "rms_norm", "rope"):
         real = getattr(ops, name)
 
         def counted(*args: object, _real: object = real, _name: str = name, **kw: object) -> object:
@@ -144,6 +144,6 @@ def test_decode_steps_use_the_c_ops_and_prefill_cuts_the_pools_poll(
 
     engine.decoder.routing_observers.append(poll_now)
     engine.generate([1, 2, 3, 4], max_new_tokens=3, stop_token_ids=[])
-    assert all(calls.get(name, 0) > 0 for name in ("attn_decode", "gemv_f32", "rms_norm", "rope")), calls
+    assert all(calls.get(name, 0) > 0 for name in ("attn_decode", "linear_f32", "rms_norm", "rope")), calls
     assert {s for n, s in spins if n == 4} == {ops.HANDOFF_SPIN_US}
     assert {s for n, s in spins if n == 1} and ops.HANDOFF_SPIN_US not in {s for n, s in spins if n == 1}

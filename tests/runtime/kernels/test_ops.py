@@ -277,22 +277,24 @@ def every_path(isas: list[str], threads: tuple[int, ...] = (1, 2, 3)) -> Iterato
         ops.set_threads(before)
 
 
-@pytest.mark.parametrize("shape", [(1, 2048, 256), (3, 100, 37), (8, 64, 1000), (2, 33, 5)])
+@pytest.mark.parametrize("shape", [(1, 2048, 256), (3, 100, 37), (8, 64, 1000), (2, 33, 5), (13, 80, 70)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool, isas: list[str]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool, dtype: torch.dtype,
+                                         isas: list[str]) -> None:  # fmt: skip
     m, k, n = shape
-    w, x = torch.randn(n, k), torch.randn(m, k)
+    w, x = torch.randn(n, k).to(dtype), torch.randn(m, k)
     b = torch.randn(n) if bias else None
     expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
     with every_path(isas) as paths:
         for _ in paths:
-            got = ops.gemv_f32(w, x, b)
+            got = ops.linear_f32(w, x, b)
             assert got.shape == (m, n)
             assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * k**0.5)
     with pytest.raises(FreeTokenError):
-        ops.gemv_f32(w, torch.randn(ops.GEMV_MAX_M + 1, k))
+        ops.linear_f32(w.t(), x[:, :n] if n <= k else x)  # not contiguous / wrong K
     with pytest.raises(FreeTokenError):
-        ops.gemv_f32(w.t(), x[:, :n] if n <= k else x)  # not contiguous / wrong K
+        ops.linear_f32(w.half(), x)
 
 
 @pytest.mark.parametrize("shape", [(1, 2048), (16, 128), (2, 4, 128), (3, 100), (1, 7)])
