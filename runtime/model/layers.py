@@ -311,12 +311,13 @@ def _one_query_attention(
 def position_scaled(q: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Llama-4-style long-context query scaling (identity when ``q_scale_beta`` is 0)."""
     if spec.q_scale_power > 0 and spec.q_scale_beta <= 0:
-        scale = torch.exp(spec.q_scale_power * torch.log1p((positions.float() + spec.q_scale_offset) / spec.q_scale_period))
+        growth = elementwise(torch.log1p, (positions.float() + spec.q_scale_offset) / spec.q_scale_period)
+        scale = elementwise(torch.exp, spec.q_scale_power * growth)
         return q * scale.to(q.dtype)[:, None, None]
     if spec.q_scale_beta <= 0:
         return q
     steps = torch.floor((positions.float() + spec.q_scale_offset) / spec.q_scale_period)
-    scale = 1 + spec.q_scale_beta * torch.log1p(steps)
+    scale = 1 + spec.q_scale_beta * elementwise(torch.log1p, steps)
     return q * scale.to(q.dtype)[:, None, None]
 
 
