@@ -14,8 +14,13 @@ Ours stops at its end-of-sequence token; tok/s counts the tokens each server rep
 
     python -m freetoken_agent.evals.perf.bench_concurrent build-peer          # llama-server, 15-40 min
     python -m freetoken_agent.evals.perf.bench_concurrent prepare             # the 7.5B model + GGUF, once
+    python -m freetoken_agent.evals.perf.bench_concurrent show REPORT.json      # the table of a --json run
     python -m freetoken_agent.evals.perf.bench_concurrent run [--n 1,2,4,8] [--servers ours,llama.cpp]
-        [--turns 4] [--ctx 2048] [--max-tokens 48] [--threads 2] [--json]
+        [--turns 3] [--ctx 2048] [--max-tokens 32] [--max-message-chars 800] [--threads 2] [--json]
+
+The defaults size one full run (both servers, N = 1, 2, 4, 8) to about half an hour on two Zen 4 cores. The
+``load 1m`` column is the machine's load average before/after each measurement: other work on the same cores
+skews a row (llama.cpp's spinning threads suffer more from it than ours).
 """
 
 from __future__ import annotations
@@ -140,6 +145,7 @@ def measure(server: Server, n: int, sessions: list[Session], warmup: Turn, cfg: 
     from freetoken_agent.evals.perf.concurrent_load import RequestResult, stream_request
 
     port = _free_port()
+    load_before = os.getloadavg()[0]
     log = cfg.log_dir / f"{server.name}-n{n}.log"
     t0 = time.perf_counter()
     with running(server.command(port, n), port, log, cfg.startup_timeout_s) as base:
@@ -158,7 +164,8 @@ def measure(server: Server, n: int, sessions: list[Session], warmup: Turn, cfg: 
         warm, results, wall = asyncio.run(go())
     if warm.error:
         raise RuntimeError(f"{server.name}: the warm-up request failed: {warm.error}; see {log}")
-    return {"server": server.name, "n": n, "startup_s": round(startup_s, 1), **summarize(results, wall)}
+    return {"server": server.name, "n": n, "startup_s": round(startup_s, 1), "load1_before": round(load_before, 2),
+            "load1_after": round(os.getloadavg()[0], 2), **summarize(results, wall)}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -183,12 +190,13 @@ def table(rows: list[dict[str, Any]], title: str) -> Any:
 
     t = Table(title=title)
     for col in ("N", "server", "tok/s", "vs N=1", "ours/llama", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                "ITL p99 ms", "requests", "errors", "tokens", "wall s"):
+                "ITL p99 ms", "requests", "errors", "tokens", "wall s", "load 1m"):
         t.add_column(col, justify="right")
     for r in sorted(rows, key=lambda r: (r["n"], r["server"] != "ours")):
         t.add_row(str(r["n"]), r["server"], f"{r['tok_s']:.2f}", x(r.get("vs_n1")), x(r.get("ours_vs_llama")),
                   ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
-                  str(r["requests"]), str(r["errors"]), str(r["tokens"]), f"{r['wall_s']:.0f}")
+                  str(r["requests"]), str(r["errors"]), str(r["tokens"]), f"{r['wall_s']:.0f}",
+                  f"{r['load1_before']:.1f}/{r['load1_after']:.1f}")
     return t
 
 
@@ -233,33 +241,41 @@ def run(args: argparse.Namespace) -> int:
         else:
             servers.append(llama_cpp(binary, gguf, args.threads, args.ctx))
     cfg = RunConfig(w, args.request_timeout, args.deadline, args.startup_timeout, Path(args.dir) / "logs")
-    rows = []
-    for server in servers:
-        for n in counts:
-            print(f"{server.name}: N={n} ...", file=sys.stderr, flush=True)
-            rows.append(measure(server, n, sessions, warmup, cfg))
-            r = rows[-1]
-            print(f"  {r['tok_s']:.2f} tok/s, {r['requests']} requests, {r['errors']} errors, {r['wall_s']} s",
-                  file=sys.stderr, flush=True)
-    add_ratios(rows)
     from freetoken_agent.evals.perf.bench_gguf_decode import param_count
 
     meta = {"model": str(folder), "params": param_count(folder), "sessions": [s.name for s in sessions],
             "prompt_tokens_per_turn": [[len(t.ids) for t in s.turns] for s in sessions], "workload": vars(w),
             "threads": args.threads, "quant": args.quant, "quant_dense": args.quant_dense}
+    rows: list[dict[str, Any]] = []
+    partial = Path(args.dir) / "last-run.json"  # rewritten after every measurement: a cut-short run keeps its rows
+    for n in counts:  # servers alternate within each N, so load from elsewhere on the machine hits both alike
+        for server in servers:
+            print(f"{server.name}: N={n} ...", file=sys.stderr, flush=True)
+            rows.append(measure(server, n, sessions, warmup, cfg))
+            r = rows[-1]
+            print(f"  {r['tok_s']:.2f} tok/s, {r['requests']} requests, {r['errors']} errors, {r['wall_s']} s",
+                  file=sys.stderr, flush=True)
+            add_ratios(rows)
+            partial.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
         return 0
+    show(meta, rows)
+    return 0
+
+
+def show(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The table of a run (``run``'s own, or ``show FILE`` of a ``--json`` report)."""
     from rich.console import Console
 
-    title = (f"{len(sessions)} agent sessions x {w.turns} turns, {w.max_tokens} tokens/request, "
-             f"{meta['params'] / 1e9:.2f}B params, {args.threads} threads")
+    w = meta["workload"]
+    title = (f"{len(meta['sessions'])} agent sessions x {w['turns']} turns, {w['max_tokens']} tokens/request, "
+             f"{meta['params'] / 1e9:.2f}B params, {meta['threads']} threads")
     Console(width=160).print(table(rows, title))
     for r in rows:
         if r["first_error"] or r["prompt_token_mismatches"]:
             print(f"{r['server']} N={r['n']}: first error {r['first_error']!r}, "
                   f"{r['prompt_token_mismatches']} prompt-token mismatches", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--version", default=llama_server.DEFAULT_VERSION, help="llama-cpp-python sdist version")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p = sub.add_parser("prepare", help="write the 7.5B checkpoint, its GGUF and our expert cache file")
+    sh = sub.add_parser("show", help="print the table of a saved --json report (or DIR/last-run.json)")
+    sh.add_argument("report", type=Path)
     r = sub.add_parser("run", help="the benchmark")
     for q in (p, r):
         q.add_argument("--dir", default=str(DEFAULT_DIR), help="where the model, GGUF and server logs live")
@@ -281,21 +299,25 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--trajectories", default=str(DEFAULT_TRAJECTORIES))
     r.add_argument("--servers", default="ours,llama.cpp")
     r.add_argument("--n", default="1,2,4,8", help="comma-separated concurrent session counts")
-    r.add_argument("--turns", type=int, default=4, help="turns per session")
+    r.add_argument("--turns", type=int, default=3, help="turns per session")
     r.add_argument("--ctx", type=int, default=2048, help="context per session (tokens)")
-    r.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
-    r.add_argument("--max-message-chars", type=int, default=1500)
+    r.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    r.add_argument("--max-message-chars", type=int, default=800, help="each message's content is cut to this")
     r.add_argument("--pause-scale", type=float, default=0.05, help="recorded tool pauses are scaled by this")
     r.add_argument("--max-pause", type=float, default=2.0, help="... and capped at this many seconds")
     r.add_argument("--quant", default="q4", choices=("none", "q8", "q4"), help="our expert format")
     r.add_argument("--peer-cache", default=str(llama_server.DEFAULT_CACHE))
     r.add_argument("--request-timeout", type=float, default=600.0)
-    r.add_argument("--deadline", type=float, default=900.0, help="no turn starts later than this (s) into a run")
+    r.add_argument("--deadline", type=float, default=420.0, help="no turn starts later than this (s) into a run")
     r.add_argument("--startup-timeout", type=float, default=900.0)
     r.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "build-peer":
         print(llama_server.build_peer(Path(args.cache), args.version, args.jobs))
+        return 0
+    if args.cmd == "show":
+        report = json.loads(args.report.read_text())
+        show(report["meta"], report["rows"])
         return 0
     if args.cmd == "prepare":
         from freetoken_agent.evals.perf.concurrent_model import prepare_model

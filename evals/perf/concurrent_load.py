@@ -50,13 +50,13 @@ class Session:
 class Workload:
     """How trajectories become sessions."""
 
-    turns: int = 4
+    turns: int = 3
     """Turns replayed per session; sessions with fewer turns within ``ctx`` are skipped."""
     ctx: int = 2048
     """Context per session (tokens): a turn's prompt plus ``max_tokens`` must fit."""
-    max_tokens: int = 48
+    max_tokens: int = 32
     """Tokens generated per request."""
-    max_message_chars: int = 1500
+    max_message_chars: int = 800
     """Each message's content is cut to this many characters."""
     pause_scale: float = 0.05
     """Recorded pauses are multiplied by this ..."""
