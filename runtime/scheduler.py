@@ -142,7 +142,11 @@ class RequestHandle:
     def _wake(self) -> None:
         self._cond.notify_all()
         for loop, event in self._waiters:
-            loop.call_soon_threadsafe(event.set)
+            if not loop.is_closed():  # a consumer whose event loop ended is not woken
+                try:
+                    loop.call_soon_threadsafe(event.set)
+                except RuntimeError:  # closed between the check and the call
+                    pass
         self._waiters.clear()
 
     # -- client side
@@ -180,9 +184,14 @@ class RequestHandle:
                         wake = asyncio.Event()
                         self._waiters.append((asyncio.get_running_loop(), wake))
                 if not events and not done:
-                    await wake.wait()
+                    try:
+                        await wake.wait()
+                    finally:
+                        with self._cond:
+                            self._waiters = [w for w in self._waiters if w[1] is not wake]
                     continue
                 for event in events:
+                    await asyncio.sleep(0)  # a checkpoint per event: a consumer's cancellation lands between tokens
                     yield event
                 i += len(events)
                 if done and i >= len(self._events):

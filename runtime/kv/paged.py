@@ -15,6 +15,10 @@ from freetoken_agent.runtime.kv.cache import RecurrentStates
 from freetoken_agent.runtime.kv.pool import PagePool
 
 
+SPARE_PAGES = 16
+"""Pages a sequence takes beyond its need when it moves into a run (bounds what one sequence holds unused)."""
+
+
 class PagedKVCache(RecurrentStates):
     """Page-table view of one sequence. ``alloc`` supplies fresh pages (and may evict to find one).
 
@@ -49,9 +53,32 @@ class PagedKVCache(RecurrentStates):
         while len(self.pages) * ps < self.length + n:
             # the page after our last one when it is free: the sequence stays one run, served as views of the pool
             page = pool.take(self.pages[-1] + 1) if self.pages else None
+            if page is None and self.pages and self._relocate(-(-(self.length + n) // ps)):
+                continue
             self.pages.append(self._alloc() if page is None else page)
         self._prepared = (self.length, n)
         self._pages_changed()
+
+    def _relocate(self, need: int) -> bool:
+        """Move this sequence into a run of free pages with room to grow (up to ``SPARE_PAGES`` beyond ``need``).
+
+        Sequences that grow side by side take interleaved page ids, and a page table that is not one run is
+        gathered — every cached position copied — at every layer of every step. One copy now (amortized: each move
+        also takes spare pages) keeps attention on views of the pool. False when no such run is free.
+        """
+        pool = self.pool
+        count = need + min(len(self.pages), SPARE_PAGES)
+        first = pool.take_run(count)
+        if first is None:
+            count = need
+            first = pool.take_run(count)
+        if first is None:
+            return False
+        pool.copy_to_run(self.pages, first)
+        for old in self.pages:
+            pool.decref(old)
+        self.pages = list(range(first, first + count))
+        return True
 
     def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
         n = parts[0].shape[0]

@@ -81,6 +81,25 @@ class PagePool:
         self.refs[page] = 1
         return page
 
+    def take_run(self, n: int) -> int | None:
+        """The first of ``n`` consecutive free pages, all taken with reference count 1; None when there is no such
+        run (the free list is fragmented or short). Never evicts anything."""
+        if n < 1 or n > len(self._free):
+            return None
+        free = sorted(self._free)
+        start = 0
+        for i in range(1, len(free) + 1):
+            if i - start == n:
+                first = free[start]
+                taken = set(range(first, first + n))
+                self._free = [p for p in self._free if p not in taken]
+                for page in taken:
+                    self.refs[page] = 1
+                return first
+            if i < len(free) and free[i] != free[i - 1] + 1:
+                start = i
+        return None
+
     def alloc(self) -> int:
         """A fresh page with reference count 1; raises ``OutOfPages`` when none is free."""
         if not self._free:
@@ -148,6 +167,18 @@ class PagePool:
             with torch.no_grad():
                 for dt, st in zip(d, s):
                     dt[dst].copy_(st[src], non_blocking=True)
+
+    def copy_to_run(self, pages: list[int], first: int) -> None:
+        """Copy pages ``pages`` of this pool into ``first, first + 1, ...`` (every layer, one indexed copy each)."""
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        for store in self.data:
+            if store is None:
+                continue
+            with torch.no_grad():
+                for buf in store:
+                    buf[first : first + len(pages)] = buf[idx]
 
     def bytes_per_page(self) -> int:
         return sum(t[0].numel() * t.element_size() for store in self.data if store for t in store)

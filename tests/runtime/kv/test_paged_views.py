@@ -30,7 +30,7 @@ def test_a_run_of_pages_is_served_as_views_of_the_pool() -> None:
 
 
 def test_scattered_pages_are_gathered() -> None:
-    pool = PagePool(num_layers=1, num_pages=16, page_size=4)
+    pool = PagePool(num_layers=1, num_pages=4, page_size=4)  # no free run to move into: the table scatters
     hole = PagedKVCache(pool, pool.alloc)
     _fill(hole, [4], torch.Generator().manual_seed(1))  # takes page 0
     cache = PagedKVCache(pool, pool.alloc)
@@ -46,6 +46,24 @@ def test_scattered_pages_are_gathered() -> None:
     cache.truncate(3)  # one page left: a run again
     k_all, _ = cache.append(0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 4))
     assert torch.equal(k_all[:3], keys[:3]) and torch.equal(k_all[3], torch.zeros(2, 8))
+
+
+def test_a_blocked_sequence_moves_into_a_free_run() -> None:
+    pool = PagePool(num_layers=1, num_pages=16, page_size=4)
+    gen = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(pool, pool.alloc)
+    keys, values, _ = _fill(cache, [4, 4], gen)  # pages 0, 1 (and a spare)
+    blocker = PagedKVCache(pool, pool.alloc)
+    _fill(blocker, [4], gen)  # the page after cache's run
+    grown = len(cache.pages)
+    more_k, more_v, (k_all, v_all) = _fill(cache, [4 * (grown - 2) + 3], gen)  # past the spare: blocked
+    assert cache.pages == list(range(cache.pages[0], cache.pages[0] + len(cache.pages)))  # one run again
+    assert blocker.pages[0] not in cache.pages
+    assert torch.equal(k_all, torch.cat([keys, more_k])) and torch.equal(v_all, torch.cat([values, more_v]))
+    assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # a view, no copy
+    cache.release()
+    blocker.release()
+    assert pool.num_used == 0
 
 
 def test_a_sequence_extends_its_run_when_the_next_page_is_free() -> None:
