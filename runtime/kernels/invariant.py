@@ -14,12 +14,14 @@ Invariant by default (no switch needed; the tests check them bitwise):
   * quantized dense linears (``QuantLinear``, ``ops.linear``) and the fused MoE step (``ops.moe``): activations
     are quantized per row and every tile kernel (1-token and 4-token) sums a row in integer arithmetic, then in
     the same fp32 order;
-  * the C fp32 linear (``ops.linear_f32``: fp32 products of up to ``GEMV_MAX_M`` rows with weights of at least
-    ``layers.GEMV_MIN_ROWS`` rows), the C RMSNorm (up to ``layers.SMALL_NORM`` values), the C rotary embedding and
-    the torch rotary formula (bitwise equal: elementwise, no reduction), the C decode attention.
-Only with the switch (each costs time in prefill; see evals/perf/RESULTS.md):
+  * fp32 RMSNorm (``layers.rms_norm``: the C row kernel for every size, faster than ``F.rms_norm`` at every size
+    measured);
+  * the C fp32 linear (``ops.linear_f32``) — but by default only products of up to ``GEMV_MAX_M`` rows with weights
+    of at least ``layers.GEMV_MIN_ROWS`` rows take it; the C rotary embedding and the torch rotary formula (bitwise
+    equal: elementwise, no reduction); the C decode attention.
+Only with the switch (what each costs: evals/perf/RESULTS.md):
   * fp32 and bf16 dense linears, lm_head and routers → ``linear`` (C ``ft_gemm_f32`` for every M, fixed order);
-  * RMSNorm / LayerNorm → the C row norm for every size;
+  * bf16 RMSNorm, unit RMSNorm and LayerNorm → the C row norm;
   * reference experts (``TorchExperts``, float ``ManagedExperts``) → ``linear`` per expert;
   * quantized experts never switch to dequantize + ``torch.mm`` by tokens per expert (the int8 kernels for all);
   * activations and gates → ``pointwise`` (whole vectors only, one thread per piece);

@@ -71,6 +71,17 @@ FT_AVX2 static float rms_sumsq_avx2(const float *x, int64_t k) {
     return s;
 }
 
+/* o = x * inv * w (w NULL: x * inv), in that order: the portable loop's bits */
+FT_AVX2 static void rms_scale_avx2(const float *x, float inv, const float *w, int64_t k, float *o) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), iv);
+        _mm256_storeu_ps(o + i, w ? _mm256_mul_ps(v, _mm256_loadu_ps(w + i)) : v);
+    }
+    for (; i < k; i++) o[i] = w ? x[i] * inv * w[i] : x[i] * inv;
+}
+
 /* one weight row against m <= GEMV_MAX_M activation rows (row j at x + j * k): the row is read once */
 FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int64_t m, float *out) {
     __m256 acc[GEMV_MAX_M][2];
@@ -256,6 +267,12 @@ static void rms_norm_item(void *p, int64_t item) {
 #endif
             ss = dot_f32_c(xr, xr, dim);
         const float inv = 1.f / sqrtf(ss / (float)dim + c->eps);
+#ifdef FT_X86
+        if (g_isa >= FT_ISA_AVX2) {
+            rms_scale_avx2(xr, inv, c->w, dim, o);
+            continue;
+        }
+#endif
         if (c->w)
             for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * c->w[i];
         else

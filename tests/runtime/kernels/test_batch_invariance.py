@@ -6,7 +6,8 @@ ISA path and pool size the kernels have. Attention: a chunk of T queries after S
 decoded one by one. End to end (``Decoder.forward``, tiny random qwen3_moe in fp32, bf16, q4 experts + q8 dense,
 residency-managed experts; deepseek_v3 for MLA, gpt_oss for sinks and a sliding window): a prompt fed as one chunk,
 as two (a cached prefix, then a chunk), or token by token gives bit-identical final logits.
-Ops that are invariant without the switch (quantized linears, the fused MoE step, rotary) are checked with it off.
+Ops that are invariant without the switch (quantized linears, the fused MoE step, fp32 RMSNorm, rotary) are checked
+with it off.
 """
 
 from __future__ import annotations
@@ -195,6 +196,14 @@ def test_quantized_dense_and_fused_moe_are_invariant_by_default(fmt: str, switch
                     assert_rows_invariant(fused, torch.randn(m, 96), ids, wts)
     finally:
         ops.set_deterministic(False)
+
+
+def test_fp32_rms_norm_is_invariant_by_default(isas: list[str]) -> None:
+    w = torch.randn(2048)
+    with every_path(isas, threads=(1, 2)) as paths:
+        for _ in paths:
+            for m in [*row_counts(), 40]:  # 40 rows of 2048: on the pool; a row alone: on the calling thread
+                assert_rows_invariant(lambda z: layers.rms_norm(z, w, 1e-6), torch.randn(m, 2048) * 3)
 
 
 def test_rotary_is_invariant_by_default() -> None:

@@ -297,7 +297,7 @@ def test_linear_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool
         ops.linear_f32(w.half(), x)
 
 
-@pytest.mark.parametrize("shape", [(1, 2048), (16, 128), (2, 4, 128), (3, 100), (1, 7)])
+@pytest.mark.parametrize("shape", [(1, 2048), (16, 128), (2, 4, 128), (3, 100), (1, 7), (40, 2050)])  # last: pool
 def test_rms_norm_matches_torch(shape: tuple[int, ...], isas: list[str]) -> None:
     x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
     ref = torch.nn.functional.rms_norm(x.double(), shape[-1:], w.double(), 1e-6).float()
