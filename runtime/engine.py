@@ -281,6 +281,7 @@ class Engine:
         return self.scheduler.submit(request)
 
     def _on_step(self, sched: Scheduler, seconds: float, prefill: int, decode: int) -> None:
+        self._follow_batch()
         s = self._stats
         s.prompt_tokens += prefill
         s.generated_tokens += decode
@@ -411,16 +412,43 @@ class Engine:
         """A new multi-turn session: each turn prefills only what no cached prefix covers."""
         return self.kv_manager().new_session(self)
 
-    def hint(self, phase: Phase | str, expected_s: float | None = None) -> None:
-        """The agent says which phase comes next. Recorded now; residency and KV policies act on it."""
+    def hint(self, phase: Phase | str, expected_s: float | None = None, session: Any = None) -> None:
+        """The agent (of ``session``, when given) says which phase comes next; residency and KV policies act on it.
+
+        With one agent, each hint switches expert residency to its phase (and the phase scheduler stages it). When
+        other sessions' requests are in flight, residency follows the whole batch instead of the last hint: the
+        phase with the most sequences in flight (this session counted in its new phase; an agent entering ``tool``
+        runs nothing), ties going to the new hint. Only a change of that phase reaches the expert store.
+        """
         name = Phase(phase).value
         with self.lock:  # staging touches the expert store: never in the middle of a step
-            self._stats.phase = name
             self._stats.phase_hints[name] = self._stats.phase_hints.get(name, 0) + 1
-            if self.residency is not None:
-                self.residency.on_phase(name)
-            for listener in self.phase_listeners:  # phase scheduling (issue 8): staging, pause prefetch
-                listener(name, expected_s)
+            others = self.scheduler.phase_mix(exclude=session) if session is not None else {}
+            if not others:
+                self._switch(name, expected_s)
+                return
+            if name != "tool":
+                others[name] = others.get(name, 0) + 1
+            target = max(others, key=lambda p: (others[p], p == name))
+            if target != self._stats.phase:
+                self._switch(target, expected_s if target == name else None)
+
+    def _switch(self, name: str, expected_s: float | None) -> None:
+        self._stats.phase = name
+        if self.residency is not None:
+            self.residency.on_phase(name)
+        for listener in self.phase_listeners:  # phase scheduling (issue 8): staging, pause prefetch
+            listener(name, expected_s)
+
+    def _follow_batch(self) -> None:
+        """After a step: when several agents are in flight and their majority phase is not the one residency is
+        in (sessions finished, others arrived), switch to it."""
+        mix = self.scheduler.phase_mix()
+        if sum(mix.values()) < 2:
+            return
+        target = max(mix, key=lambda p: (mix[p], p == self._stats.phase))
+        if target != self._stats.phase:
+            self._switch(target, None)
 
     def stats(self) -> dict[str, Any]:
         s = self._stats

@@ -687,12 +687,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ views
 
-    def phase_mix(self) -> dict[str, int]:
-        """Running sequences per phase (what residency staging weighs)."""
+    def phase_mix(self, exclude: Any = None) -> dict[str, int]:
+        """Sequences in flight (running, waiting, just submitted) per announced phase (what residency weighs), leaving out those of session
+        ``exclude`` and those whose session never announced one (a server's plain requests)."""
         mix: dict[str, int] = {}
-        for seq in self.running:
-            phase = seq.request.phase or (seq.session.phase if seq.session is not None else None) or "plan"
-            mix[phase] = mix.get(phase, 0) + 1
+        with self._wake:
+            queued = list(self._inbox)
+        for seq in [*self.running, *self.waiting, *queued]:
+            if exclude is not None and seq.session is exclude:
+                continue
+            phase = seq.request.phase or (seq.session.phase if seq.session is not None else None)
+            if phase is not None and not seq.request.background:
+                mix[phase] = mix.get(phase, 0) + 1
         return mix
 
     def snapshot(self) -> dict[str, Any]:

@@ -491,7 +491,7 @@ class Session:
         """
         name = str(getattr(phase, "value", phase))
         self.phase = name
-        self.engine.hint(phase, expected_s)
+        self.engine.hint(phase, expected_s, session=self)
         if name == "tool":
             decision = self.pause(expected_s)
             self.manager.prestage.start(self.engine)

@@ -192,3 +192,32 @@ def test_cancel_frees_pages_and_idle_tool_sessions_yield_first(tmp_path: Path) -
     assert tooling.cache.pages == [] and coding.cache.pages == held
     assert engine.scheduler.stats.idle_session_evictions == 1
     engine.close()
+
+
+def test_residency_follows_the_phases_of_the_batch(tmp_path: Path) -> None:
+    from freetoken_agent.runtime.experts.setup import ResidencyConfig
+    from freetoken_agent.runtime.memory import Budget
+
+    save_checkpoint("qwen3_moe", tmp_path, max_position_embeddings=4096)
+    engine = Engine.from_pretrained(tmp_path, budget=Budget(), residency=ResidencyConfig(policy="phase"))
+    policy = engine.residency.host.policy
+    coders = [engine.session() for _ in range(2)]
+    planner = engine.session()
+    planner.hint("plan")
+    assert policy.phase == "plan"  # alone: a hint switches residency
+    handles = []
+    for s, p in zip(coders, prompts(2, seed=15)):
+        s.hint("code")
+        handles.append(s.submit(Request(p, greedy(4000))))
+    assert policy.phase == "code"
+    planner.hint("plan")  # one planner against two coders in flight: residency stays with the batch
+    assert policy.phase == "code" and planner.phase == "plan"
+    planner.hint("tool")  # an agent waiting on a tool runs nothing: no switch either
+    assert policy.phase == "code"
+    for h in handles:
+        h.cancel()
+        h.wait(timeout=60)
+    planner.hint("plan")  # the coders are done: the planner's hint is the batch again
+    assert policy.phase == "plan"
+    assert engine.stats()["phase_hints"]["plan"] == 3
+    engine.close()
