@@ -221,3 +221,24 @@ def test_residency_follows_the_phases_of_the_batch(tmp_path: Path) -> None:
     assert policy.phase == "plan"
     assert engine.stats()["phase_hints"]["plan"] == 3
     engine.close()
+
+
+@pytest.mark.parametrize("quant", [("q4", "q8"), ("q8", "none")])
+def test_quantized_outputs_do_not_depend_on_cache_or_batch(tmp_path: Path, quant: tuple[str, str]) -> None:
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, quant=quant[0], dense_quant=quant[1])
+    engine.kv_manager(KVConfig(page_size=4, device_pages=1024))
+    ps = prompts(4, seed=16, lo=20, hi=40)
+    cold = [engine.submit(Request(p, greedy(8), reuse=False)).result().token_ids for p in ps]  # computed alone
+    warm = [h.result().token_ids for h in [engine.submit(Request(p, greedy(8))) for p in ps]]  # batched
+    again = [h.result().token_ids for h in [engine.submit(Request(p, greedy(8))) for p in ps]]  # prefixes cached
+    assert warm == cold and again == cold
+    assert engine.stats()["reused_tokens"] > 0
+    # a prefix computed token by token (a reply) and reused by the next turn gives the logits a cold run gives
+    session = engine.session()
+    reply = session.generate(ps[0], greedy(6)).token_ids
+    turn2 = ps[0] + reply + [3, 4, 5]
+    reused, logits = session.prefill_logits(turn2)
+    assert reused >= len(ps[0])
+    assert torch.equal(logits, engine.logits(turn2)[reused:])
+    engine.close()
