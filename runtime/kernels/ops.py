@@ -176,7 +176,7 @@ def linear(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-GEMV_MAX_M = 8  # rows up to which fp32 products go through the C kernel by default (decode; ft_dense.h)
+GEMV_MAX_M = 8  # decode-sized products: one weight row meets all of them at once (ft_dense.h)
 
 
 def fast() -> ctypes.CDLL | None:

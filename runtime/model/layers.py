@@ -31,7 +31,7 @@ _ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approxi
         "relu2": lambda x: torch.square(F.relu(x))}
 
 
-GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows stay in torch (L2-resident: no faster through the pool)
+GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows stay in torch for decode (L2-resident: torch's GEMV is µs faster)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,14 +70,15 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = GEMV_MIN_ROWS
 ) -> torch.Tensor:
-    """``F.linear``; a decode-sized product (a few rows) with an fp32 CPU weight of at least ``min_rows`` rows goes
-    through the kernels' fp32 GEMV when they are loaded: it streams the weight on every pool thread, where torch's
-    GEMV often uses one. Deterministic mode: that kernel for every M and weight (``invariant.linear``), which reduces
-    each row in one fixed order."""
+    """``F.linear``; fp32 CPU products go through the kernels' fp32 linear when they are loaded, except decode-sized
+    ones (at most ``GEMV_MAX_M`` rows) with a weight of fewer than ``min_rows`` rows. At decode it streams the weight
+    on every pool thread, where torch's GEMV often uses one; in prefill it beats torch's GEMM (0.45-0.8x its time
+    on a Zen 4, 9-512 rows, 1 and 2 threads: evals/perf/RESULTS.md). It reduces each row in one fixed order, so
+    those products are batch invariant by default. Deterministic mode: that kernel for every product."""
     det = kops.deterministic()
     if (
         x.dim() == 2
-        and (det or (x.shape[0] <= kops.GEMV_MAX_M and weight.shape[0] >= min_rows))
+        and (det or weight.shape[0] >= min_rows or x.shape[0] > kops.GEMV_MAX_M)
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
