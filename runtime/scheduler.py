@@ -406,7 +406,9 @@ class Scheduler:
             try:
                 with self.lock:
                     self._apply_cancels(cancels)
-                    self.step()
+                    progressed = self.step()
+                if not progressed and self.waiting:  # nothing could run this time (pages held elsewhere): yield
+                    time.sleep(0.001)
             except Exception as exc:  # a scheduler bug must not kill the engine: fail what is in flight, go on
                 traceback.print_exc(file=sys.stderr)
                 with self.lock:

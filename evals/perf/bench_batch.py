@@ -1,0 +1,101 @@
+"""Batched decode in process: N sequences decoding together through the scheduler vs one, on a synthetic q4 MoE.
+
+What it isolates: the runner's batch (no HTTP, no prefill in the timed part). N greedy requests with different
+prompts are submitted at once; once every one has its first token (all prefills done), the time until all have
+their ``--tokens`` is the decode time. Reported per N: aggregate decode tok/s, its ratio to N = 1, the mean rows per
+step, and the distinct experts each MoE layer read per decode step (a batch of N reads the union of its rows'
+experts once: ~26 of 64 for N = 4 at top-8, not 4 × 8). Rounds alternate over N; medians.
+
+    python -m freetoken_agent.evals.perf.bench_batch [--layers 4] [--n 1,2,4,8] [--tokens 32] [--prompt-len 32]
+        [--threads 2] [--rounds 3] [--deterministic] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def measure(engine: Any, n: int, tokens: int, prompt_len: int, seed: int) -> dict[str, float]:
+    """One round at batch ``n``: aggregate decode tok/s, mean rows per step, distinct experts per layer-step."""
+    from freetoken_agent.runtime.engine import Request
+    from freetoken_agent.runtime.generation.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    touched: list[int] = []
+    observe = lambda layer, ids: touched.append(int(ids.unique().numel())) if ids.shape[0] == n else None  # noqa: E731
+    params = SamplingParams(max_new_tokens=tokens + 1, stop_token_ids=())
+    handles = [engine.submit(Request(p, params)) for p in prompts]
+    streams = [iter(h) for h in handles]
+    for s in streams:
+        next(s)  # every prefill is done once each has its first token
+    steps0, rows0 = engine.scheduler.stats.steps, engine.scheduler.stats.batched_rows
+    engine.decoder.routing_observers.append(observe)
+    t0 = time.perf_counter()
+    for h in handles:
+        h.result()
+    seconds = time.perf_counter() - t0
+    engine.decoder.routing_observers.remove(observe)
+    steps = engine.scheduler.stats.steps - steps0
+    rows = engine.scheduler.stats.batched_rows - rows0
+    return {"tok_s": n * tokens / seconds, "mean_batch": rows / max(steps, 1),
+            "experts_per_layer_step": statistics.mean(touched) if touched else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m freetoken_agent.evals.perf.bench_batch", description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/freetoken-bench-batch", help="where the synthetic checkpoint is cached")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the synthetic qwen3_moe (hidden 2048, 64 experts top-8)")
+    ap.add_argument("--n", default="1,2,4,8", help="comma-separated batch sizes")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from freetoken_agent.evals.perf.bench_gguf_decode import CONFIG, write_checkpoint
+    from freetoken_agent.runtime.engine import Engine
+
+    config = {**CONFIG, "num_hidden_layers": args.layers}
+    folder = write_checkpoint(Path(args.dir) / f"qwen3_moe-l{args.layers}", config=config)
+    engine = Engine.from_pretrained(folder, quant="q4", threads=args.threads, deterministic=args.deterministic)
+    ns = [int(x) for x in args.n.split(",")]
+    measure(engine, 1, 4, args.prompt_len, seed=0)  # warm-up
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in ns}
+    for r in range(args.rounds):
+        for n in ns:
+            runs[n].append(measure(engine, n, args.tokens, args.prompt_len, seed=1000 * r + n))
+    rows = []
+    for n in ns:
+        med = {k: statistics.median(x[k] for x in runs[n]) for k in runs[n][0]}
+        rows.append({"n": n, **{k: round(v, 2) for k, v in med.items()}})
+    base = rows[0]["tok_s"]
+    for row in rows:
+        row["vs_n1"] = round(row["tok_s"] / base, 2)
+    engine.close()
+    experts = config["num_experts"] * 3 * config["hidden_size"] * config["moe_intermediate_size"] * args.layers
+    if args.json:
+        print(json.dumps({"rows": rows, "layers": args.layers, "expert_params": experts}))
+        return 0
+    print(f"synthetic qwen3_moe, {args.layers} layers, {experts / 1e9:.2f}B expert params at q4, "
+          f"{args.threads} threads, {args.tokens} tokens after a {args.prompt_len}-token prompt, "
+          f"deterministic={args.deterministic}")
+    print("| N | decode tok/s (aggregate) | vs N=1 | mean rows/step | experts read per layer-step |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['n']} | {row['tok_s']} | {row['vs_n1']}x | {row['mean_batch']} | "
+              f"{row['experts_per_layer_step']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
