@@ -19,6 +19,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+from freetoken_agent.runtime import hardware
+
 DEFAULT_CACHE = Path("/tmp/freetoken-llama-server")
 DEFAULT_VERSION = "0.3.36"
 CMAKE_FLAGS = (
@@ -49,10 +51,13 @@ def find_peer(cache: Path = DEFAULT_CACHE) -> Path | None:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
-def _run(cmd: list[str], log: Path) -> None:
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     with log.open("a") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed (exit {done.returncode}); see {log}")
 
@@ -85,7 +90,12 @@ def build_peer(cache: Path = DEFAULT_CACHE, version: str = DEFAULT_VERSION, jobs
     src = source_dir(cache, version)
     log = cache / "build-peer.log"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", str(src), "-B", str(cache / "build"), *generator, *CMAKE_FLAGS], log)
+    env = None
+    if "amx_tile" in hardware.describe()[1]["simd"]:  # ggml's AMX matmul crashed on these machines: build without it
+        flags = " ".join(NO_AMX)
+        env = {**os.environ, "CFLAGS": f"{os.environ.get('CFLAGS', '')} {flags}".strip(),
+               "CXXFLAGS": f"{os.environ.get('CXXFLAGS', '')} {flags}".strip()}
+    _run(["cmake", "-S", str(src), "-B", str(cache / "build"), *generator, *CMAKE_FLAGS], log, env)
     _run(["cmake", "--build", str(cache / "build"), "--target", "llama-server", f"-j{jobs}"], log)
     if not binary.is_file():
         raise RuntimeError(f"the build finished without {binary}; see {log}")

@@ -19,7 +19,15 @@ from typing import NamedTuple
 
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
-from freetoken_agent.runtime.model.layers import dense_linear, gqa_attention, layer_norm, mla_attention, mlp, rms_norm
+from freetoken_agent.runtime.model.layers import (
+    Span,
+    dense_linear,
+    gqa_attention,
+    layer_norm,
+    mla_attention,
+    mlp,
+    rms_norm,
+)
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet, kimi_delta
 from freetoken_agent.runtime.model.mixers.lightning import lightning
 from freetoken_agent.runtime.model.mixers.mamba import mamba
@@ -94,6 +102,7 @@ class Decoder:
             segments.append(Segment(start, start + n, cache, positions, {}))
             start += n
         self._batch_scratch: dict = {}  # per-forward values of the whole batch (the MoE shortcut)
+        self._segments = segments  # the few token-mixing FFNs (product-key MoE) run per sequence
         flat = token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
         h = F.embedding(flat.to(self.device), w.embed)
         if spec.embedding_multiplier != 1.0:
@@ -156,6 +165,14 @@ class Decoder:
         if len(segments) == 1:
             seg = segments[0]
             return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch)
+        spec, layer = self.spec, self.spec.layers[i]
+        att = layer.attention
+        if layer.recurrent is None and att.kind != "moa" and (att.kind != "mla" or att.indexer is None):
+            # projections over every row at once (each weight read once per step), attention per sequence
+            spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
+            positions = torch.cat([s.positions for s in segments])
+            fn = mla_attention if att.kind == "mla" else gqa_attention
+            return fn(x, lw.attn, att, self.rotary[i], i, None, positions, spec.norm_eps, spans=spans)
         return torch.cat([self._mixer_one(i, x[s.start : s.end], lw, s.cache, s.positions, s.scratch)
                           for s in segments])
 
@@ -197,8 +214,11 @@ class Decoder:
     def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights) -> torch.Tensor:
         moe = self.spec.layers[i].moe
         assert moe is not None
-        if moe.kind == "product_key":
-            return self._product_key_moe(i, x, mw)
+        if moe.kind == "product_key":  # its reference views the router logits across a sequence's tokens
+            segs = self._segments
+            if len(segs) == 1:
+                return self._product_key_moe(i, x, mw)
+            return torch.cat([self._product_key_moe(i, x[g.start : g.end], mw) for g in segs])
         ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
         identity = None
         if moe.zero_experts:  # identity experts: weight · x, then hidden from the expert backend

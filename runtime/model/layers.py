@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from freetoken_agent.runtime.kernels import invariant
@@ -321,10 +323,22 @@ def position_scaled(q: torch.Tensor, positions: torch.Tensor, spec: AttentionSpe
     return q * scale.to(q.dtype)[:, None, None]
 
 
+class Span(NamedTuple):
+    """One sequence's rows ``[start, end)`` of a batched mixer call, its cache and positions [end - start]."""
+
+    start: int
+    end: int
+    cache: KVCache
+    positions: torch.Tensor
+
+
 def gqa_attention(
-    x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache,
-    positions: torch.Tensor, eps: float,
+    x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache | None,
+    positions: torch.Tensor, eps: float, spans: list[Span] | None = None,
 ) -> torch.Tensor:
+    """x [T, D] → [T, D]. With ``spans`` (a batch of sequences, rows in span order, ``positions`` every row's), the
+    projections, norms and RoPE run once over all T rows — each weight read once per step — and only the cache append
+    and the attention itself run per sequence; without, the rows are one sequence in ``cache``."""
     t = x.shape[0]
     q, k, v = linear(x, w, "q_proj"), linear(x, w, "k_proj"), linear(x, w, "v_proj")
     gate = None
@@ -350,18 +364,25 @@ def gqa_attention(
     if spec.qk_norm == "head_unit":
         q, k = unit_rms_norm(q, eps), unit_rms_norm(k, eps)
     q = position_scaled(q, positions, spec)
-    key_bias = keep = None
+    dt = iq = ik = None
     if spec.dynamic_mask:
         dt = torch.exp(w["A"] * elementwise(F.softplus, linear(v.reshape(t, -1), w, "dt_proj")))  # [T, Hkv]
-        k_all, v_all, key_bias = cache.append(layer, k, v, dt)
     elif spec.block_indexer is not None:
-        bx = spec.block_indexer
-        iq, ik = block_index_qk(x, w, bx, rotary, positions, eps)
-        k_all, v_all, ik_all = cache.append(layer, k, v, ik)
-        keep = block_keep(iq, ik_all, bx, positions)
-    else:
-        k_all, v_all = cache.append(layer, k, v)
-    out = attention_scores(q, k_all, v_all, positions, spec, w.get("sinks"), keep=keep, key_bias=key_bias)
+        iq, ik = block_index_qk(x, w, spec.block_indexer, rotary, positions, eps)
+    outs = []
+    for sp in spans if spans is not None else [Span(0, t, cache, positions)]:  # type: ignore[list-item]
+        a, b = sp.start, sp.end
+        key_bias = keep = None
+        if dt is not None:
+            k_all, v_all, key_bias = sp.cache.append(layer, k[a:b], v[a:b], dt[a:b])
+        elif iq is not None:
+            k_all, v_all, ik_all = sp.cache.append(layer, k[a:b], v[a:b], ik[a:b])
+            keep = block_keep(iq[a:b], ik_all, spec.block_indexer, sp.positions)
+        else:
+            k_all, v_all = sp.cache.append(layer, k[a:b], v[a:b])
+        outs.append(attention_scores(q[a:b], k_all, v_all, sp.positions, spec, w.get("sinks"), keep=keep,
+                                     key_bias=key_bias))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if gate is not None:
         out = out * elementwise(torch.sigmoid, gate)
     if spec.output_gate != "none":
@@ -385,11 +406,13 @@ def output_gate(out: torch.Tensor, x: torch.Tensor, w: Weights, spec: AttentionS
 
 
 def mla_attention(
-    x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache,
-    positions: torch.Tensor, eps: float, scratch: dict | None = None,
+    x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache | None,
+    positions: torch.Tensor, eps: float, scratch: dict | None = None, spans: list[Span] | None = None,
 ) -> torch.Tensor:
     """DeepSeek multi-head latent attention; the cache holds the normalized latent and the shared rotary key (and,
-    with sparse attention, the indexer keys). ``scratch`` carries the indexer's choice to ``shared`` layers."""
+    with sparse attention, the indexer keys). ``scratch`` carries the indexer's choice to ``shared`` layers.
+    ``spans``: a batch of sequences as in ``gqa_attention`` (without a sparse-attention indexer, whose choice is
+    per sequence: the caller runs those one sequence at a time)."""
     t, h = x.shape[0], spec.num_heads
     nope, rope_dim, dv = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
     if spec.q_lora_rank is None:
@@ -420,6 +443,17 @@ def mla_attention(
         cos, sin = rotary.cos_sin(positions)
         q_rot, k_rot = rotary.apply(q_rot, cos, sin), rotary.apply(k_rot, cos, sin)
     ix, keep = spec.indexer, None
+    if spans is not None:
+        if ix is not None:
+            raise ValueError("sparse-attention MLA runs one sequence per call")
+        outs = []
+        for sp in spans:
+            a, b = sp.start, sp.end
+            latent_all, k_rot_all = sp.cache.append(layer, latent[a:b], k_rot[a:b].reshape(b - a, rope_dim))
+            outs.append(_mla_scores(q_nope[a:b], q_rot[a:b], latent_all, k_rot_all, sp.positions, w, spec, None))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return _mla_out(out, gate, x, w, spec)
+    assert cache is not None
     if ix is not None and not ix.shared:
         latent_all, k_rot_all, index_keys = cache.append(layer, latent, k_rot.reshape(t, rope_dim),
                                                          indexer_keys(x, w, ix, rotary, cos, sin))
@@ -432,11 +466,26 @@ def mla_attention(
             keep = (scratch or {}).get("index_keep")
             if keep is None:
                 raise ValueError(f"layer {layer} shares sparse-attention indices but no earlier layer computed them")
+    out = _mla_scores(q_nope, q_rot, latent_all, k_rot_all, positions, w, spec, keep)
+    return _mla_out(out, gate, x, w, spec)
+
+
+def _mla_scores(
+    q_nope: torch.Tensor, q_rot: torch.Tensor, latent_all: torch.Tensor, k_rot_all: torch.Tensor,
+    positions: torch.Tensor, w: Weights, spec: AttentionSpec, keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """One sequence's MLA attention: queries [T, H, nope] / [T, H, R] over its cached latent [S, rank] and rotary
+    keys [S, R] → [T, H*Dv]."""
+    h, nope, rope_dim, dv = spec.num_heads, spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
     s = latent_all.shape[0]
     kv = linear(latent_all, w, "kv_b_proj").view(s, h, nope + dv)  # [S, H, nope + Dv]
     k_full = torch.cat([kv[..., :nope], k_rot_all[:, None, :].expand(s, h, rope_dim)], dim=-1)  # [S, H, Dh]
     q_full = position_scaled(torch.cat([q_nope, q_rot], dim=-1), positions, spec)  # [T, H, Dh]
-    out = attention_scores(q_full, k_full, kv[..., nope:], positions, spec, w.get("sinks"), keep)
+    return attention_scores(q_full, k_full, kv[..., nope:], positions, spec, w.get("sinks"), keep)
+
+
+def _mla_out(out: torch.Tensor, gate: torch.Tensor | None, x: torch.Tensor, w: Weights,
+             spec: AttentionSpec) -> torch.Tensor:
     if gate is not None:
         out = out * elementwise(torch.sigmoid, gate.float()).to(out.dtype)
     if spec.output_gate != "none":

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.engine import Engine, Request
+from freetoken_agent.runtime.generation.sampling import SamplingParams
 from freetoken_agent.runtime.model.adapters import spec_from_config, supported_architectures
 
 warnings.filterwarnings("ignore")
@@ -77,6 +78,21 @@ def test_parity_with_transformers(model_type: str, tmp_path: Path) -> None:
     result = engine.generate(ids, max_new_tokens=32, temperature=0.0)
     assert result.token_ids == hf
     assert len(set(result.token_ids)) > 4, "degenerate test model: greedy output repeats one token"
+
+    # in one batch with sequences of other lengths (attention per sequence, everything else over all rows)
+    gen = torch.Generator().manual_seed(2)
+    others = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 17, 1)]
+    handles = [engine.submit(Request(p, kind="logits", reuse=False)) for p in [ids.tolist(), *others]]
+    batched = [h.result().logits for h in handles]
+    assert (batched[0] - ref).abs().max().item() <= 1e-4
+    for prompt, got in zip(others, batched[1:]):
+        alone = engine.logits(prompt)
+        assert (got - alone).abs().max().item() <= 1e-4
+    greedy = SamplingParams(max_new_tokens=8, stop_token_ids=())
+    # decode rows batched (no prefix reuse: Doge's reference routes a prompt's tokens as one chunk)
+    handles = [engine.submit(Request(p, greedy, reuse=False)) for p in [ids.tolist(), *others]]
+    assert handles[0].result().token_ids == hf[:8]
+    assert engine.scheduler.stats.max_batch >= 4
 
 
 def _hybrids() -> list[str]:
