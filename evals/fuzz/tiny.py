@@ -1,0 +1,198 @@
+"""Discovery of every MoE causal-LM model type in the installed transformers, and tiny random checkpoints of each.
+
+The one home of the tiny configs: the parity tests (``tests/runtime/arch_configs.py`` re-exports this module) and
+the option fuzzer (``evals/fuzz/options.py``) build their checkpoints here. transformers is imported lazily.
+The list is never hand-kept: ``moe_causal_lm_types()`` reads transformers' registries, so a new MoE architecture in a
+newer transformers shows up in the parametrized test as an unsupported (skipped, with no reason) type.
+Tiny configs are derived generically from each config class's defaults (``shrink``), with per-type overrides in
+``OVERRIDES`` where the generic rules do not fit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_EXPERT_COUNT = re.compile(r"^(num_(local_)?experts|n_routed_experts|moe_num_experts)$")
+
+N_LAYERS = 3
+
+# Generic sizes; a key is only set when the default config has it.
+_SIZES: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, d_model=64, intermediate_size=96, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    shared_expert_intermediate_size=48, shared_intermediate_size=48, dense_intermediate_size=96,
+    intermediate_size_mlp=96, ffn_hidden_size=96, expert_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48,
+    shared_experts_intermediate_size=32, prefix_dense_intermediate_size=96,
+    kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=24,
+    index_head_dim=16, index_n_heads=2, index_topk=8, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4,
+    swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, kv_channels=16,
+    model_max_length=512, rotary_dim=8, router_hidden_size=32,
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_dt_rank=8, mamba_num_heads=8, mamba_head_dim=16,
+    ssm_state_size=16, n_groups=2, mamba_chunk_size=16, chunk_size=16,
+)
+_COUNTS = dict(experts=8, top_k=2)
+_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts", "moe_top_k")
+_DROP = ("per_layer_config",)
+
+
+def moe_causal_lm_types() -> list[str]:
+    """Every model type whose config declares an expert count and which has a ``*ForCausalLM`` in transformers."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type, config_name in CONFIG_MAPPING_NAMES.items():
+        causal = f"{config_name.removesuffix('Config')}ForCausalLM"
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not hasattr(transformers, causal):
+            continue
+        try:
+            defaults = transformers.AutoConfig.for_model(model_type).to_dict()
+        except Exception:  # noqa: BLE001 - configs that cannot build with defaults are not decoder LMs we can test
+            continue
+        keys = set(defaults) | set(defaults.get("ffn_config") or {})
+        if any(_EXPERT_COUNT.match(k) for k in keys):
+            found.append(model_type)
+    return sorted(found)
+
+
+def causal_lm_class(model_type: str) -> Any:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    name = name or f"{CONFIG_MAPPING_NAMES[model_type].removesuffix('Config')}ForCausalLM"
+    return getattr(transformers, name)
+
+
+def _shrink_list(values: list[Any], n: int) -> list[Any]:
+    """A per-layer list cut to ``n`` layers that still shows every distinct value (as far as n allows)."""
+    out = list(values[:n])
+    missing = [v for v in dict.fromkeys(map(repr, values)) if v not in map(repr, out)]
+    for k, rep in enumerate(missing[: max(n - 1, 0)]):
+        out[n - 1 - k] = next(v for v in values if repr(v) == rep)
+    return out
+
+
+def shrink(model_type: str, defaults: dict[str, Any], n: int = N_LAYERS) -> dict[str, Any]:
+    """Tiny-config kwargs from a default config dict: every size that exists gets a tiny value."""
+    out: dict[str, Any] = {}
+    old_n = defaults.get("num_hidden_layers") or defaults.get("num_layers") or defaults.get("n_layers")
+    for key, value in defaults.items():
+        if key in _SIZES and (value is not None or key == "head_dim"):
+            out[key] = _SIZES[key]
+        elif _EXPERT_COUNT.match(key):
+            out[key] = _COUNTS["experts"]
+        elif key in _TOPK_KEYS:
+            out[key] = min(_COUNTS["top_k"], _COUNTS["experts"])
+        elif key in ("num_hidden_layers", "num_layers", "n_layers"):
+            out[key] = n
+        elif key == "q_lora_rank" and value is not None:
+            out[key] = 20
+        elif key in ("first_k_dense_replace", "num_dense_layers") and value:
+            out[key] = 1
+        elif key in ("n_group", "num_expert_group") and value and value > 1:
+            out[key] = 2
+        elif key == "topk_group" and value and value > 1:
+            out[key] = 1
+        elif key in ("sliding_window", "sliding_window_size", "attention_chunk_size") and value:
+            out[key] = 8
+        elif key == "mlp_only_layers" and value:
+            out[key] = [i for i in value if i < n]
+        elif key == "moe_layer_end_index" and value is not None:
+            out[key] = n - 1
+        elif key == "max_window_layers":
+            out[key] = n
+        elif isinstance(value, list) and old_n and len(value) == old_n:
+            out[key] = _shrink_list(value, n)
+        elif key in _DROP:
+            out[key] = {}
+        elif key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            out[key] = None
+    if defaults.get("kv_lora_rank"):  # MLA: one latent per head
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+        if "head_dim" in defaults:
+            out["head_dim"] = _SIZES["qk_rope_head_dim"]
+    if "n_shared_experts" in defaults and not defaults["n_shared_experts"]:
+        out["n_shared_experts"] = 1
+    out["initializer_range"] = 0.15
+    return out
+
+
+# Per-type adjustments on top of ``shrink`` (applied last).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # 16 * 0.334 rotates an odd channel count; the real head_dim (192) gives an even one
+    "mimo_v2_flash": dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # head_dim * partial_rotary_factor must equal qk_rope_head_dim, as in the real config (128 * 0.5 = 64)
+    # moe_layers holds layer indices (not one entry per layer); a small floor_scale exercises NoPE temperature tuning
+    "llama4_text": dict(moe_layers=[0, 2], floor_scale=4, attn_scale=0.5),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"]),  # the default (None) does not build
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # relu² MLPs blow activations up at init 0.15; HF's chunked SSM scan then drifts ~2e-4 from the exact recurrence
+    "nemotron_h": dict(initializer_range=0.08),
+    # the default periods put attention every 8th layer; with 3 layers: mamba, attention, mamba; MoE on 0 and 2
+    "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0),
+    # one dense prefix layer and a shared expert so both code paths run (defaults: all sparse, no shared expert)
+    "cohere2_moe": dict(mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_intermediate_size=96,
+                        num_shared_experts=1),
+    # nested sub-configs: the generic shrink only sees top-level fields; the attention config needs a rope theta
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 8, "moe_top_k": 2,
+                             "moe_normalize_expert_weights": 1.0}, max_seq_len=512),
+    # exercise a "shared" indexer layer and two MoE layers (the default prefix is three dense layers)
+    "glm_moe_dsa": dict(indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"]),
+    # non-trivial residual scales (all 1 by default) so the α/β path is exercised
+    "minimax": dict(linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
+                    mlp_alpha_factor=0.8, mlp_beta_factor=1.3),
+    "longcat_flash": dict(zero_expert_num=4),  # 256 identity experts would drown the 8 real ones
+    # the default Doge is dense; its MoE needs a square expert count (product keys: 4 x 4) and a small window
+    "doge": dict(is_moe=True, num_experts=16, keep_window_size=16),
+    # the SWA layers' GQA head_dim must equal the MLA qk head dim (nope + rope)
+    "dots3_note_text": dict(head_dim=24, per_layer_config={
+        "02": {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16}}),
+    # one block-sparse layer with 4-key blocks so the indexer's block choice and local blocks really bite
+    "minimax_m3_vl_text": dict(layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+                               mlp_layer_types=["dense", "sparse", "sparse"], index_block_size=4,
+                               index_topk_blocks=3, index_local_blocks=1, index_n_heads=2, index_head_dim=16),
+    "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 only
+    "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
+}
+
+
+def make_config(model_type: str, **overrides: Any) -> Any:
+    import transformers
+
+    defaults = transformers.AutoConfig.for_model(model_type).to_dict()
+    kwargs = {**shrink(model_type, defaults), **OVERRIDES.get(model_type, {}), **overrides}
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """A transformers model with seeded random weights (fp32, eval mode); routers get a strong signal."""
+    torch.manual_seed(seed)
+    config = make_config(model_type, **overrides)
+    model = causal_lm_class(model_type)._from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("e_score_correction_bias", "sinks", "expert_bias")):
+                p.copy_(torch.randn_like(p) * 0.1 if "bias" in name else torch.randn_like(p) * 0.5)
+            elif (".gate.weight" in name or "router" in name) and p.dim() == 2:
+                p.copy_(torch.randn_like(p) * 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model.eval()
+
+
+def save_checkpoint(model_type: str, folder: Path, seed: int = 0, **overrides: Any) -> Any:
+    model = make_model(model_type, seed, **overrides)
+    model.save_pretrained(folder)
+    return model
