@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from freetoken_agent.runtime.errors import ConfigError, UnsupportedArchitectureError
+from freetoken_agent.runtime.model.activations import canonical
+from freetoken_agent.runtime.model.validate import validate_config
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
     LayerSpec,
@@ -40,7 +42,11 @@ def supported_architectures() -> list[str]:
 
 
 def spec_from_config(config: Config) -> ModelSpec:
-    """Build the spec for a parsed ``config.json``; unknown model types list the supported ones."""
+    """Build the spec for a parsed ``config.json``; unknown model types list the supported ones.
+
+    The config is validated first (``runtime/model/validate.py``): a bad value is one ``ConfigError`` naming it.
+    """
+    validate_config(config)
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
         raise UnsupportedArchitectureError(
@@ -48,7 +54,9 @@ def spec_from_config(config: Config) -> ModelSpec:
         )
     try:
         return ADAPTERS[model_type](config)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+    except KeyError as exc:
+        raise ConfigError(f"config.json of {model_type!r} is missing the field {exc.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(f"config.json of {model_type!r} is missing or has an invalid field: {exc!r}") from None
 
 
@@ -91,18 +99,30 @@ def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
     return params
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+"""The rope types of transformers' ``ROPE_INIT_FUNCTIONS`` (plus ``default``); Hunyuan's ``ntk_alpha`` is derived by
+its adapter from ``dynamic`` with an ``alpha``."""
+
+
 def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | None = None,
           layer_type: str | None = None) -> RopeSpec:
     p = _rope_params(cfg, layer_type)
     kind = p["rope_type"]
-    if kind not in ("default", "linear", "yarn", "llama3"):
-        raise ValueError(f"rope type {kind!r} is not supported")
-    dim = rotary_dim if rotary_dim is not None else int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config.json: rope type {kind!r} (rope_parameters / rope_scaling) is not supported; "
+                          f"supported: {', '.join(ROPE_TYPES)}")
+    proportion = float(p.get("partial_rotary_factor", 1.0))
+    dim = rotary_dim if rotary_dim is not None else int(head_dim * proportion)
+    if kind == "proportional":  # the whole head turns; frequencies past the proportion are zero
+        dim = head_dim
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     factor = p.get("factor")
     original = p.get("original_max_position_embeddings")
-    if kind == "yarn" and factor is None:
+    if kind in ("llama3", "yarn", "longrope"):  # transformers: a top-level value wins (Phi-3 style configs)
+        original = cfg.get("original_max_position_embeddings") or original or max_pos
+    if kind in ("yarn", "longrope") and factor is None:
         factor = max_pos / original
+    short, long = p.get("short_factor"), p.get("long_factor")
     return RopeSpec(
         dim=dim,
         theta=float(p["rope_theta"]),
@@ -119,6 +139,10 @@ def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | Non
         truncate=bool(p.get("truncate", True)),
         low_freq_factor=float(p.get("low_freq_factor", 1.0)),
         high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+        short_factor=tuple(float(f) for f in short) if short is not None else None,
+        long_factor=tuple(float(f) for f in long) if long is not None else None,
+        alpha=float(p["alpha"]) if p.get("alpha") is not None else None,
+        proportion=proportion,
     )
 
 
@@ -169,6 +193,10 @@ def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=_eos(cfg),
     )
+    # dynamic NTK and linear scaling stretch max_position_embeddings (the trained context) by their factor
+    stretched = [int(r.max_position * r.factor) for layer in layers if (r := layer.attention.rope) is not None
+                 and r.kind in ("dynamic", "linear") and r.factor > 1]
+    base["max_position"] = max([base["max_position"], *stretched])
     base.update(fields)
     return ModelSpec(**base)
 
@@ -180,9 +208,9 @@ def _mtp_ignored(cfg: Config) -> tuple[str, ...]:
     return tuple(rf"^model\.layers\.{n + k}\." for k in range(extra))
 
 
-def _act(cfg: Config) -> str:
-    act = cfg.get("hidden_act", "silu")
-    return {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
+def _act(cfg: Config, field: str = "hidden_act") -> str:
+    """The canonical activation name of ``field`` (silu when absent); a ``ConfigError`` for unknown names."""
+    return canonical(cfg.get(field) or "silu", field)
 
 
 # ----------------------------------------------------------------------------------------------- softmax routers

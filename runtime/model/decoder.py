@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from typing import NamedTuple
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
+from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.compressed import shared_kv_attention
 from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
+from freetoken_agent.runtime.model.mhc import mhc_post, mhc_pre
 from freetoken_agent.runtime.model.layers import (
     Span,
     dense_linear,
@@ -35,7 +39,9 @@ from freetoken_agent.runtime.model.mixers.mamba2 import mamba2
 from freetoken_agent.runtime.model.mixers.moa import moa_attention
 from freetoken_agent.runtime.model.mixers.short_conv import short_conv
 from freetoken_agent.runtime.model.moe import ExpertsBackend, route
+from freetoken_agent.runtime.model.relpos import relpos_attention, residual_conv
 from freetoken_agent.runtime.model.rope import Rotary
+from freetoken_agent.runtime.model.shared_sink import sink_route, stacked_shared
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 
@@ -73,7 +79,7 @@ class Decoder:
             lw.moe.experts if lw.moe is not None else None for lw in weights.layers
         ]
         """Per layer, the backend computing routed experts (replaceable: quantized, residency-managed)."""
-        self._recurrent = [i for i, layer in enumerate(spec.layers) if layer.recurrent is not None]
+        self._recurrent = spec.state_layers()  # layers with a per-sequence state (recurrent mixers, convolutions)
         self.routing_observers: list = []
         """Callables ``(layer, topk_ids [T, K])`` told of every routing decision (heat, profiles)."""
 
@@ -104,7 +110,10 @@ class Decoder:
         self._batch_scratch: dict = {}  # per-forward values of the whole batch (the MoE shortcut)
         self._segments = segments  # the few token-mixing FFNs (product-key MoE) run per sequence
         flat = token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
+        self._token_ids = flat.to(self.device)  # [T]: hash-routed MoE layers choose experts by token id
         h = F.embedding(flat.to(self.device), w.embed)
+        if w.embed_norm is not None:
+            h = rms_norm(h, w.embed_norm, spec.norm_eps)
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
         if spec.hyper_streams:
@@ -122,7 +131,10 @@ class Decoder:
                     h = x
                 if "res_ffn" in lw.norms:
                     h = h * lw.norms["res_ffn"]
-                x = self._norm(self._ffn(i, x, lw), lw, "ffn_out")
+                x = self._ffn(i, x, lw)
+                if layer.post_conv:
+                    x = self._post_conv(i, x, lw, FFN)
+                x = self._norm(x, lw, "ffn_out")
                 h = self._residual(h, x, layer.residual_scales[2:])
             if layer.moe_shortcut == "add":
                 h = h + self._batch_scratch.pop("moe_shortcut")
@@ -137,10 +149,14 @@ class Decoder:
         for i, lw in enumerate(self.weights.layers):
             for role, norm in (("hc_mix", "attn_in"), ("hc_ffn", "ffn_in")):
                 hc = {k: lw.norms[f"{role}_{k}"] for k in ("fn", "base", "scale")}
-                post, x = hc_pre(streams, hc, spec.hyper_magnitude, spec.hyper_eps, spec.norm_eps)
+                if spec.hyper_sinkhorn_iters:  # manifold-constrained: the streams are mixed too (DeepSeek-V4)
+                    post, comb, x = mhc_pre(streams, hc, spec.hyper_sinkhorn_iters, spec.hyper_magnitude,
+                                            spec.hyper_eps, spec.norm_eps)
+                else:
+                    post, x = hc_pre(streams, hc, spec.hyper_magnitude, spec.hyper_eps, spec.norm_eps)
                 x = self._norm(x, lw, norm)
                 x = self._mixer(i, x, lw, segments) if role == "hc_mix" else self._ffn(i, x, lw)
-                streams = hc_post(streams, post, x)
+                streams = mhc_post(streams, post, comb, x) if spec.hyper_sinkhorn_iters else hc_post(streams, post, x)
         for seg in segments:
             seg.cache.advance()
         h = hc_head(streams, self.weights.hyper_head, spec.hyper_eps, spec.norm_eps)
@@ -149,11 +165,19 @@ class Decoder:
     def _mix(self, i: int, h: torch.Tensor, lw: LayerWeights, segments: list[Segment]) -> torch.Tensor:
         """Token-mixing half of layer ``i`` (attention or a recurrent mixer) with its norms and residual."""
         normed = self._norm(h, lw, "attn_in")
-        x = self._norm(self._mixer(i, normed, lw, segments), lw, "attn_out")
+        x = self._mixer(i, normed, lw, segments)
+        if self.spec.layers[i].post_conv:
+            x = self._post_conv(i, x, lw, MIXER)
+        x = self._norm(x, lw, "attn_out")
         base = normed if self.spec.residual_from_norm else h
         if "res_mix" in lw.norms:
             base = base * lw.norms["res_mix"]
         return self._residual(base, x, self.spec.layers[i].residual_scales[:2])
+
+    def _post_conv(self, i: int, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
+        """Inkling's residual convolution over a sub-layer's output x [T, D], each sequence continuing its state."""
+        conv = residual_conv(lw.norms["conv_mix" if slot == MIXER else "conv_ffn"], 1.0)
+        return torch.cat([slot_conv(x[s.start : s.end], s.cache, s.scratch, i, slot, conv) for s in self._segments])
 
     def _residual(self, h: torch.Tensor, x: torch.Tensor, scales: tuple[float, ...]) -> torch.Tensor:
         alpha, beta = scales
@@ -167,11 +191,11 @@ class Decoder:
             return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch)
         spec, layer = self.spec, self.spec.layers[i]
         att = layer.attention
-        if layer.recurrent is None and att.kind != "moa" and (att.kind != "mla" or att.indexer is None):
+        if layer.recurrent is None and att.kind in ("gqa", "mla", "shared_kv") and (att.kind != "mla" or att.indexer is None):
             # projections over every row at once (each weight read once per step), attention per sequence
             spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
             positions = torch.cat([s.positions for s in segments])
-            fn = mla_attention if att.kind == "mla" else gqa_attention
+            fn = {"mla": mla_attention, "shared_kv": shared_kv_attention}.get(att.kind, gqa_attention)
             return fn(x, lw.attn, att, self.rotary[i], i, None, positions, spec.norm_eps, spans=spans)
         return torch.cat([self._mixer_one(i, x[s.start : s.end], lw, s.cache, s.positions, s.scratch)
                           for s in segments])
@@ -181,6 +205,10 @@ class Decoder:
         spec, layer = self.spec, self.spec.layers[i]
         if layer.recurrent is not None:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
+        if layer.attention.kind == "relpos":
+            return relpos_attention(x, lw.attn, layer.attention, i, cache, positions, spec.norm_eps, scratch)
+        if layer.attention.kind == "shared_kv":
+            return shared_kv_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
         if layer.attention.kind == "moa":
             return moa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
         if layer.attention.kind == "mla":
@@ -219,7 +247,13 @@ class Decoder:
             if len(segs) == 1:
                 return self._product_key_moe(i, x, mw)
             return torch.cat([self._product_key_moe(i, x[g.start : g.end], mw) for g in segs])
-        ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
+        gammas = None  # the shared experts' routing shares (Inkling's sink router)
+        if moe.router.shared_sink:
+            ids, weights, gammas = sink_route(x, moe, mw.router["weight"], mw.correction, mw.router.get("global_scale"))
+        else:
+            fixed = mw.router["tid2eid"][self._token_ids] if moe.router.hash_table else None  # [T, K]
+            ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction,
+                                 fixed)
         identity = None
         if moe.zero_experts:  # identity experts: weight · x, then hidden from the expert backend
             zero = ids >= moe.num_experts
@@ -238,7 +272,7 @@ class Decoder:
         if identity is not None:
             out = out + identity
         if moe.shared is not None:
-            shared = mlp(x, mw.shared, moe.shared)
+            shared = mlp(x, mw.shared, moe.shared) if gammas is None else stacked_shared(x, mw.shared, gammas, moe.shared)
             if mw.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
             out = (out + shared) / 2 if moe.shared_average else out + shared
@@ -264,7 +298,7 @@ class Decoder:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         for observe in self.routing_observers:
             observe(i, ids)
-        act = F.silu if moe.activation == "silu" else F.gelu
+        act = activation_fn(moe.activation)
         h = act(torch.einsum("tkd,td->tk", mw.router["down_embed"][ids], x)) * weights  # [T, K]
         routed = torch.einsum("tk,tkd->td", h, mw.router["up_embed"][ids])
         return mlp(x, mw.shared, moe.shared) + routed

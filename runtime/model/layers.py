@@ -24,13 +24,12 @@ from freetoken_agent.runtime.model.indexer import (
     indexer_keys,
     topk_keep,
 )
+from freetoken_agent.runtime.model.activations import activation_fn
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
 Weights = dict[str, torch.Tensor]
 
-_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
-        "relu2": lambda x: torch.square(F.relu(x))}
 
 
 GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows stay in torch for decode (L2-resident: torch's GEMV is µs faster)
@@ -108,8 +107,14 @@ def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
 
 
 def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
-    """Gated MLP: down(act(gate(x)) * up(x))."""
-    act = _ACT.get(spec.activation, F.silu)
+    """Gated MLP: down(act(gate(x)) * up(x)) (times a learned scalar with ``out_scale``)."""
+    if spec.out_scale:
+        return _mlp(x, w, spec) * w["global_scale"]
+    return _mlp(x, w, spec)
+
+
+def _mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
+    act = activation_fn(spec.activation)
     if not spec.gated:
         return linear(elementwise(act, linear(x, w, "up_proj")), w, "down_proj")
     if spec.fused:
@@ -119,7 +124,10 @@ def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
             glu = gate * elementwise(torch.sigmoid, gate * spec.swiglu_alpha)
             return linear((up + 1.0) * glu, w, "output_linear")
         return linear(elementwise(act, gate) * up, w, "output_linear")
-    return linear(elementwise(act, linear(x, w, "gate_proj")) * linear(x, w, "up_proj"), w, "down_proj")
+    gate, up = linear(x, w, "gate_proj"), linear(x, w, "up_proj")
+    if spec.activation == "silu_clamp":  # DeepSeek-V4's shared expert: gate clamped from above, up on both sides
+        gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+    return linear(elementwise(act, gate) * up, w, "down_proj")
 
 
 EAGER_ATTENTION_TOKENS = 16
@@ -357,7 +365,7 @@ def gqa_attention(
     if spec.qk_norm == "head" and not spec.qk_norm_after_rope:
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
     if rotary is not None:
-        cos, sin = rotary.cos_sin(positions)
+        cos, sin = rotary.cos_sin(positions, None if spans is None else [sp.end - sp.start for sp in spans])
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
     if spec.qk_norm == "head" and spec.qk_norm_after_rope:
         q, k = rms_norm(q, w["q_norm.weight"], eps), rms_norm(k, w["k_norm.weight"], eps)
@@ -440,7 +448,7 @@ def mla_attention(
     q_nope, q_rot = q[..., :nope], q[..., nope:]
     cos = sin = torch.empty(0)
     if rotary is not None:
-        cos, sin = rotary.cos_sin(positions)
+        cos, sin = rotary.cos_sin(positions, None if spans is None else [sp.end - sp.start for sp in spans])
         q_rot, k_rot = rotary.apply(q_rot, cos, sin), rotary.apply(k_rot, cos, sin)
     ix, keep = spec.indexer, None
     if spans is not None:

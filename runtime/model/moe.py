@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from freetoken_agent.runtime.kernels import invariant
 from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.activations import activation_fn
 from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 from freetoken_agent.runtime.model.spec import MoESpec, RouterSpec
 
@@ -37,9 +38,7 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
     """[N, 2I] (gate columns then up columns) → [N, I]; ungated experts: [N, I] → [N, I]."""
     if not moe.gated:
-        if moe.activation == "relu2":
-            return torch.square(F.relu(gate_up))
-        return elementwise(F.silu if moe.activation == "silu" else F.gelu, gate_up)
+        return elementwise(activation_fn(moe.activation), gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if moe.activation == "swiglu_oai":
         gate = gate.clamp(max=moe.swiglu_limit)
@@ -49,9 +48,7 @@ def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
         return elementwise(F.silu, gate) * up
     if moe.activation == "silu_clamp":
         return elementwise(F.silu, gate.clamp(max=moe.swiglu_limit)) * up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
-    if moe.activation == "gelu":
-        return elementwise(F.gelu, gate) * up
-    raise ValueError(f"unknown expert activation {moe.activation!r}")
+    return elementwise(activation_fn(moe.activation), gate) * up
 
 
 @dataclass
@@ -98,8 +95,10 @@ def route(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     correction: torch.Tensor | None = None,
+    fixed_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] → (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
+    """x [T, D] → (topk_ids [T, K] int64, topk_weights [T, K] fp32). ``fixed_ids`` [T, K]: the experts are already
+    chosen (hash routing); only their weights are computed."""
     linear = invariant.linear if kops.deterministic() else F.linear
     if spec.scoring == "sparsemixer":
         return _sparsemixer(linear(x, weight, bias).float(), spec.jitter_eps, top_k)
@@ -115,7 +114,14 @@ def route(
     logits = dense_linear(x.float(), weight.float(), None if bias is None else bias.float(), min_rows=0)
     if spec.logit_softcap > 0:
         logits = elementwise(torch.tanh, logits / spec.logit_softcap) * spec.logit_softcap
-    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else elementwise(torch.sigmoid, logits)
+    if spec.scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif spec.scoring == "sqrtsoftplus":  # DeepSeek-V4
+        scores = torch.sqrt(elementwise(F.softplus, logits))
+    else:
+        scores = elementwise(torch.sigmoid, logits)
+    if fixed_ids is not None:
+        return _weigh(scores, fixed_ids.long(), spec)
     base = logits if spec.correction_on_logits else scores
     choice = base + correction.float().reshape(-1) if correction is not None else base
     if spec.n_group > 1:
@@ -129,7 +135,11 @@ def route(
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
         expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, e)
         choice = choice.masked_fill(~expert_mask, spec.group_masked_value)
-    ids = torch.topk(choice, top_k, dim=-1).indices
+    return _weigh(scores, torch.topk(choice, top_k, dim=-1).indices, spec)
+
+
+def _weigh(scores: torch.Tensor, ids: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen experts' scores [T, K], normalized and scaled as the router spec says."""
     weights = scores.gather(1, ids)
     if spec.norm_topk:
         total = weights.sum(dim=-1, keepdim=True) if spec.norm_p == 1.0 else weights.norm(spec.norm_p, -1, True)

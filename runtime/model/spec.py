@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Activation = Literal["silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu_oai"]
+Activation = str
+"""A canonical name in ``activations.ACTIVATIONS``, or a fused form: ``swiglu_oai`` / ``silu_clamp``."""
+RopeKind = Literal["default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "ntk_alpha"]
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class RopeSpec:
     dim: int
     """Number of rotated channels per head (partial rotary rotates only the first ``dim``)."""
     theta: float = 10000.0
-    kind: Literal["default", "linear", "yarn", "llama3"] = "default"
+    kind: RopeKind = "default"
     style: Literal["half", "interleaved"] = "half"
     """``half``: GPT-NeoX rotate-half pairs (i, i+dim/2); ``interleaved``: adjacent pairs (2i, 2i+1)."""
     factor: float = 1.0
@@ -33,6 +35,21 @@ class RopeSpec:
     truncate: bool = True
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    short_factor: tuple[float, ...] | None = None
+    """``longrope``: per-frequency divisors [R/2] up to ``original_max_position``; ``long_factor`` beyond it."""
+    long_factor: tuple[float, ...] | None = None
+    short_mscale: float | None = None
+    """PhiMoE: cos/sin are scaled by ``short_mscale`` / ``long_mscale`` (by the step's length) instead of the
+    ``longrope`` attention factor."""
+    long_mscale: float | None = None
+    alpha: float | None = None
+    """``ntk_alpha`` (Hunyuan): the base is stretched to ``theta * alpha ** (R / (R - 2))``, whatever the length."""
+    proportion: float = 1.0
+    """``proportional``: ``dim`` is the whole head; only the first ``proportion * dim / 2`` frequency pairs turn
+    (exponents 2i / dim), the rest have frequency 0."""
+    frequency_update: bool = True
+    """``dynamic`` and ``longrope`` frequencies follow the length of each forward (transformers'
+    ``dynamic_rope_update``); False where the model computes them once at init (PhiMoE)."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +83,45 @@ class BlockIndexerSpec:
 
 
 @dataclass(frozen=True)
+class RelPosSpec:
+    """Inkling's relative-position attention (``kind="relpos"``, no rotary): short causal convolutions on the keys
+    and values (state kept per sequence), a learned bias per backward distance mixed per query and head from
+    ``d_rel`` relative states, optional logarithmic query scaling. Implemented in ``model/relpos.py``."""
+
+    d_rel: int
+    extent: int
+    """The bias applies to distances 0 <= d < ``extent`` (zero beyond)."""
+    conv_kernel: int = 4
+    variant: Literal["inkling", "inkling2"] = "inkling"
+    """``inkling``: RMSNorm'd q/k, convs y = x + conv(x); ``inkling2``: learned-scale L2-clipped q/k/relative states,
+    unit-RMS values, convs (x + conv(x)) / sqrt(K + 1) (dynamic taps on full layers), per-token sinks, output gate."""
+    log_floor: int | None = None
+    """If set, queries (and relative states / the bias) are scaled by 1 + alpha·log(max((pos+1)/floor, 1))."""
+    log_alpha: float = 0.1
+    dynamic_conv: bool = False
+    """inkling2 full layers: key/value conv taps = static taps + per-token taps projected from the layer input."""
+    qk_clip: float = 0.0
+    rel_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """DeepSeek-V4 compressed KV (``kind="shared_kv"``): every ``rate`` tokens are pooled (a per-channel softmax over
+    gates) into one entry that later queries attend to beside their sliding window. Implemented in
+    ``model/compressed.py``."""
+
+    rate: int
+    overlap: bool = False
+    """CSA: each entry pools its own window and the previous one (two projection series, ``2·rate`` slots)."""
+    indexer: IndexerSpec | None = None
+    """CSA: a lightning indexer over compressed keys picks the ``topk`` entries each query sees."""
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
 
-    kind: Literal["gqa", "mla", "moa"]
+    kind: Literal["gqa", "mla", "moa", "relpos", "shared_kv"]
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -138,6 +190,15 @@ class AttentionSpec:
     keep_window: int = 2048
     chunk_size: int | None = None
     """Chunked local attention: a query sees only keys in its own chunk of ``chunk_size`` positions (Llama 4)."""
+    relpos: RelPosSpec | None = None
+    """``kind="relpos"``: Inkling's relative-position attention (see ``RelPosSpec``)."""
+    compressor: CompressorSpec | None = None
+    """``kind="shared_kv"`` (DeepSeek-V4: one KV head read as keys and values, trailing interleaved rope, sinks,
+    sliding window): compressed entries beside the window (see ``CompressorSpec``)."""
+    o_groups: int = 0
+    """``shared_kv``: the output projection is grouped — heads split into ``o_groups`` groups, each projected to
+    ``o_group_rank`` (``o_a_proj``), then mixed to the hidden size (``o_b_proj``)."""
+    o_group_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,13 +218,15 @@ class MLPSpec:
     """With ``fused``: names of the [2I, D] gate+up projection and the down projection."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    out_scale: bool = False
+    """A learned scalar ``global_scale`` multiplies the output (Inkling)."""
 
 
 @dataclass(frozen=True)
 class RouterSpec:
     """How a token picks its experts and how their outputs are weighted."""
 
-    scoring: Literal["softmax", "sigmoid", "none", "sparsemixer"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "none", "sparsemixer", "sqrtsoftplus"] = "softmax"
     """Score function applied to the router logits; ``none`` with ``topk_before_scoring``: softmax over the top-k."""
     topk_before_scoring: bool = False
     """Pick top-k on raw logits, then softmax over the chosen k (Mixtral-style renormalization, GPT-OSS, Granite)."""
@@ -191,6 +254,15 @@ class RouterSpec:
     before the softmax that weights the argmax; the second expert repeats this without the first."""
     logit_softcap: float = 0.0
     """If > 0, router logits become ``cap * tanh(logits / cap)`` before scoring."""
+    shared_sink: int = 0
+    """Inkling: the router's last ``shared_sink`` rows score the shared experts; the top-k and shared logits are
+    normalized together (softmax of logsigmoid) so the shared experts act as a sink, and the shared experts (stored
+    stacked [n, I, D]) are each weighted by their share."""
+    global_scale: bool = False
+    """A learned scalar ``{router}.global_scale`` multiplies the routing weights (Inkling)."""
+    hash_table: bool = False
+    """Experts are chosen by token id from a frozen table ``{router}.tid2eid`` [V, K] (DeepSeek-V4 hash layers);
+    the scores still weight them."""
 
 
 @dataclass(frozen=True)
@@ -201,8 +273,9 @@ class MoESpec:
     top_k: int
     intermediate: int
     router: RouterSpec
-    activation: Literal["silu", "gelu", "swiglu_oai", "relu2", "silu_clamp"] = "silu"
-    """``swiglu_oai``: GPT-OSS clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``;
+    activation: Activation = "silu"
+    """Any name in ``activations.ACTIVATIONS``: act(gate) * up (act(up) when not gated); ``swiglu_oai``: GPT-OSS
+    clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``;
     ``silu_clamp``: ``silu(clamp(gate, max=limit)) * clamp(up, ±limit)`` (HY-V4)."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -263,6 +336,9 @@ class RecurrentSpec:
     norm_eps: float = 1e-6
     """Lightning attention: eps of its output RMSNorm."""
     conv_bias: bool = False
+    activation: str = "silu"
+    """Activation after the short convolution (Mamba, Mamba-2, Gated DeltaNet, KDA) or on the qkv projection
+    (lightning): the config's ``hidden_act`` (Nemotron-H: ``mamba_hidden_act``); output gates stay SiLU/sigmoid."""
 
 
 @dataclass(frozen=True)
@@ -284,6 +360,9 @@ class LayerSpec:
     names: WeightNames | None = None
     """Overrides the model's weight names for this layer."""
     parts: Literal["both", "mixer", "ffn"] = "both"
+    post_conv: int = 0
+    """If > 0 (the kernel width): the mixer's and the FFN's outputs each pass a residual causal depthwise convolution
+    (``attn_sconv`` / ``mlp_sconv``, fp32, state kept per sequence) before the residual add (Inkling)."""
     """Single-sublayer blocks (Nemotron-H): ``mixer`` = only the token mixer, ``ffn`` = only the MLP/MoE."""
 
 
@@ -325,6 +404,10 @@ class WeightNames:
     output_gate: str = "gate_proj"
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
+    embed_norm: str | None = None
+    post_convs: tuple[str, str] = ("attn_sconv", "mlp_sconv")
+    """With ``LayerSpec.post_conv``: the mixer-output and FFN-output convolutions (``{name}.conv1d.weight``)."""
+    """An RMSNorm applied to the token embeddings, weight at ``{name}.weight`` (Inkling)."""
     gated_norm_roles: tuple[str, ...] = ()
     """Norm roles (``attn_in``, ``ffn_in``, ...) that are gated RMSNorms: y = rms(x)·w, y · sigmoid(W_up silu(W_down y)),
     stored as ``{name}.norm.weight``, ``{name}.W_down.weight``, ``{name}.W_up.weight`` (A.X K2)."""
@@ -361,6 +444,10 @@ class ModelSpec:
     """If > 0: hyper-connections with this many residual streams (HY-V4); weights ``hc_pre.hc_{attn,mlp}_layer``."""
     hyper_magnitude: float = 2.0
     hyper_eps: float = 1e-6
+    hyper_sinkhorn_iters: int = 0
+    """If > 0: manifold-constrained hyper-connections (DeepSeek-V4, ``model/mhc.py``): the streams are also mixed by
+    an N×N matrix projected towards doubly stochastic with this many Sinkhorn iterations; weights ``attn_hc`` /
+    ``ffn_hc`` / ``model.hc_head``."""
     norm_weight_offset: float = 0.0
     """Added to every RMSNorm weight at load time (zero-centered norms ``x·(1+w)``: Qwen3-Next, Gemma)."""
     tie_embeddings: bool = False
@@ -368,6 +455,9 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
     lm_head_bias: bool = False
+    lm_head_rows: int | None = None
+    """Logits are produced for the first ``lm_head_rows`` tokens only (the checkpoint's head rows beyond are padding,
+    dropped at load; Inkling's ``unpadded_vocab_size``)."""
     max_position: int = 4096
     names: WeightNames = field(default_factory=WeightNames)
     ignored_tensors: tuple[str, ...] = ()
@@ -378,6 +468,12 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def state_layers(self) -> list[int]:
+        """Layers that keep a per-sequence state beside their KV (recurrent mixers, Inkling's convolutions)."""
+        return [i for i, layer in enumerate(self.layers)
+                if layer.recurrent is not None or layer.post_conv
+                or (layer.attention is not None and layer.attention.relpos is not None)]
 
     def moe_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.moe is not None]

@@ -21,7 +21,7 @@ def _deltanet(cfg: Config, layout: str, norm: str = "norm") -> RecurrentSpec:
         kind="gated_deltanet", num_k_heads=int(cfg["linear_num_key_heads"]),
         num_v_heads=int(cfg["linear_num_value_heads"]), head_k_dim=int(cfg["linear_key_head_dim"]),
         head_v_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        layout=layout, norm=norm,  # type: ignore[arg-type]
+        layout=layout, norm=norm, activation=_act(cfg),  # type: ignore[arg-type]
     )
 
 
@@ -123,6 +123,7 @@ def _mamba2(cfg: Config, prefix: str = "mamba_") -> RecurrentSpec:
         head_v_dim=head_dim, conv_kernel=int(g(f"{prefix}d_conv", "conv_kernel")),
         conv_bias=bool(g(f"{prefix}conv_bias", "use_conv_bias")), proj_bias=bool(g(f"{prefix}proj_bias", "use_bias")),
         norm_groups=groups, dt_limit=(_float(limit[0]), _float(limit[1])),
+        activation=_act(cfg, "mamba_hidden_act" if "mamba_hidden_act" in cfg else "hidden_act"),
     )
 
 
@@ -158,7 +159,7 @@ def granitemoehybrid(cfg: Config) -> ModelSpec:
 @adapter("nemotron_h")
 def nemotron_h(cfg: Config) -> ModelSpec:
     """Nemotron-H: every block is one sub-layer (Mamba-2, attention, MoE or a plain relu² MLP) with its own norm."""
-    act = str(cfg.get("mlp_hidden_act") or "relu2")
+    act = _act({"mlp_hidden_act": "relu2", **cfg}, "mlp_hidden_act")
     shared = int(cfg.get("moe_shared_expert_intermediate_size") or 0)
     from freetoken_agent.runtime.model.families.sigmoid import sigmoid_router
 
@@ -202,7 +203,7 @@ def jamba(cfg: Config) -> ModelSpec:
     rank = -(-int(cfg["hidden_size"]) // 16) if rank == "auto" else int(rank)
     mamba = RecurrentSpec(kind="mamba", num_k_heads=rank, num_v_heads=inner, head_k_dim=int(cfg["mamba_d_state"]),
                           head_v_dim=0, conv_kernel=int(cfg["mamba_d_conv"]), conv_bias=bool(cfg["mamba_conv_bias"]),
-                          proj_bias=bool(cfg["mamba_proj_bias"]), inner_norms=True)
+                          proj_bias=bool(cfg["mamba_proj_bias"]), inner_norms=True, activation=act)
     attn = _gqa(cfg, rope=None)
     a_period, a_offset = int(cfg["attn_layer_period"]), int(cfg["attn_layer_offset"])
     e_period, e_offset = int(cfg["expert_layer_period"]), int(cfg["expert_layer_offset"])
@@ -242,7 +243,8 @@ def minimax(cfg: Config) -> ModelSpec:
         linear = types[i] == "linear_attention"
         kind = "linear_attn" if linear else "full_attn"
         mixer = RecurrentSpec(kind="lightning", num_k_heads=heads, num_v_heads=heads, head_k_dim=head_dim,
-                              head_v_dim=head_dim, slopes=_lightning_slopes(heads, i, n)) if linear else None
+                              head_v_dim=head_dim, slopes=_lightning_slopes(heads, i, n),
+                              activation=_act(cfg)) if linear else None
         scales = (f(f"{kind}_alpha_factor"), f(f"{kind}_beta_factor"), f("mlp_alpha_factor"), f("mlp_beta_factor"))
         layers.append(LayerSpec(attention=attn, moe=moe, recurrent=mixer, residual_scales=scales))
     names = WeightNames(moe_prefix="block_sparse_moe", recurrent="self_attn")
@@ -266,7 +268,7 @@ def kimi_linear(cfg: Config) -> ModelSpec:
                         head_k_dim=int(cfg["linear_head_dim"]), head_v_dim=int(cfg["linear_head_dim"]),
                         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), gate_lowrank=not bailing,
                         safe_gate_bound=float(cfg["kda_lower_bound"]) if bailing and cfg.get("kda_safe_gate") else None,
-                        out_proj="dense" if bailing else "o_proj")
+                        out_proj="dense" if bailing else "o_proj", activation=_act(cfg))
     attn = _mla(cfg, output_gate="sigmoid", output_gate_per_head=True) if bailing else _mla(cfg, rope=None)
     layers = [
         LayerSpec(attention=spec.attention, mlp=spec.mlp, moe=spec.moe,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from freetoken_agent.runtime.model.adapters import (
     Config,
     _act,
@@ -9,6 +11,7 @@ from freetoken_agent.runtime.model.adapters import (
     _layer_types,
     _model,
     _req,
+    _rope_params,
     adapter,
 )
 from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
@@ -58,6 +61,9 @@ def hunyuan_v1_moe(cfg: Config) -> ModelSpec:
     moe = _softmax_moe(cfg, inter, True, shared=MLPSpec(inter, _act(cfg)))  # type: ignore[arg-type]
     bias = bool(cfg.get("attention_bias", False))
     attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
+    if attn.rope is not None and attn.rope.kind == "dynamic" and attn.rope.alpha:
+        # transformers' Hunyuan rotary: "dynamic" with an alpha is a fixed NTK stretch, not length-dependent
+        attn = replace(attn, rope=replace(attn.rope, kind="ntk_alpha"))
     names = WeightNames(router="gate.wg", shared="shared_mlp", q_norm="query_layernorm", k_norm="key_layernorm")
     return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
 
@@ -94,9 +100,11 @@ def granite_shared(cfg: Config) -> ModelSpec:
     bias = bool(cfg.get("attention_bias", False))
     layers = []
     for i in range(n):
-        attn = _gqa({**cfg, "rope_theta": thetas[i], "rope_parameters": None} if thetas else cfg,
-                    qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)), sinks=swa,
-                    sliding_window=cfg.get("sliding_window") if sliding[i] else None)
+        # a per-layer theta replaces only the base (the rope type and its parameters stay); theta 0 is NoPE
+        lcfg = {**cfg, "rope_parameters": {**_rope_params(cfg), "rope_theta": thetas[i]}} if thetas else cfg
+        attn = _gqa(lcfg, qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)), sinks=swa,
+                    sliding_window=cfg.get("sliding_window") if sliding[i] else None,
+                    **({"rope": None} if thetas and not thetas[i] else {}))
         layers.append(LayerSpec(attention=attn, moe=moe))
     names = WeightNames(moe_prefix="block_sparse_moe", router="router" if swa else "router.layer", shared="shared_mlp",
                         shared_at_layer=True, fused_names=("input_linear.weight", "output_linear.weight"))
@@ -155,6 +163,12 @@ def phimoe(cfg: Config) -> ModelSpec:
     )
     bias = bool(cfg.get("attention_bias", False))
     attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, sliding_window=cfg.get("sliding_window"))
+    if attn.rope is not None and attn.rope.kind != "default":
+        # transformers' PhiMoE rotary computes the frequencies once (seq_len None: longrope's short factors) and
+        # scales cos/sin by short_mscale / long_mscale, switched at original_max_position_embeddings
+        p = _rope_params(cfg)
+        attn = replace(attn, rope=replace(attn.rope, frequency_update=False, short_mscale=float(p["short_mscale"]),
+                                          long_mscale=float(p["long_mscale"])))
     return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
                   names=WeightNames(moe_prefix="block_sparse_moe"), norm_kind="layer", norm_bias=True,
                   lm_head_bias=bool(cfg.get("lm_head_bias", False)))
@@ -172,7 +186,7 @@ def dbrx(cfg: Config) -> ModelSpec:
     moe = MoESpec(
         num_experts=int(ffn["moe_num_experts"]), top_k=int(ffn["moe_top_k"]), intermediate=int(ffn["ffn_hidden_size"]),
         router=RouterSpec(scoring="softmax", norm_topk=p is not None, norm_p=float(p or 1.0)),
-        activation=str((ffn.get("ffn_act_fn") or {}).get("name", "silu")),  # type: ignore[arg-type]
+        activation=_act(ffn.get("ffn_act_fn") or {}, "name"),
     )
     attn = _gqa(flat, clip_qkv=attn_cfg.get("clip_qkv"))
     names = WeightNames(layers="transformer.blocks", embed="transformer.wte", final_norm="transformer.norm_f",
@@ -195,7 +209,7 @@ def jetmoe(cfg: Config) -> ModelSpec:
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]), top_k=k, intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="none", topk_before_scoring=True),
-        activation=str(cfg.get("activation_function", "silu")), output_bias=True,  # type: ignore[arg-type]
+        activation=_act(cfg, "activation_function"), output_bias=True,
     )
     names = WeightNames(attn="self_attention", router="router.layer",
                         fused_names=("input_linear.weight", "output_linear.weight"))

@@ -63,7 +63,7 @@ def gated_deltanet(
         b, a = F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"])
     state = cache.get_state(layer)
     conv_state, rec_state = (None, None) if state is None else state
-    mixed, conv_state = causal_conv(mixed, w["conv1d.weight"], w.get("conv1d.bias"), conv_state)
+    mixed, conv_state = causal_conv(mixed, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation)
     q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
     beta = torch.sigmoid(b.float())
@@ -98,7 +98,8 @@ def kimi_delta(
     convs, rec_state = ((None, None, None), None) if state is None else (state[:3], state[3])
     parts, new_convs = [], []
     for name, conv in zip("qkv", convs):
-        y, c = causal_conv(F.linear(x, w[f"{name}_proj.weight"]), w[f"{name}_conv1d.weight"], None, conv)
+        y, c = causal_conv(F.linear(x, w[f"{name}_proj.weight"]), w[f"{name}_conv1d.weight"], None, conv,
+                           spec.activation)
         parts.append(y.view(t, h, dk).float())
         new_convs.append(c)
     q, k, v = parts

@@ -19,6 +19,6 @@ def short_conv(
     b, c, h = F.linear(x, w["in_proj.weight"], w.get("in_proj.bias")).chunk(3, dim=-1)
     state = cache.get_state(layer)
     y, conv_state = causal_conv(b * h, w["conv.weight"], w.get("conv.bias"), None if state is None else state[0],
-                                silu=False)
+                                activation=None)
     cache.set_state(layer, conv_state)
     return F.linear(c * y, w["out_proj.weight"], w.get("out_proj.bias"))
