@@ -97,11 +97,13 @@ def _run_tests(task: Task, ws: Path, python: str, timeout_s: float, log: Path, s
     return run_pytest(task.tests, ws, python, timeout_s, log, scratch, task.env)
 
 
-async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: HarnessConfig) -> tuple[TaskResult, str | None]:
-    """Run one task end to end; returns its result and the agent's patch (None when the agent never ran)."""
+async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore,
+                        config: HarnessConfig) -> tuple[TaskResult, bytes | None]:
+    """Run one task end to end; returns its result and the agent's patch, the exact bytes of its diff (None
+    when the agent never ran)."""
     start = time.monotonic()
     result = TaskResult(instance_id=task.instance_id, status=ERROR)
-    patch: str | None = None
+    patch: bytes | None = None
     tdir = store.task_dir(task.instance_id)
     python = config.python or task.python or default_python()
     tmp = Path(tempfile.mkdtemp(prefix=f"ft-eval-{task.instance_id[:40]}-"))
@@ -112,8 +114,8 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore, config: H
                                                      tdir / "setup.log")
         await _work(task, agent, ws, tdir, config.agent_timeout_s or task.agent_timeout_s, result)
         patch = diff = await anyio.to_thread.run_sync(diff_against, ws, ready)
-        (tdir / "model.patch").write_text(diff, encoding="utf-8")
-        result.patch_bytes = len(diff.encode())
+        (tdir / "model.patch").write_bytes(diff)
+        result.patch_bytes = len(diff)
         shutil.rmtree(ws, ignore_errors=True)
 
         t_tests = time.monotonic()
@@ -164,7 +166,7 @@ async def _work(task: Task, agent: EvalAgent, ws: Path, tdir: Path, timeout_s: f
         (tdir / "final_message.txt").write_text(outcome.final_message, encoding="utf-8")
 
 
-def _score(task: Task, run: ExecutedTests, patch: str, result: TaskResult) -> None:
+def _score(task: Task, run: ExecutedTests, patch: bytes, result: TaskResult) -> None:
     """SWE-bench's verdict from the test statuses, with a one-line reason when unresolved."""
     f2p, p2p = split(task.FAIL_TO_PASS, run.status), split(task.PASS_TO_PASS, run.status)
     result.fail_to_pass = {"success": f2p.success, "failure": f2p.failure}

@@ -3,10 +3,17 @@
 A run folder contains ``run.json`` (what was run), ``results.jsonl`` (one line appended per finished task, so
 a crash loses nothing and ``--resume`` re-runs only the tasks without a line), ``predictions.jsonl`` (the
 agent's patches in SWE-bench's prediction format) and ``tasks/<instance_id>/`` (patch, test log, transcript).
+
+Patches are stored losslessly: ``tasks/<id>/model.patch`` holds the exact bytes of the diff. In predictions.jsonl
+``model_patch`` is text as SWE-bench expects (``gitops.patch_text``: exact for UTF-8 patches, CRLF and binary
+patches included, as JSON escapes ``\\r``); a patch that is not valid UTF-8 (raw bytes of a non-UTF-8 text
+file) also gets ``model_patch_base64`` with its exact bytes, for readers other than Python.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import threading
@@ -14,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from freetoken_agent.evals.swe.gitops import patch_bytes, patch_text
 from freetoken_agent.evals.swe.task import EvalError
 
 RESOLVED, UNRESOLVED, SKIPPED, ERROR = "resolved", "unresolved", "skipped", "error"
@@ -46,6 +54,27 @@ class TaskResult:
     def from_dict(cls, data: dict[str, Any]) -> TaskResult:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def prediction(instance_id: str, model_name: str, patch: bytes) -> dict[str, Any]:
+    """One line of predictions.jsonl (SWE-bench's format; see the module docstring for the patch fields)."""
+    record: dict[str, Any] = {"instance_id": instance_id, "model_name_or_path": model_name,
+                              "model_patch": patch_text(patch)}
+    try:
+        patch.decode("utf-8")
+    except UnicodeDecodeError:
+        record["model_patch_base64"] = base64.b64encode(patch).decode("ascii")
+    return record
+
+
+def prediction_patch(record: dict[str, Any]) -> bytes:
+    """The exact bytes of a prediction's patch (``model_patch_base64`` when present, else ``model_patch``)."""
+    if "model_patch_base64" in record:
+        try:
+            return base64.b64decode(record["model_patch_base64"], validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"model_patch_base64 is not base64: {exc}") from None
+    return patch_bytes(record["model_patch"] or "")
 
 
 class RunStore:
@@ -107,14 +136,24 @@ class RunStore:
             self.results_path.write_text("".join(f"{ln}\n" for ln in good), encoding="utf-8")
         return results
 
-    def append(self, result: TaskResult, model_patch: str | None, model_name: str) -> None:
+    def append(self, result: TaskResult, model_patch: bytes | None, model_name: str) -> None:
         """Record a finished task (and its prediction) durably."""
         with self._lock:
             self._append_line(self.results_path, asdict(result))
             if model_patch is not None:
-                pred = {"instance_id": result.instance_id, "model_name_or_path": model_name,
-                        "model_patch": model_patch}
-                self._append_line(self.predictions_path, pred)
+                self._append_line(self.predictions_path, prediction(result.instance_id, model_name, model_patch))
+
+    def predictions(self) -> dict[str, bytes]:
+        """The agent's patches recorded so far, as exact bytes, by instance id (the last one wins)."""
+        patches: dict[str, bytes] = {}
+        if self.predictions_path.exists():
+            for number, line in enumerate(self.predictions_path.read_text(encoding="utf-8").splitlines(), 1):
+                try:
+                    record = json.loads(line)
+                    patches[record["instance_id"]] = prediction_patch(record)
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                    raise EvalError(f"{self.predictions_path}:{number}: not a prediction record ({exc})") from None
+        return patches
 
     @staticmethod
     def _append_line(path: Path, record: dict[str, Any]) -> None:

@@ -32,9 +32,10 @@ class Task(BaseModel):
     problem_statement: str
     """The issue text the agent is given."""
     patch: str = ""
-    """The gold patch (unified diff); only the gold agent reads it."""
+    """The gold patch (a git diff; binary files as git binary patches); only the gold agent reads it. Applied as
+    bytes: CRLF and every other byte is kept, bytes that are not UTF-8 are lone surrogates (``gitops.patch_text``)."""
     test_patch: str = ""
-    """Applied after the agent's patch, before the tests run (adds/updates the deciding tests)."""
+    """Applied after the agent's patch, before the tests run (adds/updates the deciding tests); bytes as ``patch``."""
     FAIL_TO_PASS: list[str] = Field(default_factory=list)
     """Tests that fail at ``base_commit`` and must pass after the fix."""
     PASS_TO_PASS: list[str] = Field(default_factory=list)

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from freetoken_agent.evals.swe.gitops import git
+from freetoken_agent.evals.swe.gitops import disable_conversions, git, git_bytes, patch_text
 
 from freetoken_agent import cli
 
@@ -25,23 +25,32 @@ def freetoken(*argv: str, capsys: pytest.CaptureFixture[str] | None = None) -> t
     return code, out, err
 
 
-def make_repo(root: Path, files: dict[str, str], message: str = "commit") -> str:
-    """Write ``files`` (dedented) under ``root``, commit them (creating the repository if needed); return the sha."""
+def make_repo(root: Path, files: dict[str, str | bytes | None], message: str = "commit") -> str:
+    """Write ``files`` under ``root`` (text dedented, bytes exactly as given, None deletes; a name that is not
+    UTF-8 is given with surrogates, as ``os.fsdecode`` makes it) and commit them, creating the repository if
+    needed; blobs hold exactly these bytes whatever ``.gitattributes`` says. Returns the sha."""
     root.mkdir(parents=True, exist_ok=True)
     if not (root / ".git").exists():
         git(root, "init", "-q")
-    for rel, text in files.items():
+        disable_conversions(root)
+    for rel, content in files.items():
         path = root / rel
+        if content is None:
+            path.unlink()
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(textwrap.dedent(content).lstrip("\n"), encoding="utf-8")
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", message)
     return git(root, "rev-parse", "HEAD").strip()
 
 
-def diff(root: Path, a: str, b: str) -> str:
-    """``git diff a b`` in ``root``."""
-    return git(root, "diff", a, b)
+def diff(root: Path, a: str, b: str, *paths: str) -> str:
+    """``git diff --binary a b [-- paths]`` in ``root``, as a task's patch text (``patch_text``)."""
+    return patch_text(git_bytes(root, "diff", "--binary", a, b, *(["--", *paths] if paths else [])))
 
 
 def read_results(out: Path) -> dict[str, dict]:
