@@ -226,7 +226,7 @@ class Decoder:
             return layer_norm(x, weight, self.spec.norm_eps, bias)
         y = rms_norm(x, weight, self.spec.norm_eps)
         if lw is not None and f"{role}_gate_down" in lw.norms:  # gated RMSNorm (A.X K2)
-            g = F.linear(F.silu(F.linear(y, lw.norms[f"{role}_gate_down"])), lw.norms[f"{role}_gate_up"])
+            g = dense_linear(F.silu(dense_linear(y, lw.norms[f"{role}_gate_down"])), lw.norms[f"{role}_gate_up"])
             y = (y * torch.sigmoid(g.float())).to(y.dtype)
         return y
 
@@ -274,7 +274,7 @@ class Decoder:
         if moe.shared is not None:
             shared = mlp(x, mw.shared, moe.shared) if gammas is None else stacked_shared(x, mw.shared, gammas, moe.shared)
             if mw.shared_gate is not None:
-                shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+                shared = torch.sigmoid(dense_linear(x, mw.shared_gate)) * shared
             out = (out + shared) / 2 if moe.shared_average else out + shared
         if mw.output_bias is not None:
             out = out + mw.output_bias

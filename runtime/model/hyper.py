@@ -7,12 +7,13 @@ final head has ``fn`` [N, N·D], ``base`` [N], ``scale`` [1].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from freetoken_agent.runtime.model.layers import dense_linear
 
 
 def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     flat = streams.flatten(1).float()  # [T, N·D]
-    return F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return dense_linear(flat, fn.float().contiguous()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
 
 def hc_pre(
