@@ -31,6 +31,33 @@ class GenerateRequest:
     prompt: str | None = None
     session: str | None = None
     """Conversation key: requests with the same key continue one conversation (a local engine keeps its KV)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: off)."""
+    strict_length: bool = False
+    """``max_tokens`` was asked for explicitly: a prompt that leaves less room than that in the context is refused
+    (``ContextLengthError``) instead of having its completion clipped to the room left."""
+
+
+def stop_hit(full_text: str, emitted: int, stops: Sequence[str]) -> str | None:
+    """Which of ``stops`` ended a generation whose whole text is ``full_text`` and whose text was cut at
+    ``emitted`` characters (the earliest stop at or after the cut; None when none is there)."""
+    found = [(i, s) for s in stops if s and (i := full_text.find(s, max(0, emitted - len(s) + 1))) != -1]
+    return min(found)[1] if found else None
+
+
+def check_context(prompt_tokens: int, request: GenerateRequest, context_length: int | None) -> None:
+    """Refuse a prompt that does not fit the context, or (``strict_length``) leaves no room for ``max_tokens``."""
+    from freetoken_agent.runtime.scheduler import ContextLengthError
+
+    if context_length is None:
+        return
+    if prompt_tokens >= context_length:
+        raise ContextLengthError(f"the prompt has {prompt_tokens} tokens; the model's context is {context_length} "
+                                 "tokens (the completion needs at least one more)")
+    if request.strict_length and prompt_tokens + request.max_tokens > context_length:
+        raise ContextLengthError(
+            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({request.max_tokens}) exceed the model's context "
+            f"of {context_length} tokens: ask for at most {context_length - prompt_tokens} tokens")
 
 
 @dataclass(frozen=True)
@@ -39,6 +66,8 @@ class GenerationDone:
 
     finish_reason: str
     usage: Usage = Usage()
+    stop_sequence: str | None = None
+    """The stop string that ended the generation (``finish_reason == "stop"`` on a ``stop`` string, not an EOS)."""
 
 
 BackendEvent = Union[TextDelta, ToolCallStarted, ToolCallFinished, FormatError, GenerationDone]
@@ -112,7 +141,7 @@ class TextBackend:
         for event in parser.finish():
             saw_call = saw_call or isinstance(event, ToolCallFinished)
             yield event
-        if saw_call and done.finish_reason == "stop":
+        if saw_call and done.finish_reason == "stop" and done.stop_sequence is None:
             done = GenerationDone("tool_calls", done.usage)
         yield done
 
@@ -124,3 +153,12 @@ class TextBackend:
 
     def stats(self) -> dict[str, Any] | None:
         return None
+
+    @property
+    def context_length(self) -> int | None:
+        """Tokens the model's context holds (None: unknown, nothing is checked)."""
+        return None
+
+    def count_tokens(self, request: GenerateRequest) -> int:
+        """Prompt tokens ``request`` would take (what its ``GenerationDone.usage.prompt_tokens`` reports)."""
+        raise NotImplementedError

@@ -7,7 +7,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk
+from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk, check_context, stop_hit
 from freetoken_agent.chat import detect_format
 from freetoken_agent.events import Usage
 from freetoken_agent.phases import Phase
@@ -159,20 +159,35 @@ class LocalEngine(TextBackend):
         return self.engine.render_chat(template_messages(request.messages), request.tools or None,
                                        add_generation_prompt=True)
 
+    @property
+    def context_length(self) -> int:
+        """The model's context (``max_position_embeddings``)."""
+        return int(self.engine.spec.max_position)
+
+    def count_tokens(self, request: GenerateRequest) -> int:
+        return len(self.engine.tokenizer.encode(self.render(request)))
+
     async def stream_text(self, request: GenerateRequest) -> AsyncIterator[TextChunk | GenerationDone]:
         ids = self.engine.tokenizer.encode(self.render(request))
+        check_context(len(ids), request, self.context_length)
         greedy = request.temperature <= 0 or request.top_p <= 0
         sampling = {"max_new_tokens": request.max_tokens, "temperature": 0.0 if greedy else request.temperature,
-                    "top_p": 1.0 if greedy else request.top_p, "seed": request.seed, "stop": tuple(request.stop)}
-        count, finish = 0, "length"
-        async for chunk in self._stream(ids, request.session, sampling):
-            if isinstance(chunk, TextChunk):
+                    "top_p": 1.0 if greedy else request.top_p, "top_k": 0 if greedy else request.top_k,
+                    "seed": request.seed, "stop": tuple(request.stop)}
+        count, finish, text, out_ids = 0, "length", [], []
+        async for item in self._stream(ids, request.session, sampling):
+            if isinstance(item, tuple):
                 count += 1
-                if chunk.text:
-                    yield chunk
+                out_ids.append(item[0])
+                if item[1]:
+                    text.append(item[1])
+                    yield TextChunk(item[1])
             else:
-                finish = chunk
-        yield GenerationDone(finish, Usage(len(ids), count))
+                finish = item
+        stop = None
+        if finish == "stop" and request.stop and out_ids and out_ids[-1] not in self._eos:
+            stop = stop_hit(self.engine.tokenizer.decode(out_ids), len("".join(text)), request.stop)
+        yield GenerationDone(finish, Usage(len(ids), count), stop)
 
     @property
     def pooled_sessions(self) -> tuple[Any, ...]:
@@ -193,7 +208,7 @@ class LocalEngine(TextBackend):
             self._pool.pop(0).close()
 
     async def _stream(self, ids: list[int], key: str | None, sampling: dict[str, Any]) -> AsyncIterator[Any]:
-        """Token texts (end-of-sequence text removed), then the finish reason."""
+        """(token id, text) per token (end-of-sequence text removed), then the finish reason."""
         session = self._session(key)
         pooled = session is None or session.busy  # a second request of one conversation runs beside it
         if pooled:
@@ -212,7 +227,7 @@ class LocalEngine(TextBackend):
             if event.finish_reason == "stop" and event.token_id in self._eos:
                 eos_text = self.engine.tokenizer.decode([event.token_id])
                 text = text[: -len(eos_text)] if eos_text and text.endswith(eos_text) else text
-            yield TextChunk(text)
+            yield event.token_id, text
             finish = event.finish_reason or finish
         yield finish
 

@@ -10,7 +10,7 @@ from typing import Any, Union
 import anyio
 from anyio.lowlevel import checkpoint
 
-from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk
+from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk, check_context, stop_hit
 from freetoken_agent.chat import TextDelta, ToolCallFinished, ToolCallStarted
 from freetoken_agent.errors import BackendError
 from freetoken_agent.events import Usage
@@ -35,10 +35,12 @@ class ScriptedBackend(TextBackend):
     out, the call fails with :class:`~freetoken_agent.errors.BackendError`.
     """
 
-    def __init__(self, turns: Iterable[Turn], tool_format: str = "hermes", delay_s: float = 0.0) -> None:
+    def __init__(self, turns: Iterable[Turn], tool_format: str = "hermes", delay_s: float = 0.0,
+                 context_length: int | None = None) -> None:
         self.turns: list[Turn] = list(turns)
         self.tool_format = tool_format
         self.delay_s = delay_s
+        self._context_length = context_length
         self.requests: list[GenerateRequest] = []
         self.hints: list[tuple[Phase, float | None]] = []
         self.ended: list[str] = []  # conversations the loop closed
@@ -63,7 +65,16 @@ class ScriptedBackend(TextBackend):
         """Scripted turns not yet played."""
         return len(self.turns) - self._next
 
+    @property
+    def context_length(self) -> int | None:
+        """The context the script pretends to have (None: unbounded), checked in words like its usage."""
+        return self._context_length
+
+    def count_tokens(self, request: GenerateRequest) -> int:
+        return self._prompt_tokens(request)
+
     def _take(self, request: GenerateRequest) -> str | dict[str, Any]:
+        check_context(self._prompt_tokens(request), request, self._context_length)
         self.requests.append(request)
         if self._next >= len(self.turns):
             raise BackendError(f"the scripted backend has no output left for call {self._next + 1} "
@@ -85,6 +96,9 @@ class ScriptedBackend(TextBackend):
     async def stream_text(self, request: GenerateRequest) -> AsyncIterator[TextChunk | GenerationDone]:
         text, self._pending = (self._pending, None) if self._pending is not None else (str(self._take(request)), None)
         count = 0
+        stop = stop_hit(text, 0, request.stop)  # the script's text ends at its first stop string, like a model's
+        if stop is not None:
+            text = text[: text.find(stop)]
         for match in _TOKEN.finditer(text):
             if count >= request.max_tokens:
                 yield GenerationDone("length", Usage(self._prompt_tokens(request), count))
@@ -95,7 +109,7 @@ class ScriptedBackend(TextBackend):
                 await checkpoint()
             count += 1
             yield TextChunk(match.group(0))
-        yield GenerationDone("stop", Usage(self._prompt_tokens(request), count))
+        yield GenerationDone("stop", Usage(self._prompt_tokens(request), count), stop)
 
     async def _structured(self, request: GenerateRequest, turn: dict[str, Any]) -> AsyncIterator[Any]:
         content = str(turn.get("content") or "")

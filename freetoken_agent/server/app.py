@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/chat/completions`` (streaming, tools), ``/v1/completions``.
+"""The HTTP app: OpenAI ``/v1/models``, ``/v1/chat/completions`` (streaming, tools), ``/v1/completions``,
+``/v1/responses``; Anthropic ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 Any :class:`~freetoken_agent.backends.Backend` can serve: ``freetoken serve`` uses ``LocalEngine``; tests use
 ``ScriptedBackend``. Requests run concurrently (the local engine batches them on its scheduler); a client that
@@ -8,87 +9,216 @@ disconnects — streaming or not — cancels its generation; a prompt that does 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
+import anyio.to_thread
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
 from freetoken_agent.runtime.errors import FreeTokenError
-from freetoken_agent.runtime.scheduler import ContextLengthError
-from freetoken_agent.server.protocol import (
-    RequestError, chat_request, completion_request, envelope, error_body, new_id, usage_dict,
+from freetoken_agent.server import anthropic
+from freetoken_agent.server import responses as responses_api
+from freetoken_agent.server.fields import RequestError
+from freetoken_agent.server.http import (
+    MAX_BODY_BYTES, ApiKeyGate, anthropic_error, error_response, openai_error, openai_sse, read_json, refusal,
+    request_error, run_whole, shape_for, stream_sse, typed_sse,
 )
+from freetoken_agent.server.protocol import (
+    ChatCall, anext_or_none, chain, chat_request, completion_request, envelope, new_id, usage_dict,
+)
+from freetoken_agent.server.responses import ResponseStore
 
 
 class OpenAIServer:
-    """Serves one backend under one model id.
+    """Serves one backend under one model id, in three dialects: OpenAI chat/text completions, Anthropic Messages
+    (``/v1/messages``, Claude Code) and OpenAI Responses (``/v1/responses``, Codex and the Agents SDK).
 
     Requests carry no conversation key: the local engine gives each the idle session that shares the longest prefix
-    with its prompt, so consecutive turns of a client reuse its KV while other clients run beside it.
+    with its prompt, so consecutive turns of a client reuse its KV while other clients run beside it. With
+    ``api_key`` set every route needs it; bodies over ``max_body`` bytes are refused (413).
     """
 
-    def __init__(self, backend: Backend, model_id: str, default_max_tokens: int = 1024) -> None:
+    def __init__(self, backend: Backend, model_id: str, default_max_tokens: int = 1024, api_key: str | None = None,
+                 max_body: int = MAX_BODY_BYTES) -> None:
         self.backend = backend
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
+        self.api_key = api_key
+        self.max_body = max_body
+        self.responses = ResponseStore()
+        """Stored Responses-API answers (``previous_response_id``)."""
 
-    def app(self) -> Starlette:
+    def app(self) -> ASGIApp:
         """The ASGI application."""
-        return Starlette(routes=[
+        app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+            Route("/v1/responses", self.create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
             Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_exception})
+        return ApiKeyGate(app, self.api_key)
+
+    def _model_card(self) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "freetoken",
+                                "type": "model", "display_name": self.model_id, "created_at": "1970-01-01T00:00:00Z"}
+        context = self.backend_context()
+        if context is not None:
+            card["context_length"] = card["max_model_len"] = context
+        return card
+
+    def backend_context(self) -> int | None:
+        """The served model's context in tokens (None when the backend does not know it)."""
+        return getattr(self.backend, "context_length", None)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "freetoken"}]})
+        card = self._model_card()
+        return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                             "last_id": card["id"]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name != self.model_id:
+            return request_error(shape_for(request.url.path), self._unknown_model(name))
+        return JSONResponse(self._model_card())
 
     async def stats(self, request: Request) -> Response:
         """The backend's statistics (the engine's: scheduler, KV, residency), or {} for backends without any."""
         return JSONResponse(self.backend.stats() or {})
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise RequestError("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+    def _unknown_model(self, name: str) -> RequestError:
+        return RequestError(f"the model {name[:200]!r} does not exist: this server serves {self.model_id!r}",
+                            "model", 404, "model_not_found")
+
+    def check_model(self, name: str | None) -> None:
+        """Refuse a request for a model this server does not serve (404); no model names the served one."""
+        if name is not None and name != self.model_id:
+            raise self._unknown_model(name)
+
+    async def _read(self, request: Request, parse: Callable[[Any], Any]) -> Any:
+        """The body read, size-checked and parsed by ``parse`` (which raises RequestError)."""
+        body = await read_json(request, self.max_body)
+        return parse(body)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body = await self._body(request)
-            req = chat_request(body, self.default_max_tokens)
+            call = await self._read(request, lambda b: chat_request(b, self.default_max_tokens))
+            self.check_model(call.model)
         except RequestError as exc:
-            return JSONResponse(error_body(str(exc)), status_code=400)
+            return request_error(openai_error, exc)
         rid = new_id("chatcmpl")
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await _streaming(self._chat_chunks(req, rid, usage))
-        return await _whole(request, self._chat_whole(req, rid))
+        if call.stream:
+            return await stream_sse(openai_error, self._chat_chunks(call, rid), openai_sse)
+        return await run_whole(request, openai_error, self._chat_whole(call, rid))
 
     async def completions(self, request: Request) -> Response:
         try:
-            body = await self._body(request)
-            req = completion_request(body, self.default_max_tokens)
+            call = await self._read(request, lambda b: completion_request(b, self.default_max_tokens))
+            self.check_model(call.model)
+            if not isinstance(self.backend, TextBackend):
+                raise RequestError("this backend serves chat completions only")
         except RequestError as exc:
-            return JSONResponse(error_body(str(exc)), status_code=400)
-        if not isinstance(self.backend, TextBackend):
-            return JSONResponse(error_body("this backend serves chat completions only"), status_code=400)
+            return request_error(openai_error, exc)
         rid = new_id("cmpl")
-        if body.get("stream"):
-            return await _streaming(self._text_chunks(req, rid))
-        return await _whole(request, self._text_whole(req, rid))
+        if call.stream:
+            return await stream_sse(openai_error, self._text_chunks(call, rid), openai_sse)
+        return await run_whole(request, openai_error, self._text_whole(call.request, rid))
+
+    # ------------------------------------------------------------------------------------ Anthropic Messages
+    async def messages(self, request: Request) -> Response:
+        try:
+            call = await self._read(request, lambda b: anthropic.messages_request(b))
+            self.check_model(call.model)
+        except RequestError as exc:
+            return request_error(anthropic_error, exc)
+        mid = new_id("msg").replace("-", "_")
+        events = self.call_events(call.request, call.single_call)
+        if call.stream:
+            try:  # message_start carries the prompt's size, before anything is generated
+                prompt_tokens = await anyio.to_thread.run_sync(self.backend_count, call.request)
+            except RequestError:
+                prompt_tokens = 0
+            except FreeTokenError as exc:
+                return refusal(anthropic_error, exc)
+            stream = anthropic.stream_events(events, mid, self.model_id, prompt_tokens, call.thinking)
+            return await stream_sse(anthropic_error, stream, typed_sse)
+        return await run_whole(request, anthropic_error, anthropic.whole_message(
+            events, mid, self.model_id, call.thinking))
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            call = await self._read(request, lambda b: anthropic.messages_request(b, count_only=True))
+            self.check_model(call.model)
+            tokens = await anyio.to_thread.run_sync(self.backend_count, call.request)
+        except RequestError as exc:
+            return request_error(anthropic_error, exc)
+        except FreeTokenError as exc:
+            return refusal(anthropic_error, exc)
+        return JSONResponse({"input_tokens": tokens})
+
+    def backend_count(self, request: GenerateRequest) -> int:
+        """Prompt tokens of ``request`` by the backend's own count (a 400 when it cannot count)."""
+        try:
+            return int(self.backend.count_tokens(request))  # type: ignore[attr-defined]
+        except (AttributeError, NotImplementedError):
+            raise RequestError("this backend cannot count tokens") from None
+
+    # ------------------------------------------------------------------------------------ OpenAI Responses
+    async def create_response(self, request: Request) -> Response:
+        try:
+            call = await self._read(request, lambda b: responses_api.responses_request(
+                b, self.default_max_tokens, self.responses))
+            self.check_model(call.model)
+        except RequestError as exc:
+            return request_error(openai_error, exc)
+        run = responses_api.ResponseRun(call, self.model_id, self.responses)
+        if call.stream:
+            return await stream_sse(openai_error, run.stream(self.call_events(call.request)), typed_sse)
+        return await run_whole(request, openai_error, run.whole(self.call_events(call.request)))
+
+    async def get_response(self, request: Request) -> Response:
+        stored = self.responses.get(request.path_params["response_id"])
+        if stored is None:
+            return error_response(openai_error, 404, "invalid_request_error", "no stored response with that id")
+        return JSONResponse(stored.body)
+
+    # ------------------------------------------------------------------------------------------ chat internals
+    async def call_events(self, req: GenerateRequest, single_call: bool = False) -> AsyncIterator[Any]:
+        """Backend events with finished calls numbered 0, 1, ... and unreadable calls turned back into text.
+
+        A call is announced to the client only once it has parsed (name and arguments in one delta), so a client
+        never holds a call whose arguments never come. With ``single_call`` the generation ends after the first call
+        (``parallel_tool_calls: false``).
+        """
+        number = 0
+        events = self.backend.generate(req)
+        try:
+            async for event in events:
+                if isinstance(event, ToolCallStarted):
+                    continue
+                if isinstance(event, ToolCallFinished):
+                    yield number, event
+                    number += 1
+                    if single_call:
+                        return
+                elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
+                    yield None, TextDelta(event.raw)
+                else:
+                    yield None, event
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
     async def _text_whole(self, req: GenerateRequest, rid: str) -> dict[str, Any]:
         backend = self.backend
@@ -103,28 +233,9 @@ class OpenAIServer:
         u = done.usage
         return envelope("text_completion", rid, self.model_id, [choice], usage_dict(u.prompt_tokens, u.completion_tokens))
 
-    # ------------------------------------------------------------------------------------------ chat internals
-    async def _chat_events(self, req: GenerateRequest) -> AsyncIterator[Any]:
-        """Backend events with finished calls numbered 0, 1, ... and unreadable calls turned back into text.
-
-        A call is announced to the client only once it has parsed (name and arguments in one delta), so a client
-        never holds a call whose arguments never come.
-        """
-        number = 0
-        async for event in self.backend.generate(req):
-            if isinstance(event, ToolCallStarted):
-                continue
-            if isinstance(event, ToolCallFinished):
-                yield number, event
-                number += 1
-            elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
-                yield None, TextDelta(event.raw)
-            else:
-                yield None, event
-
-    async def _chat_whole(self, req: GenerateRequest, rid: str) -> dict[str, Any]:
+    async def _chat_whole(self, call: ChatCall, rid: str) -> dict[str, Any]:
         text, calls, done = [], [], GenerationDone("stop")
-        async for number, event in self._chat_events(req):
+        async for number, event in self.call_events(call.request, call.single_call):
             if isinstance(event, TextDelta) and not event.reasoning:
                 text.append(event.text)
             elif isinstance(event, ToolCallFinished):
@@ -140,19 +251,16 @@ class OpenAIServer:
                         [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                         usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
 
-    async def _chat_chunks(self, req: GenerateRequest, rid: str, include_usage: bool) -> AsyncIterator[dict]:
+    async def _chat_chunks(self, call: ChatCall, rid: str) -> AsyncIterator[dict]:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return envelope("chat.completion.chunk", rid, self.model_id,
                             [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
 
-        events = self._chat_events(req)
-        try:  # the engine accepts or refuses the request here, before the response starts
-            first = [await events.__anext__()]
-        except StopAsyncIteration:
-            first = []
+        events = self.call_events(call.request, call.single_call)
+        first = await anext_or_none(events)  # the engine accepts or refuses the request before the response starts
         yield chunk({"role": "assistant", "content": ""})
         done, any_call = GenerationDone("stop"), False
-        async for number, event in _chain(first, events):
+        async for number, event in chain(first, events):
             if isinstance(event, TextDelta) and event.text:
                 yield chunk({"reasoning_content": event.text} if event.reasoning else {"content": event.text})
             elif isinstance(event, ToolCallFinished):
@@ -163,81 +271,30 @@ class OpenAIServer:
             elif isinstance(event, GenerationDone):
                 done = event
         yield chunk({}, "tool_calls" if any_call else done.finish_reason)
-        if include_usage:
+        if call.include_usage:
             yield envelope("chat.completion.chunk", rid, self.model_id, [],
                            usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
 
-    async def _text_chunks(self, req: GenerateRequest, rid: str) -> AsyncIterator[dict]:
+    async def _text_chunks(self, call: ChatCall, rid: str) -> AsyncIterator[dict]:
         backend = self.backend
         assert isinstance(backend, TextBackend)  # checked by ``completions``
-        async for item in backend.stream_text(req):
+        async for item in backend.stream_text(call.request):
             if isinstance(item, TextChunk):
                 yield envelope("text_completion", rid, self.model_id,
                                [{"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}])
             else:
                 yield envelope("text_completion", rid, self.model_id,
                                [{"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}],
-                               usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
+                               None if call.include_usage else usage_dict(item.usage.prompt_tokens,
+                                                                          item.usage.completion_tokens))
+                if call.include_usage:
+                    yield envelope("text_completion", rid, self.model_id, [],
+                                   usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
 
 
-async def _chain(head: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    for item in head:
-        yield item
-    async for item in rest:
-        yield item
-
-
-def _refusal(exc: Exception) -> Response:
-    """A request the engine refuses before generating (too long for the context, ids outside the vocabulary)."""
-    kind = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_request_error"
-    return JSONResponse(error_body(str(exc), kind), status_code=400)
-
-
-async def _whole(request: Request, work: Any) -> Response:
-    """Run ``work`` (a coroutine producing the response body) until it ends or the client disconnects: a client
-    that goes away cancels its generation instead of leaving it running."""
-    out: dict[str, Any] = {}
-
-    async def watch(scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()
-
-    async def run(scope: anyio.CancelScope) -> None:
-        try:
-            out["body"] = await work
-        except FreeTokenError as exc:
-            out["error"] = exc
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch, tg.cancel_scope)
-        tg.start_soon(run, tg.cancel_scope)
-    if "error" in out:
-        return _refusal(out["error"])
-    if "body" not in out:  # disconnected: nobody reads this
-        return Response(status_code=499)
-    return JSONResponse(out["body"])
-
-
-async def _streaming(chunks: AsyncIterator[dict[str, Any]]) -> Response:
-    """An SSE response; the first chunk is produced before the response starts, so a request the engine refuses
-    gets a 400 instead of a stream that breaks. A disconnect cancels the generator (and with it the generation)."""
-    try:
-        first = await chunks.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except FreeTokenError as exc:
-        return _refusal(exc)
-
-    async def sse() -> AsyncIterator[str]:
-        try:
-            if first is not None:
-                yield f"data: {json.dumps(first, ensure_ascii=False)}\n\n"
-                async for item in chunks:
-                    yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await chunks.aclose()
-
-    return StreamingResponse(sse(), media_type="text/event-stream")
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Unknown routes and wrong methods, in the API's error shape."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(shape_for(request.url.path), exc.status_code, kind,
+                          f"{request.method} {request.url.path[:200]}: {exc.detail}")

@@ -2,79 +2,262 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.backends.base import GenerateRequest
+from freetoken_agent.server.fields import Fields, RequestError, stop_list, type_name
+
+__all__ = ["ChatCall", "RequestError", "chat_request", "completion_request", "envelope", "error_body", "new_id",
+           "usage_dict", "anext_or_none", "chain"]
 
 
-class RequestError(ValueError):
-    """A request the server refuses with HTTP 400; the message names the bad field."""
+IMAGES = "images, audio and files are not supported: the model reads text only"
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+"""Fields accepted without effect: bookkeeping for a hosted service that a local server has no use for."""
 
 
-def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key, default)
+@dataclass
+class ChatCall:
+    """A request read from a body, and how to answer it."""
+
+    request: GenerateRequest
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    single_call: bool = False
+    """``parallel_tool_calls: false``: the answer ends after the first tool call."""
+
+
+def read_model(f: Fields) -> str | None:
+    """The ``model`` field (checked against the served model by the app)."""
+    return f.str_("model")
+
+
+def refuse_unsupported_sampling(f: Fields) -> None:
+    """Sampling controls the engine does not implement yet: accepted at their neutral value, else a 400."""
+    f.refuse_unless("n", 1, "one choice per request")
+    f.refuse_unless("frequency_penalty", 0, "repetition penalties are not implemented")
+    f.refuse_unless("presence_penalty", 0, "repetition penalties are not implemented")
+    f.refuse_unless("repetition_penalty", 1, "repetition penalties are not implemented")
+    f.refuse_unless("min_p", 0, "min-p sampling is not implemented")
+    if f.has("logit_bias") and f.raw("logit_bias") != {}:
+        raise RequestError("'logit_bias' is not supported: logit biases are not implemented", "logit_bias")
+    f.raw("logit_bias")
+
+
+def sampling_from(f: Fields, default_max_tokens: int, max_keys: tuple[str, ...] = ("max_completion_tokens",
+                  "max_tokens"), stop_key: str | None = "stop", temperature_max: float = 2.0) -> dict[str, Any]:
+    """Sampling fields shared by every endpoint, checked: max tokens (the first of ``max_keys`` present),
+    temperature, top_p, top_k, seed, stop strings."""
+    max_tokens = None
+    for key in max_keys:
+        value = f.int_(key, low=1)
+        max_tokens = value if max_tokens is None else max_tokens
+    seed = f.int_("seed")
+    top_k = f.int_("top_k", 0, low=-1, high=1_000_000)
+    out = {"max_tokens": max_tokens or default_max_tokens, "strict_length": max_tokens is not None,
+           "temperature": f.num("temperature", 0.0, 0.0, temperature_max), "top_p": f.num("top_p", 1.0, 0.0, 1.0),
+           "top_k": max(top_k or 0, 0), "seed": seed}
+    if stop_key is not None:
+        out["stop"] = stop_list(f.raw(stop_key), f.name(stop_key))
+    return out
+
+
+def _text_parts(value: Any, name: str) -> str:
+    """Chat content: a string, null, or text parts (``[{"type": "text", "text": ...}]``) joined."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if not isinstance(value, list):
+        raise RequestError(f"'{name}' must be a string or an array of content parts, got {type_name(value)}", name)
+    out = []
+    for i, raw in enumerate(value):
+        part = Fields(raw, f"{name}[{i}]")
+        kind = part.str_("type", required=True)
+        if kind in ("image_url", "input_audio", "file", "image", "input_image", "input_file"):
+            raise RequestError(f"'{name}[{i}]': {IMAGES}", f"{name}[{i}]")
+        if kind not in ("text", "input_text", "output_text", "refusal"):
+            raise RequestError(f"'{name}[{i}].type' {kind!r} is not a known content part type", f"{name}[{i}].type")
+        out.append(part.str_("refusal" if kind == "refusal" else "text", required=True) or "")
+        part.raw("annotations")
+        part.raw("cache_control")
+        part.done()
+    return "".join(out)
+
+
+def arguments_text(value: Any, name: str) -> str:
+    """Tool-call arguments: a JSON string (OpenAI) or an object, returned as a string."""
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str):
+        raise RequestError(f"'{name}' must be a string of JSON, got {type_name(value)}", name)
+    return value
+
+
+def _tool_calls(value: Any, name: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise RequestError(f"'{name}' must be an array of tool calls, got {type_name(value)}", name)
+    calls = []
+    for i, raw in enumerate(value):
+        call = Fields(raw, f"{name}[{i}]")
+        call.str_("type", "function", choices=("function",))
+        fn = call.obj("function")
+        if fn is None:
+            raise RequestError(f"'{name}[{i}].function' is required", f"{name}[{i}].function")
+        entry = {"id": call.str_("id") or f"call_{i}", "type": "function", "function": {
+            "name": fn.str_("name", required=True), "arguments": arguments_text(fn.raw("arguments") or "{}",
+                                                                            fn.name("arguments"))}}
+        fn.done()
+        call.done()
+        calls.append(entry)
+    return calls
+
+
+def chat_message(raw: Any, name: str) -> dict[str, Any]:
+    """One OpenAI chat message, checked and normalized (content as text)."""
+    m = Fields(raw, name)
+    role = m.str_("role", required=True, choices=("system", "developer", "user", "assistant", "tool"))
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": _text_parts(m.raw("content"), m.name("content"))}
+    if m.has("name"):
+        out["name"] = m.str_("name")
+    if role == "assistant":
+        if m.has("tool_calls"):
+            out["tool_calls"] = _tool_calls(m.raw("tool_calls"), m.name("tool_calls"))
+        if m.has("reasoning_content"):
+            out["reasoning_content"] = m.str_("reasoning_content")
+        m.refuse_unless("refusal", None, "send the refusal as content")
+    if role == "tool":
+        out["tool_call_id"] = m.str_("tool_call_id", required=True)
+    m.done()
+    return out
+
+
+def function_tool(raw: Any, name: str) -> dict[str, Any]:
+    """One ``{"type": "function", "function": {name, description, parameters}}`` tool, checked."""
+    t = Fields(raw, name)
+    t.str_("type", "function", choices=("function",))
+    fn = t.obj("function")
+    if fn is None:
+        raise RequestError(f"'{name}.function' is required", f"{name}.function")
+    tool = tool_function(fn)
+    t.done()
+    return tool
+
+
+def tool_function(fn: Fields) -> dict[str, Any]:
+    """The function part of a tool (name, description, JSON-Schema parameters) as a chat-template tool."""
+    out: dict[str, Any] = {"name": fn.str_("name", required=True)}
+    if fn.has("description"):
+        out["description"] = fn.str_("description")
+    params = fn.raw("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise RequestError(f"'{fn.name('parameters')}' must be a JSON Schema object", fn.name("parameters"))
+    out["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    fn.refuse_unless("strict", False, "strict schemas need constrained decoding, which this server lacks")
+    fn.done()
+    return {"type": "function", "function": out}
+
+
+def tool_choice_tools(choice: Any, tools: list[dict[str, Any]], name: str = "tool_choice") -> list[dict[str, Any]]:
+    """The tools left by ``tool_choice``: ``auto`` keeps them, ``none`` drops them; a forced call (``required``,
+    a named function) needs constrained decoding and is refused."""
+    if choice is None or choice == "auto":
+        return tools
+    if choice == "none":
+        return []
+    if choice == "required" or isinstance(choice, dict):
+        raise RequestError(f"'{name}' {json.dumps(choice)[:80]} is not supported: forcing a tool call needs "
+                           "constrained decoding, which this server lacks; use \"auto\"", name)
+    raise RequestError(f"'{name}' must be \"auto\", \"none\", \"required\" or a named function", name)
+
+
+def response_format_ok(value: Any, name: str = "response_format") -> None:
+    """Plain text output only (json modes need constrained decoding)."""
     if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise RequestError(f"'{key}' must be a number in [{low}, {high}], got {value!r}")
-    return float(value)
+        return
+    f = Fields(value, name)
+    kind = f.str_("type", required=True)
+    if kind != "text":
+        raise RequestError(f"'{name}.type' {kind!r} is not supported: structured output needs constrained "
+                           "decoding, which this server lacks", f"{name}.type")
+    f.done()
 
 
-def sampling_from(body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
-    """Sampling fields shared by chat and text completions."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise RequestError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    stop = body.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("'stop' must be a string or a list of strings")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(f"'seed' must be an integer, got {seed!r}")
-    return {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 0.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0), "seed": seed, "stop": tuple(stop)}
+def _stream_options(f: Fields, stream: bool) -> bool:
+    opts = f.obj("stream_options")
+    if opts is None:
+        return False
+    usage = opts.bool_("include_usage")
+    opts.bool_("include_obfuscation")
+    opts.done()
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
+    return usage
 
 
-def _content_text(content: Any) -> Any:
-    """OpenAI content parts (``[{"type": "text", "text": ...}]``) flattened to text, as chat templates expect."""
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content
+def chat_request(body: Any, default_max_tokens: int) -> ChatCall:
+    """A ``/v1/chat/completions`` body read in full (every field checked, honored or refused)."""
+    f = Fields(body, ignored=IGNORED)
+    model = read_model(f)
+    messages = [chat_message(m, f"messages[{i}]") for i, m in enumerate(f.list_("messages", required=True,
+                                                                                 allow_empty=False))]
+    tools = [function_tool(t, f"tools[{i}]") for i, t in enumerate(f.list_("tools"))]
+    tools = tool_choice_tools(f.raw("tool_choice"), tools)
+    single = not f.bool_("parallel_tool_calls", True)
+    response_format_ok(f.raw("response_format"))
+    stream = f.bool_("stream")
+    usage = _stream_options(f, stream)
+    f.refuse_unless("logprobs", False, "log probabilities are not reported")
+    f.refuse_unless("top_logprobs", 0, "log probabilities are not reported")
+    refuse_unsupported_sampling(f)
+    f.refuse_unless("reasoning_effort", None, "the model's reasoning effort cannot be set")
+    f.refuse_unless("modalities", ["text"], "text output only")
+    sampling = sampling_from(f, default_max_tokens)
+    f.done()
+    return ChatCall(GenerateRequest(messages=messages, tools=tools, **sampling), stream, usage, model, single)
 
 
-def chat_request(body: dict[str, Any], default_max_tokens: int) -> GenerateRequest:
-    """A :class:`GenerateRequest` from a ``/v1/chat/completions`` body."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list")
-    clean: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant",
-                                                                       "tool"):
-            raise RequestError(f"messages[{i}] must be an object with a role of system, user, assistant or tool")
-        clean.append({**message, "content": _content_text(message.get("content"))})
-    tools = body.get("tools") or []
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t for t in tools):
-        raise RequestError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects")
-    if body.get("tool_choice") == "none":
-        tools = []
-    return GenerateRequest(messages=clean, tools=tools, **sampling_from(body, default_max_tokens))
-
-
-def completion_request(body: dict[str, Any], default_max_tokens: int) -> GenerateRequest:
-    """A :class:`GenerateRequest` from a ``/v1/completions`` body (one prompt)."""
-    prompt = body.get("prompt")
+def completion_request(body: Any, default_max_tokens: int) -> ChatCall:
+    """A ``/v1/completions`` body (one prompt) read in full."""
+    f = Fields(body, ignored=IGNORED)
+    model = read_model(f)
+    prompt = f.raw("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise RequestError("'prompt' must be a string (one prompt per request)")
-    return GenerateRequest(prompt=prompt, **sampling_from(body, default_max_tokens))
+        raise RequestError("'prompt' must be a string (one prompt per request)", "prompt")
+    stream = f.bool_("stream")
+    usage = _stream_options(f, stream)
+    f.refuse_unless("echo", False, "the prompt is not echoed")
+    f.refuse_unless("best_of", 1, "one candidate per request")
+    f.refuse_unless("suffix", None, "fill-in-the-middle is not supported")
+    f.refuse_unless("logprobs", None, "log probabilities are not reported")
+    refuse_unsupported_sampling(f)
+    sampling = sampling_from(f, default_max_tokens, max_keys=("max_tokens",))
+    f.done()
+    return ChatCall(GenerateRequest(prompt=prompt, **sampling), stream, usage, model)
+
+
+async def anext_or_none(events: AsyncIterator[Any]) -> Any:
+    """The first item of ``events`` (None when it is empty): pulling it makes the backend accept or refuse the
+    request before a streamed response starts."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``first`` (unless None), then the rest of ``rest``."""
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
 
 
 def new_id(prefix: str) -> str:
@@ -97,5 +280,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def error_body(message: str, kind: str = "invalid_request_error", code: int = 400) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str = "invalid_request_error", code: int | str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -129,10 +129,13 @@ def test_context_is_enforced_over_http(server: str) -> None:
         client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": " x" * 6000}],
                                        max_tokens=4, stream=True)
     per = client.completions.create(model="tiny-moe", prompt=" x" * 100, max_tokens=1).usage.prompt_tokens / 100
-    near = client.completions.create(model="tiny-moe", prompt=" x" * int(4084 / per), max_tokens=10**9,
-                                     temperature=0)
+    with pytest.raises(openai.BadRequestError) as info:  # an explicit max_tokens past the context is refused
+        client.completions.create(model="tiny-moe", prompt=" x" * int(4084 / per), max_tokens=10**9)
+    assert info.value.code == "context_length_exceeded" and "ask for at most" in str(info.value)
+    near = client.completions.create(model="tiny-moe", prompt=" x" * int(4090 / per), temperature=0)
     used = near.usage.prompt_tokens + near.usage.completion_tokens
-    assert near.usage.prompt_tokens < 4096 and used <= 4096  # max_tokens clipped: never past the context
+    assert near.usage.prompt_tokens < 4096 and used <= 4096  # the default length is clipped: never past the context
+    assert [m["context_length"] for m in httpx.get(f"{server}/models").json()["data"]] == [4096]
 
 
 def test_a_disconnected_client_stops_its_generation(server: str) -> None:
