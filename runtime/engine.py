@@ -390,7 +390,7 @@ class Engine:
                 config = KVConfig(page_size=16, device_pages=int(pages))
             if self._kv is not None and (self.scheduler.running or self.scheduler.waiting):
                 raise RuntimeError("cannot replace the KV manager while requests are in flight")
-            stateful = any(layer.recurrent is not None for layer in self.spec.layers)
+            stateful = bool(self.spec.state_layers())
             self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device), self._elastic_kv(config),
                                  stateful=stateful, lock=self.lock)
         return self._kv

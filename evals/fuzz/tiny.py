@@ -163,6 +163,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                mlp_layer_types=["dense", "sparse", "sparse"], index_block_size=4,
                                index_topk_blocks=3, index_local_blocks=1, index_n_heads=2, index_head_dim=16),
     "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 only
+    # log scaling from position 4, a bias extent shorter than the prompt and a dense first layer so all paths run
+    "inkling_text": dict(log_scaling_n_floor=4, rel_extent=12, mlp_layer_types=["dense", "sparse", "sparse"]),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
 }
 

@@ -15,6 +15,7 @@ from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from freetoken_agent.runtime.model.moe import TorchExperts
+from freetoken_agent.runtime.model.relpos import relpos_weights
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
     LayerSpec,
@@ -58,6 +59,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm_bias: torch.Tensor | None = None
     hyper_head: dict[str, torch.Tensor] = field(default_factory=dict)
+    embed_norm: torch.Tensor | None = None  # [D]
 
 
 class _Loader:
@@ -182,6 +184,8 @@ class _Loader:
             self.linear(w, prefix, gate, spec.intermediate, d, spec.bias, key="gate_proj")
         self.linear(w, prefix, up, spec.intermediate, d, spec.bias, key="up_proj")
         self.linear(w, prefix, down, d, spec.intermediate, spec.bias, key="down_proj")
+        if spec.out_scale:
+            w["global_scale"] = self.take(f"{prefix}.global_scale", (1,))
         return w
 
     def attention(self, prefix: str, a: AttentionSpec, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
@@ -196,6 +200,8 @@ class _Loader:
             w["bias"] = self.take(f"{prefix}.experts.bias", (d,))
             self.linear(w, prefix, "kv_proj", 2 * inner, d, False)
             return w
+        if a.kind == "relpos":
+            return relpos_weights(self, prefix, a, d)
         if a.kind == "mla":
             if a.q_lora_rank is None:
                 self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, False)
@@ -285,7 +291,9 @@ class _Loader:
             assert m.shared is not None
             return MoEWeights(router, None, None, shared=self.mlp(prefix, m.shared, d))  # type: ignore[arg-type]
         n_route = m.num_experts + m.zero_experts
-        router = {"weight": self.take(f"{prefix}.{names.router}.weight", (n_route, d))}
+        router = {"weight": self.take(f"{prefix}.{names.router}.weight", (n_route + m.router.shared_sink, d))}
+        if m.router.global_scale:
+            router["global_scale"] = self.take(f"{prefix}.{names.router}.global_scale", (1,), torch.float32)
         if m.router.bias:
             router["bias"] = self.take(f"{prefix}.{names.router}.bias", (n_route,))
         correction = None
@@ -296,7 +304,11 @@ class _Loader:
                 raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{n_route}]")
             correction = self.take(name, shape, torch.float32).reshape(-1)
         weights = MoEWeights(router, correction, self.experts(prefix, m, names, d))
-        if m.shared is not None:
+        if m.shared is not None and m.router.shared_sink:  # stacked [n, I, D], one routing share each
+            n, i, base = m.router.shared_sink, m.shared.intermediate, f"{prefix}.{names.shared}"
+            weights.shared = {leaf: self.take(f"{base}.{leaf}", shape) for leaf, shape in
+                              (("gate_proj", (n, i, d)), ("up_proj", (n, i, d)), ("down_proj", (n, d, i)))}
+        elif m.shared is not None:
             base = layer_prefix if names.shared_at_layer else prefix
             weights.shared = self.mlp(f"{base}.{names.shared}", m.shared, d)
         if m.output_bias:
@@ -398,6 +410,9 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         if n.residual_weights and layer.parts == "both":
             lw.norms["res_mix"] = ld.take(f"{p}.{n.residual_weights[0]}", (d,))
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
+        if layer.post_conv:  # Inkling's residual convolutions on the mixer and FFN outputs (fp32, [D, 1, K])
+            for role, name in zip(("conv_mix", "conv_ffn"), n.post_convs):
+                lw.norms[role] = ld.take(f"{p}.{name}.conv1d.weight", (d, 1, layer.post_conv), torch.float32)
         if spec.norm_bias:
             lw.norms.update({f"{role}_bias": ld.take(f"{p}.{name}.bias", (d,)) for role, name in norm_names.items()})
         if layer.parts != "mixer":
@@ -412,6 +427,10 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     if spec.tie_embeddings:
         lm_head = embed
         ld.mark_used("lm_head.weight")  # some exporters store the tied copy anyway
+    elif spec.lm_head_rows is not None and spec.lm_head_rows != v:  # stored padded to the vocab or not
+        rows = spec.lm_head_rows
+        stored = ld.stored_shape("lm_head.weight")
+        lm_head = ld.take("lm_head.weight", (v if stored == (v, d) else rows, d))[:rows].contiguous()
     else:
         lm_head = ld.take("lm_head.weight", (v, d))
     lm_head_bias = ld.take("lm_head.bias", (v,)) if spec.lm_head_bias else None
@@ -422,4 +441,5 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         head = {"fn": ld.take(f"{base}.hc_head_fn", (s_, s_ * d), torch.float32),
                 "base": ld.take(f"{base}.hc_head_base", (s_,), torch.float32),
                 "scale": ld.take(f"{base}.hc_head_scale", (1,), torch.float32)}
-    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head)
+    embed_norm = ld.norm(f"{spec.names.embed_norm}.weight", d) if spec.names.embed_norm else None
+    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head, embed_norm)

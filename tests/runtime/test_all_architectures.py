@@ -32,7 +32,6 @@ UNSUPPORTED: dict[str, str] = {
     "deepseek_v4": "hash routing, sqrt-softplus scores, compressed/sparse attention and hyper-connections; not "
                    "built yet",
     "zaya": "CCA attention with learned time mixing and a separate router MLP; not built yet",
-    "inkling_text": "relative-position attention with conv states, shared-expert sink, mup logits; not built yet",
     "inkling2_text": "relative-position attention with conv states and attention-residual blocks; not built yet",
     "inkling2_loop_text": "inkling2 plus looped layers with learned loop gates; not built yet",
 }
@@ -101,7 +100,7 @@ def _hybrids() -> list[str]:
     for model_type in TYPES:
         if model_type in supported_architectures():
             spec = spec_from_config(make_config(model_type).to_dict())
-            if any(layer.recurrent is not None for layer in spec.layers):
+            if spec.state_layers():  # recurrent mixers, or convolutions with a per-sequence state (Inkling)
                 found.append(model_type)
     return found
 
@@ -132,7 +131,7 @@ def test_hybrid_multi_turn_prefix_reuse(model_type: str, tmp_path: Path) -> None
         last = dec.logits(dec.forward(torch.tensor(reply[-1:]), cache))[-1]
     history = torch.cat([turn1, torch.tensor(reply)])
     snapshot = copy.deepcopy(cache)  # what a prefix cache keeps at the end of a turn
-    recurrent = [i for i, layer in enumerate(dec.spec.layers) if layer.recurrent is not None]
+    recurrent = dec.spec.state_layers()
     states = {i: snapshot.get_state(i) for i in recurrent}
     assert all(states[i] is not None for i in recurrent)
 

@@ -1,3 +1,4 @@
 """Adapters for the architectures beyond the core twelve, grouped by family; importing registers them."""
 
 from freetoken_agent.runtime.model.families import hybrid, llama4, mla, sigmoid, softmax  # noqa: F401
+from freetoken_agent.runtime.model.families import inkling  # noqa: F401,E402

@@ -1,0 +1,104 @@
+"""Inkling (Thinking Machines): relative-position attention without rotary, short convolutions on keys, values and
+both sub-layer outputs, a sigmoid router whose shared experts act as a softmax sink, normed embeddings, muP logits.
+
+The attention lives in ``model/relpos.py``, the router in ``model/shared_sink.py``, the conv states in
+``model/conv_states.py``; this module only reads ``config.json``.
+"""
+
+from __future__ import annotations
+
+from freetoken_agent.runtime.model.adapters import Config, _act, _eos, _opt, adapter
+from freetoken_agent.runtime.model.spec import (
+    AttentionSpec,
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    RelPosSpec,
+    RouterSpec,
+    WeightNames,
+)
+
+
+def layer_is_sliding(cfg: Config) -> list[bool]:
+    """Per layer: sliding-window attention (``hybrid_sliding``) or full (``hybrid``); transformers' default when
+    the config has neither ``layer_types`` nor ``local_layer_ids``: every layer but each sixth is sliding."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != n or any(t not in ("hybrid", "hybrid_sliding") for t in types):
+            raise ValueError(f"layer_types must be {n} entries of 'hybrid' / 'hybrid_sliding', got {types!r}")
+        return [t == "hybrid_sliding" for t in types]
+    local = cfg.get("local_layer_ids")
+    if local is not None:
+        return [i in set(local) for i in range(n)]
+    return [bool((i + 1) % 6) for i in range(n)]
+
+
+def relpos_attention_spec(cfg: Config, sliding: bool, variant: str) -> AttentionSpec:
+    """The attention of one layer: the ``swa_*`` sizes and the window on sliding layers, log scaling on full ones."""
+    prefix = "swa_" if sliding else ""
+    heads = int(cfg[f"{prefix}num_attention_heads"])
+    kv_heads = int(cfg[f"{prefix}num_key_value_heads"])
+    head_dim = int(cfg[f"{prefix}head_dim"])
+    window = int(_opt(cfg, "sliding_window_size", "sliding_window"))
+    if heads % kv_heads:
+        raise ValueError(f"{prefix}num_attention_heads {heads} is not a multiple of {prefix}num_key_value_heads")
+    floor = cfg.get("log_scaling_n_floor")
+    relpos = RelPosSpec(
+        d_rel=int(cfg["d_rel"]), extent=window if sliding else int(cfg["rel_extent"]),
+        conv_kernel=int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4)),
+        variant=variant,  # type: ignore[arg-type]
+        log_floor=None if sliding or floor is None else int(floor), log_alpha=float(cfg.get("log_scaling_alpha", 0.1)),
+        dynamic_conv=variant == "inkling2" and not sliding,
+        qk_clip=float(cfg.get("qk_l2_clip_threshold") or 0.0), rel_clip=float(cfg.get("rel_l2_clip_threshold") or 0.0),
+    )
+    # Inkling normalizes q and k per head (RMSNorm), hence 1/Dh; Inkling 2 keeps the usual 1/sqrt(Dh)
+    scale = 1.0 / head_dim if variant == "inkling" else head_dim**-0.5
+    return AttentionSpec(kind="relpos", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                         v_head_dim=head_dim, scale=scale, rope=None, sliding_window=window if sliding else None,
+                         relpos=relpos)
+
+
+def lm_head_rows(cfg: Config) -> int | None:
+    rows = cfg.get("unpadded_vocab_size")
+    return int(rows) if rows is not None and int(rows) < int(cfg["vocab_size"]) else None
+
+
+@adapter("inkling_text")
+def inkling(cfg: Config) -> ModelSpec:
+    n = int(cfg["num_hidden_layers"])
+    act = _act(cfg)
+    sliding = layer_is_sliding(cfg)
+    mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
+    if len(mlp_types) != n or any(t not in ("dense", "sparse") for t in mlp_types):
+        raise ValueError(f"mlp_layer_types must be {n} entries of 'dense' / 'sparse', got {mlp_types!r}")
+    n_shared = int(cfg.get("n_shared_experts") or 0)
+    if n_shared < 1:
+        raise ValueError("Inkling's router scores its shared experts as a sink: n_shared_experts must be >= 1")
+    inter = int(cfg["moe_intermediate_size"])
+    moe = MoESpec(
+        num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]), intermediate=inter,
+        router=RouterSpec(scoring="sigmoid", correction_bias=True, scaling=float(cfg.get("route_scale", 1.0)),
+                          shared_sink=n_shared, global_scale=True),
+        activation=act,  # type: ignore[arg-type]
+        shared=MLPSpec(inter, act),  # type: ignore[arg-type]
+    )
+    dense = MLPSpec(int(cfg["intermediate_size"]), act, out_scale=True)  # type: ignore[arg-type]
+    kernel = int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
+    layers = [
+        LayerSpec(attention=relpos_attention_spec(cfg, sliding[i], "inkling"),
+                  moe=moe if mlp_types[i] == "sparse" else None, mlp=dense if mlp_types[i] == "dense" else None,
+                  post_conv=kernel)
+        for i in range(n)
+    ]
+    return ModelSpec(
+        model_type=cfg["model_type"], vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        layers=tuple(layers), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        logits_divisor=float(cfg.get("logits_mup_width_multiplier", 1.0)), lm_head_rows=lm_head_rows(cfg),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        names=WeightNames(correction_bias="gate.e_score_correction_bias", embed_norm="model.embed_tokens.embed_norm"),
+        ignored_tensors=(r"^model\.mtp\.",),
+        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+        eos_token_ids=_eos(cfg),
+    )
