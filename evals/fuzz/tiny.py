@@ -166,6 +166,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # log scaling from position 4, a bias extent shorter than the prompt and a dense first layer so all paths run
     "inkling_text": dict(log_scaling_n_floor=4, rel_extent=12, mlp_layer_types=["dense", "sparse", "sparse"]),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
+    # all three attention kinds (sliding only, CSA, HCA) and both routers (hash, learned); small compression rates,
+    # window and top-k so compressed entries, the indexer's choice and the window all bite within 24-56 tokens
+    "deepseek_v4": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"], num_key_value_heads=1, o_groups=2, o_lora_rank=16,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                        index_topk=3, hc_sinkhorn_iters=5),
 }
 
 
@@ -184,13 +190,18 @@ def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     model = causal_lm_class(model_type)._from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("e_score_correction_bias", "sinks", "expert_bias")):
+            if name.endswith("position_bias"):  # DeepSeek-V4 compressor slots (zeros at init)
+                p.copy_(torch.randn_like(p))
+            elif name.endswith(("e_score_correction_bias", "sinks", "expert_bias")):
                 p.copy_(torch.randn_like(p) * 0.1 if "bias" in name else torch.randn_like(p) * 0.5)
             elif (".gate.weight" in name or "router" in name) and p.dim() == 2:
                 p.copy_(torch.randn_like(p) * 0.5)
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(torch.randn_like(b) * 0.1)
+            elif name.endswith("tid2eid"):  # hash routing table (zeros at init): distinct random experts per token
+                experts = torch.rand(b.shape[0], model.config.num_local_experts).argsort(-1).to(b.dtype)
+                b.copy_(experts[:, : b.shape[1]])
     return model.eval()
 
 

@@ -414,6 +414,8 @@ class WeightNames:
     residual_weights: tuple[str, str] | None = None
     """Learned per-channel residual scales (mixer, FFN) stored at ``model.layers.{i}.{name}`` (Doge)."""
     final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    """The output projection (``{lm_head}.weight``); DeepSeek-V4 checkpoints call it ``head``."""
     layers: str = "model.layers"
     recurrent: str = "linear_attn"
     """Prefix of a recurrent mixer's tensors inside a layer."""
@@ -446,8 +448,8 @@ class ModelSpec:
     hyper_eps: float = 1e-6
     hyper_sinkhorn_iters: int = 0
     """If > 0: manifold-constrained hyper-connections (DeepSeek-V4, ``model/mhc.py``): the streams are also mixed by
-    an N×N matrix projected towards doubly stochastic with this many Sinkhorn iterations; weights ``attn_hc`` /
-    ``ffn_hc`` / ``model.hc_head``."""
+    an N×N matrix projected towards doubly stochastic with this many Sinkhorn iterations; weights
+    ``hc_attn_{fn,base,scale}`` / ``hc_ffn_*`` per layer and ``model.hc_head.hc_*``."""
     norm_weight_offset: float = 0.0
     """Added to every RMSNorm weight at load time (zero-centered norms ``x·(1+w)``: Qwen3-Next, Gemma)."""
     tie_embeddings: bool = False

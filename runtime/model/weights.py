@@ -14,6 +14,7 @@ import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from freetoken_agent.runtime.model.compressed import load_shared_kv
 from freetoken_agent.runtime.model.moe import TorchExperts
 from freetoken_agent.runtime.model.relpos import relpos_weights
 from freetoken_agent.runtime.model.spec import (
@@ -82,6 +83,20 @@ class _Loader:
                 f"tensor {name} has shape {list(self.reader.shape(name))}, expected {list(shape)}"
             )
         return self.reader.get(name).to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def take_ids(self, name: str, shape: tuple[int, ...], limit: int) -> torch.Tensor:
+        """An integer index table (int64) whose entries must lie in ``0..limit-1`` (a hash router's token → expert
+        ids); read without the floating-point weight checks."""
+        if name not in self.reader:
+            raise MissingTensorError(f"missing tensor {name} (expected shape {list(shape)})")
+        if self.reader.shape(name) != shape:
+            raise ShapeMismatchError(f"tensor {name} has shape {list(self.reader.shape(name))}, expected {list(shape)}")
+        table = self.reader.read(name)
+        if table.is_floating_point() or table.is_complex():
+            raise ShapeMismatchError(f"tensor {name} holds {table.dtype} values, expected integer ids")
+        if table.numel() and not (0 <= int(table.min()) and int(table.max()) < limit):
+            raise ShapeMismatchError(f"tensor {name} holds ids outside 0..{limit - 1}")
+        return table.to(device=self.device, dtype=torch.int64).contiguous()
 
     def linear(self, out: dict[str, torch.Tensor], prefix: str, leaf: str, n_out: int, n_in: int, bias: bool,
                key: str | None = None) -> None:
@@ -190,6 +205,8 @@ class _Loader:
 
     def attention(self, prefix: str, a: AttentionSpec, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
         w: dict[str, torch.Tensor] = {}
+        if a.kind == "shared_kv":  # DeepSeek-V4
+            return load_shared_kv(self, prefix, a, d)
         if a.kind == "moa":  # JetMoE: routed query/output experts, shared key/value projection
             e, inner = a.num_heads // a.num_kv_heads, a.num_kv_heads * a.head_dim
             experts = self.stored_shape(f"{prefix}.experts.router.layer.weight")
@@ -296,6 +313,8 @@ class _Loader:
             router["global_scale"] = self.take(f"{prefix}.{names.router}.global_scale", (1,), torch.float32)
         if m.router.bias:
             router["bias"] = self.take(f"{prefix}.{names.router}.bias", (n_route,))
+        if m.router.hash_table:  # token id → experts (DeepSeek-V4 hash layers)
+            router["tid2eid"] = self.take_ids(f"{prefix}.{names.router}.tid2eid", (spec.vocab_size, m.top_k), n_route)
         correction = None
         if m.router.correction_bias:
             name = f"{layer_prefix if names.correction_at_layer else prefix}.{names.correction_bias}"
@@ -366,6 +385,9 @@ class _Recorder(_Loader):
         self.shapes[name] = shape
         return torch.empty(shape, device="meta")
 
+    def take_ids(self, name: str, shape: tuple[int, ...], limit: int) -> torch.Tensor:
+        return self.take(name, shape, torch.int64)
+
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
         leaves = (("gate_proj", (m.intermediate, d)),) if m.gated else ()
         for e in range(m.num_experts):
@@ -400,7 +422,13 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             rank = down[0] if down else 1
             lw.norms[f"{role}_gate_down"] = ld.take(f"{p}.{norm_names[role]}.W_down.weight", (rank, d))
             lw.norms[f"{role}_gate_up"] = ld.take(f"{p}.{norm_names[role]}.W_up.weight", (d, rank))
-        if spec.hyper_streams:
+        if spec.hyper_streams and spec.hyper_sinkhorn_iters:  # DeepSeek-V4: pre, post and an N x N mix
+            nd, n3 = spec.hyper_streams * d, (2 + spec.hyper_streams) * spec.hyper_streams
+            for role, sub in (("hc_mix", "hc_attn"), ("hc_ffn", "hc_ffn")):
+                lw.norms[f"{role}_fn"] = ld.take(f"{p}.{sub}_fn", (n3, nd), torch.float32)
+                lw.norms[f"{role}_base"] = ld.take(f"{p}.{sub}_base", (n3,), torch.float32)
+                lw.norms[f"{role}_scale"] = ld.take(f"{p}.{sub}_scale", (3,), torch.float32)
+        elif spec.hyper_streams:
             nd, n2 = spec.hyper_streams * d, 2 * spec.hyper_streams
             for role, sub in (("hc_mix", "hc_attn_layer"), ("hc_ffn", "hc_mlp_layer")):
                 base = f"{p}.hc_pre.{sub}"
@@ -424,22 +452,24 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         if on_layer is not None:
             on_layer(i)
     norm = ld.norm(f"{spec.names.final_norm}.weight", d)
+    head_name = spec.names.lm_head
     if spec.tie_embeddings:
         lm_head = embed
-        ld.mark_used("lm_head.weight")  # some exporters store the tied copy anyway
+        ld.mark_used(f"{head_name}.weight")  # some exporters store the tied copy anyway
     elif spec.lm_head_rows is not None and spec.lm_head_rows != v:  # stored padded to the vocab or not
         rows = spec.lm_head_rows
-        stored = ld.stored_shape("lm_head.weight")
-        lm_head = ld.take("lm_head.weight", (v if stored == (v, d) else rows, d))[:rows].contiguous()
+        stored = ld.stored_shape(f"{head_name}.weight")
+        lm_head = ld.take(f"{head_name}.weight", (v if stored == (v, d) else rows, d))[:rows].contiguous()
     else:
-        lm_head = ld.take("lm_head.weight", (v, d))
-    lm_head_bias = ld.take("lm_head.bias", (v,)) if spec.lm_head_bias else None
+        lm_head = ld.take(f"{head_name}.weight", (v, d))
+    lm_head_bias = ld.take(f"{head_name}.bias", (v,)) if spec.lm_head_bias else None
     norm_bias = ld.take(f"{spec.names.final_norm}.bias", (d,)) if spec.norm_bias else None
     head: dict[str, torch.Tensor] = {}
     if spec.hyper_streams:
-        s_, base = spec.hyper_streams, "model.hc_pre.hc_head"
-        head = {"fn": ld.take(f"{base}.hc_head_fn", (s_, s_ * d), torch.float32),
-                "base": ld.take(f"{base}.hc_head_base", (s_,), torch.float32),
-                "scale": ld.take(f"{base}.hc_head_scale", (1,), torch.float32)}
+        s_ = spec.hyper_streams
+        base = "model.hc_head.hc_" if spec.hyper_sinkhorn_iters else "model.hc_pre.hc_head.hc_head_"  # V4 / HY-V4
+        head = {"fn": ld.take(f"{base}fn", (s_, s_ * d), torch.float32),
+                "base": ld.take(f"{base}base", (s_,), torch.float32),
+                "scale": ld.take(f"{base}scale", (1,), torch.float32)}
     embed_norm = ld.norm(f"{spec.names.embed_norm}.weight", d) if spec.names.embed_norm else None
     return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head, embed_norm)

@@ -29,8 +29,6 @@ UNSUPPORTED: dict[str, str] = {
                    "the MoE block, proportional rope; not built yet",
     "qwen4_exp_text": "hyper-connections, n-gram hashed embeddings, per-layer embeddings and a block indexer on top "
                       "of Gated DeltaNet; not built yet",
-    "deepseek_v4": "hash routing, sqrt-softplus scores, compressed/sparse attention and hyper-connections; not "
-                   "built yet",
     "zaya": "CCA attention with learned time mixing and a separate router MLP; not built yet",
     "inkling2_text": "relative-position attention with conv states and attention-residual blocks; not built yet",
     "inkling2_loop_text": "inkling2 plus looped layers with learned loop gates; not built yet",
