@@ -195,12 +195,16 @@ def _git_line_path(line: bytes) -> bytes:
     """The ``b/`` path of a ``diff --git a/X b/Y`` line (for sections without ---/+++ lines: binary files, mode
     changes, pure renames)."""
     names = line[len(b"diff --git "):].rstrip(b"\r")
-    if names.endswith(b'"'):
-        start = names.rfind(b' "')
-        return unquote_path(names[start + 1 :]).removeprefix(b"b/")
-    # Unquoted, both sides equal: "a/NAME b/NAME" (NAME may hold spaces), so the second half is the b/ side.
-    half = (len(names) - 1) // 2
-    return names[half + 1 :].removeprefix(b"b/")
+    if names.startswith(b'"'):  # a quoted a/ side: skip to its closing quote (escaped quotes are \\")
+        i = 1
+        while i < len(names) and names[i] != ord('"'):
+            i += 2 if names[i] == ord("\\") else 1
+        second = names[i + 2 :]
+    elif names.endswith(b'"'):  # only the b/ side quoted; an unquoted name never holds a quote
+        second = names[names.index(b' "') + 1 :]
+    else:  # unquoted, both sides equal: "a/NAME b/NAME" (NAME may hold spaces), so the second half is b/
+        second = names[(len(names) - 1) // 2 + 1 :]
+    return unquote_path(second).removeprefix(b"b/")
 
 
 def patch_files(patch: str | bytes) -> list[str]:
