@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 from freetoken_agent.runtime.checkpoint.reader import load_config
-from freetoken_agent.runtime.errors import FreeTokenError, TokenizerError
+from freetoken_agent.runtime.errors import FreeTokenError, OptionError, TokenizerError
+from freetoken_agent.runtime.generation.prompt import as_token_ids
 from freetoken_agent.runtime.generation.sampling import SamplingParams
 from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.decoder import Decoder
@@ -86,7 +87,7 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise FreeTokenError(f"unknown dtype {dtype!r}; use one of: float32, bfloat16, float16")
+        raise OptionError(f"unknown dtype {dtype!r}; use one of: float32, bfloat16, float16")
     return _DTYPES[dtype]
 
 
@@ -292,8 +293,7 @@ class Engine:
 
     def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """One full forward without reuse: logits [T, vocab] in fp32 (for verification)."""
-        ids = [int(t) for t in torch.as_tensor(token_ids).reshape(-1).tolist()]
-        result = self.submit(Request(ids, kind="logits", reuse=False)).result()
+        result = self.submit(Request(as_token_ids(token_ids), kind="logits", reuse=False)).result()
         assert result.logits is not None
         return result.logits
 
@@ -307,16 +307,14 @@ class Engine:
             kwargs["stop"] = (kwargs["stop"],) if isinstance(kwargs["stop"], str) else tuple(kwargs["stop"])
         if kwargs.get("stop_token_ids") is not None:
             kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
-        try:
-            return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "stop_token_ids"})
-        except ValueError as exc:
-            raise FreeTokenError(f"invalid sampling parameters: {exc}") from None
+        # a bad value raises SamplingError (a FreeTokenError) naming the field
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "stop_token_ids"})
 
     def _request(self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None,
                  kwargs: dict[str, Any]) -> Request:
         phase = kwargs.pop("phase", None)
-        ids = [int(t) for t in torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).tolist()]
-        return Request(ids, self.sampling(params, kwargs), phase=None if phase is None else Phase(phase).value)
+        return Request(as_token_ids(token_ids), self.sampling(params, kwargs),
+                       phase=None if phase is None else Phase(phase).value)
 
     def iter_generate(
         self, token_ids: list[int] | torch.Tensor, params: SamplingParams | None = None, **kwargs: Any

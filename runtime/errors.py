@@ -37,3 +37,24 @@ class ConfigError(FreeTokenError):
 
 class TokenizerError(FreeTokenError):
     """Tokenizer files are missing or unreadable, or a chat template cannot be rendered."""
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A checkpoint tensor holds NaN or infinity (checked at load unless ``FREETOKEN_CHECK_WEIGHTS=0``)."""
+
+
+class WeightDtypeError(CheckpointError):
+    """A checkpoint tensor has a dtype that cannot be right for it (an integer norm weight, a float where packed
+    integers belong)."""
+
+
+class PromptError(FreeTokenError, ValueError):
+    """A prompt that can never run: empty, not integer token ids, or ids outside the vocabulary."""
+
+
+class SamplingError(FreeTokenError, ValueError):
+    """A sampling parameter of the wrong type or out of range (NaN temperature, top_p outside (0, 1], ...)."""
+
+
+class OptionError(FreeTokenError, ValueError):
+    """An engine option out of range (threads, dtype, quantization format)."""

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.errors import FreeTokenError, PromptError
+from freetoken_agent.runtime.generation.prompt import as_token_ids
 from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams, StopChecker
 from freetoken_agent.runtime.kv.pool import OutOfPages
 from freetoken_agent.runtime.runner import ModelRunner, Row
@@ -327,7 +328,7 @@ class Scheduler:
         """Queue ``request``; returns its handle at once. Raises for a request that can never run."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("submit() from the engine's own thread would wait on itself")
-        prompt = [int(t) for t in request.prompt]
+        prompt = as_token_ids(request.prompt)  # PromptError for anything but integer ids
         self._check(request, prompt)
         p = request.params
         room = self.max_position - len(prompt)
@@ -355,10 +356,10 @@ class Scheduler:
 
     def _check(self, request: Request, prompt: list[int]) -> None:
         if not prompt:
-            raise FreeTokenError("the prompt is empty: give at least one token")
+            raise PromptError("the prompt is empty: give at least one token")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise FreeTokenError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         if len(prompt) > self.max_position or (request.kind == "generate" and len(prompt) >= self.max_position):
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens but the model's context is {self.max_position} positions"

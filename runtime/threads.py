@@ -11,6 +11,9 @@ import os
 
 import torch
 
+from freetoken_agent.runtime.errors import OptionError
+from freetoken_agent.runtime.rules import Int
+
 
 def available_cores() -> int:
     try:
@@ -30,10 +33,20 @@ def free_cores() -> int:
 
 
 def configure_threads(requested: int | None = None) -> int:
-    """Set torch's intra-op thread count: ``requested``, else ``$FREETOKEN_THREADS``, else the free cores."""
-    if requested is None and os.environ.get("FREETOKEN_THREADS", "").isdigit():
-        requested = int(os.environ["FREETOKEN_THREADS"])
-    threads = max(1, requested) if requested else free_cores()
+    """Set torch's intra-op thread count: ``requested``, else ``$FREETOKEN_THREADS``, else the free cores.
+
+    A count that is not an integer ≥ 1 (``threads=0``, ``FREETOKEN_THREADS=-2``) is an ``OptionError``, not
+    silently the default.
+    """
+    env = os.environ.get("FREETOKEN_THREADS", "").strip()
+    if requested is None and env:
+        try:
+            requested = Int(1).parse(env)
+        except ValueError as exc:
+            raise OptionError(f"FREETOKEN_THREADS {exc}") from None
+    elif requested is not None and (msg := Int(1).problem(requested)) is not None:
+        raise OptionError(f"threads {msg}")
+    threads = requested if requested is not None else free_cores()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # Sub-command modules, in the order ``freetoken --help`` lists them.
 COMMANDS = ["inspect", "generate", "eval", "run", "serve", "replay", "bench", "acp", "doctor", "plan"]
@@ -19,8 +20,15 @@ class CLIError(Exception):
     """An error the CLI reports as one clear line (exit status 2), never a traceback."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line like every other CLI error (sub-command parsers inherit it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="freetoken", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="freetoken", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"freetoken_agent.cli.{name}").register(sub)

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from freetoken_agent.cli.flags import count, sampling, seconds
+
 
 def _default_sessions_dir() -> Path:
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -31,20 +33,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--remote-model", default=None, help="model id on the --url server (default: its first)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine")
+    p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine")
     p.add_argument("--mode", choices=["ask", "auto", "read-only"], default="ask",
                    help="ask before tools that write or execute (default), run them without asking, or refuse them")
     p.add_argument("--sessions", default=None, metavar="DIR",
                    help=f"where sessions are saved for session/load (default: {_default_sessions_dir()})")
     p.add_argument("--no-sessions", action="store_true", help="keep sessions in memory only")
     p.add_argument("--trajectory", default=None, metavar="DIR", help="write one trajectory JSONL per prompt here")
-    p.add_argument("--max-steps", type=int, default=30, help="model calls per prompt (default: 30)")
-    p.add_argument("--max-tokens", type=int, default=200_000, help="tokens generated per prompt")
-    p.add_argument("--max-step-tokens", type=int, default=4096, help="tokens generated per model call")
-    p.add_argument("--max-wall", type=float, default=None, help="seconds per prompt")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tool-timeout", type=float, default=120.0, help="default timeout of shell/test tools (s)")
+    p.add_argument("--max-steps", type=count(), default=30, help="model calls per prompt (default: 30)")
+    p.add_argument("--max-tokens", type=count(), default=200_000, help="tokens generated per prompt")
+    p.add_argument("--max-step-tokens", type=count(), default=4096, help="tokens generated per model call")
+    p.add_argument("--max-wall", type=seconds(), default=None, help="seconds per prompt")
+    p.add_argument("--temperature", type=sampling("temperature"), default=0.0)
+    p.add_argument("--seed", type=sampling("seed"), default=None)
+    p.add_argument("--tool-timeout", type=seconds(), default=120.0, help="default timeout of shell/test tools (s)")
     p.add_argument("--max-message-bytes", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
     from freetoken_agent.cli.budget import add_budget_flags
 

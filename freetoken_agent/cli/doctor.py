@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from freetoken_agent.cli.flags import seconds
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="probe this machine (memory, disk, GPU, expert-kernel GB/s) and print it")
     p.add_argument("--refresh", action="store_true", help="run the microbenchmarks again instead of the cache")
-    p.add_argument("--seconds", type=float, default=1.0, help="time per microbenchmark (default 1 s)")
+    p.add_argument("--seconds", type=seconds(), default=1.0, help="time per microbenchmark (default 1 s)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=run)
 

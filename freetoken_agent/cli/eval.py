@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agent.cli import CLIError
+from freetoken_agent.cli.flags import count, seconds
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +31,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", help="for --agent agent: model folder, 'builtin' (default) or 'synthetic:ARCH'")
     p.add_argument("--url", help="for --agent agent: an OpenAI-compatible server instead of a local model")
     p.add_argument("--remote-model", help="model id on the --url server (default: its first)")
-    p.add_argument("--workers", type=int, default=1, help="tasks run at the same time (default 1)")
+    p.add_argument("--workers", type=count(), default=1, help="tasks run at the same time (default 1)")
     p.add_argument("--out", type=Path, help="run folder (default: freetoken-evals/<tasks>-<agent>-<time>); with "
                                             "--compare: where compare.md and compare.json are written")
     p.add_argument("--resume", action="store_true", help="continue the run in --out: run only tasks without a result")
@@ -38,10 +39,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tasks", help="comma-separated instance ids (or substrings) to run")
     p.add_argument("--repos", type=Path, help="folder with local clones for SWE-bench owner/name repositories")
     p.add_argument("--python", help="interpreter for setup commands and tests (default: this one)")
-    p.add_argument("--test-timeout", type=float, help="seconds per test before it is killed (default: per task)")
-    p.add_argument("--agent-timeout", type=float, help="seconds the agent may work on one task (default: per task)")
-    p.add_argument("--max-steps", type=int, default=30, help="model calls per task for --agent agent (default 30)")
-    p.add_argument("--max-step-tokens", type=int, default=1024,
+    p.add_argument("--test-timeout", type=seconds(), help="seconds per test before it is killed (default: per task)")
+    p.add_argument("--agent-timeout", type=seconds(), help="seconds the agent may work on one task (default: per task)")
+    p.add_argument("--max-steps", type=count(), default=30, help="model calls per task for --agent agent (default 30)")
+    p.add_argument("--max-step-tokens", type=count(), default=1024,
                    help="tokens one model call may generate, for --agent agent (default 1024)")
     p.add_argument("--device", default="cpu", help="device of the local engine (default cpu)")
     p.add_argument("--dtype", default="float32", help="dtype of the local engine (default float32)")

@@ -7,6 +7,7 @@ import json
 import sys
 
 from freetoken_agent.cli.budget import add_budget_flags, engine_kwargs, format_residency
+from freetoken_agent.cli.flags import count, sampling
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,14 +17,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as a user message with the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=sampling("max_new_tokens"), default=64)
+    p.add_argument("--temperature", type=sampling("temperature"), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=sampling("top_k"), default=0)
+    p.add_argument("--top-p", type=sampling("top_p"), default=1.0)
+    p.add_argument("--seed", type=sampling("seed"), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: free cores)")
+    p.add_argument("--threads", type=count(), default=None, help="CPU threads (default: free cores)")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON at the end")
     p.add_argument("--stats", action="store_true", help="print engine stats (residency tiers, prefetch) at the end")
     add_budget_flags(p)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agent.cli import CLIError
+from freetoken_agent.cli.flags import count
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,11 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--preset", metavar="NAME", help="a bundled config: " + ", ".join(_preset_names()))
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 8GB (default: the GPU's, or none)")
     p.add_argument("--host-memory", metavar="SIZE", help="host budget, e.g. 16GB (default: 90%% of available)")
-    p.add_argument("--context", type=int, default=4096, help="tokens of KV to plan for (default 4096)")
+    p.add_argument("--context", type=count(), default=4096, help="tokens of KV to plan for (default 4096)")
     p.add_argument("--quant", default="q4", choices=["q4", "q8", "none"], help="routed experts (default q4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dense weights and KV (default float32, the CPU engine's default)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads the rates are measured at (default 1)")
+    p.add_argument("--threads", type=count(), default=1, help="CPU threads the rates are measured at (default 1)")
     p.add_argument("--recalibrate", action="store_true", help="measure the rates again")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--validate", action="store_true",

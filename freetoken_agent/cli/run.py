@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from freetoken_agent.cli.flags import count, sampling, seconds
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="run the coding agent on a task, with a live view",
@@ -18,15 +20,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--url", help="an OpenAI-compatible server instead, e.g. http://localhost:8000/v1")
     p.add_argument("--remote-model", default=None, help="model id on the server (default: its first)")
     p.add_argument("--workspace", default=".", help="folder the tools may read and change (default: .)")
-    p.add_argument("--max-steps", type=int, default=30, help="model calls per run (default: 30)")
-    p.add_argument("--max-tokens", type=int, default=200_000, help="tokens generated per run")
-    p.add_argument("--max-step-tokens", type=int, default=4096, help="tokens generated per model call")
-    p.add_argument("--max-wall", type=float, default=None, help="seconds for the whole run")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-steps", type=count(), default=30, help="model calls per run (default: 30)")
+    p.add_argument("--max-tokens", type=count(), default=200_000, help="tokens generated per run")
+    p.add_argument("--max-step-tokens", type=count(), default=4096, help="tokens generated per model call")
+    p.add_argument("--max-wall", type=seconds(), default=None, help="seconds for the whole run")
+    p.add_argument("--temperature", type=sampling("temperature"), default=0.0)
+    p.add_argument("--seed", type=sampling("seed"), default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine (default: torch's)")
+    p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine (default: torch's)")
     p.add_argument("--trajectory", default=None, help="append the run to this JSONL file (or folder)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines instead of the live view")
     from freetoken_agent.cli.budget import add_budget_flags

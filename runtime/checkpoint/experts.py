@@ -68,7 +68,7 @@ class ExpertSource:
             w1, v1, w2 = (f"{prefix}.experts.mlp.{n}" for n in ("w1", "v1", "w2"))
             for name in (w1, v1, w2):
                 _check(reader, name, (e * i, d))
-            rows = lambda name, k: reader._handle(name).get_slice(name)[k * i : (k + 1) * i]  # noqa: E731
+            rows = lambda name, k: reader.get_rows(name, k * i, (k + 1) * i)  # noqa: E731
             self._load = lambda k: ExpertTensors(torch.cat([rows(w1, k), rows(v1, k)]), rows(w2, k).T)
             self.layout = "dbrx"
             return

@@ -1,13 +1,19 @@
-"""Lazy reader over a model folder's ``*.safetensors`` files.
+"""Lazy reader over a model folder's checkpoint files.
 
-Headers are parsed up front (cheap, and it lets us name the bad file and tensor in errors); tensor data is read
-through ``safetensors.safe_open`` (memory-mapped) only when asked. The reader records which tensors were taken
-so strict loading can report anything left unused.
+The files are the ones transformers loads (``checkpoint_files``): ``model.safetensors``, else
+``model.safetensors.index.json`` and the shards it names; other ``*.safetensors`` in the folder (a consolidated copy,
+an adapter) are ignored. Headers are parsed up front (cheap, and it lets us name the bad file and tensor in errors);
+tensor data is read through ``safetensors.safe_open`` (memory-mapped) only when asked. Every tensor handed out is
+checked: floating point (the model computes with nothing else) and, unless ``FREETOKEN_CHECK_WEIGHTS=0``, free of
+NaN and infinity — one ``aminmax`` pass, ~65 ms per GB-ish tensor on one core, next to the copy the load makes
+anyway. The reader records which tensors were taken so strict loading can report anything left unused.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +22,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from freetoken_agent.runtime.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from freetoken_agent.runtime.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    NonFiniteWeightError,
+    WeightDtypeError,
+)
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -24,6 +36,10 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CHECK_WEIGHTS_ENV = "FREETOKEN_CHECK_WEIGHTS"
+"""``0`` skips the NaN/infinity check of every tensor read (for trusted checkpoints; the dtype check stays)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,80 @@ def load_config(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg} does not hold a JSON object")
     return data
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a model folder, chosen as transformers chooses them for a local folder.
+
+    ``config.json``'s ``transformers_weights`` (a ``.safetensors`` or ``.safetensors.index.json`` inside the folder)
+    wins; else ``model.safetensors``; else ``model.safetensors.index.json`` and the shards its ``weight_map`` names.
+    Anything else is refused with what was expected: shards without their index, and ``pytorch_model.bin``, which
+    transformers would read but this engine does not.
+    """
+    explicit = _explicit_weights(path)
+    if explicit is not None:
+        name = explicit.name
+        if not explicit.is_file():
+            raise CheckpointError(f"config.json names transformers_weights {name!r} but {explicit} does not exist")
+        return _shards_from_index(explicit) if name.endswith(".safetensors.index.json") else [explicit]
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
+    if (path / INDEX_NAME).is_file():
+        return _shards_from_index(path / INDEX_NAME)
+    others = sorted(f.name for f in path.glob("*.safetensors"))
+    hint = ""
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        hint = (f"; found {shown}, which transformers would not load either (a sharded checkpoint needs its "
+                f"{INDEX_NAME})")
+    elif (path / "pytorch_model.bin").is_file() or (path / "pytorch_model.bin.index.json").is_file():
+        hint = "; found pytorch_model.bin: convert it to safetensors (transformers' save_pretrained does)"
+    raise CheckpointError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}{hint}")
+
+
+def _explicit_weights(path: Path) -> Path | None:
+    """``transformers_weights`` of ``config.json``, checked as transformers checks it (None when absent)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # load_config reports a bad config.json; here it only may name the weights
+    name = cfg.get("transformers_weights") if isinstance(cfg, dict) else None
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name.endswith((".safetensors", ".safetensors.index.json")):
+        raise ConfigError(f"config.json: transformers_weights must name a .safetensors or .safetensors.index.json "
+                          f"file, got {name!r}")
+    return _inside(path, name, "config.json's transformers_weights")
+
+
+def _inside(folder: Path, name: str, what: str) -> Path:
+    """``folder / name``, refusing names that leave the folder (``..``, absolute paths)."""
+    target = (folder / name).resolve()
+    if os.path.commonpath([folder.resolve(), target]) != str(folder.resolve()):
+        raise CheckpointError(f"{what} names {name!r}, which is outside the model folder {folder}")
+    return folder / name
+
+
+def _shards_from_index(index: Path) -> list[Path]:
+    """The shard files a ``*.safetensors.index.json`` names (each once, sorted), all present and inside the folder."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{index}: cannot read the shard index ({exc!r})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CorruptCheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    if not weight_map:
+        raise CorruptCheckpointError(f"{index}: weight_map is empty (no shards named)")
+    files = sorted({_inside(index.parent, f, index.name) for f in weight_map.values()})
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index.name} lists shard(s) that are missing: {', '.join(missing)}")
+    return files
+
+
+def check_weights_enabled() -> bool:
+    """Whether tensors are checked for NaN/infinity on read (``FREETOKEN_CHECK_WEIGHTS``, default on)."""
+    return os.environ.get(CHECK_WEIGHTS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
@@ -96,34 +186,21 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
 class CheckpointReader:
     """All tensors of a model folder, addressed by name, read lazily."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, check_finite: bool | None = None) -> None:
+        """``check_finite``: refuse NaN/infinity in tensors as they are read (default: ``FREETOKEN_CHECK_WEIGHTS``)."""
         self.path = Path(path)
+        self.check_finite = check_weights_enabled() if check_finite is None else check_finite
         self.infos: dict[str, TensorInfo] = {}
         self._handles: dict[Path, Any] = {}
         self.used: set[str] = set()
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            files = self._files_from_index(index)
-        else:
-            files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no *.safetensors files in {self.path}")
-        for file in files:
+        if not self.path.is_dir():
+            raise CheckpointError(f"model folder not found: {self.path}")
+        self.files = checkpoint_files(self.path)
+        for file in self.files:
             for name, info in read_header(file).items():
                 if name in self.infos:
                     raise CorruptCheckpointError(f"tensor {name!r} appears in both {self.infos[name].file.name} and {file.name}")
                 self.infos[name] = info
-
-    def _files_from_index(self, index: Path) -> list[Path]:
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpointError(f"{index}: cannot read the shard index ({exc})") from None
-        files = sorted({self.path / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index.name} lists shard(s) that are missing: {', '.join(missing)}")
-        return files
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -132,12 +209,40 @@ class CheckpointReader:
         return self.infos[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (memory-mapped) and mark it used."""
-        return self._handle(name).get_tensor(name)
+        """Read one tensor (memory-mapped), check it and mark it used."""
+        return self.checked(name, self.read(name))
 
     def get_row(self, name: str, index: int) -> torch.Tensor:
         """Read ``tensor[index]`` of a stacked tensor without reading the rest (one expert of a fused tensor)."""
+        return self.checked(name, self.read_row(name, index), f"row {index}")
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Read ``tensor[start:stop]`` without reading the rest (one expert of a row-stacked tensor)."""
+        return self.checked(name, self._handle(name).get_slice(name)[start:stop], f"rows {start}:{stop}")
+
+    def read(self, name: str) -> torch.Tensor:
+        """``get`` without the checks (subclasses that decode formats override this and ``read_row``)."""
+        return self._handle(name).get_tensor(name)
+
+    def read_row(self, name: str, index: int) -> torch.Tensor:
         return self._handle(name).get_slice(name)[index]
+
+    def checked(self, name: str, tensor: torch.Tensor, part: str = "") -> torch.Tensor:
+        """``tensor`` (read as ``name``) when it is floating point and, if checking, finite; else a clear error."""
+        info = self.infos.get(name) or self._info(name)
+        where = f"{info.file.name}: tensor {name!r}" + (f" ({part})" if part else "")
+        if not tensor.is_floating_point():
+            raise WeightDtypeError(
+                f"{where} is stored as {str(tensor.dtype).removeprefix('torch.')}, but the model computes with it "
+                "as floating-point weights (an integer tensor here is a damaged checkpoint or a quantization "
+                "format this engine does not read)")
+        if self.check_finite and tensor.numel() and not _finite(tensor):
+            nan = int(torch.isnan(tensor.float()).sum())
+            inf = int(torch.isinf(tensor.float()).sum())
+            raise NonFiniteWeightError(
+                f"{where} holds {nan} NaN and {inf} infinite value(s): the checkpoint is damaged "
+                f"(checked because {CHECK_WEIGHTS_ENV} is not 0)")
+        return tensor
 
     def _info(self, name: str) -> TensorInfo:
         """Where ``name`` is stored (subclasses may also know tensors they hide from ``infos``)."""
@@ -160,3 +265,12 @@ class CheckpointReader:
 
     def total_bytes(self) -> int:
         return sum(info.nbytes for info in self.infos.values())
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in ``tensor``: min and max in one pass (NaN propagates into both); far cheaper than
+    ``isfinite().all()``, which materializes a mask. FP8 has no CPU min/max: widened first."""
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = tensor.float()
+    lo, hi = torch.aminmax(tensor)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))

@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from freetoken_agent.runtime.errors import FreeTokenError, SamplingError
+from freetoken_agent.runtime.rules import Int, Num, Rule
+
+SAMPLING_RULES: dict[str, Rule] = {
+    "max_new_tokens": Int(0),
+    "temperature": Num(0),
+    "top_k": Int(0),
+    "top_p": Num(0, 1, low_open=True),
+    "seed": Int(-(2**63), 2**64 - 1, nullable=True),  # what torch.Generator.manual_seed takes
+}
+"""What each numeric ``SamplingParams`` field may hold; the CLI parses its flags with the same rules."""
+
+
+class NumericalError(FreeTokenError):
+    """The model produced NaN logits (weights with NaN/infinity loaded unchecked, or an fp16 overflow)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,14 +41,19 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be ≥ 0")
-        if self.temperature < 0:
-            raise ValueError("temperature must be ≥ 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be ≥ 0")
+        """Refuse a value of the wrong type or out of range with one ``SamplingError`` naming the field."""
+        for name, rule in SAMPLING_RULES.items():
+            if (msg := rule.problem(getattr(self, name))) is not None:
+                raise SamplingError(f"{name} {msg}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)) \
+                or not all(isinstance(s, str) for s in self.stop):
+            raise SamplingError(f"stop must be a list of strings, got {self.stop!r:.60}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        ids = self.stop_token_ids
+        if ids is not None:
+            if not isinstance(ids, (tuple, list)) or any(Int(0).problem(t) for t in ids):
+                raise SamplingError(f"stop_token_ids must be a list of integers ≥ 0, got {ids!r:.60}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
 
 class Sampler:
@@ -48,9 +69,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.params
+        if torch.isnan(logits).any():  # argmax would pick the NaN, multinomial would raise: say why instead
+            raise NumericalError("the model produced NaN logits: a weight holds NaN/infinity (was the checkpoint "
+                                 "loaded with FREETOKEN_CHECK_WEIGHTS=0?) or float16 overflowed (try bfloat16)")
         if p.temperature == 0.0:
             return int(torch.argmax(logits).item())
-        logits = logits.float() / p.temperature
+        # shifted so the largest is 0: a tiny temperature then gives -inf for the rest, never inf - inf = NaN
+        logits = (logits.float() - logits.max().float()) / p.temperature
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FreeTokenError
+from ..errors import FreeTokenError, OptionError
 from ..quant.blocks import canonical_format
 from .experts import QuantizedExperts
 
@@ -60,7 +60,7 @@ def check_quant(quant: str | None) -> str:
         return "none"
     if q in ("q8", "q8_0", "q4", "q4_0"):
         return canonical_format(q)
-    raise FreeTokenError(f"unknown --quant {quant!r}; expected one of {', '.join(QUANT_CHOICES)}")
+    raise OptionError(f"unknown --quant {quant!r}; expected one of {', '.join(QUANT_CHOICES)}")
 
 
 def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:

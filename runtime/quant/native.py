@@ -74,7 +74,7 @@ class NativeQuantReader(CheckpointReader):
         # also finds the hidden source tensors (scales, blocks) of decoded FP8 / MXFP4 weights
         return self._all[name]
 
-    def get(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
         if name in self._fp8:
             weight = self._raw(name)
             return dequantize_fp8_block(weight, self._raw(self._fp8[name]), self.fp8_block)
@@ -82,9 +82,9 @@ class NativeQuantReader(CheckpointReader):
             blocks, scales = self._mx[name]
             self.used.add(name)
             return dequantize_mxfp4(self._raw(blocks), self._raw(scales)).transpose(-1, -2).contiguous()
-        return super().get(name)
+        return super().read(name)
 
-    def get_row(self, name: str, index: int) -> torch.Tensor:
+    def read_row(self, name: str, index: int) -> torch.Tensor:
         if name in self._mx:
             blocks, scales = self._mx[name]
             self.used.update((name, blocks, scales))
@@ -92,8 +92,8 @@ class NativeQuantReader(CheckpointReader):
             s = self._handle(scales).get_slice(scales)[index]
             return dequantize_mxfp4(b, s).transpose(-1, -2).contiguous()
         if name in self._fp8:
-            return self.get(name)[index]
-        return super().get_row(name, index)
+            return self.read(name)[index]
+        return super().read_row(name, index)
 
 
 def open_checkpoint(path: str | Path) -> CheckpointReader:
