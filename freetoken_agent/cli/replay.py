@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,17 +24,27 @@ def replay(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from freetoken_agent.cli import CLIError
-    from freetoken_agent.trajectory import TrajectoryError, read_trajectory
+    from freetoken_agent.trajectory import TrajectoryError, TrajectoryWarning, read_trajectory
 
     console = Console(highlight=False)
-    try:
-        records = list(read_trajectory(args.file))
-    except TrajectoryError as exc:
-        raise CLIError(str(exc)) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TrajectoryWarning)
+        try:
+            records = list(read_trajectory(args.file))
+        except TrajectoryError as exc:
+            raise CLIError(str(exc)) from None
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    for warning in caught:  # skipped torn lines: one line each on stderr, the transcript stays on stdout
+        if issubclass(warning.category, TrajectoryWarning):
+            errors.print(f"[yellow]warning[/]: {escape(str(warning.message))}")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if not records:
         raise CLIError(f"{args.file} holds no records")
-    for record in records:
+    for previous, record in zip([None, *records], records):
         kind = record["type"]
+        if kind == "run_started" and previous is not None and previous["type"] != "run_finished":
+            console.print("[yellow]the run above ends without run_finished: it was killed[/]")
         if kind == "run_started":
             console.rule(f"[bold]task[/]: {escape(str(record.get('task', '')))}")
             console.print(f"[dim]tools: {', '.join(record.get('tools', []))}  backend: {record.get('backend')}[/]")
