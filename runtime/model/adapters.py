@@ -78,6 +78,17 @@ def _opt(cfg: Config, *names: str, default: Any = None) -> Any:
     return default
 
 
+WHOLE_HEAD_ROPE = frozenset({
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "doge", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm_moe_dsa",
+    "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
+    "hy_v4", "jetmoe", "kolibri1", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "minimax", "mistral4",
+    "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "sarvam_mla",
+})
+"""Types whose transformers rotary computes its frequencies over the whole head (or MLA's rope dim) and never reads
+``partial_rotary_factor``: a factor in their config is ignored here too (found by the option fuzzer)."""
+
+
 def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
     """Normalize ``rope_parameters`` (transformers ≥5) and ``rope_scaling``/``rope_theta`` (older configs).
 
@@ -96,6 +107,8 @@ def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
     params.setdefault("rope_type", "default")
     if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is not None:
         params["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    if cfg.get("model_type") in WHOLE_HEAD_ROPE:
+        params.pop("partial_rotary_factor", None)
     return params
 
 

@@ -195,7 +195,7 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str | None = None) -> torch.Tensor:
         """Rotate the first R channels of ``x`` [T, H, Dh]; cos/sin [T, R/2] (``style`` overrides the spec's)."""
-        r = self.spec.dim
+        r = 2 * cos.shape[-1]  # an odd rotary dim has ceil(dim/2) frequencies; transformers turns 2·ceil(dim/2) channels
         if (
             x.dim() == 3
             and x.numel() <= SMALL_ROPE

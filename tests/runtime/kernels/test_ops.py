@@ -376,3 +376,24 @@ def test_rope_kernel_matches_the_torch_rotation(style: str, dims: tuple[int, int
     assert torch.allclose(rotary.apply(x, cos, sin), want, rtol=1e-6, atol=1e-6)  # the engine's call goes to C
     with pytest.raises(FreeTokenError):
         ops.rope(x, cos[:, :-1], sin, r, True)
+
+
+@pytest.mark.parametrize("dim", [5, 9, 7])
+def test_odd_rotary_dim_matches_transformers_in_c_and_torch(dim: int, isas: list[str]) -> None:
+    """An odd rotary dim R has ceil(R/2) frequencies (exponents 2i/R); transformers rotates 2·ceil(R/2) channels.
+    The C kernel (a decode step) and the torch rotation (a long prompt) both match its ``apply_rotary_pos_emb``."""
+    glm = pytest.importorskip("transformers.models.glm4_moe.modeling_glm4_moe")
+    from freetoken_agent.runtime.model.rope import SMALL_ROPE, Rotary
+    from freetoken_agent.runtime.model.spec import RopeSpec
+
+    rotary = Rotary(RopeSpec(dim=dim, theta=10000.0))
+    for t in (3, SMALL_ROPE // (4 * 16) + 1):  # under and over the C kernel's size limit
+        x = torch.randn(t, 4, 16)
+        cos, sin = rotary.cos_sin(torch.arange(7, 7 + t))
+        assert cos.shape == (t, (dim + 1) // 2)
+        got = rotary.apply(x, cos, sin)
+        hf_cos, hf_sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]  # [1, T, 2·ceil(R/2)]
+        want, _ = glm.apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], hf_cos, hf_sin)
+        assert torch.allclose(got, want[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(FreeTokenError):  # the kernel itself takes only whole pairs
+        ops.rope(torch.randn(2, 4, 16), cos[:2, :2], sin[:2, :2], 5, True)
