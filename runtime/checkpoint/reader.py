@@ -69,7 +69,7 @@ def load_config(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot parse {cfg}: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{cfg} does not hold a JSON object")
+        raise ConfigError(f"{cfg} must hold a JSON object, got a JSON {type(data).__name__}")
     return data
 
 
