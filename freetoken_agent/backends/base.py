@@ -15,6 +15,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted, make_parser
 from freetoken_agent.events import Usage
 from freetoken_agent.phases import Phase
+from freetoken_agent.runtime.errors import FreeTokenError
 
 
 @dataclass
@@ -35,7 +36,7 @@ class GenerateRequest:
     """Sample among the k most likely tokens only (0: off)."""
     strict_length: bool = False
     """``max_tokens`` was asked for explicitly: a prompt that leaves less room than that in the context is refused
-    (``ContextLengthError``) instead of having its completion clipped to the room left."""
+    (``ContextOverflow``) instead of having its completion clipped to the room left."""
 
 
 def stop_hit(full_text: str, emitted: int, stops: Sequence[str]) -> str | None:
@@ -45,19 +46,28 @@ def stop_hit(full_text: str, emitted: int, stops: Sequence[str]) -> str | None:
     return min(found)[1] if found else None
 
 
-def check_context(prompt_tokens: int, request: GenerateRequest, context_length: int | None) -> None:
-    """Refuse a prompt that does not fit the context, or (``strict_length``) leaves no room for ``max_tokens``."""
-    from freetoken_agent.runtime.scheduler import ContextLengthError
+class ContextOverflow(FreeTokenError):
+    """A request does not fit the model's context: ``prompt_tokens`` + ``max_tokens`` > ``context``."""
 
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        if prompt_tokens >= context:
+            message = (f"the prompt has {prompt_tokens} tokens; the model's context is {context} tokens (the "
+                       "completion needs at least one more)")
+        else:
+            message = (f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceed the model's "
+                       f"context of {context} tokens: ask for at most {context - prompt_tokens} tokens")
+        super().__init__(message)
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
+
+
+def check_context(prompt_tokens: int, request: GenerateRequest, context_length: int | None) -> None:
+    """Refuse (``ContextOverflow``) a prompt that does not fit the context, or (``strict_length``) that leaves
+    less room than ``max_tokens``."""
     if context_length is None:
         return
-    if prompt_tokens >= context_length:
-        raise ContextLengthError(f"the prompt has {prompt_tokens} tokens; the model's context is {context_length} "
-                                 "tokens (the completion needs at least one more)")
-    if request.strict_length and prompt_tokens + request.max_tokens > context_length:
-        raise ContextLengthError(
-            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({request.max_tokens}) exceed the model's context "
-            f"of {context_length} tokens: ask for at most {context_length - prompt_tokens} tokens")
+    asked = request.max_tokens if request.strict_length else 1
+    if prompt_tokens + asked > context_length:
+        raise ContextOverflow(prompt_tokens, asked, context_length)
 
 
 @dataclass(frozen=True)

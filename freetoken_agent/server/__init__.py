@@ -1,4 +1,5 @@
-"""An OpenAI-compatible server for any backend (``freetoken serve``), and a helper to run one in a thread."""
+"""The HTTP server for any backend (``freetoken serve``: OpenAI chat/completions/Responses and Anthropic Messages),
+and a helper to run one in a thread."""
 
 from __future__ import annotations
 
@@ -11,32 +12,46 @@ from typing import Any
 
 from freetoken_agent.server.app import OpenAIServer
 
-__all__ = ["OpenAIServer", "serve", "serve_in_thread"]
+__all__ = ["OpenAIServer", "is_loopback", "serve", "serve_in_thread"]
 
 
-def _server(backend: Any, model_id: str, log_level: str, default_max_tokens: int = 1024) -> Any:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name) only reaches this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _server(backend: Any, model_id: str, log_level: str, default_max_tokens: int = 1024,
+            api_key: str | None = None) -> Any:
     import uvicorn
 
-    app = OpenAIServer(backend, model_id, default_max_tokens).app()
+    app = OpenAIServer(backend, model_id, default_max_tokens, api_key).app()
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2))
 
 
 def serve(backend: Any, model_id: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          default_max_tokens: int = 1024) -> None:
-    """Serve ``backend`` until interrupted (blocking)."""
+          default_max_tokens: int = 1024, api_key: str | None = None) -> None:
+    """Serve ``backend`` until interrupted (blocking); with ``api_key`` every route needs it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    _server(backend, model_id, log_level, default_max_tokens).run(sockets=[sock])
+    _server(backend, model_id, log_level, default_max_tokens, api_key).run(sockets=[sock])
 
 
 @contextlib.contextmanager
-def serve_in_thread(backend: Any, model_id: str = "freetoken", host: str = "127.0.0.1") -> Iterator[str]:
+def serve_in_thread(backend: Any, model_id: str = "freetoken", host: str = "127.0.0.1",
+                    api_key: str | None = None) -> Iterator[str]:
     """Run a server on a free port in a background thread; yields its API root (``http://127.0.0.1:PORT/v1``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = _server(backend, model_id, "warning")
+    server = _server(backend, model_id, "warning", api_key=api_key)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

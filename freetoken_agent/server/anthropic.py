@@ -102,10 +102,17 @@ def _messages(raw: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, item in enumerate(raw):
         m = Fields(item, f"messages[{i}]")
-        role = m.str_("role", required=True, choices=("user", "assistant"))
+        role = m.str_("role", required=True, choices=("user", "assistant", "system"))
         content = m.raw("content")
         m.done()
         name = f"messages[{i}].content"
+        if role == "system":  # context added mid-conversation: chat templates take a system turn only first
+            text = _text(content, name)
+            if out and out[-1]["role"] == "user":
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{text}"}
+            else:
+                out.append({"role": "user", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -162,6 +169,32 @@ def _thinking(f: Fields) -> bool:
     return kind != "disabled"
 
 
+def _context_management(f: Fields) -> None:
+    """Context edits: only ``clear_thinking`` keeping every turn's thinking (a no-op: nothing is cleared)."""
+    cm = f.obj("context_management")
+    if cm is None:
+        return
+    for i, raw in enumerate(cm.list_("edits")):
+        edit = Fields(raw, f"context_management.edits[{i}]")
+        kind = edit.str_("type", required=True)
+        if kind != "clear_thinking_20251015" or edit.raw("keep") != "all":
+            raise RequestError(f"'context_management.edits[{i}]' is not supported: context editing is not "
+                               "implemented (only clear_thinking with keep \"all\", which clears nothing)",
+                               f"context_management.edits[{i}]")
+        edit.done()
+    cm.done()
+
+
+def _output_config(f: Fields) -> None:
+    """Output settings: effort ``high`` (the API's default: the model reasons as much as it was trained to)."""
+    oc = f.obj("output_config")
+    if oc is None:
+        return
+    oc.refuse_unless("effort", "high", "the model's effort cannot be lowered")
+    oc.refuse_unless("format", None, "structured output needs constrained decoding, which this server lacks")
+    oc.done()
+
+
 @dataclass
 class MessagesCall(ChatCall):
     """A Messages request read from its body; ``thinking``: show the model's reasoning as thinking blocks."""
@@ -181,7 +214,8 @@ def messages_request(body: Any, count_only: bool = False) -> MessagesCall:
     tools, single = _tool_choice(f, _tools(f.list_("tools")))
     thinking = _thinking(f)
     f.refuse_unless("mcp_servers", [], "MCP servers are not connected by this server")
-    f.refuse_unless("context_management", None, "context editing is not supported")
+    _context_management(f)
+    _output_config(f)
     if count_only:
         f.done()
         return MessagesCall(GenerateRequest(messages=messages, tools=tools), model=model)

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from freetoken_agent.backends.base import ContextOverflow
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.scheduler import ContextLengthError
 from freetoken_agent.server.fields import RequestError
@@ -65,9 +66,21 @@ def request_error(shape: ErrorShape, exc: RequestError) -> Response:
 
 
 def refusal(shape: ErrorShape, exc: FreeTokenError) -> Response:
-    """A request the engine refuses before generating (too long for the context, a template that fails)."""
-    kind = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_request_error"
-    return error_response(shape, 400, kind, str(exc))
+    """A request the engine refuses before generating (too long for the context, a template that fails).
+
+    Anthropic's clients read the numbers of a context overflow from its message (Claude Code lowers
+    ``max_tokens`` and retries, or compacts the conversation), so it is worded as Anthropic words it."""
+    kind = "context_length_exceeded" if isinstance(exc, (ContextLengthError, ContextOverflow)) else \
+        "invalid_request_error"
+    message = str(exc)
+    if shape is anthropic_error and isinstance(exc, ContextOverflow):
+        if exc.prompt_tokens >= exc.context:
+            message = f"{exc.prompt_tokens} tokens > {exc.context} maximum"
+        else:
+            kind, message = "invalid_request_error", (
+                f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + {exc.max_tokens} > "
+                f"{exc.context}, decrease input length or `max_tokens` and try again")
+    return error_response(shape, 400, kind, message)
 
 
 class ApiKeyGate:

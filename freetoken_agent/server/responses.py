@@ -59,6 +59,8 @@ class ResponsesCall(ChatCall):
 
     echo: dict[str, Any] = field(default_factory=dict)
     store: bool = True
+    namespaces: dict[str, str] = field(default_factory=dict)
+    """Tool name → the namespace it was declared in (calls to it name the namespace too)."""
 
 
 def _content(value: Any, name: str) -> str:
@@ -97,6 +99,7 @@ def _items(raw: list[Any], messages: list[dict[str, Any]]) -> None:
             else:
                 messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
+            f.str_("namespace")  # the tool's name is unique across namespaces here
             call = {"id": f.str_("call_id", required=True), "type": "function", "function": {
                 "name": f.str_("name", required=True), "arguments": arguments_text(f.raw("arguments") or "{}",
                                                                                 f.name("arguments"))}}
@@ -125,14 +128,26 @@ def _items(raw: list[Any], messages: list[dict[str, Any]]) -> None:
                                "function_call_output, reasoning)", f"{name}.type")
 
 
-def _tools(raw: list[Any]) -> list[dict[str, Any]]:
+def _tools(raw: list[Any], namespaces: dict[str, str], path: str = "tools") -> list[dict[str, Any]]:
+    """Function tools as chat-template tools; a ``namespace`` groups function tools (its name is recorded in
+    ``namespaces`` per tool, and calls to them carry it back)."""
     tools = []
     for i, item in enumerate(raw):
-        t = Fields(item, f"tools[{i}]")
+        t = Fields(item, f"{path}[{i}]")
         kind = t.str_("type", required=True)
+        if kind == "namespace" and path == "tools":
+            group = t.str_("name", required=True) or ""
+            t.str_("description")
+            inner = _tools(t.list_("tools"), namespaces, t.name("tools"))
+            t.done()
+            for tool in inner:
+                namespaces.setdefault(tool["function"]["name"], group)
+            tools.extend(inner)
+            continue
         if kind != "function":
-            raise RequestError(f"'tools[{i}].type' {kind[:60]!r} is not supported: only function tools run here",
-                               f"tools[{i}].type")
+            hint = ' (Codex: web_search = "disabled")' if kind.startswith("web_search") else ""
+            raise RequestError(f"'{path}[{i}].type' {kind[:60]!r} is not supported: only function tools run "
+                               f"here{hint}", f"{path}[{i}].type")
         tools.append(tool_function(t))  # name, description, parameters, strict sit on the tool itself
     return tools
 
@@ -148,7 +163,7 @@ def _text_format(f: Fields) -> None:
 
 def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) -> ResponsesCall:
     """A ``/v1/responses`` body read in full: every field checked, honored or refused."""
-    f = Fields(body, ignored=(*IGNORED, "include"))
+    f = Fields(body, ignored=(*IGNORED, "include", "client_metadata"))
     model = read_model(f)
     messages: list[dict[str, Any]] = []
     previous_id = f.str_("previous_response_id")
@@ -169,7 +184,8 @@ def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) 
     else:
         raise RequestError(f"'input' must be a string or an array of items, got {type_name(given)}", "input")
     tool_list = f.list_("tools")
-    tools = tool_choice_tools(f.raw("tool_choice"), _tools(tool_list))
+    namespaces: dict[str, str] = {}
+    tools = tool_choice_tools(f.raw("tool_choice"), _tools(tool_list, namespaces))
     single = not f.bool_("parallel_tool_calls", True)
     _text_format(f)
     reasoning = f.obj("reasoning")
@@ -195,7 +211,7 @@ def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) 
             "truncation": "disabled", "metadata": f.body.get("metadata") or {},
             "reasoning": {"effort": None, "summary": None}}
     request = GenerateRequest(messages=messages, tools=tools, **sampling)
-    return ResponsesCall(request, stream, False, model, single, echo, keep)
+    return ResponsesCall(request, stream, False, model, single, echo, keep, namespaces)
 
 
 class ResponseRun:
@@ -283,6 +299,8 @@ class ResponseRun:
                 item = {"type": "function_call", "id": f"fc_{self.id[-16:]}{number:02d}",
                         "call_id": f"call_{self.id[-16:]}{number:02d}", "name": event.name, "arguments": args,
                         "status": "completed"}
+                if event.name in self.call.namespaces:
+                    item["namespace"] = self.call.namespaces[event.name]
                 self.output.append(item)
                 index = len(self.output) - 1
                 yield self.event("response.output_item.added", output_index=index,
