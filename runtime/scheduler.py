@@ -457,7 +457,12 @@ class Scheduler:
             self.on_step(self, seconds, prefill, decode)
         for seq, row, logits in zip(seqs, rows, outs):
             seq.computed += int(row.tokens.shape[0])
-            self._after(seq, logits)
+            try:
+                self._after(seq, logits)
+            except FreeTokenError as exc:  # NaN logits (sampling's NumericalError): this one fails, the others go on
+                if seq in self.running:
+                    self.running.remove(seq)
+                self._fail(seq, exc)
         return True
 
     # ------------------------------------------------------------------------------------------------ planning
