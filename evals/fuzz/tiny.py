@@ -165,6 +165,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 only
     # log scaling from position 4, a bias extent shorter than the prompt and a dense first layer so all paths run
     "inkling_text": dict(log_scaling_n_floor=4, rel_extent=12, mlp_layer_types=["dense", "sparse", "sparse"]),
+    # blocks of two layers so both the boundary and the running-sum residuals run; a head narrower than the vocab
+    "inkling2_text": dict(n_layers_per_attn_res_block=2, log_scaling_n_floor=4, rel_extent=12,
+                          unpadded_vocab_size=500),
+    # pre-loop, two loop layers (sliding + full) run three passes, a post-loop layer
+    "inkling2_loop_text": dict(num_hidden_layers=5, n_layers_per_attn_res_block=2, loop_layer_index_start=2,
+                               loop_layer_index_end=4, loop_num_passes=3, loop_gate_rank=8,
+                               layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+                               log_scaling_n_floor=4, rel_extent=12, unpadded_vocab_size=500),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
     # all three attention kinds (sliding only, CSA, HCA) and both routers (hash, learned); small compression rates,
     # window and top-k so compressed entries, the indexer's choice and the window all bite within 24-56 tokens;
@@ -193,6 +201,8 @@ def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("position_bias"):  # DeepSeek-V4 compressor slots (zeros at init)
                 p.copy_(torch.randn_like(p))
+            elif name.endswith((".query", "sconv.static_weight")):  # Inkling 2's residual queries, conv taps (zeros)
+                p.copy_(torch.randn_like(p) * 0.5)
             elif name.endswith(("e_score_correction_bias", "sinks", "expert_bias")):
                 p.copy_(torch.randn_like(p) * 0.1 if "bias" in name else torch.randn_like(p) * 0.5)
             elif (".gate.weight" in name or "router" in name) and p.dim() == 2:

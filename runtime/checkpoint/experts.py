@@ -42,6 +42,11 @@ def _check(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> None:
         raise ShapeMismatchError(f"tensor {name} has shape {list(reader.shape(name))}, expected {list(shape)}")
 
 
+def _deinterleave_rows(w: torch.Tensor) -> torch.Tensor:
+    """[2I, D] with rows gate_0, up_0, gate_1, ... → [2I, D] gate rows then up rows."""
+    return torch.cat([w[0::2], w[1::2]], dim=0)
+
+
 class ExpertSource:
     """Where the experts of one MoE layer live in a checkpoint; ``load(e)`` reads one expert, normalized."""
 
@@ -84,6 +89,12 @@ class ExpertSource:
                 _check(reader, biases[1], (e, d))
             self._load = lambda k: self._interleaved(gu, dn, biases, k)
             self.layout = "fused-interleaved"
+        elif fused_found and names.gate_up_layout == "interleaved":  # [E, 2I, D], rows alternate gate/up (Inkling 2)
+            gu, dn = (f"{prefix}.{n}" for n in fused_found)
+            _check(reader, gu, (e, 2 * i, d))
+            _check(reader, dn, (e, d, i))
+            self._load = lambda k: ExpertTensors(_deinterleave_rows(reader.get_row(gu, k)), reader.get_row(dn, k))
+            self.layout = "fused-interleaved-rows"
         elif fused_found and names.gate_up_layout == "concat_transposed":
             gu, dn = (f"{prefix}.{n}" for n in fused_found)
             _check(reader, gu, (e, d, 2 * i))

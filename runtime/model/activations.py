@@ -51,7 +51,7 @@ ACTIVATIONS: dict[str, Fn] = {
 """Canonical name → function ([..] → same shape)."""
 
 _ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu_squared": "relu2", "squared_relu": "relu2"}
-_FUSED = {"swiglu_oai": "silu", "silu_clamp": "silu"}
+_FUSED = {"swiglu_oai": "silu", "silu_clamp": "silu", "softcap_swiglu": "silu"}
 """Fused forms (set by adapters, never read from a config) whose clamps the MLP / experts apply around a SiLU."""
 _LEARNED = ("prelu", "xielu")
 

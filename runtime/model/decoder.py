@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from typing import NamedTuple
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.attn_residual import AttnResidualRunner
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
 from freetoken_agent.runtime.model.activations import activation_fn
 from freetoken_agent.runtime.model.compressed import shared_kv_attention
@@ -118,6 +119,11 @@ class Decoder:
             h = h * spec.embedding_multiplier
         if spec.hyper_streams:
             return self._forward_hyper(h, segments)
+        if spec.attn_residual is not None:  # Inkling 2: its own layer loop
+            h = AttnResidualRunner(self, segments).run(h)
+            for seg in segments:
+                seg.cache.advance()
+            return h
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
             if spec.parallel_block:
                 x = self._norm(h, lw, "attn_in")
@@ -229,6 +235,11 @@ class Decoder:
             g = dense_linear(F.silu(dense_linear(y, lw.norms[f"{role}_gate_down"])), lw.norms[f"{role}_gate_up"])
             y = (y * torch.sigmoid(g.float())).to(y.dtype)
         return y
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The FFN half of layer ``i`` over rows x [T, D] (dense MLP, or MoE through ``experts[i]``), for layer loops
+        kept in their own module (``model/attn_residual.py``)."""
+        return self._ffn(i, x, self.weights.layers[i])
 
     def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         layer = self.spec.layers[i]

@@ -48,6 +48,9 @@ def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
         return elementwise(F.silu, gate) * up
     if moe.activation == "silu_clamp":
         return elementwise(F.silu, gate.clamp(max=moe.swiglu_limit)) * up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
+    if moe.activation == "softcap_swiglu":  # Inkling 2: the sigmoid sees the raw gate, the caps bound the factors
+        (cg, cu), g, u = moe.softcaps, gate.float(), up.float()
+        return (torch.tanh(g / cg) * cg * torch.sigmoid(g) * torch.tanh(u / cu) * cu).to(gate.dtype)
     return elementwise(activation_fn(moe.activation), gate) * up
 
 

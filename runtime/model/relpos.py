@@ -163,15 +163,15 @@ LEAVES: dict[str, dict[str, str]] = {
     "inkling": dict(q_proj="q_proj", k_proj="k_proj", v_proj="v_proj", r_proj="r_proj", o_proj="o_proj",
                     rel_proj="rel_logits_proj.proj", k_conv="k_sconv.conv1d.weight", v_conv="v_sconv.conv1d.weight",
                     q_norm="q_norm.weight", k_norm="k_norm.weight"),
-    "inkling2": dict(q_proj="q_proj.linear", k_proj="k_proj.linear", v_proj="v_proj.linear",
-                     r_proj="relative_position_bias.linear", o_proj="o_proj.linear",
-                     rel_proj="relative_position_bias.proj", k_conv="k_proj.sconv.conv1d.weight",
-                     v_conv="v_proj.sconv.conv1d.weight", k_conv_static="k_proj.sconv.static_weight",
-                     v_conv_static="v_proj.sconv.static_weight", k_taps="k_proj.sconv.weight_proj",
-                     v_taps="v_proj.sconv.weight_proj", q_scale="q_proj.norm.scale",
-                     rel_scale="relative_position_bias.norm.scale", sink_proj="sink_proj", gate="o_proj.gate_proj"),
+    # Inkling 2 as its checkpoints store it (transformers renames these on load; we read the files as they are)
+    "inkling2": dict(q_proj="wq_du", k_proj="wk_dv", v_proj="wv_dv", r_proj="wr_du", o_proj="wo_ud",
+                     rel_proj="rel_logits_proj.proj", k_conv="k_sconv.weight", v_conv="v_sconv.weight",
+                     k_conv_static="k_sconv.static_w", v_conv_static="v_sconv.static_w", k_taps="k_sconv.weight_proj",
+                     v_taps="v_sconv.weight_proj", q_scale="q_l2_clip.scale", rel_scale="rel_l2_clip.scale",
+                     sink_proj="attn_sink_proj", gate="gate_attn"),
 }
-"""Per variant: our key → the checkpoint's name under the attention prefix (linears without ``.weight``)."""
+"""Per variant: our key → the checkpoint's name under the attention prefix (linears without ``.weight``; the
+dynamic-conv tap projections are bare tensors)."""
 
 
 def relpos_weights(ld: "object", prefix: str, a: AttentionSpec, d: int) -> Weights:
@@ -189,7 +189,7 @@ def relpos_weights(ld: "object", prefix: str, a: AttentionSpec, d: int) -> Weigh
         if r.dynamic_conv:
             w[key] = ld.take(f"{prefix}.{names[key + '_static']}", (k, c), torch.float32)  # type: ignore
             taps = key[0] + "_taps"
-            ld.linear(w, prefix, names[taps], hkv * k, d, False, key=taps)  # type: ignore[attr-defined]
+            w[f"{taps}.weight"] = ld.take(f"{prefix}.{names[taps]}", (hkv * k, d))  # type: ignore[attr-defined]
         else:
             w[key] = ld.take(f"{prefix}.{names[key]}", (c, 1, k), torch.float32)  # type: ignore[attr-defined]
     if r.variant == "inkling":

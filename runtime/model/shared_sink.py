@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.model.activations import activation_fn
 from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 from freetoken_agent.runtime.model.spec import MLPSpec, MoESpec
-
-_ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def sink_route(
@@ -39,7 +38,7 @@ def sink_route(
 
 def stacked_shared(x: torch.Tensor, w: dict[str, torch.Tensor], gammas: torch.Tensor, spec: MLPSpec) -> torch.Tensor:
     """Σ_n γ_n · down_n(act(gate_n(x)) · up_n(x)) for x [T, D], gate/up [n, I, D], down [n, D, I], γ [T, n]."""
-    act = _ACT.get(spec.activation, F.silu)
+    act = activation_fn(spec.activation)
     gate = torch.einsum("td,nid->nti", x, w["gate_proj"])  # [n, T, I]
     up = torch.einsum("td,nid->nti", x, w["up_proj"])
     h = elementwise(act, gate) * up * gammas.T.to(x.dtype)[:, :, None]

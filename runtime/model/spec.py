@@ -276,9 +276,12 @@ class MoESpec:
     activation: Activation = "silu"
     """Any name in ``activations.ACTIVATIONS``: act(gate) * up (act(up) when not gated); ``swiglu_oai``: GPT-OSS
     clamped SwiGLU ``(clamp(up)+1) * g*sigmoid(alpha*g)`` with ``g = clamp(gate, max=limit)``;
-    ``silu_clamp``: ``silu(clamp(gate, max=limit)) * clamp(up, ±limit)`` (HY-V4)."""
+    ``silu_clamp``: ``silu(clamp(gate, max=limit)) * clamp(up, ±limit)`` (HY-V4); ``softcap_swiglu``:
+    ``softcap(gate) * sigmoid(gate) * softcap(up)`` with the caps in ``softcaps`` (Inkling 2)."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    softcaps: tuple[float, float] = (0.0, 0.0)
+    """``softcap_swiglu``: the (gate, up) caps, ``cap * tanh(x / cap)``."""
     expert_bias: bool = False
     shared: MLPSpec | None = None
     shared_gate: bool = False
@@ -360,6 +363,9 @@ class LayerSpec:
     names: WeightNames | None = None
     """Overrides the model's weight names for this layer."""
     parts: Literal["both", "mixer", "ffn"] = "both"
+    extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Further fp32 tensors of this layer (name under the layer prefix, shape), loaded into ``LayerWeights.norms``
+    under their name for the code that owns them (Inkling 2's residual queries, norms, convolutions, loop gates)."""
     post_conv: int = 0
     """If > 0 (the kernel width): the mixer's and the FFN's outputs each pass a residual causal depthwise convolution
     (``attn_sconv`` / ``mlp_sconv``, fp32, state kept per sequence) before the residual add (Inkling)."""
@@ -378,10 +384,11 @@ class WeightNames:
     correction_bias: str = "gate.e_score_correction_bias"
     shared: str = "shared_experts"
     shared_gate: str = "shared_expert_gate"
-    gate_up_layout: Literal["concat", "concat_transposed", "interleaved_transposed", "dbrx"] = "concat"
+    gate_up_layout: Literal["concat", "concat_transposed", "interleaved", "interleaved_transposed", "dbrx"] = "concat"
     """Fused 3-D layout: ``concat`` = [E, 2I, D] gate rows then up rows; ``interleaved_transposed`` = [E, D, 2I]
     with gate/up alternating columns and down stored as [E, I, D] (GPT-OSS); ``concat_transposed`` = [E, D, 2I] with
-    gate columns then up columns and down [E, I, D]; ``dbrx`` = ``experts.mlp.{w1,v1,w2}`` each [E·I, D] (gate, up,
+    gate columns then up columns and down [E, I, D]; ``interleaved`` = [E, 2I, D] with gate/up alternating rows
+    (Inkling 2); ``dbrx`` = ``experts.mlp.{w1,v1,w2}`` each [E·I, D] (gate, up,
     transposed down)."""
     fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
     """Names of fused 3-D expert tensors under the MoE prefix (without ``.weight``)."""
@@ -424,6 +431,22 @@ class WeightNames:
 
 
 @dataclass(frozen=True)
+class AttnResidualSpec:
+    """Inkling 2's block attention residuals (``model/attn_residual.py``): instead of one residual stream, each
+    sub-layer reads a learned-query attention over the states saved at every ``block_layers``-th layer boundary plus
+    the running partial sum; layers ``loop_start..loop_end`` may run ``loop_passes`` times (each pass its own KV and
+    conv states: ``ModelSpec.layers`` lists every visit), later passes mixing in messages from the previous one."""
+
+    block_layers: int
+    weight_layers: int
+    """Number of distinct decoder layers in the checkpoint (``ModelSpec.layers`` lists each loop pass's visits)."""
+    loop_start: int = 0
+    loop_end: int = 0
+    loop_passes: int = 1
+    loop_gate_rank: int = 0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the generic decoder needs to run an architecture. Frozen: never mutated after the adapter."""
 
@@ -457,6 +480,10 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
     lm_head_bias: bool = False
+    attn_residual: AttnResidualSpec | None = None
+    """Inkling 2: block attention residuals replace the residual stream (see ``AttnResidualSpec``)."""
+    extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Further fp32 model-level tensors (full name, shape), loaded into ``ModelWeights.extras`` (Inkling 2)."""
     lm_head_rows: int | None = None
     """Logits are produced for the first ``lm_head_rows`` tokens only (the checkpoint's head rows beyond are padding,
     dropped at load; Inkling's ``unpadded_vocab_size``)."""

@@ -7,7 +7,7 @@ used or matched by ``ModelSpec.ignored_tensors``; otherwise a specific exception
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,6 +61,8 @@ class ModelWeights:
     norm_bias: torch.Tensor | None = None
     hyper_head: dict[str, torch.Tensor] = field(default_factory=dict)
     embed_norm: torch.Tensor | None = None  # [D]
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``ModelSpec.extras`` by name."""
 
 
 class _Loader:
@@ -401,10 +403,15 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     ld.norm_offset = spec.norm_weight_offset
     d, v = spec.hidden_size, spec.vocab_size
     embed = ld.take(f"{spec.names.embed}.weight", (v, d))
-    layers = []
+    layers: list[LayerWeights] = []
+    loaded: dict[str, tuple[LayerSpec, LayerWeights]] = {}
     for i, layer in enumerate(spec.layers):
         p = layer.prefix or f"{spec.names.layers}.{i}"
         n = layer.names or spec.names
+        again = loaded.get(p)
+        if again is not None and replace(again[0], prefix=None) == replace(layer, prefix=None):
+            layers.append(again[1])  # a layer visited again (Inkling 2's loop) shares its weights
+            continue
         roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
                  "ffn_out": n.ffn_out_norm}
         wanted = {"both": roles, "mixer": ("attn_in", "attn_out"), "ffn": ("ffn_in", "ffn_out")}[layer.parts]
@@ -438,6 +445,8 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         if n.residual_weights and layer.parts == "both":
             lw.norms["res_mix"] = ld.take(f"{p}.{n.residual_weights[0]}", (d,))
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
+        for name, shape in layer.extras:
+            lw.norms[name] = ld.take(f"{p}.{name}", shape, torch.float32)
         if layer.post_conv:  # Inkling's residual convolutions on the mixer and FFN outputs (fp32, [D, 1, K])
             for role, name in zip(("conv_mix", "conv_ffn"), n.post_convs):
                 lw.norms[role] = ld.take(f"{p}.{name}.conv1d.weight", (d, 1, layer.post_conv), torch.float32)
@@ -449,6 +458,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             if layer.mlp is not None and (layer.moe is None or layer.moe_shortcut == "compute"):
                 lw.mlp = ld.mlp(f"{p}.{n.mlp}", layer.mlp, d)
         layers.append(lw)
+        loaded[p] = (layer, lw)
         if on_layer is not None:
             on_layer(i)
     norm = ld.norm(f"{spec.names.final_norm}.weight", d)
@@ -472,4 +482,5 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
                 "base": ld.take(f"{base}base", (s_,), torch.float32),
                 "scale": ld.take(f"{base}scale", (1,), torch.float32)}
     embed_norm = ld.norm(f"{spec.names.embed_norm}.weight", d) if spec.names.embed_norm else None
-    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head, embed_norm)
+    extras = {name: ld.take(name, shape, torch.float32) for name, shape in spec.extras}
+    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head, embed_norm, extras)

@@ -30,8 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     "qwen4_exp_text": "hyper-connections, n-gram hashed embeddings, per-layer embeddings and a block indexer on top "
                       "of Gated DeltaNet; not built yet",
     "zaya": "CCA attention with learned time mixing and a separate router MLP; not built yet",
-    "inkling2_text": "relative-position attention with conv states and attention-residual blocks; not built yet",
-    "inkling2_loop_text": "inkling2 plus looped layers with learned loop gates; not built yet",
 }
 
 TYPES = moe_causal_lm_types()

@@ -1,15 +1,29 @@
 """Inkling (Thinking Machines): relative-position attention without rotary, short convolutions on keys, values and
-both sub-layer outputs, a sigmoid router whose shared experts act as a softmax sink, normed embeddings, muP logits.
+both sub-layer outputs, a sigmoid router whose shared experts act as a softmax sink, normed embeddings, muP logits;
+Inkling 2 adds block attention residuals, softcapped SwiGLU experts and (``inkling2_loop_text``) looped layers.
 
 The attention lives in ``model/relpos.py``, the router in ``model/shared_sink.py``, the conv states in
-``model/conv_states.py``; this module only reads ``config.json``.
+``model/conv_states.py``, Inkling 2's layer loop in ``model/attn_residual.py``; this module only reads
+``config.json``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from freetoken_agent.runtime.model.adapters import Config, _act, _eos, _opt, adapter
+from freetoken_agent.runtime.model.attn_residual import (
+    FINAL_QUERY,
+    GATES,
+    INPUT_NORMS,
+    MESSAGE_QUERIES,
+    ROOT,
+    attn_query,
+    mlp_query,
+)
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
+    AttnResidualSpec,
     LayerSpec,
     MLPSpec,
     ModelSpec,
@@ -99,6 +113,75 @@ def inkling(cfg: Config) -> ModelSpec:
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         names=WeightNames(correction_bias="gate.e_score_correction_bias", embed_norm="model.embed_tokens.embed_norm"),
         ignored_tensors=(r"^model\.mtp\.",),
+        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+        eos_token_ids=_eos(cfg),
+    )
+
+
+def _inkling2_extras(cfg: Config, sliding: bool, looped: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A layer's tensors owned by ``model/attn_residual.py``: input norms, output convolutions, loop gates."""
+    d, k = int(cfg["hidden_size"]), int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
+    norms = ("attn_norm",) if sliding else INPUT_NORMS
+    extras = [(f"{name}.weight", (d,)) for name in (*norms, "mlp_norm")]
+    extras += [(f"{name}.weight", (d, 1, k)) for name in ("attn_sconv", "mlp_sconv")]
+    if looped:
+        rank = int(cfg["loop_gate_rank"])
+        for gate in GATES:
+            extras += [(f"{gate}.down_weight", (rank, 2 * d)), (f"{gate}.forget_weight", (d, rank)),
+                       (f"{gate}.gain_weight", (d, rank))]
+    return tuple(extras)
+
+
+@adapter("inkling2_text", "inkling2_loop_text")
+def inkling2(cfg: Config) -> ModelSpec:
+    """Inkling 2 (and its looped variant): block attention residuals, softcapped SwiGLU experts, softcapped logits.
+    Weight names are those of the published checkpoints (``model.llm.*``)."""
+    n, d = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    sliding = layer_is_sliding(cfg)
+    block = int(cfg.get("n_layers_per_attn_res_block") or 6)
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"scoring_func {cfg.get('scoring_func')!r} is not supported (Inkling 2 routes with sigmoid)")
+    loop = cfg["model_type"] == "inkling2_loop_text"
+    start, end, passes = 0, 0, 1
+    if loop:
+        start, end = int(cfg["loop_layer_index_start"]), int(cfg["loop_layer_index_end"])
+        passes = int(cfg["loop_num_passes"])
+        if not (0 < start <= end <= n and start % block == 0 and end % block == 0 and passes >= 1):
+            raise ValueError(f"loop layers {start}..{end} must lie in 1..{n} on multiples of {block}, passes >= 1")
+    moe = MoESpec(
+        num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        router=RouterSpec(scoring="sigmoid", norm_topk=True, norm_eps=1e-20, correction_bias=True,
+                          scaling=float(cfg.get("route_scale", 1.0))),
+        activation="softcap_swiglu",
+        softcaps=(float(cfg.get("mlp_gate_softcap", 4.0)), float(cfg.get("mlp_up_softcap", 25.0))),
+    )
+    layers = [
+        LayerSpec(attention=relpos_attention_spec(cfg, sliding[i], "inkling2"), moe=moe,
+                  extras=_inkling2_extras(cfg, sliding[i], loop and start <= i < end))
+        for i in range(n)
+    ]
+    # every later pass over the loop layers is a visit of its own (KV and conv states), sharing the layer's weights
+    visits = [replace(layers[j], prefix=f"{ROOT}.layers.{j}") for _ in range(passes - 1) for j in range(start, end)]
+    extras: list[tuple[str, tuple[int, ...]]] = [(FINAL_QUERY, (d,))]
+    extras += [(attn_query(i), (d,) if sliding[i] else (3, d)) for i in range(1, n)]
+    extras += [(mlp_query(i), (d,)) for i in range(n)]
+    if loop:  # the checkpoint holds the message queries even for a single pass
+        extras += [(name, (2 * (end - start), d)) for name in MESSAGE_QUERIES]
+    return ModelSpec(
+        model_type=cfg["model_type"], vocab_size=int(cfg["vocab_size"]), hidden_size=d,
+        layers=tuple(layers + visits), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0), lm_head_rows=lm_head_rows(cfg),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        attn_residual=AttnResidualSpec(block_layers=block, weight_layers=n, loop_start=start, loop_end=end,
+                                       loop_passes=passes, loop_gate_rank=int(cfg.get("loop_gate_rank") or 0)),
+        extras=tuple(extras),
+        names=WeightNames(
+            embed=f"{ROOT}.embed", embed_norm=f"{ROOT}.embed_norm", final_norm=f"{ROOT}.norm",
+            lm_head=f"{ROOT}.unembed", layers=f"{ROOT}.layers", attn="attn", attn_in_norm=None, ffn_in_norm=None,
+            correction_bias="gate.bias", gate_up_layout="interleaved",
+            fused_names=("experts.w13_weight", "experts.w2_weight"),
+        ),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=_eos(cfg),
     )
