@@ -48,7 +48,8 @@ class Rule:
         if self.kind == "list" and self.items is not None:
             noun = f"a list of items each {self.items.describe()}"
         if self.low is not None and self.high is not None:
-            noun += f" in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}{')' if self.high_open else ']'}"
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            noun += f" in {left}{_num(self.low)}, {_num(self.high)}{right}"
         elif self.low is not None:
             noun += f" {'>' if self.low_open else '≥'} {_num(self.low)}"
         elif self.high is not None:

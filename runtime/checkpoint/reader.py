@@ -5,8 +5,9 @@ The files are the ones transformers loads (``checkpoint_files``): ``model.safete
 an adapter) are ignored. Headers are parsed up front (cheap, and it lets us name the bad file and tensor in errors);
 tensor data is read through ``safetensors.safe_open`` (memory-mapped) only when asked. Every tensor handed out is
 checked: floating point (the model computes with nothing else) and, unless ``FREETOKEN_CHECK_WEIGHTS=0``, free of
-NaN and infinity — one ``aminmax`` pass, ~65 ms per GB-ish tensor on one core, next to the copy the load makes
-anyway. The reader records which tensors were taken so strict loading can report anything left unused.
+NaN and infinity: one ``aminmax`` pass (a 224 MiB fp32 tensor: 65-200 ms on one core of a busy 2-core machine,
+about a third of the fp32 copy the load makes anyway and 14x cheaper than ``isfinite().all()``). The reader
+records which tensors were taken so strict loading can report anything left unused.
 """
 
 from __future__ import annotations

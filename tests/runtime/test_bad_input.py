@@ -107,7 +107,8 @@ def test_no_weights_names_what_was_expected(folder: Path) -> None:
 
 def test_shards_without_index_refused_like_transformers(folder: Path) -> None:
     _shard(folder)
-    with pytest.raises(CheckpointError, match=r"model-00001-of-00002\.safetensors.*needs its model\.safetensors\.index"):
+    with pytest.raises(CheckpointError,
+                       match=r"model-00001-of-00002\.safetensors.*needs its model\.safetensors\.index"):
         Engine.from_pretrained(folder)
 
 
@@ -227,15 +228,16 @@ CONFIG_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("num_hidden_layers", {"num_hidden_layers": True}, "num_hidden_layers must be an integer ≥ 1, got true"),
     ("max_position_embeddings", {"max_position_embeddings": 0}, "max_position_embeddings must be"),
     ("top-k 0", {"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer ≥ 1"),
-    ("top-k > experts", {"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) must not exceed the number of experts "
-                                                    r"\(num_experts = 4\)"),
+    ("top-k > experts", {"num_experts_per_tok": 5},
+     r"num_experts_per_tok \(5\) must not exceed the number of experts \(num_experts = 4\)"),
     ("per-layer top-k", {"num_experts_per_tok": [2, 9]}, r"num_experts_per_tok \(\[2, 9\]\) must not exceed"),
     ("per-layer top-k item", {"num_experts_per_tok": [2, 1.5]}, "num_experts_per_tok item 1 must be an integer"),
     ("num_experts", {"num_experts": -1}, "num_experts must be an integer ≥ 0"),
     ("eps negative", {"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number > 0"),
     ("eps zero", {"rms_norm_eps": 0}, "rms_norm_eps must be a finite number > 0.*, got 0$"),
     ("eps nan", {"rms_norm_eps": NAN}, "rms_norm_eps must be a finite number > 0.*, got nan"),
-    ("heads", {"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    ("heads", {"num_key_value_heads": 3},
+     r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
     ("head_dim", {"head_dim": 0}, "head_dim must be an integer ≥ 1"),
     ("rope_theta", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
      "rope_parameters.rope_theta must be a finite number > 0"),
@@ -246,8 +248,10 @@ CONFIG_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("rope per layer type", {"rope_parameters": {"full_attention": {"rope_type": 7, "rope_theta": 1e4}}},
      "rope_parameters.full_attention.rope_type must be a string"),
     ("rope_scaling list", {"rope_scaling": [1, 2]}, "rope_scaling must be an object"),
-    ("partial_rotary_factor", {"partial_rotary_factor": 1.5}, r"partial_rotary_factor must be a finite number in \(0, 1\]"),
-    ("tie_word_embeddings", {"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false.*, got 'false'"),
+    ("partial_rotary_factor", {"partial_rotary_factor": 1.5},
+     r"partial_rotary_factor must be a finite number in \(0, 1\]"),
+    ("tie_word_embeddings", {"tie_word_embeddings": "false"},
+     "tie_word_embeddings must be true or false.*, got 'false'"),
     ("hidden_act", {"hidden_act": 5}, "hidden_act must be a string"),
     ("layer_types", {"layer_types": ["full_attention"]}, "layer_types has 1 entries but num_hidden_layers is 2"),
     ("mlp_only_layers", {"mlp_only_layers": [-1]}, "mlp_only_layers item 0 must be an integer ≥ 0"),
@@ -345,7 +349,8 @@ def test_unchecked_nan_weights_fail_at_sampling_not_silently(folder: Path, monke
     loaded.close()
 
 
-@pytest.mark.parametrize("name, dtype", [(NORM, torch.int16), (EXPERT, torch.int32), ("lm_head.weight", torch.uint8)])
+@pytest.mark.parametrize("name, dtype", [(NORM, torch.int16), (EXPERT, torch.int32),
+                                         ("lm_head.weight", torch.uint8)])
 def test_integer_weight_refused(folder: Path, name: str, dtype: torch.dtype) -> None:
     _edit_tensors(folder, lambda t: t.__setitem__(name, t[name].to(dtype)))
     with pytest.raises(WeightDtypeError, match=rf"tensor '{name}'.* is stored as {str(dtype)[6:]}"):
