@@ -157,3 +157,16 @@ def test_a_disconnected_client_stops_its_generation(server: str) -> None:
     while _stats(server)["cancelled"] < before + 2 or _stats(server)["running"]:
         assert time.monotonic() < deadline, "the abandoned request kept generating"
         time.sleep(0.1)
+
+
+def test_hostile_bodies_against_the_engine(server: str) -> None:
+    """A sample of the fuzz bodies through the real model path (chat template, tokenizer, scheduler)."""
+    from tests.sdk.server.test_request_fuzz import _bodies, _check
+
+    root = server.removesuffix("/v1")
+    with httpx.Client(timeout=60) as client:
+        for n, (path, data) in enumerate(_bodies(seed=5, per_endpoint=8)):
+            body = data.replace(b'"model": "m"', b'"model": "tiny-moe"')
+            _check(client.post(f"{root}{path}", content=body, headers={"content-type": "application/json"}),
+                   f"#{n} {path} {body[:200]!r}")
+        assert client.get(f"{root}/health").status_code == 200
