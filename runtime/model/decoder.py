@@ -29,6 +29,7 @@ from freetoken_agent.runtime.model.layers import (
     dense_linear,
     gqa_attention,
     layer_norm,
+    linear,
     mla_attention,
     mlp,
     rms_norm,
@@ -275,11 +276,14 @@ class Decoder:
         backend = self.experts[i]
         assert backend is not None
         weights = weights.to(x.dtype) if x.dtype != torch.float32 else weights
+        xe = linear(x, mw.latent, "fc1_latent_proj") if moe.latent else x  # [T, L] in a latent MoE, else x
         if moe.scale_input:  # each chosen expert sees x scaled by its weight; outputs are summed unweighted
             ones = torch.ones_like(weights[:, :1])
-            out = sum(backend.forward(x * weights[:, k : k + 1], ids[:, k : k + 1], ones) for k in range(ids.shape[1]))
+            out = sum(backend.forward(xe * weights[:, k : k + 1], ids[:, k : k + 1], ones) for k in range(ids.shape[1]))
         else:
-            out = backend.forward(x, ids, weights)
+            out = backend.forward(xe, ids, weights)
+        if moe.latent:
+            out = linear(out, mw.latent, "fc2_latent_proj")  # [T, D]
         if identity is not None:
             out = out + identity
         if moe.shared is not None:

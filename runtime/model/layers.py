@@ -84,6 +84,7 @@ def dense_linear(
         and weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and weight.device.type == "cpu"
+        and weight.numel() > 0  # a zero-width MLP (shared size 0) is torch's: the C GEMM wants a real matrix
         and weight.is_contiguous()
         and x.is_contiguous()
         and kops.fast() is not None

@@ -300,6 +300,11 @@ class MoESpec:
     shared_average: bool = False
     """Routed and shared outputs are averaged instead of summed (Cohere 2 MoE)."""
     output_norm: bool = False
+    latent: int = 0
+    """If > 0 (Nemotron-H latent MoE): routed experts run in a space of this width, entered through
+    ``{moe_prefix}.fc1_latent_proj`` and left through ``fc2_latent_proj`` (biases with ``latent_bias``); the router
+    and the shared experts read the full hidden state."""
+    latent_bias: bool = False
     """RMSNorm over the block output (routed + shared), weights at ``model.layers.{i}.{names.moe_output_norm}``."""
 
 

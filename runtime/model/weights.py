@@ -6,6 +6,7 @@ used or matched by ``ModelSpec.ignored_tensors``; otherwise a specific exception
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -40,6 +41,8 @@ class MoEWeights:
     shared_gate: torch.Tensor | None = None  # [1, D]
     output_norm: torch.Tensor | None = None  # [D]
     output_bias: torch.Tensor | None = None  # [D]
+    latent: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Latent MoE projections: ``fc1_latent_proj.weight`` [L, D], ``fc2_latent_proj.weight`` [D, L] (+ biases)."""
 
 
 @dataclass
@@ -76,6 +79,19 @@ class _Loader:
 
     def stored_shape(self, name: str) -> tuple[int, ...] | None:
         return self.reader.shape(name) if name in self.reader else None
+
+    def stored_under(self, prefix: str) -> list[str]:
+        """Names of the checkpoint's tensors that start with ``prefix``."""
+        return [n for n in self.reader.infos if n.startswith(prefix)]
+
+    def skip_empty_shared(self, base: str, gate: str) -> None:
+        """A zero-width shared expert (transformers builds one for ``n_shared_experts: 0`` or a shared size of 0)
+        computes exactly 0: its empty projections, and a gate that would scale that 0, are read as absent. A
+        non-empty tensor among them (a down bias) does contribute, so it stays unexpected."""
+        found = self.stored_under(f"{base}.")
+        if found and all(math.prod(self.stored_shape(n) or (1,)) == 0 for n in found):
+            for name in (*found, gate):
+                self.mark_used(name)
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         if name not in self.reader:
@@ -324,7 +340,10 @@ class _Loader:
             if shape not in ((n_route,), (1, n_route)):
                 raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{n_route}]")
             correction = self.take(name, shape, torch.float32).reshape(-1)
-        weights = MoEWeights(router, correction, self.experts(prefix, m, names, d))
+        weights = MoEWeights(router, correction, self.experts(prefix, m, names, m.latent or d))
+        if m.latent:
+            self.linear(weights.latent, prefix, "fc1_latent_proj", m.latent, d, m.latent_bias)
+            self.linear(weights.latent, prefix, "fc2_latent_proj", d, m.latent, m.latent_bias)
         if m.shared is not None and m.router.shared_sink:  # stacked [n, I, D], one routing share each
             n, i, base = m.router.shared_sink, m.shared.intermediate, f"{prefix}.{names.shared}"
             weights.shared = {leaf: self.take(f"{base}.{leaf}", shape) for leaf, shape in
@@ -332,6 +351,9 @@ class _Loader:
         elif m.shared is not None:
             base = layer_prefix if names.shared_at_layer else prefix
             weights.shared = self.mlp(f"{base}.{names.shared}", m.shared, d)
+        else:
+            base = layer_prefix if names.shared_at_layer else prefix
+            self.skip_empty_shared(f"{base}.{names.shared}", f"{prefix}.{names.shared_gate}.weight")
         if m.output_bias:
             weights.output_bias = self.take(f"{prefix}.bias", (d,))
         if m.output_norm:
@@ -382,6 +404,9 @@ class _Recorder(_Loader):
 
     def stored_shape(self, name: str) -> tuple[int, ...] | None:
         return None
+
+    def stored_under(self, prefix: str) -> list[str]:
+        return []
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         self.shapes[name] = shape

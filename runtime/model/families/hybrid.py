@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, _mtp_ignored, _opt, adapter
@@ -160,18 +162,21 @@ def granitemoehybrid(cfg: Config) -> ModelSpec:
 def nemotron_h(cfg: Config) -> ModelSpec:
     """Nemotron-H: every block is one sub-layer (Mamba-2, attention, MoE or a plain relu² MLP) with its own norm."""
     act = _act({"mlp_hidden_act": "relu2", **cfg}, "mlp_hidden_act")
-    shared = int(cfg.get("moe_shared_expert_intermediate_size") or 0)
+    mlp_bias = bool(cfg.get("mlp_bias"))
+    # NemotronHMLP: a shared size of 0 (or none) falls back to intermediate_size
+    shared = int(cfg.get("moe_shared_expert_intermediate_size") or cfg["intermediate_size"])
     from freetoken_agent.runtime.model.families.sigmoid import sigmoid_router
 
     moe = MoESpec(
         num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["moe_intermediate_size"]), router=sigmoid_router(cfg), activation=act,  # type: ignore[arg-type]
-        gated=False, shared=MLPSpec(shared, act, gated=False) if shared else None,  # type: ignore[arg-type]
+        gated=False, shared=MLPSpec(shared, act, gated=False, bias=mlp_bias),  # type: ignore[arg-type]
+        latent=int(cfg.get("moe_latent_size") or 0), latent_bias=mlp_bias,
     )
-    dense = MLPSpec(int(cfg["intermediate_size"]), act, gated=False, bias=bool(cfg.get("mlp_bias")))  # type: ignore[arg-type]
-    bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, rope=None)
-    mamba = _mamba2(cfg, prefix="mamba_")
+    dense = MLPSpec(int(cfg["intermediate_size"]), act, gated=False, bias=mlp_bias)  # type: ignore[arg-type]
+    attn = _gqa(cfg, rope=None)  # transformers' NemotronH attention has no biases, whatever attention_bias says
+    # its Mamba-2 projections take their bias from use_bias (mamba_proj_bias is not read)
+    mamba = replace(_mamba2(cfg, prefix="mamba_"), proj_bias=bool(cfg.get("use_bias", False)))
     layers = []
     for kind in cfg.get("layers_block_type") or cfg["layer_types"]:
         if kind in ("linear_attention", "mamba", "M"):
@@ -185,7 +190,8 @@ def nemotron_h(cfg: Config) -> ModelSpec:
     names = WeightNames(layers="backbone.layers", embed="backbone.embeddings", final_norm="backbone.norm_f",
                         attn="mixer", recurrent="mixer", moe_prefix="mixer", mlp="mixer", attn_in_norm="norm",
                         ffn_in_norm="norm", fused_names=("experts.up_proj", "experts.down_proj"))
-    return _model(cfg, layers, names=names, norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+    # transformers never ties this type's lm_head (no tied-weights keys): tie_word_embeddings changes nothing
+    return _model(cfg, layers, names=names, norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), tie_embeddings=False,
                   ignored_tensors=(r"^mtp\.",))
 
 
@@ -281,4 +287,4 @@ def kimi_linear(cfg: Config) -> ModelSpec:
     else:
         names = WeightNames(moe_prefix="block_sparse_moe", mlp="block_sparse_moe", recurrent="self_attn")
     return _model(cfg, layers, names=names, max_position=int(cfg.get("model_max_length") or 4096),
-                  ignored_tensors=_mtp_ignored(cfg))
+                  ignored_tensors=_mtp_ignored(cfg), tie_embeddings=False)  # transformers never ties these heads

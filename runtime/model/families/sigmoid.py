@@ -5,6 +5,7 @@ One configurable builder serves the family; each adapter only says where its ten
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from freetoken_agent.runtime.model.adapters import (
@@ -107,7 +108,12 @@ def hy_v3(cfg: Config) -> ModelSpec:
     attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head")
     router = sigmoid_router(cfg, norm_topk=True, n_group=1, topk_group=1)
     names = WeightNames(router="router.gate", correction_bias="expert_bias", shared="shared_mlp")
-    return _model(cfg, moe_layers(cfg, lambda i: attn, router), names=names, ignored_tensors=_mtp_ignored(cfg))
+    # HYV3MLP: every dense and shared MLP has mlp_bias; a shared size of 0 falls back to intermediate_size
+    mlp_bias, act = bool(cfg.get("mlp_bias", False)), _act(cfg)
+    shared = MLPSpec(shared_size(cfg) or int(cfg["intermediate_size"]), act, bias=mlp_bias)
+    layers = [replace(ly, mlp=replace(ly.mlp, bias=mlp_bias)) if ly.mlp else ly
+              for ly in moe_layers(cfg, lambda i: attn, router, moe_fields={"shared": shared})]
+    return _model(cfg, layers, names=names, ignored_tensors=_mtp_ignored(cfg))
 
 
 @adapter("sarvam_moe")
