@@ -35,7 +35,7 @@ class TrajectoryWriter:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = _ends_without_newline(self.path)
+        torn = ends_without_newline(self.path)
         # backslashreplace: a lone surrogate in a string (text decoded with surrogateescape) is written as its
         # JSON escape (\\udcXX), which reads back as the same string, instead of failing the run.
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8", errors="backslashreplace", newline="\n")
@@ -78,8 +78,9 @@ class TrajectoryWriter:
         self._file.flush()
 
 
-def _ends_without_newline(path: Path) -> bool:
-    """True when ``path`` exists, is not empty, and its last byte is not a newline (a torn last line)."""
+def ends_without_newline(path: Path) -> bool:
+    """True when ``path`` exists, is not empty, and its last byte is not a newline: a JSONL file whose writer was
+    killed mid-line, where an append must start with a newline."""
     try:
         with path.open("rb") as f:
             if f.seek(0, os.SEEK_END) == 0:

@@ -23,6 +23,7 @@ from typing import Any
 
 from freetoken_agent.evals.swe.gitops import patch_bytes, patch_text
 from freetoken_agent.evals.swe.task import EvalError
+from freetoken_agent.trajectory import ends_without_newline
 
 RESOLVED, UNRESOLVED, SKIPPED, ERROR = "resolved", "unresolved", "skipped", "error"
 
@@ -125,7 +126,9 @@ class RunStore:
         if not self.results_path.exists():
             return results
         good: list[str] = []
-        for line in self.results_path.read_text(encoding="utf-8").splitlines():
+        for line in self.results_path.read_text(encoding="utf-8").split("\n"):
+            if not line.strip():
+                continue
             try:
                 result = TaskResult.from_dict(json.loads(line))
             except (json.JSONDecodeError, TypeError):
@@ -147,17 +150,21 @@ class RunStore:
         """The agent's patches recorded so far, as exact bytes, by instance id (the last one wins)."""
         patches: dict[str, bytes] = {}
         if self.predictions_path.exists():
-            for number, line in enumerate(self.predictions_path.read_text(encoding="utf-8").splitlines(), 1):
+            for number, line in enumerate(self.predictions_path.read_text(encoding="utf-8").split("\n"), 1):
                 try:
                     record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # empty, or torn by a crash (as in ``load``)
+                try:
                     patches[record["instance_id"]] = prediction_patch(record)
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                except (KeyError, TypeError, ValueError) as exc:
                     raise EvalError(f"{self.predictions_path}:{number}: not a prediction record ({exc})") from None
         return patches
 
     @staticmethod
     def _append_line(path: Path, record: dict[str, Any]) -> None:
+        torn = ends_without_newline(path)  # a crash mid-line: start a new one, or this record is lost with it
         with path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(("\n" if torn else "") + json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -96,7 +96,8 @@ def load_tasks(path: Path, base_dir: Path | None = None) -> list[Task]:
         except json.JSONDecodeError as exc:
             raise EvalError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
     else:
-        for lineno, line in enumerate(text.splitlines(), 1):
+        # Split at "\n" only: str.splitlines also splits at U+2028, U+0085, ... that JSON strings may hold raw.
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:

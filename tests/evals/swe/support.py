@@ -19,6 +19,8 @@ def freetoken(*argv: str, capsys: pytest.CaptureFixture[str] | None = None) -> t
     cli.COMMANDS = ["eval"]
     try:
         code = cli.main(list(argv))
+    except SystemExit as exc:  # usage errors exit from argparse, as the installed command does
+        code = exc.code if isinstance(exc.code, int) else 1
     finally:
         cli.COMMANDS = saved
     out, err = capsys.readouterr() if capsys is not None else ("", "")

@@ -1,5 +1,5 @@
 """The harness on files whose bytes matter: CRLF, mixed line endings, no trailing newline, binary files, a file
-name and content that are not UTF-8, under a ``.gitattributes`` that would convert line endings.
+name and content that are not UTF-8, Unicode line separators, under a ``.gitattributes`` that would convert line endings.
 
 One upstream repository, one SWE-bench instance per kind of file. Each instance's test patch adds a test that
 checks behaviour and the exact bytes of the fixed file, so a patch that loses a CR, a missing final newline or a
@@ -37,6 +37,7 @@ BASE: dict[str, str | bytes] = {
                     b"def shout(name):\r\n    return greet(name).lower()\r\n",
     "edges/tail.py": b"LIMIT = 3\nSCALE = 1",
     "edges/mixed.txt": b"one\r\ntwo\nthree\r\nfour",
+    "edges/notes.md": "intro\u2028line\x85next\u2029end\n".encode(),  # Unicode line separators, one line to git
     "data/blob.bin": BLOB,
     "data/old.bin": b"\x00\xff old",
     LATIN1_NAME: b"na\xefve\r\n",
@@ -57,6 +58,7 @@ FIXES: dict[str, tuple[dict[str, bytes | None], str]] = {
     "binary": ({"data/blob.bin": BLOB[:100] + b"\x00\x01\r\n" + BLOB[103:] + b"\xff", "data/old.bin": None,
                 "data/new.bin": b"\x89PNG\r\n\x1a\n\x00\x00"}, ""),
     "non_utf8": ({LATIN1_NAME: b"na\xefve caf\xe9\r\n"}, ""),
+    "separators": ({"edges/notes.md": "intro\u2028line\x85NEXT\u2029end\n".encode()}, ""),
 }
 
 
@@ -108,8 +110,12 @@ class RawEditAgent:
 def tasks(tmp_path_factory: pytest.TempPathFactory) -> list[Task]:
     root = tmp_path_factory.mktemp("edges")
     path = root / "tasks.jsonl"
-    # Through a SWE-bench JSONL (json's escapes carry CR and the surrogates of non-UTF-8 bytes), as users load it.
-    path.write_text("".join(json.dumps(row) + "\n" for row in edge_tasks(root)), encoding="utf-8")
+    # Through a SWE-bench JSONL as users load it, raw Unicode as Hugging Face exports write it (U+2028 and U+0085
+    # unescaped); the surrogates that carry non-UTF-8 bytes are written as JSON escapes.
+    rows = edge_tasks(root)
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8",
+                    errors="backslashreplace")
+    assert "\u2028".encode() in path.read_bytes()
     return load_tasks(path)
 
 

@@ -149,7 +149,7 @@ def test_cli_resume_and_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
         ((str(jsonl), "--agent", "nomodule"), "expected gold, empty, agent, or MODULE:FUNCTION"),
         ((str(jsonl), "--agent", "agent", "--model", "m", "--url", "http://x"), "not both"),
         ((str(jsonl), "--agent", "gold", "--model", "m"), "are for --agent agent"),
-        ((str(jsonl), "--workers", "0"), "--workers must be at least 1"),
+        ((str(jsonl), "--workers", "0"), "--workers: must be an integer ≥ 1"),
         (("--compare", str(out), str(tmp_path)), "not a run folder"),
     ]:
         code, _, err = freetoken("eval", *argv, capsys=capsys)
