@@ -181,6 +181,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                         mlp_layer_types=["hash_moe", "moe", "moe"], num_key_value_heads=1, o_groups=2, o_lora_rank=16,
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                         index_topk=3, index_n_heads=8, hc_sinkhorn_iters=5),
+    # the MoE block on, small per-layer inputs, the last two layers reading earlier layers' KV (double-wide MLPs),
+    # full layers with their own head size and one KV head read as keys and values, logit soft-capping
+    "gemma4_text": dict(num_hidden_layers=5, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                          "sliding_attention", "full_attention"],
+                        enable_moe_block=True, moe_intermediate_size=32, vocab_size_per_layer_input=512,
+                        hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                        attention_k_eq_v=True, final_logit_softcapping=30.0,
+                        tie_word_embeddings=False,  # tied, the x8-scaled embeddings make greedy repeat one token
+                        per_layer_config={1: {"head_dim": 32, "num_key_value_heads": 1},
+                                          4: {"head_dim": 32, "num_key_value_heads": 1}}),
 }
 
 

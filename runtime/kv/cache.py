@@ -96,6 +96,14 @@ class KVCache(RecurrentStates):
         self._pending = t
         return [buf[:end] for buf in store]
 
+    def cached(self, layer: int) -> list[torch.Tensor]:
+        """Views of every position ``layer`` holds, this forward's appends included (a layer reading another
+        layer's KV: Gemma 4 KV sharing)."""
+        store = self._store[layer]
+        if store is None:
+            raise ValueError(f"layer {layer} has cached nothing yet")
+        return [buf[: self.length + self._pending] for buf in store]
+
     def reserve(self, n: int) -> None:
         """Room for ``n`` more positions: grows on ``append``, nothing to reserve (the paged cache's interface)."""
 

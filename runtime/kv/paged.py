@@ -90,6 +90,13 @@ class PagedKVCache(RecurrentStates):
             return self.pool.view(layer, self.pages[0], self.length + n)
         return self.pool.gather(layer, self.pages, self.length + n)
 
+    def cached(self, layer: int) -> list[torch.Tensor]:
+        """Every position ``layer`` holds, this forward's appends included (see ``KVCache.cached``)."""
+        n = self.length + self._pending
+        if self._run:
+            return self.pool.view(layer, self.pages[0], n)
+        return self.pool.gather(layer, self.pages, n)
+
     def advance(self) -> None:
         self.length += self._pending
         self._pending = 0

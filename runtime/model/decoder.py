@@ -19,9 +19,12 @@ from typing import NamedTuple
 
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.attn_residual import AttnResidualRunner
+from freetoken_agent.runtime.model.cca import cca_attention
+from freetoken_agent.runtime.model.mlp_router import mlp_route
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
 from freetoken_agent.runtime.model.activations import activation_fn
 from freetoken_agent.runtime.model.compressed import shared_kv_attention
+from freetoken_agent.runtime.model.gemma import per_layer_inputs, per_layer_residual, reused_kv_attention, router_input
 from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
 from freetoken_agent.runtime.model.mhc import mhc_post, mhc_pre
 from freetoken_agent.runtime.model.layers import (
@@ -116,8 +119,11 @@ class Decoder:
         h = F.embedding(flat.to(self.device), w.embed)
         if w.embed_norm is not None:
             h = rms_norm(h, w.embed_norm, spec.norm_eps)
+        if "embed_scale" in w.extras:  # ZAYA: a per-channel affine map of the embeddings
+            h = (h + w.extras["embed_bias"]) * w.extras["embed_scale"]
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
+        per_layer = per_layer_inputs(self._token_ids, h, w.per_layer, spec) if spec.per_layer_input else None
         if spec.hyper_streams:
             return self._forward_hyper(h, segments)
         if spec.attn_residual is not None:  # Inkling 2: its own layer loop
@@ -138,13 +144,16 @@ class Decoder:
                     h = x
                 if "res_ffn" in lw.norms:
                     h = h * lw.norms["res_ffn"]
-                x = self._ffn(i, x, lw)
+                x = self._ffn(i, x, lw, h)
                 if layer.post_conv:
                     x = self._post_conv(i, x, lw, FFN)
                 x = self._norm(x, lw, "ffn_out")
-                h = self._residual(h, x, layer.residual_scales[2:])
+                h = self._residual(h, x, layer.residual_scales[2:], lw, "affine_ffn")
             if layer.moe_shortcut == "add":
                 h = h + self._batch_scratch.pop("moe_shortcut")
+            if per_layer is not None or "layer_scalar" in lw.norms:  # Gemma 4
+                act = activation_fn(layer.mlp.activation if layer.mlp is not None else "gelu_tanh")
+                h = per_layer_residual(h, None if per_layer is None else per_layer[:, i], lw.norms, act, spec.norm_eps)
         for seg in segments:
             seg.cache.advance()
         return self._norm(h, None, "final")
@@ -179,14 +188,19 @@ class Decoder:
         base = normed if self.spec.residual_from_norm else h
         if "res_mix" in lw.norms:
             base = base * lw.norms["res_mix"]
-        return self._residual(base, x, self.spec.layers[i].residual_scales[:2])
+        return self._residual(base, x, self.spec.layers[i].residual_scales[:2], lw, "affine_mix")
 
     def _post_conv(self, i: int, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
         """Inkling's residual convolution over a sub-layer's output x [T, D], each sequence continuing its state."""
         conv = residual_conv(lw.norms["conv_mix" if slot == MIXER else "conv_ffn"], 1.0)
         return torch.cat([slot_conv(x[s.start : s.end], s.cache, s.scratch, i, slot, conv) for s in self._segments])
 
-    def _residual(self, h: torch.Tensor, x: torch.Tensor, scales: tuple[float, ...]) -> torch.Tensor:
+    def _residual(self, h: torch.Tensor, x: torch.Tensor, scales: tuple[float, ...], lw: LayerWeights | None = None,
+                  role: str = "") -> torch.Tensor:
+        if lw is not None and f"{role}.residual_scale" in lw.norms:  # ZAYA's learned affine residual
+            n = lw.norms
+            return (x + n[f"{role}.hidden_states_bias"]) * n[f"{role}.hidden_states_scale"] + \
+                (h + n[f"{role}.residual_bias"]) * n[f"{role}.residual_scale"]
         alpha, beta = scales
         beta *= self.spec.residual_multiplier
         return (h if alpha == 1.0 else h * alpha) + (x if beta == 1.0 else x * beta)
@@ -202,6 +216,8 @@ class Decoder:
             # projections over every row at once (each weight read once per step), attention per sequence
             spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
             positions = torch.cat([s.positions for s in segments])
+            if att.kv_source is not None:  # Gemma 4: queries over another layer's KV
+                return reused_kv_attention(x, lw.attn, att, self.rotary[i], None, positions, spec.norm_eps, spans)
             fn = {"mla": mla_attention, "shared_kv": shared_kv_attention}.get(att.kind, gqa_attention)
             return fn(x, lw.attn, att, self.rotary[i], i, None, positions, spec.norm_eps, spans=spans)
         return torch.cat([self._mixer_one(i, x[s.start : s.end], lw, s.cache, s.positions, s.scratch)

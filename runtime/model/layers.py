@@ -349,7 +349,8 @@ def gqa_attention(
     projections, norms and RoPE run once over all T rows — each weight read once per step — and only the cache append
     and the attention itself run per sequence; without, the rows are one sequence in ``cache``."""
     t = x.shape[0]
-    q, k, v = linear(x, w, "q_proj"), linear(x, w, "k_proj"), linear(x, w, "v_proj")
+    q, k = linear(x, w, "q_proj"), linear(x, w, "k_proj")
+    v = k if spec.k_eq_v else linear(x, w, "v_proj")  # Gemma 4 full layers: the raw keys are the values
     gate = None
     if spec.q_gate:  # per head [query | gate]
         q, gate = q.view(t, spec.num_heads, 2 * spec.head_dim).chunk(2, dim=-1)
@@ -361,6 +362,8 @@ def gqa_attention(
     q = q.view(t, spec.num_heads, spec.head_dim)
     k = k.view(t, spec.num_kv_heads, spec.head_dim)
     v = v.view(t, spec.num_kv_heads, spec.v_head_dim)
+    if spec.v_norm:
+        v = unit_rms_norm(v, eps)
     if spec.v_scale != 1.0:
         v = v * spec.v_scale
     if spec.qk_norm == "head" and not spec.qk_norm_after_rope:

@@ -121,7 +121,7 @@ class CompressorSpec:
 class AttentionSpec:
     """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
 
-    kind: Literal["gqa", "mla", "moa", "relpos", "shared_kv"]
+    kind: Literal["gqa", "mla", "moa", "relpos", "shared_kv", "cca"]
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -192,9 +192,19 @@ class AttentionSpec:
     """Chunked local attention: a query sees only keys in its own chunk of ``chunk_size`` positions (Llama 4)."""
     relpos: RelPosSpec | None = None
     """``kind="relpos"``: Inkling's relative-position attention (see ``RelPosSpec``)."""
+    cca_kernels: tuple[int, int] = (0, 0)
+    """``kind="cca"``: ZAYA's compressed convolutional attention (``model/cca.py``) with these (depthwise, grouped)
+    q/k convolution widths."""
     compressor: CompressorSpec | None = None
     """``kind="shared_kv"`` (DeepSeek-V4: one KV head read as keys and values, trailing interleaved rope, sinks,
     sliding window): compressed entries beside the window (see ``CompressorSpec``)."""
+    k_eq_v: bool = False
+    """The values are the raw key projection (no ``v_proj``; Gemma 4 full-attention layers)."""
+    v_norm: bool = False
+    """Values are RMS-normalized per head, without weights (Gemma 4)."""
+    kv_source: int | None = None
+    """This layer has no key/value projections: it attends over the KV that layer ``kv_source`` cached (this forward
+    included) with its own queries and mask (Gemma 4 KV sharing; ``model/gemma.py``)."""
     o_groups: int = 0
     """``shared_kv``: the output projection is grouped — heads split into ``o_groups`` groups, each projected to
     ``o_group_rank`` (``o_a_proj``), then mixed to the hidden size (``o_b_proj``)."""
@@ -260,6 +270,14 @@ class RouterSpec:
     stacked [n, I, D]) are each weighted by their share."""
     global_scale: bool = False
     """A learned scalar ``{router}.global_scale`` multiplies the routing weights (Inkling)."""
+    mlp_hidden: int = 0
+    """If > 0: ZAYA's router (``model/mlp_router.py``), an MLP of this width over a state carried from the previous
+    MoE layer's router, choosing among the experts plus a skip expert."""
+    input_scale: bool = False
+    """The router sees unit-RMS-normed rows times a learned per-channel ``scale`` [D] and 1/√D; ``scale`` sits beside
+    the router projection (``{router}`` = ``router.proj`` → ``router.scale``; Gemma 4)."""
+    expert_scale: bool = False
+    """Routing weights are multiplied by a learned ``per_expert_scale`` [E] beside the router projection (Gemma 4)."""
     hash_table: bool = False
     """Experts are chosen by token id from a frozen table ``{router}.tid2eid`` [V, K] (DeepSeek-V4 hash layers);
     the scores still weight them."""
@@ -371,6 +389,10 @@ class LayerSpec:
     extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Further fp32 tensors of this layer (name under the layer prefix, shape), loaded into ``LayerWeights.norms``
     under their name for the code that owns them (Inkling 2's residual queries, norms, convolutions, loop gates)."""
+    moe_beside_mlp: bool = False
+    """Gemma 4: the dense MLP reads the normed stream as usual (its output normed by ``mlp_out``), and the MoE block
+    reads the raw residual — routed on it (``model/gemma.py``), its experts on ``moe_in``-normed rows, its output
+    normed by ``moe_out``; the sum then takes the ``ffn_out`` norm."""
     post_conv: int = 0
     """If > 0 (the kernel width): the mixer's and the FFN's outputs each pass a residual causal depthwise convolution
     (``attn_sconv`` / ``mlp_sconv``, fp32, state kept per sequence) before the residual add (Inkling)."""

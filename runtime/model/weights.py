@@ -16,6 +16,8 @@ from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from freetoken_agent.runtime.model.compressed import load_shared_kv
+from freetoken_agent.runtime.model.cca import cca_weights
+from freetoken_agent.runtime.model.mlp_router import mlp_router_weights
 from freetoken_agent.runtime.model.moe import TorchExperts
 from freetoken_agent.runtime.model.relpos import relpos_weights
 from freetoken_agent.runtime.model.spec import (
@@ -66,6 +68,8 @@ class ModelWeights:
     embed_norm: torch.Tensor | None = None  # [D]
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """``ModelSpec.extras`` by name."""
+    per_layer: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Gemma 4 per-layer inputs: ``embed`` [V', L·P], ``projection`` [L·P, D], ``norm`` [P]."""
 
 
 class _Loader:
@@ -225,6 +229,12 @@ class _Loader:
         w: dict[str, torch.Tensor] = {}
         if a.kind == "shared_kv":  # DeepSeek-V4
             return load_shared_kv(self, prefix, a, d)
+        if a.kv_source is not None:  # Gemma 4 KV sharing: only queries and the output
+            self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, a.qkv_bias)
+            self.linear(w, prefix, names.o_proj, d, a.num_heads * a.v_head_dim, a.o_bias, key="o_proj")
+            if a.qk_norm == "head":
+                w["q_norm.weight"] = self.norm(f"{prefix}.{names.q_norm}.weight", a.head_dim)
+            return w
         if a.kind == "moa":  # JetMoE: routed query/output experts, shared key/value projection
             e, inner = a.num_heads // a.num_kv_heads, a.num_kv_heads * a.head_dim
             experts = self.stored_shape(f"{prefix}.experts.router.layer.weight")
@@ -237,6 +247,8 @@ class _Loader:
             return w
         if a.kind == "relpos":
             return relpos_weights(self, prefix, a, d)
+        if a.kind == "cca":
+            return cca_weights(self, prefix, a, d, *a.cca_kernels)
         if a.kind == "mla":
             if a.q_lora_rank is None:
                 self.linear(w, prefix, "q_proj", a.num_heads * a.head_dim, d, False)
@@ -278,7 +290,8 @@ class _Loader:
                     w[f"{leaf}.{part}"] = t
         else:
             for leaf, n_out in zip(("q_proj", "k_proj", "v_proj"), sizes):
-                self.linear(w, prefix, leaf, n_out, d, a.qkv_bias)
+                if leaf != "v_proj" or not a.k_eq_v:
+                    self.linear(w, prefix, leaf, n_out, d, a.qkv_bias)
         self.linear(w, prefix, names.o_proj, d, a.num_heads * a.v_head_dim, a.o_bias, key="o_proj")
         if a.qk_norm in ("head", "full"):
             q_dim = a.head_dim if a.qk_norm == "head" else a.num_heads * a.head_dim
@@ -294,7 +307,7 @@ class _Loader:
             w["indexer.q_norm.weight"] = self.norm(f"{prefix}.indexer.q_norm.weight", bx.head_dim)
             w["indexer.k_norm.weight"] = self.norm(f"{prefix}.indexer.k_norm.weight", bx.head_dim)
         if a.dynamic_mask:
-            self.linear(w, prefix, "dt_proj", a.num_kv_heads, a.num_kv_heads * a.v_head_dim, False)
+            self.linear(w, prefix, "dt_proj", a.num_kv_heads, a.num_kv_heads * a.v_head_dim, a.qkv_bias)
             w["A"] = self.take(f"{prefix}.A", (a.num_kv_heads,))
         if a.output_gate != "none":
             n_gate = a.num_heads if a.output_gate_per_head else a.num_heads * a.v_head_dim
@@ -326,7 +339,17 @@ class _Loader:
             assert m.shared is not None
             return MoEWeights(router, None, None, shared=self.mlp(prefix, m.shared, d))  # type: ignore[arg-type]
         n_route = m.num_experts + m.zero_experts
-        router = {"weight": self.take(f"{prefix}.{names.router}.weight", (n_route + m.router.shared_sink, d))}
+        rp = f"{layer_prefix if names.router_at_layer else prefix}.{names.router}"  # the router projection
+        if m.router.mlp_hidden:  # ZAYA: E + 1 classes (the last a skip expert)
+            first = layer_prefix == f"{spec.names.layers}.0"
+            router = mlp_router_weights(self, rp, d, m.router.mlp_hidden, n_route + 1, first)
+        else:
+            router = {"weight": self.take(f"{rp}.weight", (n_route + m.router.shared_sink, d))}
+        owner = rp.rpartition(".")[0]  # the module holding it, and its learned scales (Gemma 4)
+        if m.router.input_scale:
+            router["scale"] = self.take(f"{owner}.scale", (d,))
+        if m.router.expert_scale:
+            router["expert_scale"] = self.take(f"{owner}.per_expert_scale", (n_route,), torch.float32)
         if m.router.global_scale:
             router["global_scale"] = self.take(f"{prefix}.{names.router}.global_scale", (1,), torch.float32)
         if m.router.bias:

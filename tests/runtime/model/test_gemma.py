@@ -1,0 +1,59 @@
+"""Gemma 4 across chunk boundaries: layers reading an earlier layer's KV (this forward's rows included), per-layer
+inputs and the MoE block beside the MLP give the same logits token by token, in odd chunks, over a paged cache and
+from a reused prefix as in one forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.engine import Engine, Request
+from freetoken_agent.runtime.kv.paged import PagedKVCache
+from freetoken_agent.runtime.kv.pool import PagePool
+
+pytest.importorskip("transformers")
+
+from tests.runtime.arch_configs import save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    torch.set_num_threads(1)
+    folder: Path = tmp_path_factory.mktemp("gemma4")
+    save_checkpoint("gemma4_text", folder)
+    return Engine.from_pretrained(folder)
+
+
+def test_spec_shares_kv_and_runs_moe_beside_the_mlp(engine: Engine) -> None:
+    layers = engine.spec.layers
+    assert [layer.attention.kv_source for layer in layers] == [None, None, None, 2, 1]
+    assert layers[1].attention.k_eq_v and layers[1].attention.head_dim == 32 and not layers[0].attention.k_eq_v
+    assert all(layer.moe_beside_mlp for layer in layers) and engine.spec.per_layer_input == 8
+    assert layers[3].mlp.intermediate == 2 * layers[0].mlp.intermediate  # double-wide MLPs where KV is shared
+
+
+@pytest.mark.parametrize("sizes", [[1] * 20, [3, 5, 1, 7, 4]])
+def test_chunks_equal_one_forward(engine: Engine, sizes: list[int]) -> None:
+    ids = torch.randint(0, 512, (sum(sizes),), generator=torch.Generator().manual_seed(len(sizes)))
+    full = engine.logits(ids)
+    pool = PagePool(engine.spec.num_layers, num_pages=16, page_size=4)
+    free = iter(range(15, -1, -1))
+    for cache in (engine.decoder.new_cache(), PagedKVCache(pool, lambda: pool.take(next(free)))):  # type: ignore[arg-type]
+        dec, out, at = engine.decoder, [], 0
+        for n in sizes:
+            out.append(dec.logits(dec.forward(ids[at : at + n], cache)))
+            at += n
+        assert (torch.cat(out) - full).abs().max().item() <= 1e-4
+
+
+def test_prefix_reuse_matches_a_cold_run(engine: Engine) -> None:
+    gen = torch.Generator().manual_seed(6)
+    turn1 = torch.randint(0, 512, (37,), generator=gen).tolist()
+    turn2 = turn1 + torch.randint(0, 512, (10,), generator=gen).tolist()
+    engine.submit(Request(turn1, kind="logits")).result()
+    warm = engine.submit(Request(turn2, kind="logits")).result()
+    assert warm.reused_tokens >= 32
+    cold = engine.submit(Request(turn2, kind="logits", reuse=False)).result().logits
+    assert (warm.logits - cold[warm.reused_tokens :]).abs().max().item() <= 1e-4
