@@ -22,6 +22,7 @@ from freetoken_agent.runtime.errors import FreeTokenError, OptionError, Tokenize
 from freetoken_agent.runtime.generation.prompt import as_token_ids
 from freetoken_agent.runtime.generation.sampling import SamplingParams
 from freetoken_agent.runtime.model.adapters import spec_from_config
+from freetoken_agent.runtime.model.compressed import cached_width
 from freetoken_agent.runtime.model.decoder import Decoder
 from freetoken_agent.runtime.model.spec import ModelSpec
 from freetoken_agent.runtime.model.weights import load_weights
@@ -366,8 +367,12 @@ class Engine:
         total = 0
         for layer in self.spec.layers:
             a = layer.attention
+            if a.kv_source is not None:  # reads another layer's KV (Gemma 4)
+                continue
             if a.kind == "mla":
                 total += a.kv_lora_rank + a.qk_rope_dim
+            elif a.kind == "shared_kv":  # DeepSeek-V4: window KV plus the compressor's per-position parts
+                total += cached_width(a)
             else:
                 total += a.num_kv_heads * (a.head_dim + a.v_head_dim)
         return total * elsize

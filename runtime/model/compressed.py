@@ -91,6 +91,18 @@ def shared_kv_attention(
     return linear(grouped, w, "o_b_proj")
 
 
+def cached_width(spec: AttentionSpec) -> int:
+    """Cache elements one position costs in a ``shared_kv`` layer (the cache layout of the module docstring)."""
+    hd, comp = spec.head_dim, spec.compressor
+    if comp is None:
+        return hd
+    c = 2 if comp.overlap else 1
+    width = hd + 2 * c * hd + hd  # kv, projections and gates, entry slot
+    if comp.indexer is not None:
+        width += 2 * c * comp.indexer.head_dim + comp.indexer.head_dim
+    return width
+
+
 def _entries(
     views: list[torch.Tensor], chunk: list[torch.Tensor], at: int, role: str, sp: Span, w: Weights,
     comp: CompressorSpec, rotary: Rotary, eps: float,

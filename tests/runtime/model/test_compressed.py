@@ -50,6 +50,7 @@ def test_chunks_equal_one_forward(engine: Engine, sizes: list[int]) -> None:
     free = iter(range(15, -1, -1))
     paged = _chunked(engine, ids, sizes, PagedKVCache(pool, lambda: pool.take(next(free))))  # type: ignore[arg-type]
     assert (paged - full).abs().max().item() <= 1e-4
+    assert pool.bytes_per_page() == pool.page_size * engine.kv_bytes_per_token()  # what the KV budget counts
 
 
 def test_truncated_cache_repools_its_windows(engine: Engine) -> None:

@@ -46,6 +46,7 @@ def test_chunks_equal_one_forward(engine: Engine, sizes: list[int]) -> None:
             out.append(dec.logits(dec.forward(ids[at : at + n], cache)))
             at += n
         assert (torch.cat(out) - full).abs().max().item() <= 1e-4
+    assert pool.bytes_per_page() == pool.page_size * engine.kv_bytes_per_token()  # what the KV budget counts
 
 
 def test_prefix_reuse_matches_a_cold_run(engine: Engine) -> None:
