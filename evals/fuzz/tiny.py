@@ -177,7 +177,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # all three attention kinds (sliding only, CSA, HCA) and both routers (hash, learned); small compression rates,
     # window and top-k so compressed entries, the indexer's choice and the window all bite within 24-56 tokens;
     # 8 indexer heads: with 2, all-zero relu scores tie often and top-k's tie order differs between batch shapes
-    "deepseek_v4": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    "deepseek_v4": dict(layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
                         mlp_layer_types=["hash_moe", "moe", "moe"], num_key_value_heads=1, o_groups=2, o_lora_rank=16,
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                         index_topk=3, index_n_heads=8, hc_sinkhorn_iters=5),

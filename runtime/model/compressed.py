@@ -78,8 +78,8 @@ def shared_kv_attention(
             keys_c = _entries(views, chunk, 1, "compressor", sp, w, comp, rotary, eps)
             if comp.indexer is not None:
                 keys_i = _entries(views, chunk, 4, "indexer", sp, w, comp, rotary, eps)
-                keep = _index_topk(index_q[sp.start : sp.end], index_w[sp.start : sp.end], keys_i,  # type: ignore[index]
-                                   comp, sp.positions)
+                rows = slice(sp.start, sp.end)
+                keep = _index_topk(index_q[rows], index_w[rows], keys_i, comp, sp.positions)  # type: ignore[index]
             if any(c is not p for c, p in zip(chunk, slots)):
                 sp.cache.append(layer, *chunk)  # again, with the entry slots of the completed windows filled
         outs.append(_attend(q[sp.start : sp.end], views[0], keys_c, keep, sp.positions, w["sinks"], spec))

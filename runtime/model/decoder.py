@@ -212,7 +212,8 @@ class Decoder:
             return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch)
         spec, layer = self.spec, self.spec.layers[i]
         att = layer.attention
-        if layer.recurrent is None and att.kind in ("gqa", "mla", "shared_kv") and (att.kind != "mla" or att.indexer is None):
+        batched = att.kind in ("gqa", "mla", "shared_kv") and (att.kind != "mla" or att.indexer is None)
+        if layer.recurrent is None and batched:
             # projections over every row at once (each weight read once per step), attention per sequence
             spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
             positions = torch.cat([s.positions for s in segments])
@@ -230,6 +231,8 @@ class Decoder:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
         if layer.attention.kind == "relpos":
             return relpos_attention(x, lw.attn, layer.attention, i, cache, positions, spec.norm_eps, scratch)
+        if layer.attention.kv_source is not None:
+            return reused_kv_attention(x, lw.attn, layer.attention, self.rotary[i], cache, positions, spec.norm_eps)
         if layer.attention.kind == "shared_kv":
             return shared_kv_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
         if layer.attention.kind == "moa":
@@ -258,8 +261,13 @@ class Decoder:
         kept in their own module (``model/attn_residual.py``)."""
         return self._ffn(i, x, self.weights.layers[i])
 
-    def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.spec.layers[i]
+        if layer.moe_beside_mlp and lw.moe is not None and residual is not None:  # Gemma 4 (LayerSpec docstring)
+            assert layer.mlp is not None and lw.mlp is not None
+            routed = self._moe(i, self._norm(residual, lw, "moe_in"), lw.moe,
+                               router_input(residual, lw.moe.router["scale"], self.spec.norm_eps))
+            return self._norm(mlp(x, lw.mlp, layer.mlp), lw, "mlp_out") + self._norm(routed, lw, "moe_out")
         if layer.moe_shortcut == "compute" and lw.moe is not None:
             self._batch_scratch["moe_shortcut"] = self._moe(i, x, lw.moe)
         if lw.moe is None or layer.moe_shortcut == "compute":
@@ -267,7 +275,8 @@ class Decoder:
             return mlp(x, lw.mlp, layer.mlp)
         return self._moe(i, x, lw.moe)
 
-    def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights) -> torch.Tensor:
+    def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights, router_x: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE block over rows x [T, D]; ``router_x`` [T, D]: what the router sees, when not x (Gemma 4)."""
         moe = self.spec.layers[i].moe
         assert moe is not None
         if moe.kind == "product_key":  # its reference views the router logits across a sequence's tokens
@@ -280,8 +289,10 @@ class Decoder:
             ids, weights, gammas = sink_route(x, moe, mw.router["weight"], mw.correction, mw.router.get("global_scale"))
         else:
             fixed = mw.router["tid2eid"][self._token_ids] if moe.router.hash_table else None  # [T, K]
-            ids, weights = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction,
-                                 fixed)
+            ids, weights = route(x if router_x is None else router_x, moe.router, moe.top_k, mw.router["weight"],
+                                 mw.router.get("bias"), mw.correction, fixed)
+            if "expert_scale" in mw.router:  # a learned scale per expert on its routing weight (Gemma 4)
+                weights = weights * mw.router["expert_scale"][ids]
         identity = None
         if moe.zero_experts:  # identity experts: weight · x, then hidden from the expert backend
             zero = ids >= moe.num_experts

@@ -1,8 +1,8 @@
 """Gemma 4 pieces the generic decoder calls: per-layer inputs (PLE), the MoE block's router input, and attention
 over the KV another layer cached (KV sharing).
 
-Per-layer inputs: each token gets, for every layer l, a vector p_l [P] = (RMSNorm(W·e / √D)_l + E_pl[token]·√P) / √2
-(e the scaled token embedding, E_pl one packed [V, L·P] table); at the end of layer l the stream takes
+Per-layer inputs: each token gets, for every layer l, a vector p_l [P] = (RMSNorm(W·e / √D)_l + E_pl[token]·√P)
+/ √2 (e the scaled token embedding, E_pl one packed [V, L·P] table); at the end of layer l the stream takes
 h + RMSNorm(W_up(act(W_gate(h)) · p_l)), and every layer's output is then scaled by its learned ``layer_scalar``.
 
 Legend: T tokens, D hidden, L layers, P per-layer width, H heads, Dh head dim.
@@ -27,7 +27,8 @@ def per_layer_inputs(token_ids: torch.Tensor, embeds: torch.Tensor, w: Weights, 
     """token ids [T] and their scaled embeddings [T, D] → every layer's input [T, L, P]."""
     t, layers, p = token_ids.shape[0], spec.num_layers, spec.per_layer_input
     if token_ids.numel() and int(token_ids.max()) >= spec.per_layer_vocab:
-        raise ValueError(f"token id {int(token_ids.max())} has no per-layer embedding (table of {spec.per_layer_vocab})")
+        raise ValueError(f"token id {int(token_ids.max())} has no per-layer embedding "
+                         f"(a table of {spec.per_layer_vocab} rows)")
     tokens = F.embedding(token_ids, w["embed"]) * torch.tensor(p**0.5, dtype=w["embed"].dtype)  # [T, L·P]
     projected = dense_linear(embeds, w["projection"]) * spec.hidden_size**-0.5  # [T, L·P]
     projected = rms_norm(projected.view(t, layers, p), w["norm"], spec.norm_eps)
@@ -35,7 +36,8 @@ def per_layer_inputs(token_ids: torch.Tensor, embeds: torch.Tensor, w: Weights, 
 
 
 def per_layer_residual(
-    h: torch.Tensor, inputs: torch.Tensor | None, norms: Weights, act: Callable[[torch.Tensor], torch.Tensor], eps: float
+    h: torch.Tensor, inputs: torch.Tensor | None, norms: Weights, act: Callable[[torch.Tensor], torch.Tensor],
+    eps: float,
 ) -> torch.Tensor:
     """The end of a layer: h [T, D] takes the gated per-layer input [T, P] (when given), then the layer scalar."""
     if inputs is not None:

@@ -73,8 +73,8 @@ def gemma4_text(cfg: Config) -> ModelSpec:
     moe = None
     if cfg.get("enable_moe_block", False):
         router = RouterSpec(scoring="softmax", norm_topk=True, input_scale=True, expert_scale=True)
-        moe = MoESpec(num_experts=int(cfg["num_experts"]), top_k=int(cfg["top_k_experts"]),
-                      intermediate=int(cfg["moe_intermediate_size"]), router=router, activation=act)  # type: ignore[arg-type]
+        moe = MoESpec(num_experts=int(cfg["num_experts"]), top_k=int(cfg["top_k_experts"]),  # type: ignore[arg-type]
+                      intermediate=int(cfg["moe_intermediate_size"]), router=router, activation=act)
     layers = []
     for i, kind in enumerate(types):
         head_dim = int(overrides[i].get("head_dim", cfg.get("head_dim") or d // int(cfg["num_attention_heads"])))

@@ -40,7 +40,8 @@ def test_chunks_equal_one_forward(engine: Engine, sizes: list[int]) -> None:
     full = engine.logits(ids)
     pool = PagePool(engine.spec.num_layers, num_pages=16, page_size=4)
     free = iter(range(15, -1, -1))
-    for cache in (engine.decoder.new_cache(), PagedKVCache(pool, lambda: pool.take(next(free)))):  # type: ignore[arg-type]
+    paged = PagedKVCache(pool, lambda: pool.take(next(free)))  # type: ignore[arg-type]
+    for cache in (engine.decoder.new_cache(), paged):
         dec, out, at = engine.decoder, [], 0
         for n in sizes:
             out.append(dec.logits(dec.forward(ids[at : at + n], cache)))
