@@ -455,6 +455,13 @@ class WeightNames:
     """Prefix of a recurrent mixer's tensors inside a layer."""
     correction_at_layer: bool = False
     """The correction bias lives at ``model.layers.{i}.{correction_bias}`` rather than under the MoE prefix."""
+    router_at_layer: bool = False
+    """The router lives at ``model.layers.{i}.{router}`` rather than under the MoE prefix (Gemma 4)."""
+    layer_scalar: str | None = None
+    """A learned scalar [1] under the layer prefix that multiplies the layer's output (Gemma 4)."""
+    layer_norms: tuple[tuple[str, str], ...] = ()
+    """Further per-layer weights by (role in ``LayerWeights.norms``, checkpoint name under the layer prefix), all of
+    the hidden size (Gemma 4's ``mlp_out`` / ``moe_in`` / ``moe_out`` norms)."""
 
 
 @dataclass(frozen=True)
@@ -500,6 +507,12 @@ class ModelSpec:
     """If > 0: manifold-constrained hyper-connections (DeepSeek-V4, ``model/mhc.py``): the streams are also mixed by
     an N×N matrix projected towards doubly stochastic with this many Sinkhorn iterations; weights
     ``hc_attn_{fn,base,scale}`` / ``hc_ffn_*`` per layer and ``model.hc_head.hc_*``."""
+    per_layer_input: int = 0
+    """If > 0: Gemma 4 per-layer inputs of this width (``model/gemma.py``): a token embedding per layer plus a
+    projection of the embeddings, gated into the stream at the end of each layer, which is then scaled by its
+    ``layer_scalar``."""
+    per_layer_vocab: int = 0
+    """Rows of the per-layer token embedding table."""
     norm_weight_offset: float = 0.0
     """Added to every RMSNorm weight at load time (zero-centered norms ``x·(1+w)``: Qwen3-Next, Gemma)."""
     tie_embeddings: bool = False

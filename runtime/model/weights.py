@@ -495,6 +495,15 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
         for name, shape in layer.extras:
             lw.norms[name] = ld.take(f"{p}.{name}", shape, torch.float32)
+        for role, name in n.layer_norms:  # Gemma 4's norms of the MLP and MoE outputs and the MoE input
+            lw.norms[role] = ld.norm(f"{p}.{name}.weight", d)
+        if spec.per_layer_input:  # Gemma 4: the gate of the per-layer input, and the layer's output scale
+            pd = spec.per_layer_input
+            lw.norms["ple_gate"] = ld.take(f"{p}.per_layer_input_gate.weight", (pd, d))
+            lw.norms["ple_proj"] = ld.take(f"{p}.per_layer_projection.weight", (d, pd))
+            lw.norms["ple_norm"] = ld.norm(f"{p}.post_per_layer_input_norm.weight", d)
+        if n.layer_scalar:
+            lw.norms["layer_scalar"] = ld.take(f"{p}.{n.layer_scalar}", (1,))
         if layer.post_conv:  # Inkling's residual convolutions on the mixer and FFN outputs (fp32, [D, 1, K])
             for role, name in zip(("conv_mix", "conv_ffn"), n.post_convs):
                 lw.norms[role] = ld.take(f"{p}.{name}.conv1d.weight", (d, 1, layer.post_conv), torch.float32)
@@ -503,7 +512,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         if layer.parts != "mixer":
             if layer.moe is not None:
                 lw.moe = ld.moe(f"{p}.{n.moe_prefix}", layer, spec, p)
-            if layer.mlp is not None and (layer.moe is None or layer.moe_shortcut == "compute"):
+            if layer.mlp is not None and (layer.moe is None or layer.moe_shortcut == "compute" or layer.moe_beside_mlp):
                 lw.mlp = ld.mlp(f"{p}.{n.mlp}", layer.mlp, d)
         layers.append(lw)
         loaded[p] = (layer, lw)
@@ -531,4 +540,10 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
                 "scale": ld.take(f"{base}scale", (1,), torch.float32)}
     embed_norm = ld.norm(f"{spec.names.embed_norm}.weight", d) if spec.names.embed_norm else None
     extras = {name: ld.take(name, shape, torch.float32) for name, shape in spec.extras}
-    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head, embed_norm, extras)
+    per_layer: dict[str, torch.Tensor] = {}
+    if spec.per_layer_input:
+        lp = spec.num_layers * spec.per_layer_input
+        per_layer = {"embed": ld.take("model.embed_tokens_per_layer.weight", (spec.per_layer_vocab, lp)),
+                     "projection": ld.take("model.per_layer_model_projection.weight", (lp, d)),
+                     "norm": ld.norm("model.per_layer_projection_norm.weight", spec.per_layer_input)}
+    return ModelWeights(embed, norm, lm_head, lm_head_bias, layers, norm_bias, head, embed_norm, extras, per_layer)
