@@ -162,7 +162,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "minimax_m3_vl_text": dict(layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
                                mlp_layer_types=["dense", "sparse", "sparse"], index_block_size=4,
                                index_topk_blocks=3, index_local_blocks=1, index_n_heads=2, index_head_dim=16),
-    "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 only
+    # ZAYA supports top-1 only; a sliding layer so both ropes and the window run
+    "zaya": dict(num_experts_per_tok=1, layer_types=["hybrid_sliding", "hybrid", "hybrid"], sliding_window=8,
+                 initializer_range=0.3),  # at 0.15 greedy decoding settles on one token
     # log scaling from position 4, a bias extent shorter than the prompt and a dense first layer so all paths run
     "inkling_text": dict(log_scaling_n_floor=4, rel_extent=12, mlp_layer_types=["dense", "sparse", "sparse"]),
     # blocks of two layers so both the boundary and the running-sum residuals run; a head narrower than the vocab
@@ -214,12 +216,17 @@ def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
                 p.copy_(torch.randn_like(p))
             elif name.endswith((".query", "sconv.static_weight")):  # Inkling 2's residual queries, conv taps (zeros)
                 p.copy_(torch.randn_like(p) * 0.5)
+            elif name.endswith(("qk_norm.temp", ".hidden_states_scale", ".residual_scale", "input_hidden_states_scale",
+                                "router_states_scale")):  # ZAYA's key temperature (zeros) and scales (ones)
+                p.copy_(1 + torch.randn_like(p) * 0.2)
+            elif name.endswith((".hidden_states_bias", ".residual_bias", "input_hidden_states_bias")):  # ZAYA (zeros)
+                p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("e_score_correction_bias", "sinks", "expert_bias")):
                 p.copy_(torch.randn_like(p) * 0.1 if "bias" in name else torch.randn_like(p) * 0.5)
             elif (".gate.weight" in name or "router" in name) and p.dim() == 2:
                 p.copy_(torch.randn_like(p) * 0.5)
         for name, b in model.named_buffers():
-            if name.endswith(("e_score_correction_bias", "expert_bias")):
+            if name.endswith(("e_score_correction_bias", "expert_bias", "balancing_biases")):
                 b.copy_(torch.randn_like(b) * 0.1)
             elif name.endswith("tid2eid"):  # hash routing table (zeros at init): distinct random experts per token
                 experts = torch.rand(b.shape[0], model.config.num_local_experts).argsort(-1).to(b.dtype)

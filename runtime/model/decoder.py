@@ -229,6 +229,8 @@ class Decoder:
         spec, layer = self.spec, self.spec.layers[i]
         if layer.recurrent is not None:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
+        if layer.attention.kind == "cca":
+            return cca_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, scratch)
         if layer.attention.kind == "relpos":
             return relpos_attention(x, lw.attn, layer.attention, i, cache, positions, spec.norm_eps, scratch)
         if layer.attention.kv_source is not None:
@@ -287,6 +289,10 @@ class Decoder:
         gammas = None  # the shared experts' routing shares (Inkling's sink router)
         if moe.router.shared_sink:
             ids, weights, gammas = sink_route(x, moe, mw.router["weight"], mw.correction, mw.router.get("global_scale"))
+        elif moe.router.mlp_hidden:  # ZAYA: its state flows from each MoE layer's router to the next
+            ids, weights, state = mlp_route(x, mw.router, moe.top_k, moe.num_experts,
+                                            self._batch_scratch.get("router_state"), self.spec.norm_eps)
+            self._batch_scratch["router_state"] = state
         else:
             fixed = mw.router["tid2eid"][self._token_ids] if moe.router.hash_table else None  # [T, K]
             ids, weights = route(x if router_x is None else router_x, moe.router, moe.top_k, mw.router["weight"],

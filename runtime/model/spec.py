@@ -439,9 +439,14 @@ class WeightNames:
     output_gate_bias: str = "gate_bias"
     moe_output_norm: str = "post_mlp_layernorm"
     embed_norm: str | None = None
+    """An RMSNorm applied to the token embeddings, weight at ``{name}.weight`` (Inkling)."""
+    embed_affine: str | None = None
+    """The embeddings become (e + ``{name}_bias``) · ``{name}_scale`` (per channel; ZAYA's input scaling)."""
+    residual_affine: tuple[str, str] | None = None
+    """Per sub-layer (mixer, FFN) a learned affine residual: h = (f + hidden_states_bias) · hidden_states_scale +
+    (h + residual_bias) · residual_scale, weights under ``{name}.`` (ZAYA)."""
     post_convs: tuple[str, str] = ("attn_sconv", "mlp_sconv")
     """With ``LayerSpec.post_conv``: the mixer-output and FFN-output convolutions (``{name}.conv1d.weight``)."""
-    """An RMSNorm applied to the token embeddings, weight at ``{name}.weight`` (Inkling)."""
     gated_norm_roles: tuple[str, ...] = ()
     """Norm roles (``attn_in``, ``ffn_in``, ...) that are gated RMSNorms: y = rms(x)·w, y · sigmoid(W_up silu(W_down y)),
     stored as ``{name}.norm.weight``, ``{name}.W_down.weight``, ``{name}.W_up.weight`` (A.X K2)."""
@@ -539,10 +544,11 @@ class ModelSpec:
         return len(self.layers)
 
     def state_layers(self) -> list[int]:
-        """Layers that keep a per-sequence state beside their KV (recurrent mixers, Inkling's convolutions)."""
+        """Layers that keep a per-sequence state beside their KV (recurrent mixers, Inkling's and ZAYA's
+        convolutions)."""
+        conv = lambda a: a is not None and (a.relpos is not None or a.kind == "cca")  # noqa: E731
         return [i for i, layer in enumerate(self.layers)
-                if layer.recurrent is not None or layer.post_conv
-                or (layer.attention is not None and layer.attention.relpos is not None)]
+                if layer.recurrent is not None or layer.post_conv or conv(layer.attention)]
 
     def moe_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.moe is not None]

@@ -495,6 +495,10 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
         for name, shape in layer.extras:
             lw.norms[name] = ld.take(f"{p}.{name}", shape, torch.float32)
+        if n.residual_affine:  # ZAYA: (f + b_f)·s_f + (h + b_h)·s_h per sub-layer
+            for role, name in zip(("affine_mix", "affine_ffn"), n.residual_affine):
+                for leaf in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias"):
+                    lw.norms[f"{role}.{leaf}"] = ld.take(f"{p}.{name}.{leaf}", (d,))
         for role, name in n.layer_norms:  # Gemma 4's norms of the MLP and MoE outputs and the MoE input
             lw.norms[role] = ld.norm(f"{p}.{name}.weight", d)
         if spec.per_layer_input:  # Gemma 4: the gate of the per-layer input, and the layer's output scale
@@ -540,6 +544,9 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
                 "scale": ld.take(f"{base}scale", (1,), torch.float32)}
     embed_norm = ld.norm(f"{spec.names.embed_norm}.weight", d) if spec.names.embed_norm else None
     extras = {name: ld.take(name, shape, torch.float32) for name, shape in spec.extras}
+    if spec.names.embed_affine:
+        extras["embed_scale"] = ld.take(f"{spec.names.embed_affine}_scale", (d,))
+        extras["embed_bias"] = ld.take(f"{spec.names.embed_affine}_bias", (d,))
     per_layer: dict[str, torch.Tensor] = {}
     if spec.per_layer_input:
         lp = spec.num_layers * spec.per_layer_input
