@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -32,6 +32,8 @@ from freetoken_agent.evals.fuzz.variants import GENERATORS, Variant, sample, var
 
 TOLERANCE = 1e-4
 """Max abs logit difference (fp32) for a pass, as in the per-type parity tests."""
+NOISE = 1e-2
+"""Errors between ``TOLERANCE`` and this go to the fp64 arbiter (``_fp64_arbiter``) instead of failing outright."""
 PROMPT_LEN = 20
 NEW_TOKENS = 8
 VOCAB_DRAWN = 512
@@ -83,24 +85,45 @@ def check(variant: Variant, seed: int = 0) -> Outcome:
             model.save_pretrained(tmp)
         except Exception as exc:  # noqa: BLE001 - any rejection by transformers marks the variant out of scope
             return done("out_of_scope", f"transformers: {_line(exc)}")
-        del model
         engine = None
         try:
             engine = Engine.from_pretrained(tmp, threads=1)
             ours = engine.logits(ids)
             err = (ours - ref).abs().max().item() if ours.shape == ref.shape else float("inf")
+            note = ""
             if not err <= TOLERANCE:
-                return done("fail", f"max |logit error| {err:.3g} > {TOLERANCE:g}", err)
+                within, note = _fp64_arbiter(model, ids, ref, ours) if err < NOISE else (False, "")
+                if not within:
+                    return done("fail", f"max |logit error| {err:.3g} > {TOLERANCE:g}{note}", err)
             tokens = engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=()).token_ids
             if tokens != hf:
                 first = next((i for i, (a, b) in enumerate(zip(tokens, hf)) if a != b), min(len(tokens), len(hf)))
                 return done("fail", f"greedy tokens differ from token {first}", err)
-            return done("pass", "", err)
+            return done("pass", note.removeprefix("; "), err)
         except Exception as exc:  # noqa: BLE001 - every error on our side is a failure to report, not a crash
             return done("fail", _line(exc))
         finally:
             if engine is not None:
                 engine.close()
+
+
+def _fp64_arbiter(model: Any, ids: torch.Tensor, ref: torch.Tensor, ours: torch.Tensor) -> tuple[bool, str]:
+    """Is our fp32 result at least as close to transformers' own fp64 result as transformers' fp32 one is?
+
+    A chunked recurrence in transformers (Gated DeltaNet, Mamba scans) differs from the exact one by fp32 rounding
+    that can exceed ``TOLERANCE`` on a random tiny model; the fp64 forward of the same weights arbitrates."""
+    try:
+        model = model.double()
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation("eager")  # the grouped kernels take no fp64
+        with torch.no_grad():
+            exact = model(ids[None]).logits[0]
+    except Exception as exc:  # noqa: BLE001 - no arbiter: the tolerance stands
+        return False, f"; no fp64 arbiter ({_line(exc)})"
+    ours_err = (ours.double() - exact).abs().max().item()
+    ref_err = (ref.double() - exact).abs().max().item()
+    note = f"; vs transformers fp64: ours {ours_err:.2g}, transformers fp32 {ref_err:.2g}"
+    return ours_err <= max(TOLERANCE, ref_err), note
 
 
 def plan(types: Iterable[str], kinds: tuple[str, ...] | None = None, per_type: int | None = None,
@@ -147,6 +170,10 @@ def table(outcomes: list[Outcome]) -> str:
         lines.append(f"{model_type:<20}" + "".join(cells) + "".join(f"{t:>{w}}" for t, w in zip(totals, (7, 6, 6, 6))))
     n = [len(outcomes), *(sum(o.status == s for o in outcomes) for s in ("pass", "out_of_scope", "fail"))]
     lines.append(f"{'all':<20}" + " " * 15 * len(kinds) + "".join(f"{t:>{w}}" for t, w in zip(n, (7, 6, 6, 6))))
+    arbitrated = [o for o in outcomes if o.status == "pass" and o.reason]
+    if arbitrated:
+        lines += ["", f"passed by the fp64 arbiter (error > {TOLERANCE:g}, but no more than transformers' own):"]
+        lines += [f"  {o.model_type}:{o.option}={o.value}: {o.reason}" for o in arbitrated]
     failures = [o for o in outcomes if o.status == "fail"]
     if failures:
         lines += ["", "failures:"]

@@ -393,15 +393,16 @@ def _deepseek_layers(cfg: Config, attn_for: Callable[[int], AttentionSpec], sigm
     n = int(cfg["num_hidden_layers"])
     inter = int(cfg["moe_intermediate_size"])
     shared_n = int(cfg.get("n_shared_experts") or 0)
+    bias = bool(cfg.get("mlp_bias", False))  # DeepSeek-V2's dense and shared MLPs (its experts have none)
     moe = MoESpec(
         num_experts=int(_req(cfg, "n_routed_experts", "num_local_experts")),
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=inter,
         router=_deepseek_router(cfg, sigmoid),
         activation=_act(cfg),  # type: ignore[arg-type]
-        shared=MLPSpec(inter * shared_n, _act(cfg)) if shared_n else None,  # type: ignore[arg-type]
+        shared=MLPSpec(inter * shared_n, _act(cfg), bias=bias) if shared_n else None,  # type: ignore[arg-type]
     )
-    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg))  # type: ignore[arg-type]
+    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg), bias=bias)  # type: ignore[arg-type]
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
     return [

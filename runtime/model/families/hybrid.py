@@ -40,9 +40,13 @@ def qwen3_next(cfg: Config) -> ModelSpec:
         shared=MLPSpec(shared, act) if shared else None, shared_gate=bool(shared),  # type: ignore[arg-type]
     )
     dense = MLPSpec(int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]), act)  # type: ignore[arg-type]
-    types = cfg.get("layer_types") or ["full_attention"] * n
+    # published Qwen3-Next configs have no layer_types: every full_attention_interval-th layer is full attention
+    interval = int(cfg.get("full_attention_interval") or 4)
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                       for i in range(n)]
     step, mlp_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
-    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm="head", q_gate=True)
+    bias = bool(cfg.get("attention_bias", False))
+    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", q_gate=True)
     recurrent = _deltanet(cfg, "grouped" if cfg["model_type"] == "qwen3_next" else "split")
     layers = []
     for i in range(n):

@@ -122,7 +122,10 @@ def dots3_note_text(cfg: Config) -> ModelSpec:
 
     attns = [attn(i) for i in range(n)]
     names = WeightNames(output_gate="g_proj")
-    return _model(cfg, moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg)), names=names,
+    # one shared MLP of shared_experts_intermediate_size x n_shared_experts channels (as transformers builds it)
+    shared = int(cfg.get("shared_experts_intermediate_size") or 0) * int(cfg.get("n_shared_experts") or 0)
+    moe_fields = {"shared": MLPSpec(shared, _act(cfg)) if shared else None}
+    return _model(cfg, moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg), moe_fields=moe_fields), names=names,
                   ignored_tensors=_mtp_ignored(cfg))
 
 

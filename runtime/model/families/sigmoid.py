@@ -49,7 +49,8 @@ def is_sparse(cfg: Config) -> list[bool]:
         return [t == "sparse" for t in cfg["mlp_layer_types"]]
     first_dense = int(_opt(cfg, "first_k_dense_replace", "num_dense_layers", default=0))
     mlp_only = set(cfg.get("mlp_only_layers") or [])
-    return [i >= first_dense and i not in mlp_only for i in range(n)]
+    step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen-style: every step-th layer is sparse
+    return [i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(n)]
 
 
 def moe_layers(
@@ -158,7 +159,8 @@ def afmoe(cfg: Config) -> ModelSpec:
     router = sigmoid_router(cfg, n_group=1, topk_group=1, norm_topk=True)
     names = WeightNames(router="router.gate", correction_bias="expert_bias", attn_out_norm="post_attention_layernorm",
                         ffn_in_norm="pre_mlp_layernorm", ffn_out_norm="post_mlp_layernorm")
-    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+    mup = float(cfg["hidden_size"]) ** 0.5 if cfg.get("mup_enabled") else 1.0  # muP: embeddings scaled by √D
+    return _model(cfg, moe_layers(cfg, attn, router), names=names, embedding_multiplier=mup)
 
 
 @adapter("laguna")
@@ -167,11 +169,11 @@ def laguna(cfg: Config) -> ModelSpec:
     heads = cfg.get("num_attention_heads_per_layer") or [cfg["num_attention_heads"]] * len(types)
     bias = bool(cfg.get("attention_bias", False))
     gating = cfg.get("gating", True)
-    per_head = gating is True or gating == "per-head"
+    per_head = gating is True or gating == "per-head"  # transformers always gates: anything else is per channel
 
     def attn(i: int) -> Any:
         return _gqa(cfg, layer_type=types[i], num_heads=int(heads[i]), qkv_bias=bias, o_bias=bias, qk_norm="head",
-                    output_gate="softplus" if gating else "none", output_gate_per_head=per_head,
+                    output_gate="softplus", output_gate_per_head=per_head,
                     sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention" else None)
 
     router = sigmoid_router(cfg, n_group=1, topk_group=1, norm_topk=True, norm_eps=0.0,
