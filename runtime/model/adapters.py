@@ -7,7 +7,9 @@ an adapter here (and a parity test), never a model file.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from freetoken_agent.runtime.errors import ConfigError, UnsupportedArchitectureError
@@ -41,11 +43,24 @@ def supported_architectures() -> list[str]:
     return sorted(ADAPTERS)
 
 
+WRAPPERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "llama4": ("llama4_text", "language_model.model", "language_model.lm_head",
+               (r"^vision_model\.", r"^multi_modal_projector\.")),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "model.language_model", "lm_head", (r"^model\.visual\.", r"^mtp\.")),
+}
+"""Multimodal checkpoints whose text model we run: wrapper type → (text model type, prefix of the text model's
+tensors in place of ``model``, the lm_head's name, tensors of the other towers to leave unread)."""
+
+
 def spec_from_config(config: Config) -> ModelSpec:
     """Build the spec for a parsed ``config.json``; unknown model types list the supported ones.
 
     The config is validated first (``runtime/model/validate.py``): a bad value is one ``ConfigError`` naming it.
+    A multimodal wrapper (``WRAPPERS``) gives the spec of its language model.
     """
+    if (isinstance(config, dict) and isinstance(config.get("model_type"), str) and config["model_type"] in WRAPPERS
+            and isinstance(config.get("text_config"), dict)):
+        return _text_model_spec(config)
     validate_config(config)
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
@@ -58,6 +73,26 @@ def spec_from_config(config: Config) -> ModelSpec:
         raise ConfigError(f"config.json of {model_type!r} is missing the field {exc.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(f"config.json of {model_type!r} is missing or has an invalid field: {exc!r}") from None
+
+
+def _text_model_spec(config: Config) -> ModelSpec:
+    """The spec of a multimodal checkpoint's language model: its ``text_config`` (with the top-level
+    ``tie_word_embeddings`` when it sets none), tensor names moved under the wrapper's prefix."""
+    text_type, prefix, head, others = WRAPPERS[config["model_type"]]
+    text = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
+    text.update(config["text_config"])
+    text.setdefault("model_type", text_type)
+    spec = spec_from_config(text)
+
+    def move(name: str | None) -> str | None:
+        return None if name is None else re.sub(r"^model\.", f"{prefix}.", name)
+
+    names = spec.names
+    names = replace(names, embed=move(names.embed), layers=move(names.layers), final_norm=move(names.final_norm),
+                    lm_head=head if names.lm_head == "lm_head" else names.lm_head)
+    layers = tuple(replace(layer, prefix=move(layer.prefix)) if layer.prefix else layer for layer in spec.layers)
+    ignored = tuple(p.replace(r"^model\.", "^" + re.escape(prefix) + r"\.") for p in spec.ignored_tensors)
+    return replace(spec, names=names, layers=layers, ignored_tensors=(*ignored, *others))
 
 
 # ----------------------------------------------------------------------------------------------- shared helpers
@@ -107,8 +142,8 @@ def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
     params.setdefault("rope_type", "default")
     if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is not None:
         params["partial_rotary_factor"] = cfg["partial_rotary_factor"]
-    if cfg.get("model_type") in WHOLE_HEAD_ROPE:
-        params.pop("partial_rotary_factor", None)
+    if cfg.get("model_type") in WHOLE_HEAD_ROPE and params["rope_type"] != "proportional":
+        params.pop("partial_rotary_factor", None)  # (proportional rope reads it in its own frequency init)
     return params
 
 

@@ -95,6 +95,8 @@ def validate_config(cfg: Any, where: str = "config.json") -> None:
     """Raise one ``ConfigError`` naming the field for the first value of ``cfg`` that breaks a rule."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
+    # published Hunyuan-A13B writes false for the group-routing options it does not use (transformers ignores them)
+    cfg = {k: v for k, v in cfg.items() if not (v is False and k in ("n_group", "topk_group", "routed_scaling_factor"))}
     _check_fields(cfg, FIELDS, where)
     for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key)

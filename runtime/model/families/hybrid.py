@@ -29,6 +29,7 @@ def _deltanet(cfg: Config, layout: str, norm: str = "norm") -> RecurrentSpec:
 
 @adapter("qwen3_next", "qwen3_5_moe_text")
 def qwen3_next(cfg: Config) -> ModelSpec:
+    cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default when the config names none
     n = int(cfg["num_hidden_layers"])
     act = _act(cfg)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
@@ -262,6 +263,32 @@ def minimax(cfg: Config) -> ModelSpec:
                   ignored_tensors=(r"self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$",))
 
 
+def _kimi_linear_fields(cfg: Config) -> Config:
+    """Published Kimi-Linear configs nest the KDA fields in ``linear_attn_config`` (1-based ``kda_layers`` /
+    ``full_attn_layers``); transformers flattens them, with its defaults when they are absent."""
+    if cfg["model_type"] != "kimi_linear":
+        return cfg
+    nested = cfg.get("linear_attn_config") or {}
+    n = int(cfg["num_hidden_layers"])
+    flat = {**cfg, "linear_num_heads": nested.get("num_heads", cfg.get("linear_num_heads", 32)),
+            "linear_head_dim": nested.get("head_dim", cfg.get("linear_head_dim", 128)),
+            "linear_conv_kernel_dim": nested.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4))}
+    if not cfg.get("layer_types"):
+        if "full_attn_layers" in nested and "kda_layers" in nested:
+            types: list[str | None] = [None] * n
+            for i in nested["full_attn_layers"]:
+                types[int(i) - 1] = "full_attention"
+            for i in nested["kda_layers"]:
+                types[int(i) - 1] = "linear_attention"
+            flat["layer_types"] = types
+        else:
+            flat["layer_types"] = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if not cfg.get("mlp_layer_types"):
+        first_dense = int(cfg.get("first_k_dense_replace", 1))
+        flat["mlp_layer_types"] = ["dense" if i < first_dense else "sparse" for i in range(n)]
+    return flat
+
+
 @adapter("kimi_linear", "bailing_hybrid")
 def kimi_linear(cfg: Config) -> ModelSpec:
     """Kimi Linear / Bailing (Ling) hybrid: Kimi Delta Attention layers plus MLA layers, DeepSeek-V3 style MoE.
@@ -271,6 +298,7 @@ def kimi_linear(cfg: Config) -> ModelSpec:
     from freetoken_agent.runtime.model.adapters import _mla
     from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
 
+    cfg = _kimi_linear_fields(cfg)
     n = int(cfg["num_hidden_layers"])
     bailing = cfg["model_type"] == "bailing_hybrid"
     types = cfg.get("layer_types") or ["full_attention"] * n

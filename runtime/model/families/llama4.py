@@ -20,9 +20,14 @@ def llama4_text(cfg: Config) -> ModelSpec:
         shared=MLPSpec(int(cfg["intermediate_size"]), act), scale_input=True,  # type: ignore[arg-type]
     )
     dense = MLPSpec(int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]), act)  # type: ignore[arg-type]
-    moe_layers = set(cfg.get("moe_layers") or range(n))
-    use_rope = cfg.get("no_rope_layers") or [1] * n
-    types = cfg.get("layer_types") or ["full_attention"] * n
+    # published configs carry "no_rope_layers": [] and no layer_types; transformers derives them: every
+    # no_rope_layer_interval-th layer is NoPE, the others rotate and (with a chunk size) attend within chunks
+    interval = int(cfg.get("no_rope_layer_interval") or 4)
+    use_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    step = int(cfg.get("interleave_moe_layer_step") or 1)
+    moe_layers = set(cfg["moe_layers"] if cfg.get("moe_layers") is not None else range(step - 1, n, step))
+    chunked = cfg.get("attention_chunk_size") is not None
+    types = cfg.get("layer_types") or ["chunked_attention" if r and chunked else "full_attention" for r in use_rope]
     bias = bool(cfg.get("attention_bias", False))
     layers = []
     for i in range(n):

@@ -58,14 +58,17 @@ def mellum(cfg: Config) -> ModelSpec:
 @adapter("hunyuan_v1_moe")
 def hunyuan_v1_moe(cfg: Config) -> ModelSpec:
     inter = int(cfg["intermediate_size"])
-    moe = _softmax_moe(cfg, inter, True, shared=MLPSpec(inter, _act(cfg)))  # type: ignore[arg-type]
+    topk = cfg.get("moe_topk")  # published Hunyuan-A13B gives one top-k per layer
+    moes = [_softmax_moe({**cfg, "moe_topk": topk[i] if isinstance(topk, list) else topk}, inter, True,
+                         shared=MLPSpec(inter, _act(cfg)))  # type: ignore[arg-type]
+            for i in range(int(cfg["num_hidden_layers"]))]
     bias = bool(cfg.get("attention_bias", False))
     attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
     if attn.rope is not None and attn.rope.kind == "dynamic" and attn.rope.alpha:
         # transformers' Hunyuan rotary: "dynamic" with an alpha is a fixed NTK stretch, not length-dependent
         attn = replace(attn, rope=replace(attn.rope, kind="ntk_alpha"))
     names = WeightNames(router="gate.wg", shared="shared_mlp", q_norm="query_layernorm", k_norm="key_layernorm")
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
+    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for moe in moes], names=names)
 
 
 @adapter("aria_text")
@@ -182,7 +185,7 @@ def dbrx(cfg: Config) -> ModelSpec:
     flat = {**cfg, "hidden_size": d, "num_attention_heads": heads, "num_key_value_heads": attn_cfg.get("kv_n_heads", 1),
             "rope_theta": attn_cfg.get("rope_theta", 10000.0), "max_position_embeddings": cfg.get("max_seq_len", 2048),
             "num_hidden_layers": cfg["n_layers"]}
-    p = ffn.get("moe_normalize_expert_weights")
+    p = ffn.get("moe_normalize_expert_weights", 1.0)  # transformers' default when absent (dbrx-instruct)
     moe = MoESpec(
         num_experts=int(ffn["moe_num_experts"]), top_k=int(ffn["moe_top_k"]), intermediate=int(ffn["ffn_hidden_size"]),
         router=RouterSpec(scoring="softmax", norm_topk=p is not None, norm_p=float(p or 1.0)),
