@@ -71,7 +71,8 @@ def test_live_view_against_a_served_model_fixes_the_bug(freetoken, workspace: Pa
 @pytest.mark.parametrize(("argv", "message"), [
     (["run", "x", "--model", "/nonexistent/model"], "model folder not found: /nonexistent/model"),
     (["run", "x", "--url", "http://127.0.0.1:9/v1", "--workspace", "/nonexistent/ws"], "is not a folder"),
-    (["run", "x", "--url", "http://127.0.0.1:9/v1", "--max-steps", "0"], "--max-steps must be at least 1"),
+    (["run", "x", "--url", "http://127.0.0.1:9/v1", "--max-steps", "0"],
+     "argument --max-steps: must be an integer ≥ 1, got 0"),
     (["replay", "/nonexistent/run.jsonl"], "cannot read trajectory"),
 ])
 def test_bad_input_is_one_line(freetoken, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
