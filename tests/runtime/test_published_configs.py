@@ -65,7 +65,7 @@ def _build(published: dict[str, Any], seed: int = 0) -> Any:
 def test_fixtures_cover_the_published_families() -> None:
     types = {json.loads((FIXTURES / f"{name}.json").read_text())["model_type"] for name in PUBLISHED}
     assert {"qwen3_next", "qwen3_5_moe", "llama4", "kimi_linear", "hunyuan_v1_moe", "phimoe", "deepseek_v3",
-            "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "granitemoe", "minimax_m2", "jamba",
+            "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "olmoe", "granitemoe", "minimax_m2", "minimax", "jamba",
             "dbrx"} <= types
 
 
