@@ -175,6 +175,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                loop_layer_index_end=4, loop_num_passes=3, loop_gate_rank=8,
                                layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
                                log_scaling_n_floor=4, rel_extent=12, unpadded_vocab_size=500),
+    # small hashed n-gram tables (2 shards), PLE on both Gated DeltaNet layers, a QSA budget of 2 blocks of 4 tokens
+    # (the 24-token prompt has up to 6 complete blocks), an EOS for the n-gram segments
+    "qwen4_exp_text": dict(ngram_vocab_size_base=1000, split_ngram_parts=2, ple_layer_ids=[1, 2], indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+                           hc_lowrank=16, eos_token_id=3),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
     # all three attention kinds (sliding only, CSA, HCA) and both routers (hash, learned); small compression rates,
     # window and top-k so compressed entries, the indexer's choice and the window all bite within 24-56 tokens;
@@ -214,6 +219,8 @@ def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("position_bias"):  # DeepSeek-V4 compressor slots (zeros at init)
                 p.copy_(torch.randn_like(p))
+            elif model_type == "qwen4_exp_text" and (name.endswith("ple.conv1d.weight") or "norm" in name):
+                p.copy_(torch.randn_like(p) * 0.3)  # zero-initialized there ((1 + w) norms, the PLE conv)
             elif name.endswith((".query", "sconv.static_weight")):  # Inkling 2's residual queries, conv taps (zeros)
                 p.copy_(torch.randn_like(p) * 0.5)
             elif name.endswith(("qk_norm.temp", ".hidden_states_scale", ".residual_scale", "input_hidden_states_scale",

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.attn_residual import AttnResidualRunner
 from freetoken_agent.runtime.model.cca import cca_attention
+from freetoken_agent.runtime.model.gated_hyper import GatedHyperRunner
 from freetoken_agent.runtime.model.mlp_router import mlp_route
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
 from freetoken_agent.runtime.model.activations import activation_fn
@@ -126,8 +127,9 @@ class Decoder:
         per_layer = per_layer_inputs(self._token_ids, h, w.per_layer, spec) if spec.per_layer_input else None
         if spec.hyper_streams:
             return self._forward_hyper(h, segments)
-        if spec.attn_residual is not None:  # Inkling 2: its own layer loop
-            h = AttnResidualRunner(self, segments).run(h)
+        if spec.attn_residual is not None or spec.gated_hyper is not None:  # Inkling 2, Qwen4-Exp: own layer loops
+            runner = AttnResidualRunner(self, segments) if spec.attn_residual else GatedHyperRunner(self, segments, flat)
+            h = runner.run(h)
             for seg in segments:
                 seg.cache.advance()
             return h

@@ -118,6 +118,18 @@ class CompressorSpec:
 
 
 @dataclass(frozen=True)
+class QSASpec:
+    """Qwen4-Exp query-selected attention: an indexer scores mean-pooled blocks of ``ratio`` raw keys (relu(q·k)
+    summed over its heads); each query sees the tokens of its top ``budget / ratio`` complete blocks plus the tokens
+    after its last complete block (``model/qsa.py``)."""
+
+    num_heads: int
+    head_dim: int
+    budget: int
+    ratio: int
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Self-attention of one layer: GQA (incl. MHA/MQA) or MLA (DeepSeek compressed latent)."""
 
@@ -192,6 +204,8 @@ class AttentionSpec:
     """Chunked local attention: a query sees only keys in its own chunk of ``chunk_size`` positions (Llama 4)."""
     relpos: RelPosSpec | None = None
     """``kind="relpos"``: Inkling's relative-position attention (see ``RelPosSpec``)."""
+    qsa: QSASpec | None = None
+    """Qwen4-Exp: the keys each query sees are chosen by a block indexer (see ``QSASpec``)."""
     cca_kernels: tuple[int, int] = (0, 0)
     """``kind="cca"``: ZAYA's compressed convolutional attention (``model/cca.py``) with these (depthwise, grouped)
     q/k convolution widths."""
@@ -365,6 +379,31 @@ class RecurrentSpec:
     activation: str = "silu"
     """Activation after the short convolution (Mamba, Mamba-2, Gated DeltaNet, KDA) or on the qkv projection
     (lightning): the config's ``hidden_act`` (Nemotron-H: ``mamba_hidden_act``); output gates stay SiLU/sigmoid."""
+    gate_activation: Literal["silu", "sigmoid"] = "silu"
+    """Gated DeltaNet: the activation of the output gate z in its gated RMSNorm (Qwen4-Exp may use sigmoid)."""
+
+
+@dataclass(frozen=True)
+class NGramSpec:
+    """Qwen4-Exp per-layer embeddings (``model/ngram.py``): hashed n-gram embeddings gated into the streams."""
+
+    ngram_size: int
+    heads_per_ngram: int
+    vocab_base: int
+    """Each hashed head's vocabulary is a distinct prime after this."""
+    divisor: int
+    """The table's rows are padded to a multiple of this."""
+    seed: int
+    eos: int
+    """Hashing restarts after this token (and pads the context before the first token)."""
+    vocab: int
+    dim: int
+    """Width of all heads' embeddings together."""
+    conv_kernel: int
+    index: int
+    """This layer's rank among the PLE layers (it numbers the primes and seeds the multipliers)."""
+    shards: int
+    """The table is stored as this many ``shard_{k}`` tensors (``torch.chunk`` along the rows)."""
 
 
 @dataclass(frozen=True)
@@ -386,6 +425,8 @@ class LayerSpec:
     names: WeightNames | None = None
     """Overrides the model's weight names for this layer."""
     parts: Literal["both", "mixer", "ffn"] = "both"
+    ple: NGramSpec | None = None
+    """Qwen4-Exp: per-layer n-gram embeddings added to the streams before the mixer (weights ``{layer}.ple.*``)."""
     extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Further fp32 tensors of this layer (name under the layer prefix, shape), loaded into ``LayerWeights.norms``
     under their name for the code that owns them (Inkling 2's residual queries, norms, convolutions, loop gates)."""
@@ -452,7 +493,8 @@ class WeightNames:
     stored as ``{name}.norm.weight``, ``{name}.W_down.weight``, ``{name}.W_up.weight`` (A.X K2)."""
     residual_weights: tuple[str, str] | None = None
     """Learned per-channel residual scales (mixer, FFN) stored at ``model.layers.{i}.{name}`` (Doge)."""
-    final_norm: str = "model.norm"
+    final_norm: str | None = "model.norm"
+    """None: the model has no final norm (Qwen4-Exp's last hyper-connection mix replaces it)."""
     lm_head: str = "lm_head"
     """The output projection (``{lm_head}.weight``); DeepSeek-V4 checkpoints call it ``head``."""
     layers: str = "model.layers"
@@ -483,6 +525,16 @@ class AttnResidualSpec:
     loop_end: int = 0
     loop_passes: int = 1
     loop_gate_rank: int = 0
+
+
+@dataclass(frozen=True)
+class GatedHyperSpec:
+    """Qwen4-Exp gated-residual hyper-connections (``model/gated_hyper.py``): ``streams`` residual streams; each
+    sub-layer reads a sigmoid-gated mean of the normed streams (a rank-``rank`` gate) and its output is injected into
+    every stream with a learned weight; a last mix collapses the streams before the head (no final norm)."""
+
+    streams: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -525,6 +577,8 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
     lm_head_bias: bool = False
+    gated_hyper: GatedHyperSpec | None = None
+    """Qwen4-Exp: gated-residual hyper-connections replace the residual stream (see ``GatedHyperSpec``)."""
     attn_residual: AttnResidualSpec | None = None
     """Inkling 2: block attention residuals replace the residual stream (see ``AttnResidualSpec``)."""
     extras: tuple[tuple[str, tuple[int, ...]], ...] = ()

@@ -19,6 +19,7 @@ from freetoken_agent.runtime.model.compressed import load_shared_kv
 from freetoken_agent.runtime.model.cca import cca_weights
 from freetoken_agent.runtime.model.mlp_router import mlp_router_weights
 from freetoken_agent.runtime.model.moe import TorchExperts
+from freetoken_agent.runtime.model.ngram import ple_weights
 from freetoken_agent.runtime.model.relpos import relpos_weights
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
@@ -59,7 +60,7 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     embed: torch.Tensor  # [V, D]
-    norm: torch.Tensor  # [D]
+    norm: torch.Tensor | None  # [D] (None: no final norm)
     lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
     lm_head_bias: torch.Tensor | None
     layers: list[LayerWeights]
@@ -495,6 +496,9 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
         for name, shape in layer.extras:
             lw.norms[name] = ld.take(f"{p}.{name}", shape, torch.float32)
+        if layer.ple is not None and spec.gated_hyper is not None:  # Qwen4-Exp's per-layer n-gram embeddings
+            lw.norms.update({f"ple.{k}": t for k, t in ple_weights(ld, f"{p}.ple", layer.ple, d,
+                                                                   spec.gated_hyper.streams).items()})
         if n.residual_affine:  # ZAYA: (f + b_f)·s_f + (h + b_h)·s_h per sub-layer
             for role, name in zip(("affine_mix", "affine_ffn"), n.residual_affine):
                 for leaf in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias"):
@@ -522,7 +526,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         loaded[p] = (layer, lw)
         if on_layer is not None:
             on_layer(i)
-    norm = ld.norm(f"{spec.names.final_norm}.weight", d)
+    norm = ld.norm(f"{spec.names.final_norm}.weight", d) if spec.names.final_norm else None
     head_name = spec.names.lm_head
     if spec.tie_embeddings:
         lm_head = embed

@@ -25,8 +25,6 @@ from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_ch
 
 # Model types without an adapter yet, and why (mirrored in the README support table).
 UNSUPPORTED: dict[str, str] = {
-    "qwen4_exp_text": "hyper-connections, n-gram hashed embeddings, per-layer embeddings and a block indexer on top "
-                      "of Gated DeltaNet; not built yet",
 }
 
 TYPES = moe_causal_lm_types()

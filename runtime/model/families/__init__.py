@@ -5,3 +5,4 @@ from freetoken_agent.runtime.model.families import inkling  # noqa: F401,E402
 from freetoken_agent.runtime.model.families import deepseek_v4  # noqa: F401,E402
 from freetoken_agent.runtime.model.families import gemma4  # noqa: F401,E402
 from freetoken_agent.runtime.model.families import zaya  # noqa: F401,E402
+from freetoken_agent.runtime.model.families import qwen4  # noqa: F401,E402

@@ -75,7 +75,7 @@ def gated_deltanet(
         rec_state = torch.zeros(hv, dk, dv, dtype=torch.float32, device=x.device)
     out, rec_state = delta_rule(q, k, v.float(), g, beta, rec_state)
     cache.set_state(layer, conv_state, rec_state)
-    out = gated_rms_norm(out, z, w["norm.weight"], eps).to(x.dtype)
+    out = gated_rms_norm(out, z, w["norm.weight"], eps, spec.gate_activation).to(x.dtype)
     return F.linear(out.reshape(t, hv * dv), w["out_proj.weight"])
 
 
