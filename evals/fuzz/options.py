@@ -63,8 +63,11 @@ def _line(exc: BaseException) -> str:
 
 def check(variant: Variant, seed: int = 0) -> Outcome:
     """Build ``variant`` with transformers, load it in our engine and compare logits and greedy tokens."""
+    from transformers.utils import logging as hf_logging
+
     from freetoken_agent.runtime.engine import Engine
 
+    hf_logging.disable_progress_bar()  # one "Writing model shards" bar per variant otherwise
     start = time.perf_counter()
 
     def done(status: Status, reason: str = "", err: float | None = None) -> Outcome:
@@ -142,7 +145,6 @@ def sweep(todo: list[Variant], seed: int = 0) -> Iterator[Outcome]:
 
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     for variant in todo:
         yield check(variant, seed)
 
