@@ -99,6 +99,11 @@ def test_folder_missing(tmp_path: Path) -> None:
         Engine.from_pretrained(tmp_path / "nope")
 
 
+def test_file_instead_of_folder(folder: Path) -> None:
+    with pytest.raises(ConfigError, match="model.safetensors is a file; give the model folder"):
+        Engine.from_pretrained(folder / "model.safetensors")
+
+
 def test_no_weights_names_what_was_expected(folder: Path) -> None:
     (folder / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
