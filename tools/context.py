@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from freetoken_agent.tools.definition import Tool
+    from freetoken_agent.tools.sandbox.policy import SandboxPolicy
     from freetoken_agent.tools.workspace import Workspace
 
 
@@ -63,6 +65,17 @@ class ToolContext:
     """Set by :meth:`cancel`; long-running tools check it (process tools kill their process group)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for user tools (API clients, settings)."""
+    sandbox: SandboxPolicy | None = None
+    """The agent's sandbox policy for tools that run code or write files; None: the default ``SandboxPolicy()``
+    (``workspace-write``, network off, ``.git`` read-only)."""
+    tool_sandbox: dict[str, SandboxPolicy] = field(default_factory=dict)
+    """Per-tool overrides of :attr:`sandbox`, by tool name (e.g. ``{"run_tests": SandboxPolicy(network=True)}``)."""
+
+    def sandbox_for(self, tool_name: str) -> SandboxPolicy:
+        """The sandbox policy that applies to the tool called ``tool_name``."""
+        from freetoken_agent.tools.sandbox.policy import SandboxPolicy
+
+        return self.tool_sandbox.get(tool_name) or self.sandbox or SandboxPolicy()
 
     def cancel(self) -> None:
         """Ask running tools to stop as soon as they can. Thread-safe."""
@@ -84,6 +97,6 @@ class ToolContext:
 
     def clamp_timeout(self, timeout_s: float | None) -> float:
         """The timeout to use for a call: the call's own value (bounded) or the context default."""
-        if timeout_s is None or timeout_s <= 0:
+        if timeout_s is None or not math.isfinite(timeout_s) or timeout_s <= 0:  # NaN would disable the timeout
             return self.timeout_s
         return min(float(timeout_s), self.max_timeout_s)

@@ -8,7 +8,8 @@ import sys
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
-from freetoken_agent.tools.process import ProcessOutcome, child_env, clean_terminal_text, run_process
+from freetoken_agent.tools.process import ProcessOutcome, clean_terminal_text, run_process
+from freetoken_agent.tools.sandbox.command import confined
 
 TEST_TAIL_CHARS = 4000
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
@@ -48,15 +49,17 @@ async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = No
     if not command.strip():
         raise ToolError("command is empty")
     limit = ctx.clamp_timeout(timeout_s)
-    outcome = await run_process(
-        [_shell(), "-c", command],
-        cwd=str(ctx.workspace.root),
-        env=child_env(ctx.env),
-        timeout_s=limit,
-        max_chars=ctx.max_output_chars,
-        on_output=ctx.on_output,
-        cancel_event=ctx.cancel_event,
-    )
+    policy = ctx.sandbox_for("run_shell")
+    with confined([_shell(), "-c", command], policy, ctx.workspace.root, ctx.env, limit) as run:
+        outcome = await run_process(
+            run.argv,
+            cwd=str(ctx.workspace.root),
+            env=run.env,
+            timeout_s=limit,
+            max_chars=ctx.max_output_chars,
+            on_output=ctx.on_output,
+            cancel_event=ctx.cancel_event,
+        )
     output = outcome.output if outcome.output else "(no output)"
     # the output first, the status last: the result then starts with what streamed while the command ran, so a
     # local engine can prefill it during the run (``shell_result_prefix``) and only the status line is left
@@ -69,6 +72,8 @@ async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = No
             "cancelled": outcome.cancelled,
             "duration_s": round(outcome.duration_s, 3),
             "output_truncated": outcome.truncated,
+            "sandbox": policy.mode.value,
+            "sandbox_mechanisms": list(run.mechanisms),
         },
     )
 
@@ -128,15 +133,17 @@ async def run_tests(
     if keyword:
         argv += ["-k", keyword]
     limit = ctx.clamp_timeout(timeout_s)
-    outcome = await run_process(
-        argv,
-        cwd=str(ctx.workspace.root),
-        env=child_env(ctx.env),
-        timeout_s=limit,
-        max_chars=max(ctx.max_output_chars, TEST_TAIL_CHARS * 2),
-        on_output=ctx.on_output,
-        cancel_event=ctx.cancel_event,
-    )
+    policy = ctx.sandbox_for("run_tests")
+    with confined(argv, policy, ctx.workspace.root, ctx.env, limit) as run:
+        outcome = await run_process(
+            run.argv,
+            cwd=str(ctx.workspace.root),
+            env=run.env,
+            timeout_s=limit,
+            max_chars=max(ctx.max_output_chars, TEST_TAIL_CHARS * 2),
+            on_output=ctx.on_output,
+            cancel_event=ctx.cancel_event,
+        )
     summary = summarize_pytest(outcome.output)
     failing = summary["failing"]
     assert isinstance(failing, list)
@@ -172,5 +179,6 @@ async def run_tests(
             "exit_code": outcome.exit_code,
             "timed_out": outcome.timed_out,
             "duration_s": round(outcome.duration_s, 3),
+            "sandbox": policy.mode.value,
         },
     )

@@ -28,10 +28,24 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_dead(pid: int, within_s: float = 2.0) -> bool:
+def running(marker: str) -> list[int]:
+    """Host pids of live processes whose command line contains ``marker`` (sandboxed commands see other pids)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and alive(int(name)):
+                found.append(int(name))
+    return found
+
+
+def wait_gone(marker: str, within_s: float = 2.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if not alive(pid):
+        if not running(marker):
             return True
         time.sleep(0.02)
     return False
@@ -56,11 +70,11 @@ async def test_timeout_kills_forked_children(root: Path, ctx: ToolContext, regis
         "if pid == 0:\n"
         "    time.sleep(60)\n"
         "    os._exit(0)\n"
-        "open('forked.pid', 'w').write(str(pid))\n"
         "time.sleep(60)\n"
     )
-    (root / "forker.py").write_text(script)
-    command = f"sleep 60 & echo $! > bg.pid; {sys.executable} forker.py; echo never"
+    forker = f"forker_{os.getpid()}_{time.monotonic_ns()}.py"
+    (root / forker).write_text(script)
+    command = f"sleep 60.0101 & {sys.executable} {forker}; echo never"
     start = time.monotonic()
     result = await registry.call("run_shell", {"command": command, "timeout_s": 1.5}, ctx)
     elapsed = time.monotonic() - start
@@ -68,17 +82,16 @@ async def test_timeout_kills_forked_children(root: Path, ctx: ToolContext, regis
     assert result.is_error and result.content.endswith("Command timed out after 1.5 s; its process group was killed.")
     assert result.data is not None and result.data["exit_code"] is None and result.data["timed_out"] is True
     assert "never" not in result.content
-    for name in ("bg.pid", "forked.pid"):
-        pid = int((root / name).read_text())
-        assert wait_dead(pid), f"{name} process {pid} survived the timeout"
+    for marker in ("sleep 60.0101", forker):
+        assert wait_gone(marker), f"{marker} survived the timeout"
 
 
 async def test_background_child_does_not_block_or_survive(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
     start = time.monotonic()
-    result = await registry.call("run_shell", {"command": "sleep 60 & echo $! > bg.pid; echo done"}, ctx)
+    result = await registry.call("run_shell", {"command": "sleep 60.0102 & echo done"}, ctx)
     assert time.monotonic() - start < SLACK_S  # the sleeper holds the output pipe, yet the call returns
     assert result.content == "done\nexit code: 0"
-    assert wait_dead(int((root / "bg.pid").read_text()))
+    assert wait_gone("sleep 60.0102")
 
 
 async def test_output_cap_keeps_head_and_tail(root: Path, registry: ToolRegistry) -> None:
@@ -105,18 +118,18 @@ async def test_cancel_event_kills_the_group(root: Path, ctx: ToolContext, regist
     start = time.monotonic()
     async with anyio.create_task_group() as group:
         group.start_soon(cancel_soon)
-        result = await registry.call("run_shell", {"command": "sleep 60 & echo $! > bg.pid; sleep 60"}, ctx)
+        result = await registry.call("run_shell", {"command": "sleep 60.0103 & sleep 60"}, ctx)
     assert time.monotonic() - start < 0.5 + SLACK_S
     assert result.is_error and "was cancelled" in result.content
-    assert wait_dead(int((root / "bg.pid").read_text()))
+    assert wait_gone("sleep 60.0103")
 
 
 async def test_cancel_scope_kills_the_group(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
     start = time.monotonic()
     with anyio.move_on_after(0.7) as scope:
-        await registry.call("run_shell", {"command": "sleep 60 & echo $! > bg.pid; sleep 60"}, ctx)
+        await registry.call("run_shell", {"command": "sleep 60.0104 & sleep 60"}, ctx)
     assert scope.cancelled_caught and time.monotonic() - start < 0.7 + SLACK_S
-    assert wait_dead(int((root / "bg.pid").read_text()))
+    assert wait_gone("sleep 60.0104")
 
 
 async def test_output_streams_to_callback(root: Path, registry: ToolRegistry) -> None:
@@ -131,17 +144,18 @@ async def test_output_streams_to_callback(root: Path, registry: ToolRegistry) ->
 async def test_child_that_escapes_the_group_cannot_hang_the_call(
     root: Path, ctx: ToolContext, registry: ToolRegistry
 ) -> None:
-    # setsid puts the sleeper in a new session, out of reach of the group kill, still holding the output pipe
-    command = "setsid sleep 30 & echo $! > escaped.pid; echo done"
+    # setsid puts the sleeper in a new session, out of reach of the group kill, still holding the output pipe; the
+    # sandbox's PID namespace ends it with the call
+    command = "setsid sleep 30.0105 & echo done"
     start = time.monotonic()
     result = await registry.call("run_shell", {"command": command}, ctx)
     try:
         assert time.monotonic() - start < SLACK_S + 1.5
         assert result.content.startswith("done") and result.content.endswith("exit code: 0")
+        assert wait_gone("sleep 30.0105")
     finally:
-        pid = int((root / "escaped.pid").read_text())
-        if alive(pid):
-            os.kill(pid, 9)  # the documented limit: this test cleans up the process it started
+        for pid in running("sleep 30.0105"):
+            os.kill(pid, 9)  # never leave a stray process behind, even when the assertion failed
 
 
 async def test_terminal_escapes_and_progress_redraws_are_cleaned(ctx: ToolContext, registry: ToolRegistry) -> None:
