@@ -13,7 +13,7 @@ import sys
 from typing import NoReturn
 
 # Sub-command modules, in the order ``freetoken --help`` lists them.
-COMMANDS = ["inspect", "generate", "eval", "run", "serve", "replay", "bench", "acp", "doctor", "plan"]
+COMMANDS = ["inspect", "generate", "eval", "run", "serve", "launch", "replay", "bench", "acp", "doctor", "plan"]
 
 
 class CLIError(Exception):
