@@ -188,7 +188,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                      "heavily_compressed_attention"],
                         mlp_layer_types=["hash_moe", "moe", "moe"], num_key_value_heads=1, o_groups=2, o_lora_rank=16,
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-                        index_topk=3, index_n_heads=8, hc_sinkhorn_iters=5),
+                        index_topk=3, index_n_heads=8, hc_sinkhorn_iters=5,
+                        swiglu_limit=1.0),  # the default (10) never clamps the tiny model's gates and ups
     # the MoE block on, small per-layer inputs, the last two layers reading earlier layers' KV (double-wide MLPs),
     # full layers with their own head size and one KV head read as keys and values, logit soft-capping
     "gemma4_text": dict(num_hidden_layers=5, layer_types=["sliding_attention", "full_attention", "sliding_attention",

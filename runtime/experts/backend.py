@@ -67,7 +67,7 @@ class ManagedExperts:
             assert views.w13 is not None and views.w2 is not None
             qe = QuantizedExperts(self.layout.fmt, views.w13, views.w2, self.layout.hidden,
                                   self.layout.intermediate, self.layout.packed)
-            if self.spec.activation != "silu":
+            if self.spec.activation != "silu" or self.spec.glu_clamp:
                 qe.activation = partial(activate, moe=self.spec)
             qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
         self._views[tier] = (pool.generation, views, qe)

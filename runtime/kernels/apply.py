@@ -79,7 +79,7 @@ def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
         if te.gate_up.device.type != "cpu":
             raise FreeTokenError("quantized experts run on the CPU; load with device='cpu' (GPU slots come later)")
         qe = QuantizedExperts.from_float(te.gate_up, te.down, fmt)  # converted to fp32 chunk by chunk
-        if te.spec.activation != "silu":
+        if te.spec.activation != "silu" or te.spec.glu_clamp:
             qe.activation = partial(activate, moe=te.spec)
         if te.gate_up_bias is not None:
             qe.gate_up_bias = te.gate_up_bias.float()

@@ -95,7 +95,7 @@ class MappedLoad:
             assert views.w13 is not None and views.w2 is not None
             qe = QuantizedExperts(lay.fmt, views.w13, views.w2, lay.hidden, lay.intermediate, lay.packed)
             qe.attach_int4()  # no compiler, q4 only: torch int4 copies
-            if moe.activation != "silu":
+            if moe.activation != "silu" or moe.glu_clamp:
                 qe.activation = partial(activate, moe=moe)
             qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
             decoder.experts[layer] = _TypedExperts(qe)

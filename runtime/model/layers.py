@@ -126,7 +126,7 @@ def _mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
             return linear((up + 1.0) * glu, w, "output_linear")
         return linear(elementwise(act, gate) * up, w, "output_linear")
     gate, up = linear(x, w, "gate_proj"), linear(x, w, "up_proj")
-    if spec.activation == "silu_clamp":  # DeepSeek-V4's shared expert: gate clamped from above, up on both sides
+    if spec.glu_clamp:  # DeepSeek-V4's shared expert: gate clamped from above, up on both sides
         gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
     return linear(elementwise(act, gate) * up, w, "down_proj")
 

@@ -40,6 +40,8 @@ def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
     if not moe.gated:
         return elementwise(activation_fn(moe.activation), gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
+    if moe.glu_clamp:  # DeepSeek-V4
+        gate, up = gate.clamp(max=moe.swiglu_limit), up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
     if moe.activation == "swiglu_oai":
         gate = gate.clamp(max=moe.swiglu_limit)
         up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)

@@ -242,6 +242,9 @@ class MLPSpec:
     """With ``fused``: names of the [2I, D] gate+up projection and the down projection."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    glu_clamp: bool = False
+    """Before act(gate) · up, the gate is clamped to <= ``swiglu_limit`` and up to ±``swiglu_limit`` (DeepSeek-V4's
+    shared expert, with any activation)."""
     out_scale: bool = False
     """A learned scalar ``global_scale`` multiplies the output (Inkling)."""
 
@@ -312,6 +315,9 @@ class MoESpec:
     ``softcap(gate) * sigmoid(gate) * softcap(up)`` with the caps in ``softcaps`` (Inkling 2)."""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    glu_clamp: bool = False
+    """Before act(gate) · up, the gate is clamped to <= ``swiglu_limit`` and up to ±``swiglu_limit`` (DeepSeek-V4's
+    experts, with any activation)."""
     softcaps: tuple[float, float] = (0.0, 0.0)
     """``softcap_swiglu``: the (gate, up) caps, ``cap * tanh(x / cap)``."""
     expert_bias: bool = False

@@ -1,6 +1,6 @@
 """DeepSeek-V4: shared-KV attention over a sliding window plus compressed KV (HCA: pooled windows; CSA: overlapping
 pooled windows chosen by a lightning indexer), hash-routed MoE bootstrap layers, sqrt-softplus router scores,
-clamped SwiGLU experts and manifold-constrained hyper-connections.
+clamped GLU experts and manifold-constrained hyper-connections.
 
 Config resolution follows transformers' ``DeepseekV4Config.__post_init__``, legacy keys included (``compress_ratios``,
 ``compress_rate_csa`` / ``compress_rate_hca``, ``num_hash_layers``, ``qk_rope_head_dim``, a flat ``rope_parameters``
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from freetoken_agent.runtime.model.activations import canonical
 from freetoken_agent.runtime.model.adapters import Config, _model, _rope, adapter
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
@@ -72,8 +73,14 @@ def _ropes(cfg: Config, head_dim: int) -> tuple[dict[str, RopeSpec], int]:
             compress.setdefault("attention_factor", 1.0)  # the reference does not scale cos/sin on compressed layers
         params = {"main": {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}, "compress": compress}
     nested = {**cfg, "rope_parameters": params, "rope_scaling": None}
-    ropes = {kind: _rope(nested, rope_dim, "interleaved", rotary_dim=rope_dim, layer_type=kind)
-             for kind in ("main", "compress")}
+    ropes = {}
+    for kind in ("main", "compress"):
+        if (params[kind].get("rope_type") or params[kind].get("type")) == "proportional":
+            # transformers builds it over the whole head (frequencies past the proportion are 0) and rotates
+            # the trailing head_dim channels: all of them
+            ropes[kind] = _rope(nested, head_dim, "interleaved", layer_type=kind)
+        else:
+            ropes[kind] = _rope(nested, rope_dim, "interleaved", rotary_dim=rope_dim, layer_type=kind)
     return ropes, rope_dim
 
 
@@ -81,16 +88,16 @@ def _moe(cfg: Config, hashed: bool) -> MoESpec:
     scoring = cfg.get("scoring_func", "sqrtsoftplus")
     if scoring not in _SCORINGS:
         raise ValueError(f"scoring_func {scoring!r} is not supported for deepseek_v4; supported: {_SCORINGS}")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"deepseek_v4 clamps a SwiGLU; hidden_act {cfg.get('hidden_act')!r} is not supported")
+    act = canonical(cfg.get("hidden_act", "silu"))
     limit, inter = float(cfg.get("swiglu_limit", 10.0)), int(cfg["moe_intermediate_size"])
     router = RouterSpec(scoring=scoring, norm_topk=True, norm_eps=1e-20, correction_bias=not hashed,
                         scaling=float(cfg.get("routed_scaling_factor", 1.0)), hash_table=hashed)
     # one shared expert of the routed width whatever n_shared_experts says (transformers' DeepseekV4MLP)
-    shared = MLPSpec(inter, "silu_clamp", bias=bool(cfg.get("mlp_bias", False)), swiglu_limit=limit,
-                     leaves=("w1", "w3", "w2"))
+    shared = MLPSpec(inter, act, bias=bool(cfg.get("mlp_bias", False)), swiglu_limit=limit,  # type: ignore[arg-type]
+                     glu_clamp=True, leaves=("w1", "w3", "w2"))
     return MoESpec(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                   intermediate=inter, router=router, activation="silu_clamp", swiglu_limit=limit, shared=shared)
+                   intermediate=inter, router=router, activation=act, swiglu_limit=limit,  # type: ignore[arg-type]
+                   glu_clamp=True, shared=shared)
 
 
 def _attention(cfg: Config, kind: str, rope: RopeSpec, rope_dim: int) -> AttentionSpec:

@@ -61,6 +61,13 @@ def _kv_sources(cfg: Config, types: list[str]) -> list[int | None]:
     return sources
 
 
+def _rotary_dim(cfg: Config, kind: str, head_dim: int) -> int | None:
+    """The whole head for a ``default`` rope (transformers' Gemma 4 ignores its partial factor); None: the rope
+    type decides (``proportional`` turns the whole head with zero frequencies past the proportion)."""
+    params = (cfg.get("rope_parameters") or {}).get(kind) or {}
+    return head_dim if params.get("rope_type", "default") == "default" else None
+
+
 @adapter("gemma4_text")
 def gemma4_text(cfg: Config) -> ModelSpec:
     if cfg.get("use_bidirectional_attention") == "all":
@@ -69,6 +76,9 @@ def gemma4_text(cfg: Config) -> ModelSpec:
     types = _layer_types(cfg, n)
     overrides, sources = _per_layer(cfg, types), _kv_sources(cfg, types)
     act = canonical(cfg.get("hidden_activation", "gelu_pytorch_tanh"), "hidden_activation")
+    # transformers' Gemma 4 rope reads only each layer type's own parameters: a top-level partial_rotary_factor is
+    # ignored, and its default rope turns the whole head whatever partial factor the type's dict holds
+    rope_cfg = {k: v for k, v in cfg.items() if k != "partial_rotary_factor"}
     bias = bool(cfg.get("attention_bias", False))
     moe = None
     if cfg.get("enable_moe_block", False):
@@ -81,7 +91,8 @@ def gemma4_text(cfg: Config) -> ModelSpec:
         attn = AttentionSpec(
             kind="gqa", num_heads=int(cfg["num_attention_heads"]),
             num_kv_heads=int(overrides[i].get("num_key_value_heads", cfg["num_key_value_heads"])),
-            head_dim=head_dim, v_head_dim=head_dim, scale=1.0, rope=_rope(cfg, head_dim, layer_type=kind),
+            head_dim=head_dim, v_head_dim=head_dim, scale=1.0, rope=_rope(rope_cfg, head_dim, layer_type=kind,
+                                                                          rotary_dim=_rotary_dim(cfg, kind, head_dim)),
             qkv_bias=bias, o_bias=bias, qk_norm="head",
             sliding_window=int(cfg["sliding_window"]) if kind == SLIDING else None,
             k_eq_v=bool(cfg.get("attention_k_eq_v", False)) and kind == FULL, v_norm=True, kv_source=sources[i],

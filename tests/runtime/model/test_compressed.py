@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from freetoken_agent.runtime.engine import Engine, Request
+from freetoken_agent.runtime.kernels import build
+from freetoken_agent.runtime.kernels.apply import dequantized_reference, set_expert_mode
 from freetoken_agent.runtime.kv.paged import PagedKVCache
 from freetoken_agent.runtime.kv.pool import PagePool
 
@@ -24,6 +26,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     folder: Path = tmp_path_factory.mktemp("dsv4")
     save_checkpoint("deepseek_v4", folder)
     return Engine.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def folder(engine: Engine) -> Path:
+    return Path(engine.path)
 
 
 def _chunked(engine: Engine, ids: torch.Tensor, sizes: list[int], cache) -> torch.Tensor:  # noqa: ANN001
@@ -76,3 +83,14 @@ def test_prefix_reuse_matches_a_cold_run(engine: Engine) -> None:
     cold = engine.submit(Request(turn2, kind="logits", reuse=False)).result().logits
     assert reused.shape[0] == len(turn2) - warm.reused_tokens  # logits of the positions computed, not reused
     assert (reused - cold[warm.reused_tokens :]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.skipif(build.load() is None, reason="C kernels unavailable")
+def test_quantized_experts_clamp_like_the_reference(folder: Path) -> None:
+    """The tiny config's swiglu_limit (1.0) clamps many gates and ups: q8 experts must clamp them as well."""
+    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(9))
+    quantized = Engine.from_pretrained(folder, quant="q8")
+    set_expert_mode(quantized.decoder, "exact")
+    reference = Engine.from_pretrained(folder, quant="q8")
+    dequantized_reference(reference.decoder, "fp32")
+    assert (quantized.logits(ids) - reference.logits(ids)).abs().max().item() <= 1e-3
