@@ -243,9 +243,9 @@ def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
         eos_token_ids=_eos(cfg),
     )
     # dynamic NTK and linear scaling stretch max_position_embeddings (the trained context) by their factor
-    stretched = [int(r.max_position * r.factor) for layer in layers if (r := layer.attention.rope) is not None
-                 and r.kind in ("dynamic", "linear") and r.factor > 1]
-    base["max_position"] = max([base["max_position"], *stretched])
+    rope = _rope_params(cfg)
+    if rope.get("rope_type") in ("dynamic", "linear") and float(rope.get("factor") or 1.0) > 1:
+        base["max_position"] = int(base["max_position"] * float(rope["factor"]))
     base.update(fields)
     return ModelSpec(**base)
 
