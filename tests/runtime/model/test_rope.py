@@ -47,6 +47,9 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
      {"max_position_embeddings": ORIGINAL}),
     # MLA: interleaved rotary key shared by the heads
     ("dynamic-mla", "deepseek_v3", {"rope_type": "dynamic", "factor": 2.0}, {"max_position_embeddings": ORIGINAL}),
+    # per-layer base thetas (0: a NoPE layer) keep the rope type (it was silently dropped to the default)
+    ("dynamic-layer-theta", "granitemoe_swa", {"rope_type": "dynamic", "factor": 2.0},
+     {"max_position_embeddings": ORIGINAL, "layer_rope_theta": [10000.0, 0, 500.0]}),
     # Hunyuan-A13B publishes {"type": "dynamic", "alpha": 1000.0}: a fixed NTK stretch, not length-dependent
     ("ntk-alpha", "hunyuan_v1_moe", {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0},
      {"max_position_embeddings": 4 * ORIGINAL}),
