@@ -16,7 +16,7 @@ from freetoken_agent.runtime.model.spec import RopeSpec
 SMALL_ROPE = 1 << 14  # values up to which a rotation runs in C (a decode step's q and k), where the kernels are loaded
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
-"""Kinds whose frequencies depend on the length of the forward that uses them (transformers' ``dynamic_rope_update``)."""
+"""Kinds whose frequencies follow the length of the forward that uses them (transformers' ``dynamic_rope_update``)."""
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
