@@ -4,7 +4,7 @@ Each generator looks at the tiny config's fields (``tiny.make_config(model_type)
 config class declares is there) and proposes valid values a user could load: every activation in ``ACT2CLS``, every
 rope type in ``ROPE_INIT_FUNCTIONS`` with its parameters, partial rotary factors giving odd and even rotary dims,
 flipped booleans, per-layer lists where a scalar is usual, sparse-layer patterns, shared-expert counts and sizes,
-latent sizes — top-level fields and the fields of nested sub-config dicts alike. Whether transformers accepts a
+latent sizes, other values of multipliers and scaling factors — top-level fields and the fields of nested sub-config dicts alike. Whether transformers accepts a
 variant is decided by running it (``options.check``), never guessed here.
 """
 
@@ -36,6 +36,7 @@ _SHARED_COUNT_KEY = re.compile(r"^(n_shared_experts|num_shared_experts?|moe_num_
                                r"num_shared_expert)$")
 _SHARED_SIZE_KEY = re.compile(r"shared.*(intermediate|size|dim)|(intermediate|size).*shared")
 _LATENT_KEY = re.compile(r"latent")
+_SCALE_KEY = re.compile(r"(multiplier|scaling_factor|_scale$|_scaling$|softcap|alpha_factor|beta_factor)")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Variant:
     model_type: str
     kind: str
     """The generator: ``act``, ``rope``, ``partial_rotary``, ``bool``, ``per_layer``, ``pattern``, ``shared``,
-    ``latent``."""
+    ``latent``, ``scale``."""
     option: str
     value: str
     """Short display of the value."""
@@ -107,6 +108,8 @@ def _rope_entry(kind: str, entry: Config, rotary_dim: int, max_pos: int) -> Conf
     """``entry`` (theta, partial factor kept) turned into a ``kind`` rope whose scaling bites at the test length:
     the original context is 16 positions, shorter than the prompt."""
     keep = {k: entry[k] for k in ("rope_theta", "partial_rotary_factor") if k in entry}
+    if entry.get("rope_type") == "proportional" and kind != "proportional":
+        keep.pop("partial_rotary_factor", None)  # proportional's factor zeroes frequencies; others would cut dims
     half = max(rotary_dim // 2, 1)
     params: dict[str, Config] = {
         "default": {},
@@ -218,9 +221,17 @@ def latents(model_type: str, cfg: Config) -> Iterator[Variant]:
                     yield Variant(model_type, "latent", path, str(size), _set(cfg, path, size))
 
 
+def scales(model_type: str, cfg: Config) -> Iterator[Variant]:
+    """Multipliers, scaling factors and soft caps: 1.5x the default (0.5 where the default is 0, i.e. off)."""
+    for path, value in _leaves(cfg):
+        if isinstance(value, float) and _SCALE_KEY.search(path.rsplit(".", 1)[-1]):
+            new = value * 1.5 if value else 0.5
+            yield Variant(model_type, "scale", path, f"{new:g}", _set(cfg, path, new))
+
+
 GENERATORS: dict[str, Callable[[str, Config], Iterator[Variant]]] = {
     "act": activations, "rope": ropes, "partial_rotary": partial_rotary, "bool": booleans, "per_layer": per_layer,
-    "pattern": patterns, "shared": shared_experts, "latent": latents,
+    "pattern": patterns, "shared": shared_experts, "latent": latents, "scale": scales,
 }
 
 

@@ -33,7 +33,8 @@ def test_each_kind_of_option_is_generated_from_the_config_fields() -> None:
     assert "ffn_config.ffn_act_fn.name=gelu" in dbrx["act"]
     assert "ffn_config.moe_top_k=[2, 3, 2]" in dbrx["per_layer"]
     assert "mup_enabled=True" in _options("afmoe")["bool"]
-    assert "n_shared_experts=2" in _options("deepseek_v3")["shared"]
+    deepseek = _options("deepseek_v3")
+    assert "n_shared_experts=2" in deepseek["shared"] and "routed_scaling_factor=3.75" in deepseek["scale"]
 
 
 def test_a_nested_variant_overrides_the_whole_sub_config() -> None:
