@@ -55,7 +55,7 @@ def shared_kv_attention(
     q_resid = rms_norm(linear(x, w, "q_a_proj"), w["q_a_norm.weight"], eps)  # [T, q_rank]
     q = unit_rms_norm(linear(q_resid, w, "q_b_proj").view(t, h, hd), eps)
     kv = rms_norm(linear(x, w, "kv_proj"), w["kv_norm.weight"], eps)  # [T, hd]
-    cos, sin = rotary.cos_sin(positions)
+    cos, sin = rotary.cos_sin(positions, None if spans is None else [sp.end - sp.start for sp in spans])
     q = rope_tail(q, rotary, cos, sin)
     kv = rope_tail(kv[:, None, :], rotary, cos, sin)[:, 0]
     parts = [kv]

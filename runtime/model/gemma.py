@@ -64,7 +64,7 @@ def reused_kv_attention(
     if spec.qk_norm == "head":
         q = rms_norm(q, w["q_norm.weight"], eps)
     if rotary is not None:
-        cos, sin = rotary.cos_sin(positions)
+        cos, sin = rotary.cos_sin(positions, None if spans is None else [sp.end - sp.start for sp in spans])
         q = rotary.apply(q, cos, sin)
     outs = []
     for sp in spans if spans is not None else [Span(0, t, cache, positions)]:  # type: ignore[list-item]
