@@ -27,7 +27,8 @@ def _all(rule: Rule, names: Iterable[str]) -> dict[str, Rule]:
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """Names of the routed-expert count across families."""
-TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk", "moe_k",
+                "top_k_experts")
 """Names of the experts-per-token count across families."""
 EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon",
               "rms_norm_eps_moe_gate")

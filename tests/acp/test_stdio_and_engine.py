@@ -41,7 +41,7 @@ def test_reserved_stdout_carries_only_protocol_bytes() -> None:
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--scripted", "BAD_JSON"], "not valid JSON"),
     (["--scripted", "NOT_A_LIST"], "expected a list of turns"),
-    (["--max-steps", "0", "--scripted", "OK"], "--max-steps must be at least 1"),
+    (["--max-steps", "0", "--scripted", "OK"], "argument --max-steps: must be an integer ≥ 1, got 0"),
     (["--scripted", "EMPTY_JSONL"], "holds no assistant messages"),
     (["--scripted", "BROKEN_JSONL"], "not a JSON line"),
 ])

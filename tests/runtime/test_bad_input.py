@@ -302,7 +302,8 @@ def test_bad_config_through_the_engine(folder: Path) -> None:
 
 
 def test_every_transformers_config_passes_validation() -> None:
-    """The rules refuse nothing transformers builds: its default and tiny config of every supported MoE type."""
+    """The rules refuse nothing transformers builds (its default and tiny config of every supported MoE type) and
+    no published config (the fixtures of test_published_configs.py)."""
     transformers = pytest.importorskip("transformers")
     from freetoken_agent.runtime.model.adapters import supported_architectures
     from freetoken_agent.runtime.model.validate import validate_config
@@ -316,6 +317,8 @@ def test_every_transformers_config_passes_validation() -> None:
             validate_config(json.loads(json.dumps(cfg.to_dict())))
             checked += 1
     assert checked >= 100
+    for fixture in sorted((Path(__file__).parent / "published_configs").glob("*.json")):  # hub config.json key sets
+        validate_config(json.loads(fixture.read_text()), fixture.name)
 
 
 # ----------------------------------------------------------------------------------------------- weights
