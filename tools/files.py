@@ -1,17 +1,24 @@
-"""File tools: ``read_file``, ``write_file``, ``edit_file``. All paths go through ``Workspace.resolve``."""
+"""File tools: ``read_file``, ``write_file``, ``edit_file``.
+
+Paths are checked by ``Workspace.resolve`` (for clear messages) and then opened through ``safeio`` relative to the
+workspace's root descriptor, so a symlink or hard link planted in the workspace cannot redirect a read or a write.
+"""
 
 from __future__ import annotations
 
 import difflib
 import os
-from pathlib import Path
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
+from freetoken_agent.tools.safeio import check_regular, open_regular, parent_dir, read_capped, write_atomic
+from freetoken_agent.tools.sandbox.policy import SandboxError, SandboxMode
 
 MAX_READ_LINES = 2000
 MAX_LINE_CHARS = 2000
 MAX_EDIT_BYTES = 10 * 1024 * 1024
+MAX_WRITE_BYTES = 10 * 1024 * 1024  # bytes write_file and edit_file may write per call
+MAX_READ_BYTES = 256 * 1024 * 1024  # bytes read_file reads per call (a 20 GiB sparse file stops here)
 SNIFF_BYTES = 8192
 
 
@@ -26,22 +33,20 @@ def looks_binary(head: bytes) -> bool:
     return False
 
 
-def _existing_file(ctx: ToolContext, path: str) -> Path:
-    target = ctx.workspace.resolve(path)
-    if not target.exists():
-        raise ToolError(f"file {path!r} does not exist")
-    if target.is_dir():
-        raise ToolError(f"{path!r} is a directory; use list_files to see its contents")
-    if not target.is_file():
-        raise ToolError(f"{path!r} is not a regular file")
-    return target
+def _resolved(ctx: ToolContext, path: str) -> str:
+    """``path`` checked against the workspace (nice errors for escapes) as a ``/``-separated path from its root."""
+    rel = ctx.workspace.relative(ctx.workspace.resolve(path))
+    if rel == ".":
+        raise ToolError(f"{path!r} is the workspace folder itself, not a file")
+    return rel
 
 
-def _read_text(target: Path, path: str) -> str:
-    size = target.stat().st_size
-    if size > MAX_EDIT_BYTES:
-        raise ToolError(f"{path!r} is {size} bytes; files over {MAX_EDIT_BYTES} bytes cannot be edited")
-    raw = target.read_bytes()
+def _read_text(fd: int, info: os.stat_result, path: str) -> str:
+    if info.st_size > MAX_EDIT_BYTES:
+        raise ToolError(f"{path!r} is {info.st_size} bytes; files over {MAX_EDIT_BYTES} bytes cannot be edited")
+    raw, more = read_capped(fd, MAX_EDIT_BYTES)
+    if more:
+        raise ToolError(f"{path!r} is over {MAX_EDIT_BYTES} bytes; it cannot be edited")
     if looks_binary(raw[:SNIFF_BYTES]):
         raise ToolError(f"{path!r} is a binary file; only text files can be edited")
     try:
@@ -50,23 +55,33 @@ def _read_text(target: Path, path: str) -> str:
         raise ToolError(f"{path!r} is not valid UTF-8 text (byte {exc.start}); it cannot be edited") from None
 
 
+def check_writable(ctx: ToolContext, rel: str, tool_name: str) -> None:
+    """Refuse a write the tool's sandbox mode forbids: any in ``read-only``, ``.git`` and the policy's read-only
+    paths in ``workspace-write`` (a prompt-injected model must not plant a git hook)."""
+    policy = ctx.sandbox_for(tool_name)
+    if policy.mode is SandboxMode.READ_ONLY:
+        raise SandboxError(f"the sandbox mode is 'read-only': {tool_name} cannot change {rel!r}")
+    if policy.mode is SandboxMode.WORKSPACE_WRITE:
+        protected = [item.strip("/") for item in policy.read_only if not os.path.isabs(item)]
+        if ".git" in rel.split("/") or any(rel == item or rel.startswith(item + "/") for item in protected):
+            raise SandboxError(
+                f"{rel!r} is read-only in the sandbox mode 'workspace-write' (.git and {', '.join(protected)} are "
+                "protected); only the user can change it"
+            )
+
+
+def _check_size(data: bytes, rel: str) -> None:
+    if len(data) > MAX_WRITE_BYTES:
+        raise ToolError(f"the new content of {rel!r} would be {len(data)} bytes; at most {MAX_WRITE_BYTES} bytes "
+                        "can be written per call")
+
+
 def unified_diff(rel: str, before: str, after: str) -> str:
     """A unified diff of one file, ``a/rel`` → ``b/rel``."""
     lines = difflib.unified_diff(
         before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{rel}", f"b/{rel}", n=3
     )
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
-
-
-def _write_atomic(target: Path, text: str) -> None:
-    tmp = target.with_name(f".{target.name}.freetoken-tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8", newline="")
-        if target.exists():
-            os.chmod(tmp, target.stat().st_mode & 0o7777)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @tool(kind="read")
@@ -80,8 +95,7 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | 
         start_line: First line to show (1-based).
         end_line: Last line to show (inclusive); omit to read to the end (up to 2000 lines).
     """
-    target = _existing_file(ctx, path)
-    rel = ctx.workspace.relative(target)
+    rel = _resolved(ctx, path)
     if start_line < 1:
         raise ToolError("start_line must be 1 or more")
     if end_line is not None and end_line < start_line:
@@ -92,18 +106,22 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | 
     number = 0
     more = False
     truncated_lines = 0
-    with target.open("rb") as handle:
+    fd, info = open_regular(ctx.workspace.root_fd, rel, path)
+    with os.fdopen(fd, "rb") as handle:
         if looks_binary(handle.read(SNIFF_BYTES)):
-            raise ToolError(f"{rel!r} is a binary file ({target.stat().st_size} bytes); it cannot be shown as text")
+            raise ToolError(f"{rel!r} is a binary file ({info.st_size} bytes); it cannot be shown as text")
         handle.seek(0)
         while True:
+            if handle.tell() > MAX_READ_BYTES:  # a huge or sparse file: stop, the model can call again from here
+                more = True
+                break
             raw = handle.readline(MAX_LINE_CHARS * 4 + 1)
             if not raw:
                 break
             cut = False
             if not raw.endswith(b"\n") and len(raw) > MAX_LINE_CHARS * 4:
                 cut = True
-                while True:  # skip the rest of an over-long line without holding it in memory
+                while handle.tell() <= MAX_READ_BYTES:  # skip the rest of an over-long line, within the budget
                     tail = handle.readline(1 << 20)
                     if not tail or tail.endswith(b"\n"):
                         break
@@ -124,6 +142,9 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | 
             budget -= len(entry) + 1
             shown.append(entry)
     if number < start_line and not shown:
+        if more:
+            raise ToolError(f"start_line {start_line} is beyond the first {MAX_READ_BYTES} bytes of {rel!r}, the most "
+                            "read_file reads per call; use search to find the text")
         if number == 0:
             return ToolResult(content=f"{rel} is empty.", data={"paths": [rel], "lines": 0})
         raise ToolError(f"start_line {start_line} is past the end of {rel!r} ({number} lines)")
@@ -147,22 +168,32 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
         path: File path, relative to the workspace root.
         content: The complete new content of the file.
     """
-    target = ctx.workspace.resolve(path)
-    if target.is_dir():
-        raise ToolError(f"{path!r} is a directory")
-    rel = ctx.workspace.relative(target)
-    existed = target.exists()
-    try:
-        before: str | None = _read_text(target, path) if existed else ""
-    except ToolError:  # replacing a binary or huge file: allowed, but no text diff
-        before = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(target, content)
+    rel = _resolved(ctx, path)
+    check_writable(ctx, rel, "write_file")
+    data = content.encode("utf-8")
+    _check_size(data, rel)
+    with parent_dir(ctx.workspace.root_fd, rel, create=True) as (dir_fd, name):
+        try:
+            info: os.stat_result | None = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            info = None
+        existed = info is not None
+        before: str | None = ""
+        if info is not None:
+            check_regular(info, path)  # folders, symlinks planted since resolve, FIFOs, devices, hard links
+            fd, info = open_regular(dir_fd, name, path)
+            try:
+                before = _read_text(fd, info, path)
+            except ToolError:  # replacing a binary or huge file: allowed, but no text diff
+                before = None
+            finally:
+                os.close(fd)
+        write_atomic(dir_fd, name, data, info.st_mode if info is not None else None)
     diff = unified_diff(rel, before, content) if before is not None else f"(non-text file {rel} replaced)\n"
     verb = "Updated" if existed else "Created"
     lines = content.count("\n") + (0 if content.endswith("\n") or not content else 1)
     return ToolResult(
-        content=f"{verb} {rel} ({len(content.encode('utf-8'))} bytes, {lines} lines).",
+        content=f"{verb} {rel} ({len(data)} bytes, {lines} lines).",
         data={"paths": [rel], "diff": diff, "created": not existed},
     )
 
@@ -202,13 +233,23 @@ def edit_file(
         new_string: The replacement text.
         replace_all: Replace every occurrence instead of requiring exactly one.
     """
-    target = _existing_file(ctx, path)
-    rel = ctx.workspace.relative(target)
+    rel = _resolved(ctx, path)
     if old_string == "":
         raise ToolError("old_string is empty; give the exact text to replace (use write_file to create a file)")
     if old_string == new_string:
         raise ToolError("old_string and new_string are identical; nothing would change")
-    before = _read_text(target, path)
+    check_writable(ctx, rel, "edit_file")
+    with parent_dir(ctx.workspace.root_fd, rel, create=False) as (dir_fd, name):
+        fd, info = open_regular(dir_fd, name, path)
+        try:
+            before = _read_text(fd, info, path)
+        finally:
+            os.close(fd)
+        return _edit(dir_fd, name, info, rel, before, old_string, new_string, replace_all)
+
+
+def _edit(dir_fd: int, name: str, info: os.stat_result, rel: str, before: str, old_string: str, new_string: str,
+          replace_all: bool) -> ToolResult:
     count = before.count(old_string)
     if count == 0 and "\r\n" in before and "\r" not in old_string:
         # a CRLF file edited with LF text (models rarely reproduce \r): match and write in the file's convention
@@ -224,8 +265,14 @@ def edit_file(
             f"old_string occurs {count} times in {rel} (starting at lines {where}); include more surrounding "
             "context to make it unique, or set replace_all to true"
         )
+    grown = len(before.encode("utf-8")) + (count if replace_all else 1) * (
+        len(new_string.encode("utf-8")) - len(old_string.encode("utf-8")))
+    if grown > MAX_WRITE_BYTES:  # checked before the replacement is built: replace_all must not make a gigabyte
+        raise ToolError(f"the edit would make {rel!r} {grown} bytes; at most {MAX_WRITE_BYTES} bytes can be written")
     after = before.replace(old_string, new_string) if replace_all else before.replace(old_string, new_string, 1)
-    _write_atomic(target, after)
+    data = after.encode("utf-8")
+    _check_size(data, rel)
+    write_atomic(dir_fd, name, data, info.st_mode)
     diff = unified_diff(rel, before, after)
     noun = "occurrence" if count == 1 else "occurrences"
     return ToolResult(

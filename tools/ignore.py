@@ -10,18 +10,46 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+import re2
+from freetoken_agent.tools.safeio import DIR_FLAGS, open_beneath, read_capped
 
 ALWAYS_SKIPPED = frozenset({".git"})
+MAX_IGNORE_FILE_BYTES = 256 * 1024  # more is never a real .gitignore; the rest of a bigger one is not read
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a bad pattern is reported to the caller, not logged to stderr
+
+
+class Matcher(Protocol):
+    """A compiled pattern: ``match`` anchors at the start of the text."""
+
+    def match(self, text: str) -> object | None: ...
+
+
+class PatternError(ValueError):
+    """A glob or ignore pattern that the linear-time engine cannot compile."""
+
+
+def compile_linear(regex_text: str) -> Matcher:
+    """Compile ``regex_text`` with RE2, whose matching time is linear in the text: no pattern can backtrack for ages.
+    """
+    try:
+        return re2.compile(regex_text, _RE2_OPTIONS)
+    except re2.error as exc:
+        detail = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise PatternError(detail) from None
 
 
 @dataclass(frozen=True)
 class IgnoreRule:
     """One pattern line from a ``.gitignore`` whose folder is ``base`` (posix, relative to the root; ``""`` = root)."""
 
-    regex: re.Pattern[str]
+    regex: Matcher
     negate: bool
     dir_only: bool
     base: str
@@ -101,21 +129,24 @@ def parse_gitignore(text: str, base: str = "") -> list[IgnoreRule]:
         anchored = "/" in line
         line = line.lstrip("/")
         body = _translate(line)
-        regex = re.compile(("^" if anchored else "^(?:.*/)?") + body + "$", re.DOTALL)
+        try:
+            regex = compile_linear("(?s)" + ("^" if anchored else "^(?:.*/)?") + body + "$")
+        except PatternError:
+            continue  # git ignores a pattern it cannot use, too
         rules.append(IgnoreRule(regex=regex, negate=negate, dir_only=dir_only, base=base))
     return rules
 
 
-def compile_glob(pattern: str, *, anchored: bool) -> re.Pattern[str]:
+def compile_glob(pattern: str, *, anchored: bool) -> Matcher:
     """A glob (gitignore syntax: ``*``, ``?``, ``[...]``, ``**``) as a regex over posix paths relative to a folder.
 
     ``anchored=False`` lets a pattern without ``/`` match at any depth, as in ``.gitignore``; a trailing ``/`` is
-    ignored (the caller decides what a folder means).
+    ignored (the caller decides what a folder means). Raises :class:`PatternError` for a pattern RE2 refuses.
     """
     body = pattern.strip().rstrip("/")
     anchored = anchored or "/" in body
     body = _translate(body.lstrip("/"))
-    return re.compile(("^" if anchored else "^(?:.*/)?") + body + "$", re.DOTALL)
+    return compile_linear("(?s)" + ("^" if anchored else "^(?:.*/)?") + body + "$")
 
 
 def is_ignored(rules: list[IgnoreRule], rel_path: str, is_dir: bool) -> bool:
@@ -127,12 +158,22 @@ def is_ignored(rules: list[IgnoreRule], rel_path: str, is_dir: bool) -> bool:
     return ignored
 
 
-def _read_rules(folder: Path, base: str) -> list[IgnoreRule]:
+def read_ignore_file(dir_fd: int, rel: str) -> str:
+    """The text of an ignore file beneath ``dir_fd``, or ``""`` when it is missing, not a regular file (a FIFO would
+    hang the read, ``/dev/zero`` never ends) or reached through a symlink; at most ``MAX_IGNORE_FILE_BYTES``."""
     try:
-        text = (folder / ".gitignore").read_text(encoding="utf-8", errors="replace")
+        fd = open_beneath(dir_fd, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY)
     except OSError:
-        return []
-    return parse_gitignore(text, base)
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        data, _ = read_capped(fd, MAX_IGNORE_FILE_BYTES)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace")
 
 
 def _rel(root: Path, path: Path) -> str:
@@ -141,51 +182,70 @@ def _rel(root: Path, path: Path) -> str:
 
 
 def walk(
-    root: Path, start: Path, *, respect_gitignore: bool = True, recursive: bool = True
+    root: Path, start: Path, *, respect_gitignore: bool = True, recursive: bool = True, root_fd: int | None = None
 ) -> Iterator[tuple[Path, bool]]:
     """Yield ``(path, is_dir)`` for every entry under ``start`` (itself under the real ``root``), sorted, not ignored.
 
-    Symlinks are yielded only when their target stays inside ``root``; symlinked directories are not descended.
-    With ``recursive=False`` only the direct entries of ``start`` are listed.
+    Folders are opened one by one relative to their parent's descriptor without following symlinks (``root_fd``:
+    the root's descriptor, else ``root`` is opened). Symlinks are yielded only when their target stays inside
+    ``root``; symlinked directories are not descended. With ``recursive=False`` only ``start``'s entries are listed.
     """
-    rules: list[IgnoreRule] = []
-    if respect_gitignore:
+    own_fd = root_fd is None
+    base_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if root_fd is None else root_fd
+    try:
+        start_rel = _rel(root, start)
         try:
-            rules += parse_gitignore((root / ".git" / "info" / "exclude").read_text(errors="replace"))
+            start_fd = open_beneath(base_fd, start_rel or ".", DIR_FLAGS)
         except OSError:
-            pass
-        folder = root
-        rules += _read_rules(root, "")
-        for part in start.relative_to(root).parts:
-            folder = folder / part
-            rules += _read_rules(folder, _rel(root, folder))
-    yield from _walk_dir(root, start, rules, respect_gitignore, recursive)
+            return
+        rules: list[IgnoreRule] = []
+        if respect_gitignore:
+            rules += parse_gitignore(read_ignore_file(base_fd, ".git/info/exclude"))
+            rules += parse_gitignore(read_ignore_file(base_fd, ".gitignore"))
+            folder = ""
+            for part in Path(start_rel).parts:
+                folder = f"{folder}/{part}" if folder else part
+                rules += parse_gitignore(read_ignore_file(base_fd, f"{folder}/.gitignore"), folder)
+        yield from _walk_dir(root, start, start_fd, rules, respect_gitignore, recursive)
+    finally:
+        if own_fd:
+            os.close(base_fd)
 
 
 def _walk_dir(
-    root: Path, folder: Path, rules: list[IgnoreRule], respect: bool, recursive: bool
+    root: Path, folder: Path, folder_fd: int, rules: list[IgnoreRule], respect: bool, recursive: bool
 ) -> Iterator[tuple[Path, bool]]:
+    """Walk the open folder ``folder_fd`` (closed at the end)."""
     try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError:
-        return
-    for entry in entries:
-        if entry.name in ALWAYS_SKIPPED:
-            continue
-        path = Path(entry.path)
-        is_link = entry.is_symlink()
-        if is_link:
-            target = os.path.realpath(path)
-            if not (target == str(root) or target.startswith(str(root) + os.sep)):
-                continue
         try:
-            is_dir = entry.is_dir()
+            with os.scandir(folder_fd) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
         except OSError:
-            continue
-        rel = _rel(root, path)
-        if respect and is_ignored(rules, rel, is_dir):
-            continue
-        yield path, is_dir
-        if recursive and is_dir and not is_link:
-            child_rules = rules + _read_rules(path, rel) if respect else rules
-            yield from _walk_dir(root, path, child_rules, respect, recursive)
+            return
+        for entry in entries:
+            if entry.name in ALWAYS_SKIPPED:
+                continue
+            path = folder / entry.name
+            try:
+                is_link = entry.is_symlink()
+                if is_link:
+                    target = os.path.realpath(path)
+                    if not (target == str(root) or target.startswith(str(root) + os.sep)):
+                        continue
+                is_dir = entry.is_dir()
+            except OSError:
+                continue
+            rel = _rel(root, path)
+            if respect and is_ignored(rules, rel, is_dir):
+                continue
+            yield path, is_dir
+            if recursive and is_dir and not is_link:
+                try:
+                    child_fd = os.open(entry.name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder_fd)
+                except OSError:
+                    continue
+                child_rules = rules + parse_gitignore(read_ignore_file(child_fd, ".gitignore"), rel) if respect \
+                    else rules
+                yield from _walk_dir(root, path, child_fd, child_rules, respect, recursive)
+    finally:
+        os.close(folder_fd)

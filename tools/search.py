@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import regex
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
 from freetoken_agent.tools.files import SNIFF_BYTES, looks_binary
-from freetoken_agent.tools.ignore import compile_glob, walk
+from freetoken_agent.tools.ignore import Matcher, PatternError, compile_glob, compile_linear, walk
+from freetoken_agent.tools.safeio import open_regular, read_capped
 
 MAX_ENTRIES = 500
 MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024
 MAX_MATCH_LINE_CHARS = 300
 MAX_SCANNED_FILES = 20_000
 SEARCH_BUDGET_S = 30.0  # a pathological regex or a giant tree stops with a note instead of stalling the agent
+WALK_BUDGET_S = 30.0  # list_files and glob over a giant tree stop with a note too
+
+
+def _glob(pattern: str, *, anchored: bool) -> Matcher:
+    try:
+        return compile_glob(pattern, anchored=anchored)
+    except PatternError as exc:
+        raise ToolError(f"invalid glob pattern {pattern!r}: {exc}") from None
+
+
+def _regex(pattern: str, ignore_case: bool) -> Matcher:
+    """A search pattern compiled by RE2: matching is linear in the line, so no pattern can stall the search (a
+    backtracking engine's timeout is checked too rarely to be a budget: it overran 30 s to 75 s)."""
+    try:
+        return compile_linear(("(?i)" if ignore_case else "") + pattern)
+    except PatternError as exc:
+        raise ToolError(
+            f"invalid regular expression {pattern!r}: {exc}. Patterns use RE2 syntax (like Python's re, without "
+            "lookarounds and backreferences)"
+        ) from None
 
 
 def _folder(ctx: ToolContext, path: str) -> Path:
@@ -42,8 +63,9 @@ def list_files(ctx: ToolContext, path: str = ".", recursive: bool = False, max_e
     cap = max(1, min(max_entries, MAX_ENTRIES))
     names: list[str] = []
     more = False
-    for entry, is_dir in walk(root, folder, recursive=recursive):
-        if len(names) >= cap:
+    deadline = time.monotonic() + WALK_BUDGET_S
+    for entry, is_dir in walk(root, folder, recursive=recursive, root_fd=ctx.workspace.root_fd):
+        if len(names) >= cap or time.monotonic() > deadline or ctx.cancelled:
             more = True
             break
         rel = entry.relative_to(folder).as_posix()
@@ -69,12 +91,17 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200
         raise ToolError(f"{path!r} is a file, not a folder")
     if not pattern.strip():
         raise ToolError("pattern is empty; try '**/*' for every file")
-    matcher = compile_glob(pattern, anchored=True)
+    matcher = _glob(pattern, anchored=True)
     cap = max(1, min(max_results, MAX_ENTRIES))
     found: list[str] = []
     more = False
     visited = 0
-    for entry, is_dir in walk(ctx.workspace.root, folder):
+    deadline = time.monotonic() + WALK_BUDGET_S
+    note = f"[stopped after {cap} matches]"
+    for entry, is_dir in walk(ctx.workspace.root, folder, root_fd=ctx.workspace.root_fd):
+        if time.monotonic() > deadline or ctx.cancelled:
+            more, note = True, f"[stopped after {WALK_BUDGET_S:g} s; narrow the path]"
+            break
         if is_dir:
             continue
         visited += 1
@@ -87,7 +114,6 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200
                 more = True
                 break
             found.append(ctx.workspace.relative(entry))
-    note = f"[stopped after {cap} matches]"
     if visited > MAX_SCANNED_FILES:
         note = f"[stopped after looking at {MAX_SCANNED_FILES} files; narrow the path]"
     if not found:
@@ -106,7 +132,8 @@ def search(
     ignore_case: bool = False,
     max_results: int = 100,
 ) -> ToolResult:
-    """Search file contents with a regular expression (Python syntax); prints 'path:line: text' for each match.
+    """Search file contents with a regular expression (RE2 syntax: Python's without lookarounds and backreferences);
+    prints 'path:line: text' for each match.
 
     Binary files, files over 2 MB, symlinks and files ignored by .gitignore are skipped.
 
@@ -118,20 +145,16 @@ def search(
         ignore_case: Match letters regardless of case.
         max_results: Stop after this many matching lines (at most 500).
     """
-    try:
-        # the `regex` package (re-compatible syntax) because its matches take a timeout: Python's re cannot be
-        # interrupted, and a pattern such as (a|aa)+$ backtracks for ages on one line
-        compiled = regex.compile(pattern, regex.IGNORECASE if ignore_case else 0)
-    except regex.error as exc:
-        raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from None
+    compiled = _regex(pattern, ignore_case)
     target = _folder(ctx, path)
-    matcher = compile_glob(file_glob, anchored=False) if file_glob and file_glob.strip().strip("/") else None
+    matcher = _glob(file_glob, anchored=False) if file_glob and file_glob.strip().strip("/") else None
     cap = max(1, min(max_results, MAX_ENTRIES))
     if target.is_file():
         files: Iterable[Path] = [target]
     else:
         # like ripgrep, symlinked files are not followed (no duplicates; escapes are refused by walk anyway)
-        files = (entry for entry, is_dir in walk(ctx.workspace.root, target) if not is_dir and not entry.is_symlink())
+        walked = walk(ctx.workspace.root, target, root_fd=ctx.workspace.root_fd)
+        files = (entry for entry, is_dir in walked if not is_dir and not entry.is_symlink())
     lines: list[str] = []
     paths: list[str] = []
     stop: str | None = None  # why the search ended early: "matches", "files" or "time"
@@ -140,8 +163,9 @@ def search(
     for file in files:
         if ctx.cancelled:
             raise ToolError("search cancelled")
-        if not file.is_file():  # FIFOs, sockets, devices: reading them could block forever
-            continue
+        if time.monotonic() > deadline:  # checked per file and per line: the walk and the reads count too
+            stop = "time"
+            break
         scanned += 1
         if scanned > MAX_SCANNED_FILES:
             stop = "files"
@@ -149,23 +173,28 @@ def search(
         relative = file.name if file == target else file.relative_to(target).as_posix()
         if matcher is not None and not matcher.match(relative):
             continue
+        rel = ctx.workspace.relative(file)
+        try:  # only regular, singly linked files, opened beneath the root: FIFOs and devices are never read
+            fd, info = open_regular(ctx.workspace.root_fd, rel, rel)
+        except ToolError:
+            continue
         try:
-            if file.stat().st_size > MAX_SEARCH_FILE_BYTES:
+            if info.st_size > MAX_SEARCH_FILE_BYTES:
                 skipped += 1
                 continue
-            raw = file.read_bytes()
+            raw, _ = read_capped(fd, MAX_SEARCH_FILE_BYTES)  # a file that grew since fstat is cut
         except OSError:
             continue
+        finally:
+            os.close(fd)
         if looks_binary(raw[:SNIFF_BYTES]):
             continue
-        rel = ctx.workspace.relative(file)
         hit = False
         for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
-            try:
-                found = compiled.search(line, timeout=max(0.001, deadline - time.monotonic()))
-            except TimeoutError:
+            if number % 1024 == 0 and time.monotonic() > deadline:
                 stop = "time"
                 break
+            found = compiled.search(line)  # type: ignore[attr-defined]
             if found:
                 if len(lines) >= cap:
                     stop = "matches"

@@ -25,6 +25,14 @@ class Workspace:
         if not real.is_dir():
             raise WorkspaceError(f"workspace root {os.fspath(root)!r} is not a directory")
         self.root: Path = real
+        # the root as it is now: opens go through this descriptor, so swapping a folder of the root's path for a
+        # symlink later cannot move the workspace
+        self.root_fd: int = os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "root_fd", None)
+        if fd is not None:
+            os.close(fd)
 
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"
