@@ -81,6 +81,10 @@ class _DenseLoader(weights_mod._Loader):
         super().__init__(reader, dtype, device)
         self.sources: dict[int, ExpertSource] = {}
 
+    def share_layer(self, layer: int, base: int) -> None:
+        if base in self.sources:  # a repeated layer (a loop's later pass) reads the same experts
+            self.sources[layer] = self.sources[base]
+
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
         source = ExpertSource(self.reader, prefix, m, names, d)  # validates every expert tensor's shape
         before = set(self.reader.used)
@@ -89,7 +93,7 @@ class _DenseLoader(weights_mod._Loader):
         for name in new:  # mark the other experts' tensors used too (per-expert layouts name each expert)
             if ".experts.0." in name:
                 self.reader.used.update(name.replace(".experts.0.", f".experts.{k}.") for k in range(m.num_experts))
-        self.sources[int(prefix.split(".")[2])] = source
+        self.sources[self.layer] = source
         empty = torch.empty(0, dtype=self.dtype)
         return TorchExperts(m, empty, empty)
 

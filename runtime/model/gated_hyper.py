@@ -33,12 +33,12 @@ def hyper_read(streams: torch.Tensor, w: Weights, name: str, n: int, d: int, eps
                inject: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, N·D] → (the sub-layer input [T, D], injection weights [T, N] or None)."""
     u = group_norm(streams, w[f"{name}.hc_norm.weight"], d, eps)
-    g = F.silu(F.linear(u, w[f"{name}.input_mix_weight_down.weight"].to(u.dtype)) / n)
-    g = torch.sigmoid(F.linear(g, w[f"{name}.input_mix_weight_up.weight"].to(u.dtype)))
+    g = F.silu(F.linear(u, w[f"{name}.input_mix_weight_down.weight"]) / n)
+    g = torch.sigmoid(F.linear(g, w[f"{name}.input_mix_weight_up.weight"]))
     x = (g.unflatten(-1, (n, d)) * u.unflatten(-1, (n, d))).mean(dim=-2)
     if not inject:
         return x, None
-    return x, 2 * torch.sigmoid(F.linear(u, w[f"{name}.block_inject_weight.weight"].to(u.dtype)) / n)
+    return x, 2 * torch.sigmoid(F.linear(u, w[f"{name}.block_inject_weight.weight"]) / n)
 
 
 class GatedHyperRunner:

@@ -390,6 +390,19 @@ class RecurrentSpec:
 
 
 @dataclass(frozen=True)
+class ExtraTensor:
+    """A tensor read by an architecture's own module rather than the generic decoder (Inkling 2's residual queries
+    and convolutions, Qwen4-Exp's hyper-connection gates): loaded into ``LayerWeights.norms`` (layer extras) or
+    ``ModelWeights.extras`` (model extras) under ``name``."""
+
+    name: str
+    """Relative to the layer prefix (layer extras) or the full checkpoint name (model extras)."""
+    shape: tuple[int, ...]
+    fp32: bool = True
+    """Kept in fp32 whatever the model dtype (where the reference keeps the module in fp32); else the model dtype."""
+
+
+@dataclass(frozen=True)
 class NGramSpec:
     """Qwen4-Exp per-layer embeddings (``model/ngram.py``): hashed n-gram embeddings gated into the streams."""
 
@@ -433,9 +446,8 @@ class LayerSpec:
     parts: Literal["both", "mixer", "ffn"] = "both"
     ple: NGramSpec | None = None
     """Qwen4-Exp: per-layer n-gram embeddings added to the streams before the mixer (weights ``{layer}.ple.*``)."""
-    extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    """Further fp32 tensors of this layer (name under the layer prefix, shape), loaded into ``LayerWeights.norms``
-    under their name for the code that owns them (Inkling 2's residual queries, norms, convolutions, loop gates)."""
+    extras: tuple[ExtraTensor, ...] = ()
+    """Further tensors of this layer for the code that owns them (see ``ExtraTensor``)."""
     moe_beside_mlp: bool = False
     """Gemma 4: the dense MLP reads the normed stream as usual (its output normed by ``mlp_out``), and the MoE block
     reads the raw residual — routed on it (``model/gemma.py``), its experts on ``moe_in``-normed rows, its output
@@ -587,8 +599,8 @@ class ModelSpec:
     """Qwen4-Exp: gated-residual hyper-connections replace the residual stream (see ``GatedHyperSpec``)."""
     attn_residual: AttnResidualSpec | None = None
     """Inkling 2: block attention residuals replace the residual stream (see ``AttnResidualSpec``)."""
-    extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    """Further fp32 model-level tensors (full name, shape), loaded into ``ModelWeights.extras`` (Inkling 2)."""
+    extras: tuple[ExtraTensor, ...] = ()
+    """Further model-level tensors for the code that owns them (see ``ExtraTensor``)."""
     lm_head_rows: int | None = None
     """Logits are produced for the first ``lm_head_rows`` tokens only (the checkpoint's head rows beyond are padding,
     dropped at load; Inkling's ``unpadded_vocab_size``)."""

@@ -75,6 +75,11 @@ class ModelWeights:
 
 class _Loader:
     norm_offset = 0.0
+    layer = -1
+    """Index (in ``ModelSpec.layers``) of the layer being loaded."""
+
+    def share_layer(self, layer: int, base: int) -> None:
+        """Layer ``layer`` repeats layer ``base`` and shares its weights (loaders that track layers follow it)."""
 
     def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
         self.reader, self.dtype, self.device = reader, dtype, device
@@ -453,13 +458,15 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
     d, v = spec.hidden_size, spec.vocab_size
     embed = ld.take(f"{spec.names.embed}.weight", (v, d))
     layers: list[LayerWeights] = []
-    loaded: dict[str, tuple[LayerSpec, LayerWeights]] = {}
+    loaded: dict[str, tuple[LayerSpec, LayerWeights, int]] = {}
     for i, layer in enumerate(spec.layers):
         p = layer.prefix or f"{spec.names.layers}.{i}"
         n = layer.names or spec.names
+        ld.layer = i
         again = loaded.get(p)
         if again is not None and replace(again[0], prefix=None) == replace(layer, prefix=None):
             layers.append(again[1])  # a layer visited again (Inkling 2's loop) shares its weights
+            ld.share_layer(i, again[2])
             continue
         roles = {"attn_in": n.attn_in_norm, "attn_out": n.attn_out_norm, "ffn_in": n.ffn_in_norm,
                  "ffn_out": n.ffn_out_norm}
@@ -494,8 +501,8 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
         if n.residual_weights and layer.parts == "both":
             lw.norms["res_mix"] = ld.take(f"{p}.{n.residual_weights[0]}", (d,))
             lw.norms["res_ffn"] = ld.take(f"{p}.{n.residual_weights[1]}", (d,))
-        for name, shape in layer.extras:
-            lw.norms[name] = ld.take(f"{p}.{name}", shape, torch.float32)
+        for e in layer.extras:
+            lw.norms[e.name] = ld.take(f"{p}.{e.name}", e.shape, torch.float32 if e.fp32 else None)
         if layer.ple is not None and spec.gated_hyper is not None:  # Qwen4-Exp's per-layer n-gram embeddings
             lw.norms.update({f"ple.{k}": t for k, t in ple_weights(ld, f"{p}.ple", layer.ple, d,
                                                                    spec.gated_hyper.streams).items()})
@@ -523,7 +530,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             if layer.mlp is not None and (layer.moe is None or layer.moe_shortcut == "compute" or layer.moe_beside_mlp):
                 lw.mlp = ld.mlp(f"{p}.{n.mlp}", layer.mlp, d)
         layers.append(lw)
-        loaded[p] = (layer, lw)
+        loaded[p] = (layer, lw, i)
         if on_layer is not None:
             on_layer(i)
     norm = ld.norm(f"{spec.names.final_norm}.weight", d) if spec.names.final_norm else None
@@ -547,7 +554,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
                 "base": ld.take(f"{base}base", (s_,), torch.float32),
                 "scale": ld.take(f"{base}scale", (1,), torch.float32)}
     embed_norm = ld.norm(f"{spec.names.embed_norm}.weight", d) if spec.names.embed_norm else None
-    extras = {name: ld.take(name, shape, torch.float32) for name, shape in spec.extras}
+    extras = {e.name: ld.take(e.name, e.shape, torch.float32 if e.fp32 else None) for e in spec.extras}
     if spec.names.embed_affine:
         extras["embed_scale"] = ld.take(f"{spec.names.embed_affine}_scale", (d,))
         extras["embed_bias"] = ld.take(f"{spec.names.embed_affine}_bias", (d,))

@@ -24,6 +24,7 @@ from freetoken_agent.runtime.model.attn_residual import (
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
     AttnResidualSpec,
+    ExtraTensor,
     LayerSpec,
     MLPSpec,
     ModelSpec,
@@ -118,7 +119,7 @@ def inkling(cfg: Config) -> ModelSpec:
     )
 
 
-def _inkling2_extras(cfg: Config, sliding: bool, looped: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _inkling2_extras(cfg: Config, sliding: bool, looped: bool) -> tuple[ExtraTensor, ...]:
     """A layer's tensors owned by ``model/attn_residual.py``: input norms, output convolutions, loop gates."""
     d, k = int(cfg["hidden_size"]), int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
     norms = ("attn_norm",) if sliding else INPUT_NORMS
@@ -129,7 +130,7 @@ def _inkling2_extras(cfg: Config, sliding: bool, looped: bool) -> tuple[tuple[st
         for gate in GATES:
             extras += [(f"{gate}.down_weight", (rank, 2 * d)), (f"{gate}.forget_weight", (d, rank)),
                        (f"{gate}.gain_weight", (d, rank))]
-    return tuple(extras)
+    return tuple(ExtraTensor(name, shape) for name, shape in extras)
 
 
 @adapter("inkling2_text", "inkling2_loop_text")
@@ -175,7 +176,7 @@ def inkling2(cfg: Config) -> ModelSpec:
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         attn_residual=AttnResidualSpec(block_layers=block, weight_layers=n, loop_start=start, loop_end=end,
                                        loop_passes=passes, loop_gate_rank=int(cfg.get("loop_gate_rank") or 0)),
-        extras=tuple(extras),
+        extras=tuple(ExtraTensor(name, shape) for name, shape in extras),
         names=WeightNames(
             embed=f"{ROOT}.embed", embed_norm=f"{ROOT}.embed_norm", final_norm=f"{ROOT}.norm",
             lm_head=f"{ROOT}.unembed", layers=f"{ROOT}.layers", attn="attn", attn_in_norm=None, ffn_in_norm=None,

@@ -8,6 +8,7 @@ from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, a
 from freetoken_agent.runtime.model.gated_hyper import FINAL_MIX, SUBLAYERS
 from freetoken_agent.runtime.model.qsa import INDEXER
 from freetoken_agent.runtime.model.spec import (
+    ExtraTensor,
     GatedHyperSpec,
     LayerSpec,
     MLPSpec,
@@ -35,11 +36,13 @@ def _layer_types(cfg: Config, n: int) -> list[str]:
     return types
 
 
-def _hyper_extras(streams: int, d: int, rank: int, inject: bool, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+def _hyper_extras(streams: int, d: int, rank: int, inject: bool, prefix: str) -> list[ExtraTensor]:
+    """One gated residual's weights, in the model dtype (the reference keeps none of them in fp32)."""
     nd = streams * d
     out = [(f"{prefix}.hc_norm.weight", (nd,)), (f"{prefix}.input_mix_weight_down.weight", (rank, nd)),
            (f"{prefix}.input_mix_weight_up.weight", (nd, rank))]
-    return out + [(f"{prefix}.block_inject_weight.weight", (streams, nd))] if inject else out
+    out += [(f"{prefix}.block_inject_weight.weight", (streams, nd))] if inject else []
+    return [ExtraTensor(name, shape, fp32=False) for name, shape in out]
 
 
 @adapter("qwen4_exp_text")
@@ -96,9 +99,9 @@ def qwen4_exp(cfg: Config) -> ModelSpec:
         extras = [e for name in SUBLAYERS for e in _hyper_extras(streams, d, rank, True, name)]
         if kind == "indexed_attention":
             assert qsa is not None
-            extras += [(f"{INDEXER}.index_qk_proj.weight", ((qsa.num_heads + 1) * qsa.head_dim, d)),
-                       (f"{INDEXER}.q_layernorm.weight", (qsa.head_dim,)),
-                       (f"{INDEXER}.k_layernorm.weight", (qsa.head_dim,))]
+            extras += [ExtraTensor(f"{INDEXER}.index_qk_proj.weight", ((qsa.num_heads + 1) * qsa.head_dim, d), False),
+                       ExtraTensor(f"{INDEXER}.q_layernorm.weight", (qsa.head_dim,), False),
+                       ExtraTensor(f"{INDEXER}.k_layernorm.weight", (qsa.head_dim,), False)]
         layers.append(LayerSpec(attention=attention, moe=moe, ple=ple, extras=tuple(extras),
                                 recurrent=recurrent if kind == "linear_attention" else None))
     names = WeightNames(shared="shared_expert", attn_in_norm=None, ffn_in_norm=None, final_norm=None)
