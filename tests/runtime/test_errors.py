@@ -1,4 +1,7 @@
-"""Bad input gives a specific exception in the API and one clear line (no traceback) at the CLI."""
+"""Bad input gives a specific exception in the API and one clear line (no traceback) at the CLI.
+
+The full matrix (model folder, config values, weights, prompt, sampling, options) is test_bad_input.py and
+tests/cli/test_bad_flags.py; these are the checkpoint-tensor and tokenizer cases."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from freetoken_agent.runtime.errors import (
     ConfigError,
     CorruptCheckpointError,
     MissingTensorError,
+    PromptError,
     ShapeMismatchError,
     TokenizerError,
     UnexpectedTensorError,
@@ -111,6 +115,6 @@ def test_missing_config_and_bad_ids(tmp_path: Path, model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="config.json"):
         Engine.from_pretrained(tmp_path)
     engine = Engine.from_pretrained(model_dir)
-    with pytest.raises(Exception, match="outside the vocabulary"):
+    with pytest.raises(PromptError, match="token id 99999 is outside the vocabulary"):
         engine.generate([1, 99999])
     _assert_one_line(_cli("generate", "--model", str(model_dir), "--prompt-ids", "5,99999"), "outside the vocabulary")
