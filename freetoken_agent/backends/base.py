@@ -18,6 +18,18 @@ from freetoken_agent.phases import Phase
 from freetoken_agent.runtime.errors import FreeTokenError
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must be, enforced token by token by a backend that ``supports_constraints``: a call to one
+    of the request's tools (``kind="tool_call"``; ``name`` forces that tool; ``parallel`` allows several), or one
+    JSON value valid under ``schema`` (``kind="json"``)."""
+
+    kind: str
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    parallel: bool = True
+
+
 @dataclass
 class GenerateRequest:
     """One model call: OpenAI-style ``messages`` and ``tools``, or a raw ``prompt`` (plain completion)."""
@@ -34,6 +46,8 @@ class GenerateRequest:
     """Conversation key: requests with the same key continue one conversation (a local engine keeps its KV)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0: off)."""
+    constraint: Constraint | None = None
+    """Grammar-constrained output (a forced tool call, a JSON schema); None: free text."""
     strict_length: bool = False
     """``max_tokens`` was asked for explicitly: a prompt that leaves less room than that in the context is refused
     (``ContextOverflow``) instead of having its completion clipped to the room left."""
@@ -168,6 +182,9 @@ class TextBackend:
     def context_length(self) -> int | None:
         """Tokens the model's context holds (None: unknown, nothing is checked)."""
         return None
+
+    supports_constraints: bool = False
+    """Whether ``GenerateRequest.constraint`` is enforced (a server refuses constrained requests otherwise)."""
 
     def count_tokens(self, request: GenerateRequest) -> int:
         """Prompt tokens ``request`` would take (what its ``GenerationDone.usage.prompt_tokens`` reports)."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from collections.abc import AsyncIterator
 from typing import Any
 
-from freetoken_agent.backends.base import GenerateRequest, GenerationDone, TextBackend, TextChunk, check_context, stop_hit
+from freetoken_agent.backends.base import Constraint, GenerateRequest, GenerationDone, TextBackend, TextChunk, check_context, stop_hit
 from freetoken_agent.chat import detect_format
 from freetoken_agent.events import Usage
 from freetoken_agent.phases import Phase
@@ -167,6 +168,34 @@ class LocalEngine(TextBackend):
     def count_tokens(self, request: GenerateRequest) -> int:
         return len(self.engine.tokenizer.encode(self.render(request)))
 
+    @property
+    def supports_constraints(self) -> bool:  # type: ignore[override]
+        """Grammar-constrained output needs a ``tokenizer.json`` (the grammar engine reads it) and llguidance."""
+        import importlib.util
+
+        path = getattr(self.engine, "path", None)
+        return path is not None and (Path(path) / "tokenizer.json").exists() and \
+            importlib.util.find_spec("llguidance") is not None
+
+    def grammar(self, constraint: Constraint, tools: list[dict[str, Any]]) -> Any:
+        """A fresh ``GrammarProcessor`` enforcing ``constraint`` (one per request: it holds the grammar's state)."""
+        from freetoken_agent.chat.grammar import tool_call_lark
+        from freetoken_agent.runtime.generation.constraints import (
+            JSON_STYLE, GrammarError, GrammarProcessor, grammar_tokenizer, json_schema_grammar, lark_grammar,
+        )
+
+        vocab = int(self.engine.spec.vocab_size)
+        tokenizer = grammar_tokenizer(Path(self.engine.path) / "tokenizer.json", vocab, tuple(sorted(self._eos)))
+        if constraint.kind == "json":
+            grammar = json_schema_grammar(constraint.schema or {"type": "object"})
+        else:
+            try:
+                grammar = lark_grammar(tool_call_lark(self.tool_format, tools, constraint.name, constraint.parallel,
+                                                      self.engine.tokenizer.token_id, JSON_STYLE))
+            except ValueError as exc:
+                raise GrammarError(str(exc)) from None
+        return GrammarProcessor(tokenizer, grammar, vocab)
+
     async def stream_text(self, request: GenerateRequest) -> AsyncIterator[TextChunk | GenerationDone]:
         ids = self.engine.tokenizer.encode(self.render(request))
         check_context(len(ids), request, self.context_length)
@@ -174,6 +203,8 @@ class LocalEngine(TextBackend):
         sampling = {"max_new_tokens": request.max_tokens, "temperature": 0.0 if greedy else request.temperature,
                     "top_p": 1.0 if greedy else request.top_p, "top_k": 0 if greedy else request.top_k,
                     "seed": request.seed, "stop": tuple(request.stop)}
+        if request.constraint is not None:
+            sampling["processor"] = self.grammar(request.constraint, request.tools)
         count, finish, text, out_ids = 0, "length", [], []
         async for item in self._stream(ids, request.session, sampling):
             if isinstance(item, tuple):

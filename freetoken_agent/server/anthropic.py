@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from collections.abc import AsyncIterator
 from typing import Any
 
-from freetoken_agent.backends.base import GenerateRequest, GenerationDone
+from freetoken_agent.backends.base import Constraint, GenerateRequest, GenerationDone
 from freetoken_agent.chat import TextDelta, ToolCallFinished
 from freetoken_agent.server.fields import Fields, RequestError, stop_list, type_name
-from freetoken_agent.server.protocol import IMAGES, ChatCall, read_model, sampling_from
+from freetoken_agent.server.protocol import (
+    IMAGES, ChatCall, one_constraint, read_model, sampling_from, strict_names, strict_tools,
+)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 IGNORED = ("metadata", "service_tier", "container", "anthropic_version")
@@ -137,25 +139,30 @@ def _tools(raw: list[Any]) -> list[dict[str, Any]]:
         fn: dict[str, Any] = {"name": t.str_("name", required=True), "parameters": schema}
         if t.has("description"):
             fn["description"] = t.str_("description")
-        t.refuse_unless("strict", False, "strict schemas need constrained decoding, which this server lacks")
+        if t.bool_("strict"):
+            fn["strict"] = True
         t.done()
         tools.append({"type": "function", "function": fn})
     return tools
 
 
-def _tool_choice(f: Fields, tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
-    """The tools ``tool_choice`` leaves and whether one call at most is wanted (``disable_parallel_tool_use``)."""
+def _tool_choice(f: Fields, tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool, Constraint | None]:
+    """The tools ``tool_choice`` leaves, whether one call at most is wanted (``disable_parallel_tool_use``) and the
+    forced call (``any``: one of the tools, ``tool``: the named one), which is grammar-constrained."""
     choice = f.obj("tool_choice")
     if choice is None:
-        return tools, False
+        return tools, False, None
     kind = choice.str_("type", required=True, choices=("auto", "any", "tool", "none"))
     single = choice.bool_("disable_parallel_tool_use")
-    if kind in ("any", "tool"):
-        choice.raw("name")
-        raise RequestError(f"'tool_choice.type' {kind!r} is not supported: forcing a tool call needs constrained "
-                           "decoding, which this server lacks; use \"auto\"", "tool_choice.type")
+    name = choice.str_("name", required=kind == "tool") if kind == "tool" else None
     choice.done()
-    return ([] if kind == "none" else tools), single
+    if kind in ("auto", "none"):
+        return ([] if kind == "none" else tools), single, None
+    if not tools:
+        raise RequestError("'tool_choice' forces a tool call but no tools are given", "tool_choice")
+    if name is not None and name not in [t["function"]["name"] for t in tools]:
+        raise RequestError(f"'tool_choice.name' {name[:80]!r} is not among the tools", "tool_choice.name")
+    return tools, single, Constraint("tool_call", name=name, parallel=not single)
 
 
 def _thinking(f: Fields) -> bool:
@@ -185,14 +192,23 @@ def _context_management(f: Fields) -> None:
     cm.done()
 
 
-def _output_config(f: Fields) -> None:
-    """Output settings: effort ``high`` (the API's default: the model reasons as much as it was trained to)."""
+def _output_config(f: Fields) -> Constraint | None:
+    """Output settings: effort ``high`` (the API's default: the model reasons as much as it was trained to) and a
+    ``json_schema`` format (grammar-constrained)."""
     oc = f.obj("output_config")
     if oc is None:
-        return
+        return None
     oc.refuse_unless("effort", "high", "the model's effort cannot be lowered")
-    oc.refuse_unless("format", None, "structured output needs constrained decoding, which this server lacks")
+    fmt = oc.obj("format")
     oc.done()
+    if fmt is None:
+        return None
+    fmt.str_("type", required=True, choices=("json_schema",))
+    schema = fmt.raw("schema")
+    if not isinstance(schema, dict):
+        raise RequestError("'output_config.format.schema' must be a JSON Schema object", "output_config.format.schema")
+    fmt.done()
+    return Constraint("json", schema)
 
 
 @dataclass
@@ -211,11 +227,14 @@ def messages_request(body: Any, count_only: bool = False) -> MessagesCall:
     messages = _messages(f.list_("messages", required=True, allow_empty=False))
     if f.has("system"):
         messages.insert(0, {"role": "system", "content": _text(f.raw("system"), "system")})
-    tools, single = _tool_choice(f, _tools(f.list_("tools")))
+    tools = _tools(f.list_("tools"))
+    strict = strict_names(tools)
+    tools, single, forced = _tool_choice(f, tools)
     thinking = _thinking(f)
     f.refuse_unless("mcp_servers", [], "MCP servers are not connected by this server")
     _context_management(f)
-    _output_config(f)
+    constraint, field = one_constraint(("tool_choice", forced), ("output_config.format", _output_config(f)))
+    strict_tools(constraint, strict)
     if count_only:
         f.done()
         return MessagesCall(GenerateRequest(messages=messages, tools=tools), model=model)
@@ -225,8 +244,8 @@ def messages_request(body: Any, count_only: bool = False) -> MessagesCall:
     sampling["stop"] = stop_list(f.raw("stop_sequences"), "stop_sequences", limit=64)
     stream = f.bool_("stream")
     f.done()
-    return MessagesCall(GenerateRequest(messages=messages, tools=tools, **sampling), stream, False, model, single,
-                        thinking)
+    return MessagesCall(GenerateRequest(messages=messages, tools=tools, constraint=constraint, **sampling), stream,
+                        model=model, single_call=single, constraint_field=field, thinking=thinking)
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

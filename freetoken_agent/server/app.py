@@ -31,7 +31,7 @@ from freetoken_agent.server.http import (
     request_error, run_whole, shape_for, stream_sse, typed_sse,
 )
 from freetoken_agent.server.protocol import (
-    ChatCall, anext_or_none, chain, chat_request, completion_request, envelope, new_id, usage_dict,
+    NO_GRAMMAR, ChatCall, anext_or_none, chain, chat_request, completion_request, envelope, new_id, usage_dict,
 )
 from freetoken_agent.server.responses import ResponseStore
 
@@ -108,9 +108,14 @@ class OpenAIServer:
             raise self._unknown_model(name)
 
     async def _read(self, request: Request, parse: Callable[[Any], Any]) -> Any:
-        """The body read, size-checked and parsed by ``parse`` (which raises RequestError)."""
+        """The body read, size-checked and parsed by ``parse`` (which raises RequestError); a constrained request
+        is refused, naming the field that asked, when the backend cannot enforce constraints."""
         body = await read_json(request, self.max_body)
-        return parse(body)
+        call = parse(body)
+        if call.request.constraint is not None and not getattr(self.backend, "supports_constraints", False):
+            raise RequestError(f"'{call.constraint_field}' is not supported: it needs {NO_GRAMMAR}",
+                               call.constraint_field)
+        return call
 
     async def chat_completions(self, request: Request) -> Response:
         try:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken_agent.backends.base import GenerateRequest
+from freetoken_agent.backends.base import Constraint, GenerateRequest
 from freetoken_agent.server.fields import Fields, RequestError, stop_list, type_name
 
 __all__ = ["ChatCall", "RequestError", "chat_request", "completion_request", "envelope", "error_body", "new_id",
@@ -31,6 +31,8 @@ class ChatCall:
     model: str | None = None
     single_call: bool = False
     """``parallel_tool_calls: false``: the answer ends after the first tool call."""
+    constraint_field: str | None = None
+    """The field that asked for ``request.constraint`` (named when a backend cannot enforce it)."""
 
 
 def read_model(f: Fields) -> str | None:
@@ -158,34 +160,92 @@ def tool_function(fn: Fields) -> dict[str, Any]:
     if params is not None and not isinstance(params, dict):
         raise RequestError(f"'{fn.name('parameters')}' must be a JSON Schema object", fn.name("parameters"))
     out["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-    fn.refuse_unless("strict", False, "strict schemas need constrained decoding, which this server lacks")
+    if fn.bool_("strict"):
+        out["strict"] = True
     fn.done()
     return {"type": "function", "function": out}
 
 
-def tool_choice_tools(choice: Any, tools: list[dict[str, Any]], name: str = "tool_choice") -> list[dict[str, Any]]:
-    """The tools left by ``tool_choice``: ``auto`` keeps them, ``none`` drops them; a forced call (``required``,
-    a named function) needs constrained decoding and is refused."""
+def strict_names(tools: list[dict[str, Any]], path: str = "tools") -> list[str]:
+    """The fields of the tools marked strict (for ``strict_tools``); the marks are taken off the tools."""
+    names = []
+    for i, tool in enumerate(tools):
+        if tool["function"].pop("strict", False):
+            names.append(f"{path}[{i}].strict")
+    return names
+
+
+NO_GRAMMAR = "constrained decoding, which this backend lacks"
+
+
+def tool_choice(choice: Any, tools: list[dict[str, Any]], parallel: bool, name: str = "tool_choice",
+                ) -> tuple[list[dict[str, Any]], Constraint | None]:
+    """The tools ``tool_choice`` leaves and the constraint it asks for: ``auto`` keeps the tools, ``none`` drops
+    them, ``required`` forces a call to one of them, a named function forces that one (grammar-constrained)."""
     if choice is None or choice == "auto":
-        return tools
+        return tools, None
     if choice == "none":
-        return []
-    if choice == "required" or isinstance(choice, dict):
-        raise RequestError(f"'{name}' {json.dumps(choice)[:80]} is not supported: forcing a tool call needs "
-                           "constrained decoding, which this server lacks; use \"auto\"", name)
-    raise RequestError(f"'{name}' must be \"auto\", \"none\", \"required\" or a named function", name)
+        return [], None
+    if choice == "required":
+        forced = None
+    elif isinstance(choice, dict):
+        f = Fields(choice, name)
+        f.str_("type", required=True, choices=("function",))
+        fn = f.obj("function")
+        forced = fn.str_("name", required=True) if fn is not None else f.str_("name", required=True)
+        if fn is not None:
+            fn.done()
+        f.done()
+        if forced not in [t["function"]["name"] for t in tools]:
+            raise RequestError(f"'{name}' names {str(forced)[:80]!r}, which is not among the tools", name)
+    else:
+        raise RequestError(f"'{name}' must be \"auto\", \"none\", \"required\" or a named function", name)
+    if not tools:
+        raise RequestError(f"'{name}' forces a tool call but no tools are given", name)
+    return tools, Constraint("tool_call", name=forced, parallel=parallel)
 
 
-def response_format_ok(value: Any, name: str = "response_format") -> None:
-    """Plain text output only (json modes need constrained decoding)."""
+def response_format(value: Any, name: str = "response_format", flat: bool = False) -> Constraint | None:
+    """The JSON constraint of a response format (None for plain text). ``flat``: the Responses API's
+    ``text.format`` shape (name and schema beside the type, not under ``json_schema``)."""
     if value is None:
-        return
+        return None
     f = Fields(value, name)
-    kind = f.str_("type", required=True)
-    if kind != "text":
-        raise RequestError(f"'{name}.type' {kind!r} is not supported: structured output needs constrained "
-                           "decoding, which this server lacks", f"{name}.type")
-    f.done()
+    kind = f.str_("type", required=True, choices=("text", "json_object", "json_schema"))
+    if kind == "text":
+        f.done()
+        return None
+    if kind == "json_object":
+        f.done()
+        return Constraint("json", {"type": "object"})
+    spec = f if flat else f.obj("json_schema")
+    if spec is None:
+        raise RequestError(f"'{name}.json_schema' is required", f"{name}.json_schema")
+    spec.str_("name")
+    spec.str_("description")
+    spec.bool_("strict")  # the output always follows the schema, strict or not
+    schema = spec.raw("schema")
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{spec.name('schema')}' must be a JSON Schema object", spec.name("schema"))
+    spec.done()
+    if not flat:
+        f.done()
+    return Constraint("json", schema)
+
+
+def one_constraint(*named: tuple[str, Constraint | None]) -> tuple[Constraint | None, str | None]:
+    """The one constraint given and the field that asked for it (two at once are refused)."""
+    given = [(field, c) for field, c in named if c is not None]
+    if len(given) > 1:
+        raise RequestError(f"'{given[0][0]}' and '{given[1][0]}' cannot both constrain the output", given[1][0])
+    return (given[0][1], given[0][0]) if given else (None, None)
+
+
+def strict_tools(constraint: Constraint | None, strict: list[str]) -> None:
+    """Strict tools are honored when the call is grammar-constrained (a forced call); else refused by name."""
+    if strict and (constraint is None or constraint.kind != "tool_call"):
+        raise RequestError(f"'{strict[0]}' is not supported: strict arguments are guaranteed only for a forced "
+                           "call (tool_choice required or named)", strict[0])
 
 
 def _stream_options(f: Fields, stream: bool) -> bool:
@@ -207,9 +267,12 @@ def chat_request(body: Any, default_max_tokens: int) -> ChatCall:
     messages = [chat_message(m, f"messages[{i}]") for i, m in enumerate(f.list_("messages", required=True,
                                                                                  allow_empty=False))]
     tools = [function_tool(t, f"tools[{i}]") for i, t in enumerate(f.list_("tools"))]
-    tools = tool_choice_tools(f.raw("tool_choice"), tools)
+    strict = strict_names(tools)
     single = not f.bool_("parallel_tool_calls", True)
-    response_format_ok(f.raw("response_format"))
+    tools, forced = tool_choice(f.raw("tool_choice"), tools, not single)
+    constraint, field = one_constraint(("tool_choice", forced),
+                                       ("response_format", response_format(f.raw("response_format"))))
+    strict_tools(constraint, strict)
     stream = f.bool_("stream")
     usage = _stream_options(f, stream)
     f.refuse_unless("logprobs", False, "log probabilities are not reported")
@@ -219,7 +282,8 @@ def chat_request(body: Any, default_max_tokens: int) -> ChatCall:
     f.refuse_unless("modalities", ["text"], "text output only")
     sampling = sampling_from(f, default_max_tokens)
     f.done()
-    return ChatCall(GenerateRequest(messages=messages, tools=tools, **sampling), stream, usage, model, single)
+    return ChatCall(GenerateRequest(messages=messages, tools=tools, constraint=constraint, **sampling), stream, usage,
+                    model, single, field)
 
 
 def completion_request(body: Any, default_max_tokens: int) -> ChatCall:

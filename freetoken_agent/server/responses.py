@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken_agent.backends.base import GenerateRequest, GenerationDone
+from freetoken_agent.backends.base import Constraint, GenerateRequest, GenerationDone
 from freetoken_agent.chat import TextDelta, ToolCallFinished
 from freetoken_agent.server.fields import Fields, RequestError, type_name
 from freetoken_agent.server.protocol import (
-    IGNORED, IMAGES, ChatCall, anext_or_none, arguments_text, chain, new_id, read_model, refuse_unsupported_sampling,
-    response_format_ok, sampling_from, tool_choice_tools, tool_function,
+    IGNORED, IMAGES, ChatCall, anext_or_none, arguments_text, chain, new_id, one_constraint, read_model,
+    refuse_unsupported_sampling, response_format, sampling_from, strict_names, strict_tools, tool_choice,
+    tool_function,
 )
 
 STORE_SIZE = 256
@@ -152,13 +153,14 @@ def _tools(raw: list[Any], namespaces: dict[str, str], path: str = "tools") -> l
     return tools
 
 
-def _text_format(f: Fields) -> None:
+def _text_format(f: Fields) -> Constraint | None:
     text = f.obj("text")
     if text is None:
-        return
-    response_format_ok(text.raw("format"), "text.format")
+        return None
+    constraint = response_format(text.raw("format"), "text.format", flat=True)
     text.refuse_unless("verbosity", "medium", "the model's verbosity cannot be set")
     text.done()
+    return constraint
 
 
 def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) -> ResponsesCall:
@@ -185,9 +187,12 @@ def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) 
         raise RequestError(f"'input' must be a string or an array of items, got {type_name(given)}", "input")
     tool_list = f.list_("tools")
     namespaces: dict[str, str] = {}
-    tools = tool_choice_tools(f.raw("tool_choice"), _tools(tool_list, namespaces))
+    tools = _tools(tool_list, namespaces)
+    strict = strict_names(tools)
     single = not f.bool_("parallel_tool_calls", True)
-    _text_format(f)
+    tools, forced = tool_choice(f.raw("tool_choice"), tools, not single)
+    constraint, field = one_constraint(("tool_choice", forced), ("text.format", _text_format(f)))
+    strict_tools(constraint, strict)
     reasoning = f.obj("reasoning")
     if reasoning is not None:  # the model reasons as it was trained to; effort and summaries cannot be set
         reasoning.refuse_unless("effort", None, "the model's reasoning effort cannot be set")
@@ -207,11 +212,13 @@ def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) 
     echo = {"instructions": instructions, "tools": tool_list, "tool_choice": f.body.get("tool_choice") or "auto",
             "parallel_tool_calls": not single, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
             "max_output_tokens": sampling["max_tokens"] if sampling["strict_length"] else None,
-            "previous_response_id": previous_id, "store": keep, "text": {"format": {"type": "text"}},
+            "previous_response_id": previous_id, "store": keep,
+            "text": {"format": (f.body.get("text") or {}).get("format") or {"type": "text"}},
             "truncation": "disabled", "metadata": f.body.get("metadata") or {},
             "reasoning": {"effort": None, "summary": None}}
-    request = GenerateRequest(messages=messages, tools=tools, **sampling)
-    return ResponsesCall(request, stream, False, model, single, echo, keep, namespaces)
+    request = GenerateRequest(messages=messages, tools=tools, constraint=constraint, **sampling)
+    return ResponsesCall(request, stream, model=model, single_call=single, constraint_field=field, echo=echo,
+                         store=keep, namespaces=namespaces)
 
 
 class ResponseRun:

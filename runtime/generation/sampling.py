@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,8 @@ class SamplingParams:
     """Stop when the generated text contains one of these; the text is cut before it."""
     stop_token_ids: tuple[int, ...] | None = None
     """Token ids that end generation (None: the model's end-of-sequence tokens)."""
+    processor: LogitsProcessor | None = field(default=None, compare=False)
+    """A per-request hook over each step's logits (a grammar's token mask: ``generation/constraints.py``)."""
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,8 +59,21 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
 
+class LogitsProcessor(Protocol):
+    """Stateful, one per request: adjusts the logits [V] before each pick and is told the token picked."""
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits to sample from (e.g. -inf where a grammar forbids the token)."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """The token the sampler picked (advances the processor's state)."""
+        ...
+
+
 class Sampler:
-    """Picks the next token from logits [V]; owns its random generator so runs are reproducible by seed."""
+    """Picks the next token from logits [V]; owns its random generator so runs are reproducible by seed.
+    A request's ``processor`` sees the logits first and learns each pick."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -68,6 +84,15 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
+        processor = self.params.processor
+        if processor is None:
+            return self.pick(logits)
+        token = self.pick(processor(logits))
+        processor.accept(token)
+        return token
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` [V] by the request's temperature, top-k, top-p and seed."""
         p = self.params
         if torch.isnan(logits).any():  # argmax would pick the NaN, multinomial would raise: say why instead
             raise NumericalError("the model produced NaN logits: a weight holds NaN/infinity (was the checkpoint "
