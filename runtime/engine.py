@@ -92,6 +92,25 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def check_device(device: str | torch.device) -> None:
+    """An ``OptionError`` for a device torch cannot name or this machine does not have (before anything loads)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise OptionError(f"unknown device {device!r}; use cpu, or cuda (cuda:N for one GPU)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise OptionError(f"device {device!r} asked for, but torch sees no CUDA GPU here (use --device cpu)")
+        if dev.index is not None and dev.index >= count:
+            raise OptionError(f"device {device!r} asked for, but torch sees {count} CUDA GPU(s): "
+                              f"cuda:0..cuda:{count - 1}")
+    elif dev.type not in ("cpu", "meta"):
+        available = getattr(getattr(torch, dev.type, None), "is_available", None)
+        if available is None or not available():
+            raise OptionError(f"device {device!r} is not available with this torch build and machine")
+
+
 class Engine:
     """An MoE model loaded for inference on one device."""
 
@@ -174,6 +193,7 @@ class Engine:
         from freetoken_agent.runtime.quant.native import open_checkpoint
 
         quant = check_quant(quant)
+        check_device(device)
         if deterministic:
             from freetoken_agent.runtime.kernels import ops as kernel_ops
 

@@ -136,6 +136,11 @@ def test_bad_threads_env(model_dir: Path) -> None:
                      "FREETOKEN_THREADS must be an integer ≥ 1, got 0")
 
 
+def test_unknown_device(model_dir: Path, tmp_path: Path) -> None:
+    _assert_one_line(_cli("run", "task", "--model", str(model_dir), "--workspace", str(tmp_path), "--device", "tpu9"),
+                     "unknown device 'tpu9'")
+
+
 def test_missing_model_folder(tmp_path: Path) -> None:
     _assert_one_line(_cli("generate", "--model", str(tmp_path / "absent"), "--prompt-ids", "1"),
                      "model folder not found")

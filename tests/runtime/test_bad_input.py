@@ -455,7 +455,9 @@ def test_tiny_temperature_is_greedy_not_nan() -> None:
 @pytest.mark.parametrize("kwargs, needle", [({"threads": 0}, "threads must be an integer ≥ 1, got 0"),
                                             ({"threads": -2}, "threads must be an integer ≥ 1"),
                                             ({"dtype": "int8"}, "unknown dtype 'int8'"),
-                                            ({"quant": "q3"}, "unknown --quant 'q3'")])
+                                            ({"quant": "q3"}, "unknown --quant 'q3'"),
+                                            ({"device": "banana"}, "unknown device 'banana'; use cpu, or cuda"),
+                                            ({"device": "cuda:64"}, "device 'cuda:64' asked for, but torch sees")])
 def test_bad_engine_option(base: Path, kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(OptionError, match=needle):
         Engine.from_pretrained(base, **kwargs)
