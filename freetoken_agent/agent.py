@@ -11,13 +11,16 @@ import os
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from freetoken_agent.backends.base import Backend
 from freetoken_agent.events import AgentEvent, RunFinished
 from freetoken_agent.result import RunResult
+
+if TYPE_CHECKING:
+    from freetoken_agent.tools.sandbox import SandboxPolicy
 
 CODING_INSTRUCTIONS = (
     "You are a careful coding agent working inside a repository. Use the tools to read files, make small exact "
@@ -78,6 +81,11 @@ class Agent:
     """Default timeout for process tools (``run_shell``, ``run_tests``)."""
     on_tool_output: Callable[[str, str], None] | None = None
     """Called with ``(call_id, text)`` as a process tool's output streams in (live views); must not block."""
+    sandbox: SandboxPolicy | None = None
+    """The tools' ``SandboxPolicy`` (``freetoken_agent.tools.sandbox``); None: ``workspace-write``, network off,
+    ``.git`` read-only. ``full-access`` must be chosen explicitly to run commands where no sandbox exists."""
+    tool_sandbox: dict[str, SandboxPolicy] = field(default_factory=dict)
+    """Per-tool ``SandboxPolicy`` overrides by tool name, e.g. ``{"run_tests": SandboxPolicy(network=True)}``."""
     _runs: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
 
     @classmethod

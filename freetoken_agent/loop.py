@@ -83,7 +83,8 @@ class AgentRun:
         tools = agent.tools
         self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
         self.schemas = self.registry.schemas()
-        self.ctx = ToolContext(workspace=Workspace(agent.workspace or os.getcwd()), timeout_s=agent.tool_timeout_s)
+        self.ctx = ToolContext(workspace=Workspace(agent.workspace or os.getcwd()), timeout_s=agent.tool_timeout_s,
+                               sandbox=agent.sandbox, tool_sandbox=dict(agent.tool_sandbox))
         self.messages: list[dict[str, Any]] = []
         self.usage = Usage()
         self.step = 0

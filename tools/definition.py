@@ -20,7 +20,12 @@ import jsonschema
 import pydantic
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.schema import build_signature
-from freetoken_agent.tools.validation import describe_parameters, jsonschema_errors, pydantic_errors
+from freetoken_agent.tools.validation import (
+    describe_parameters,
+    jsonschema_errors,
+    non_finite_errors,
+    pydantic_errors,
+)
 
 ToolKind = Literal["read", "edit", "execute", "search", "other"]
 KINDS: tuple[str, ...] = ("read", "edit", "execute", "search", "other")
@@ -140,7 +145,7 @@ class Tool:
         if isinstance(args, ToolResult):
             return args
         args = self._drop_null_defaults(args)
-        errors = jsonschema_errors(self._validator, args)
+        errors = non_finite_errors(args) or jsonschema_errors(self._validator, args)
         if errors:
             return ToolResult.error(_invalid(self, errors))
         try:

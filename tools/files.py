@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import difflib
 import os
+from typing import Annotated
+
+import pydantic
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
@@ -19,6 +22,8 @@ MAX_LINE_CHARS = 2000
 MAX_EDIT_BYTES = 10 * 1024 * 1024
 MAX_WRITE_BYTES = 10 * 1024 * 1024  # bytes write_file and edit_file may write per call
 MAX_READ_BYTES = 256 * 1024 * 1024  # bytes read_file reads per call (a 20 GiB sparse file stops here)
+MAX_LINE_NUMBER = 1_000_000_000
+LineNumber = Annotated[int, pydantic.Field(ge=1, le=MAX_LINE_NUMBER)]
 SNIFF_BYTES = 8192
 
 
@@ -85,7 +90,8 @@ def unified_diff(rel: str, before: str, after: str) -> str:
 
 
 @tool(kind="read")
-def read_file(ctx: ToolContext, path: str, start_line: int = 1, end_line: int | None = None) -> ToolResult:
+def read_file(ctx: ToolContext, path: str, start_line: LineNumber = 1, end_line: LineNumber | None = None
+              ) -> ToolResult:
     """Read a text file from the workspace. Each line is shown as its number, a tab, then the text.
 
     Long files are cut at 2000 lines per call: read further with start_line. Binary files are refused.

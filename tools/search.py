@@ -6,6 +6,9 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated
+
+import pydantic
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
@@ -19,6 +22,7 @@ MAX_MATCH_LINE_CHARS = 300
 MAX_SCANNED_FILES = 20_000
 SEARCH_BUDGET_S = 30.0  # a pathological regex or a giant tree stops with a note instead of stalling the agent
 WALK_BUDGET_S = 30.0  # list_files and glob over a giant tree stop with a note too
+Count = Annotated[int, pydantic.Field(ge=1, le=MAX_ENTRIES)]  # a result cap: the schema refuses 0, -1, 10**12
 
 
 def _glob(pattern: str, *, anchored: bool) -> Matcher:
@@ -48,7 +52,7 @@ def _folder(ctx: ToolContext, path: str) -> Path:
 
 
 @tool(kind="read")
-def list_files(ctx: ToolContext, path: str = ".", recursive: bool = False, max_entries: int = 200) -> ToolResult:
+def list_files(ctx: ToolContext, path: str = ".", recursive: bool = False, max_entries: Count = 200) -> ToolResult:
     """List a folder of the workspace (folders end with '/'). Files ignored by .gitignore and .git are skipped.
 
     Args:
@@ -60,7 +64,7 @@ def list_files(ctx: ToolContext, path: str = ".", recursive: bool = False, max_e
     if not folder.is_dir():
         raise ToolError(f"{path!r} is a file, not a folder; use read_file to read it")
     root = ctx.workspace.root
-    cap = max(1, min(max_entries, MAX_ENTRIES))
+    cap = min(max_entries, MAX_ENTRIES)
     names: list[str] = []
     more = False
     deadline = time.monotonic() + WALK_BUDGET_S
@@ -78,7 +82,7 @@ def list_files(ctx: ToolContext, path: str = ".", recursive: bool = False, max_e
 
 
 @tool(kind="search")
-def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200) -> ToolResult:
+def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: Count = 200) -> ToolResult:
     """Find files whose path matches a glob pattern, e.g. '**/*.py' or 'src/*.txt' (gitignore-aware).
 
     Args:
@@ -92,7 +96,7 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".", max_results: int = 200
     if not pattern.strip():
         raise ToolError("pattern is empty; try '**/*' for every file")
     matcher = _glob(pattern, anchored=True)
-    cap = max(1, min(max_results, MAX_ENTRIES))
+    cap = min(max_results, MAX_ENTRIES)
     found: list[str] = []
     more = False
     visited = 0
@@ -130,7 +134,7 @@ def search(
     path: str = ".",
     file_glob: str | None = None,
     ignore_case: bool = False,
-    max_results: int = 100,
+    max_results: Count = 100,
 ) -> ToolResult:
     """Search file contents with a regular expression (RE2 syntax: Python's without lookarounds and backreferences);
     prints 'path:line: text' for each match.
@@ -148,7 +152,7 @@ def search(
     compiled = _regex(pattern, ignore_case)
     target = _folder(ctx, path)
     matcher = _glob(file_glob, anchored=False) if file_glob and file_glob.strip().strip("/") else None
-    cap = max(1, min(max_results, MAX_ENTRIES))
+    cap = min(max_results, MAX_ENTRIES)
     if target.is_file():
         files: Iterable[Path] = [target]
     else:

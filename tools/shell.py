@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from typing import Annotated
+
+import pydantic
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
@@ -12,6 +15,8 @@ from freetoken_agent.tools.process import ProcessOutcome, clean_terminal_text, r
 from freetoken_agent.tools.sandbox.command import confined
 
 TEST_TAIL_CHARS = 4000
+MAX_TIMEOUT_S = 86_400.0
+Seconds = Annotated[float, pydantic.Field(gt=0, le=MAX_TIMEOUT_S)]  # NaN and inf are refused before any tool runs
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
 _SUMMARY_LINE = re.compile(r"\b(passed|failed|errors?|skipped|no tests ran)\b.* in [\d.]+s")
 _FAILED_ID = re.compile(r"^(FAILED|ERROR) (\S+)")
@@ -35,7 +40,7 @@ def shell_result_prefix(output: str) -> str:
 
 
 @tool(kind="execute", writes=True, expected_s=5.0)
-async def run_shell(ctx: ToolContext, command: str, timeout_s: float | None = None) -> ToolResult:
+async def run_shell(ctx: ToolContext, command: str, timeout_s: Seconds | None = None) -> ToolResult:
     """Run a shell command (bash) in the workspace root and return its output (stdout+stderr) and exit code.
 
     Each call starts a fresh shell in the workspace root: cd and exported variables do not carry over (chain them:
@@ -118,7 +123,7 @@ def _test_targets(ctx: ToolContext, paths: list[str]) -> list[str]:
 
 @tool(kind="execute", writes=True, expected_s=20.0)  # writes: test code can do anything the user can
 async def run_tests(
-    ctx: ToolContext, paths: list[str] | None = None, keyword: str | None = None, timeout_s: float | None = None
+    ctx: ToolContext, paths: list[str] | None = None, keyword: str | None = None, timeout_s: Seconds | None = None
 ) -> ToolResult:
     """Run the project's tests with pytest and summarise: passed/failed counts, failing test ids, output tail.
 

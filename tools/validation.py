@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 import jsonschema
@@ -34,6 +35,21 @@ def jsonschema_errors(validator: jsonschema.Draft202012Validator, args: dict[str
         if len(messages) >= MAX_ERRORS:
             break
     return messages
+
+
+def non_finite_errors(args: Any, path: tuple[str, ...] = ()) -> list[str]:
+    """Numbers in ``args`` that are NaN or infinite (Python's JSON reader accepts ``NaN`` and ``Infinity``, and a
+    NaN passes every ``minimum``/``maximum`` check: ``min(nan, cap)`` is NaN). At most ``MAX_ERRORS``."""
+    found: list[str] = []
+    if isinstance(args, float) and not math.isfinite(args):
+        found.append(f"field '{_where(path)}': {args!r} is not a finite number")
+    elif isinstance(args, dict):
+        for key, value in args.items():
+            found += non_finite_errors(value, (*path, str(key)))
+    elif isinstance(args, list):
+        for index, value in enumerate(args):
+            found += non_finite_errors(value, (*path, str(index)))
+    return found[:MAX_ERRORS]
 
 
 def _close(key: str, known: list[str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""``freetoken doctor``: this machine's hardware profile (devices, memory, measured rates) as a table.
+"""``freetoken doctor``: this machine's hardware profile (devices, memory, measured rates) and the sandbox
+mechanisms its coding tools can use (Landlock, namespaces, bubblewrap), as a table.
 
 The profile is cached per machine (``$FREETOKEN_CACHE/hardware.json``); ``--refresh`` measures again. The planner
 reads the same cached numbers, so what ``doctor`` prints is what expert placement decisions are based on.
@@ -82,5 +83,9 @@ def run(args: argparse.Namespace) -> int:
     from freetoken_agent.runtime.kernels import hugepages
 
     table.add_row("weights in 2 MiB pages", hugepages.describe())
+    from freetoken_agent.tools.sandbox import probe as sandbox_probe
+
+    for name, value in sandbox_probe().rows():  # what run_shell / run_tests are confined with on this machine
+        table.add_row(name, value)
     Console().print(table)
     return 0
