@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 from tests.runtime.arch_configs import save_checkpoint  # noqa: E402
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "jamba", "inkling_text"])  # inkling: conv states
+@pytest.mark.parametrize("model_type", ["qwen3_next", "jamba", "inkling_text", "inkling2_loop_text", "zaya",
+                                        "qwen4_exp_text"])  # conv states, loop visits, n-gram context
 def test_hybrid_session_turns_equal_recompute(model_type: str, tmp_path: Path) -> None:
     save_checkpoint(model_type, tmp_path)
     engine = Engine.from_pretrained(tmp_path)
