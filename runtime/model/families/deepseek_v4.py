@@ -64,14 +64,15 @@ def _ropes(cfg: Config, head_dim: int) -> tuple[dict[str, RopeSpec], int]:
     rope_dim = int(head_dim * float(factor))
     if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
         raise ValueError(f"the rotary part of each head must be an even count within head_dim, got {rope_dim}")
-    params = dict(cfg.get("rope_parameters") or {})
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})  # rope_scaling: older configs
     if not (isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict)):
         flat = {k: v for k, v in params.items() if k not in ("main", "compress")}
-        compress = {**flat, "rope_theta": cfg.get("compress_rope_theta", 160000.0)}
+        compress = {**flat, "rope_theta": cfg.get("compress_rope_theta", 160000.0), "partial_rotary_factor": factor}
         compress.setdefault("rope_type", compress.pop("type", "default"))
         if compress["rope_type"] == "yarn":
             compress.setdefault("attention_factor", 1.0)  # the reference does not scale cos/sin on compressed layers
-        params = {"main": {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}, "compress": compress}
+        main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0), "partial_rotary_factor": factor}
+        params = {"main": main, "compress": compress}
     nested = {**cfg, "rope_parameters": params, "rope_scaling": None}
     ropes = {}
     for kind in ("main", "compress"):
@@ -91,7 +92,7 @@ def _moe(cfg: Config, hashed: bool) -> MoESpec:
     act = canonical(cfg.get("hidden_act", "silu"))
     limit, inter = float(cfg.get("swiglu_limit", 10.0)), int(cfg["moe_intermediate_size"])
     router = RouterSpec(scoring=scoring, norm_topk=True, norm_eps=1e-20, correction_bias=not hashed,
-                        scaling=float(cfg.get("routed_scaling_factor", 1.0)), hash_table=hashed)
+                        scaling=float(cfg.get("routed_scaling_factor", 1.5)), hash_table=hashed)
     # one shared expert of the routed width whatever n_shared_experts says (transformers' DeepseekV4MLP)
     shared = MLPSpec(inter, act, bias=bool(cfg.get("mlp_bias", False)), swiglu_limit=limit,  # type: ignore[arg-type]
                      glu_clamp=True, leaves=("w1", "w3", "w2"))
@@ -101,7 +102,7 @@ def _moe(cfg: Config, hashed: bool) -> MoESpec:
 
 
 def _attention(cfg: Config, kind: str, rope: RopeSpec, rope_dim: int) -> AttentionSpec:
-    heads, head_dim, groups = int(cfg["num_attention_heads"]), int(cfg["head_dim"]), int(cfg["o_groups"])
+    heads, head_dim, groups = int(cfg["num_attention_heads"]), int(cfg["head_dim"]), int(cfg.get("o_groups", 8))
     if (heads * head_dim) % groups:
         raise ValueError(f"o_groups ({groups}) must divide num_attention_heads * head_dim ({heads * head_dim})")
     rates = {CSA: 4, HCA: 128, **(cfg.get("compress_rates") or {})}
@@ -112,8 +113,9 @@ def _attention(cfg: Config, kind: str, rope: RopeSpec, rope_dim: int) -> Attenti
     if kind == HCA:
         compressor = CompressorSpec(rate=int(rates[HCA]))
     elif kind == CSA:
-        indexer = IndexerSpec(num_heads=int(cfg["index_n_heads"]), head_dim=int(cfg["index_head_dim"]),
-                              topk=int(cfg["index_topk"]), rope_dim=rope_dim, rope_style="interleaved", rope_last=True)
+        indexer = IndexerSpec(num_heads=int(cfg.get("index_n_heads", 64)), head_dim=int(cfg.get("index_head_dim", 128)),
+                              topk=int(cfg.get("index_topk", 512)), rope_dim=rope_dim, rope_style="interleaved",
+                              rope_last=True)
         if indexer.head_dim < rope_dim:
             raise ValueError(f"index_head_dim ({indexer.head_dim}) is smaller than the rotary part ({rope_dim})")
         compressor = CompressorSpec(rate=int(rates[CSA]), overlap=True, indexer=indexer)
@@ -121,14 +123,15 @@ def _attention(cfg: Config, kind: str, rope: RopeSpec, rope_dim: int) -> Attenti
         raise ValueError(f"compress rate of {kind} must be >= 1, got {compressor.rate}")
     return AttentionSpec(
         kind="shared_kv", num_heads=heads, num_kv_heads=1, head_dim=head_dim, v_head_dim=head_dim,
-        scale=head_dim**-0.5, rope=rope, sinks=True, sliding_window=int(cfg["sliding_window"]),
+        scale=head_dim**-0.5, rope=rope, sinks=True, sliding_window=int(cfg.get("sliding_window", 128)),
         q_lora_rank=int(cfg["q_lora_rank"]), compressor=compressor, o_groups=groups,
-        o_group_rank=int(cfg["o_lora_rank"]),
+        o_group_rank=int(cfg.get("o_lora_rank", 1024)),
     )
 
 
 @adapter("deepseek_v4")
 def deepseek_v4(cfg: Config) -> ModelSpec:
+    cfg = {**cfg, "max_position_embeddings": cfg.get("max_position_embeddings") or 1_048_576}  # transformers' default
     n = int(cfg["num_hidden_layers"])
     ropes, rope_dim = _ropes(cfg, int(cfg["head_dim"]))
     types, mlp_types = _layer_types(cfg, n), _mlp_types(cfg, n)

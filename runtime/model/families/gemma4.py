@@ -25,6 +25,9 @@ from freetoken_agent.runtime.model.spec import (
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+"""transformers' ropes when a config names none."""
 
 
 def _layer_types(cfg: Config, n: int) -> list[str]:
@@ -43,7 +46,8 @@ def _per_layer(cfg: Config, types: list[str]) -> list[dict[str, Any]]:
         if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads") is not None:
             full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
         return [full if t == FULL else {} for t in types]
-    return [dict(given.get(str(i)) or given.get(i) or {}) for i in range(len(types))]  # type: ignore[call-overload]
+    by_index = {int(k): dict(v or {}) for k, v in given.items()}  # JSON keys are strings, zero-padded ("05")
+    return [by_index.get(i, {}) for i in range(len(types))]
 
 
 def _kv_sources(cfg: Config, types: list[str]) -> list[int | None]:
@@ -78,6 +82,8 @@ def gemma4_text(cfg: Config) -> ModelSpec:
     act = canonical(cfg.get("hidden_activation", "gelu_pytorch_tanh"), "hidden_activation")
     # transformers' Gemma 4 rope reads only each layer type's own parameters: a top-level partial_rotary_factor is
     # ignored, and its default rope turns the whole head whatever partial factor the type's dict holds
+    cfg = {**cfg, "rope_parameters": cfg.get("rope_parameters") or DEFAULT_ROPE,
+           "max_position_embeddings": cfg.get("max_position_embeddings") or 131_072}  # transformers' defaults
     rope_cfg = {k: v for k, v in cfg.items() if k != "partial_rotary_factor"}
     bias = bool(cfg.get("attention_bias", False))
     moe = None
@@ -94,7 +100,7 @@ def gemma4_text(cfg: Config) -> ModelSpec:
             head_dim=head_dim, v_head_dim=head_dim, scale=1.0, rope=_rope(rope_cfg, head_dim, layer_type=kind,
                                                                           rotary_dim=_rotary_dim(cfg, kind, head_dim)),
             qkv_bias=bias, o_bias=bias, qk_norm="head",
-            sliding_window=int(cfg["sliding_window"]) if kind == SLIDING else None,
+            sliding_window=int(cfg.get("sliding_window", 512)) if kind == SLIDING else None,
             k_eq_v=bool(cfg.get("attention_k_eq_v", False)) and kind == FULL, v_norm=True, kv_source=sources[i],
         )
         wide = 2 if cfg.get("use_double_wide_mlp", False) and sources[i] is not None else 1

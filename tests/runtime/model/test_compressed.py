@@ -94,3 +94,26 @@ def test_quantized_experts_clamp_like_the_reference(folder: Path) -> None:
     reference = Engine.from_pretrained(folder, quant="q8")
     dequantized_reference(reference.decoder, "fp32")
     assert (quantized.logits(ids) - reference.logits(ids)).abs().max().item() <= 1e-3
+
+
+def test_legacy_config_keys_resolve_as_transformers_does() -> None:
+    """A config.json in the reference's older shape (compress_ratios, num_hash_layers, qk_rope_head_dim, a yarn
+    rope_scaling for the compressed layers) gives the layers transformers builds from it."""
+    from transformers import AutoConfig
+
+    from freetoken_agent.runtime.model.adapters import spec_from_config
+
+    raw = dict(model_type="deepseek_v4", vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=6,
+               num_attention_heads=4, head_dim=32, q_lora_rank=16, qk_rope_head_dim=8, num_experts_per_tok=2,
+               n_routed_experts=8, compress_ratios=[0, 0, 4, 128, 4, 128], num_hash_layers=3, o_groups=2,
+               o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8,
+               rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096},
+               max_position_embeddings=65536)
+    ours = spec_from_config(raw)
+    theirs = spec_from_config(AutoConfig.for_model(**raw).to_dict())
+    assert ours.layers == theirs.layers
+    kinds = [(ly.attention.compressor and ly.attention.compressor.rate, ly.moe.router.hash_table) for ly in ours.layers]
+    assert kinds == [(None, True), (None, True), (4, True), (128, False), (4, False), (128, False)]
+    rope = ours.layers[2].attention.rope
+    assert (rope.kind, rope.factor, rope.attention_factor, rope.dim) == ("yarn", 16.0, 1.0, 8)
+    assert ours.layers[0].attention.rope.kind == "default"  # sliding layers keep the plain rope

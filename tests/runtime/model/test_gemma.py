@@ -59,3 +59,22 @@ def test_prefix_reuse_matches_a_cold_run(engine: Engine) -> None:
     assert warm.reused_tokens >= 32
     cold = engine.submit(Request(turn2, kind="logits", reuse=False)).result().logits
     assert (warm.logits - cold[warm.reused_tokens :]).abs().max().item() <= 1e-4
+
+
+def test_global_head_sizes_resolve_as_transformers_does() -> None:
+    """Full layers take global_head_dim / num_global_key_value_heads; with 10+ layers transformers writes the
+    per-layer keys zero-padded ("05")."""
+    from transformers import AutoConfig
+
+    from freetoken_agent.runtime.model.adapters import spec_from_config
+
+    raw = dict(model_type="gemma4_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=12,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+               num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True, num_experts=4,
+               top_k_experts=2, moe_intermediate_size=16, hidden_size_per_layer_input=0, num_kv_shared_layers=4)
+    ours = spec_from_config(raw)
+    theirs = spec_from_config(AutoConfig.for_model(**raw).to_dict())
+    assert ours.layers == theirs.layers
+    full = [i for i, ly in enumerate(ours.layers) if ly.attention.sliding_window is None]
+    assert full == [5, 11] and all(ours.layers[i].attention.head_dim == 32 for i in full)
+    assert ours.layers[11].attention.kv_source == 5 and ours.layers[8].attention.kv_source == 7
