@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
-from freetoken_agent.runtime.model.layers import linear, rms_norm, unit_rms_norm
+from freetoken_agent.runtime.model.layers import rms_norm, unit_rms_norm
 from freetoken_agent.runtime.model.relpos import relpos_attention, residual_conv
 from freetoken_agent.runtime.model.spec import AttnResidualSpec
 

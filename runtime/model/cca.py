@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.conv_states import KEY, VALUE, slot_conv
+from freetoken_agent.runtime.model.compressed import Loader
+from freetoken_agent.runtime.model.conv_states import KEY, VALUE, ConvFn, slot_conv
 from freetoken_agent.runtime.model.layers import attention_scores, linear
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec
@@ -25,7 +26,7 @@ from freetoken_agent.runtime.model.spec import AttentionSpec
 Weights = dict[str, torch.Tensor]
 
 
-def _qk_conv(w: Weights, heads: int):  # type: ignore[no-untyped-def]
+def _qk_conv(w: Weights, heads: int) -> ConvFn:
     """The two stacked convolutions over [q | k] rows, continuing the last K rows of the previous forward."""
     dw, gw = w["conv_qk_depthwise.weight"], w["conv_qk_grouped.weight"]  # [C, 1, t0], [C, Dh, t1]
     lookback = (dw.shape[-1] - 1) + (gw.shape[-1] - 1)
@@ -40,7 +41,7 @@ def _qk_conv(w: Weights, heads: int):  # type: ignore[no-untyped-def]
     return conv
 
 
-def _delay(bias_row: torch.Tensor):  # type: ignore[no-untyped-def]
+def _delay(bias_row: torch.Tensor) -> ConvFn:
     """Shift rows by one token: the first row comes from the state (or ``bias_row``, v_delayed of a zero input)."""
 
     def shift(x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,17 +77,17 @@ def cca_attention(
     return linear(attention_scores(q, k_all, v_all, positions, spec, None), w, "o_proj")
 
 
-def cca_weights(ld: "object", prefix: str, a: AttentionSpec, d: int, t0: int, t1: int) -> Weights:
+def cca_weights(ld: Loader, prefix: str, a: AttentionSpec, d: int, t0: int, t1: int) -> Weights:
     """Load one CCA attention's tensors (``{prefix}.qkv_proj.*``, ``o_proj``, ``qk_norm.temp``) through a loader."""
     w: Weights = {}
     h, hkv, dh = a.num_heads, a.num_kv_heads, a.head_dim
     c, p = (h + hkv) * dh, f"{prefix}.qkv_proj"
     for key, n_out in (("q_proj", h * dh), ("k_proj", hkv * dh), ("v_proj_current", hkv * dh // 2),
                        ("v_proj_delayed", hkv * dh // 2)):
-        ld.linear(w, p, key, n_out, d, a.qkv_bias)  # type: ignore[attr-defined]
+        ld.linear(w, p, key, n_out, d, a.qkv_bias)
     for key, shape in (("conv_qk_depthwise", (c, 1, t0)), ("conv_qk_grouped", (c, dh, t1))):
-        w[f"{key}.weight"] = ld.take(f"{p}.{key}.weight", shape)  # type: ignore[attr-defined]
-        w[f"{key}.bias"] = ld.take(f"{p}.{key}.bias", (c,))  # type: ignore[attr-defined]
-    ld.linear(w, prefix, "o_proj", d, h * dh, a.o_bias)  # type: ignore[attr-defined]
-    w["temp"] = ld.take(f"{prefix}.qk_norm.temp", (hkv,))  # type: ignore[attr-defined]
+        w[f"{key}.weight"] = ld.take(f"{p}.{key}.weight", shape)
+        w[f"{key}.bias"] = ld.take(f"{p}.{key}.bias", (c,))
+    ld.linear(w, prefix, "o_proj", d, h * dh, a.o_bias)
+    w["temp"] = ld.take(f"{prefix}.qk_norm.temp", (hkv,))
     return w

@@ -3,9 +3,9 @@
 Legend: T new tokens, C channels, K kernel width. An Inkling layer carries four convolutions — on the keys, the
 values, the mixer output and the FFN output — each needing the last K-1 inputs of the sequence (ZAYA: its q/k
 convolution and delayed values; Qwen4-Exp: a Gated DeltaNet's two tensors beside its n-gram embeddings' two). They
-are kept as one recurrent state per layer (``KVCache.get_state`` / ``set_state``: committed at ``advance``, snapshotted by prefix
-caches like any hybrid model's state), a tuple with one [K-1, C] tensor per slot; a slot not yet written holds an
-empty tensor. Within one forward the slots of a layer are updated at different points, so the new tensors are
+are kept as one recurrent state per layer (``KVCache.get_state`` / ``set_state``: committed at ``advance``,
+snapshotted by prefix caches like any hybrid model's state), a tuple with one tensor per slot; a slot not yet written
+holds an empty tensor. Within one forward the slots of a layer are updated at different points, so the new tensors are
 gathered in the sequence's per-forward ``scratch`` and the layer's whole tuple is re-recorded after each update.
 """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.model.compressed import Loader
 from freetoken_agent.runtime.model.layers import linear, rms_norm
 
 Weights = dict[str, torch.Tensor]
@@ -36,15 +37,15 @@ def mlp_route(
     return ids.masked_fill(skip, 0), weights.masked_fill(skip, 0.0), s
 
 
-def mlp_router_weights(ld: "object", prefix: str, d: int, hidden: int, classes: int, first: bool) -> Weights:
+def mlp_router_weights(ld: Loader, prefix: str, d: int, hidden: int, classes: int, first: bool) -> Weights:
     """Load a ZAYA router under ``prefix`` (``{moe}.gate``); the first MoE layer has no state scale."""
     w: Weights = {}
-    ld.linear(w, prefix, "down_proj", hidden, d, True)  # type: ignore[attr-defined]
+    ld.linear(w, prefix, "down_proj", hidden, d, True)
     if not first:
-        w["router_states_scale"] = ld.take(f"{prefix}.router_states_scale", (hidden,))  # type: ignore
-    w["router_mlp.norm.weight"] = ld.take(f"{prefix}.router_mlp.norm.weight", (hidden,))  # type: ignore
+        w["router_states_scale"] = ld.take(f"{prefix}.router_states_scale", (hidden,))
+    w["router_mlp.norm.weight"] = ld.take(f"{prefix}.router_mlp.norm.weight", (hidden,))
     for leaf in ("fc1", "fc2"):
-        ld.linear(w, f"{prefix}.router_mlp", leaf, hidden, hidden, True, key=f"router_mlp.{leaf}")  # type: ignore
-    ld.linear(w, f"{prefix}.router_mlp", "out_proj", classes, hidden, False, key="router_mlp.out_proj")  # type: ignore
-    w["balancing_biases"] = ld.take(f"{prefix}.balancing_biases", (classes,), torch.float32)  # type: ignore
+        ld.linear(w, f"{prefix}.router_mlp", leaf, hidden, hidden, True, key=f"router_mlp.{leaf}")
+    ld.linear(w, f"{prefix}.router_mlp", "out_proj", classes, hidden, False, key="router_mlp.out_proj")
+    w["balancing_biases"] = ld.take(f"{prefix}.balancing_biases", (classes,), torch.float32)
     return w

@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.model.compressed import Loader
 from freetoken_agent.runtime.model.spec import NGramSpec
 
 Weights = dict[str, torch.Tensor]
@@ -77,7 +78,7 @@ def _shift(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
 
 
 def ngram_rows(ids: torch.Tensor, context: torch.Tensor, spec: NGramSpec) -> torch.Tensor:
-    """ids [T], the previous c token ids [c] → table rows [T, (n-1)·h] (int64 arithmetic wraps as in the reference)."""
+    """ids [T], the previous c token ids [c] → table rows [T, (n-1)·h] (int64 products wrap as in the reference)."""
     mults, sizes, offsets, _ = hashing(spec)
     history = torch.cat([context, ids])
     shifted = [_shift(history, s, spec.eos) for s in range(spec.ngram_size)]
@@ -135,7 +136,7 @@ def ple(h: torch.Tensor, ids: torch.Tensor, w: Weights, spec: NGramSpec, d: int,
     return gated + F.silu(conv), (history[history.shape[0] - c :].clone(), full[full.shape[0] - lookback :].clone())
 
 
-def ple_weights(ld: "object", prefix: str, spec: NGramSpec, d: int, streams: int) -> Weights:
+def ple_weights(ld: Loader, prefix: str, spec: NGramSpec, d: int, streams: int) -> Weights:
     """Load one PLE layer (``{layer}.ple``): projections, norms, conv and the n-gram table shards (each kept as
     loaded: a real table is ~100 GB, read lazily from the mapped file)."""
     w: Weights = {}
@@ -143,9 +144,9 @@ def ple_weights(ld: "object", prefix: str, spec: NGramSpec, d: int, streams: int
     for leaf, shape in (("key_proj.weight", (nd, p)), ("value_proj.weight", (d, p)), ("norm_key.weight", (nd,)),
                         ("norm_query.weight", (nd,)), ("norm_conv.weight", (nd,)),
                         ("conv1d.weight", (nd, 1, spec.conv_kernel))):
-        w[leaf] = ld.take(f"{prefix}.{leaf}", shape)  # type: ignore[attr-defined]
+        w[leaf] = ld.take(f"{prefix}.{leaf}", shape)
     heads = (spec.ngram_size - 1) * spec.heads_per_ngram
     table = f"{prefix}.ple_embedding.ngram_embedding"
     for k, rows in enumerate(shard_rows(spec)):
-        w[f"ngram.{k}"] = ld.take(f"{table}.shard_{k}.weight", (rows, p // heads))  # type: ignore[attr-defined]
+        w[f"ngram.{k}"] = ld.take(f"{table}.shard_{k}.weight", (rows, p // heads))
     return w

@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.conv_states import KEY, VALUE, slot_conv
+from freetoken_agent.runtime.model.compressed import Loader
+from freetoken_agent.runtime.model.conv_states import KEY, VALUE, ConvFn, slot_conv
 from freetoken_agent.runtime.model.layers import linear, rms_norm, unit_rms_norm
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import AttentionSpec, RelPosSpec
@@ -33,7 +33,7 @@ BLOCK_BYTES = 8 << 20
 """fp32 scores per query block: the [H, Tb, S] scores and bias of one block stay small."""
 
 
-def residual_conv(weight: torch.Tensor, divisor: float) -> "callable":  # type: ignore[valid-type]
+def residual_conv(weight: torch.Tensor, divisor: float) -> ConvFn:
     """A static depthwise conv with its input added back, in fp32: ``(x + conv(x)) / divisor``; weight [C, 1, K]."""
 
     def conv(x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,7 @@ def residual_conv(weight: torch.Tensor, divisor: float) -> "callable":  # type: 
     return conv
 
 
-def dynamic_conv(static: torch.Tensor, taps: torch.Tensor, heads: int) -> "callable":  # type: ignore[valid-type]
+def dynamic_conv(static: torch.Tensor, taps: torch.Tensor, heads: int) -> ConvFn:
     """Inkling2's per-token conv: taps = static [K, C] (index = backward distance) + ``taps`` [T, Hkv·K] shared within
     each head; ``(x + Σ_lag taps[lag] · x[t - lag]) / sqrt(2K + 1)`` in fp32."""
     k = static.shape[0]
@@ -115,7 +115,7 @@ def relpos_attention(
     return linear(out, w, "o_proj")
 
 
-def _convs(w: Weights, r: RelPosSpec, hkv: int, kx: torch.Tensor, vx: torch.Tensor) -> tuple:
+def _convs(w: Weights, r: RelPosSpec, hkv: int, kx: torch.Tensor, vx: torch.Tensor) -> tuple[ConvFn, ConvFn]:
     if r.dynamic_conv:
         return (dynamic_conv(w["k_conv"], linear(kx, w, "k_taps"), hkv),
                 dynamic_conv(w["v_conv"], linear(vx, w, "v_taps"), hkv))
@@ -174,7 +174,7 @@ LEAVES: dict[str, dict[str, str]] = {
 dynamic-conv tap projections are bare tensors)."""
 
 
-def relpos_weights(ld: "object", prefix: str, a: AttentionSpec, d: int) -> Weights:
+def relpos_weights(ld: Loader, prefix: str, a: AttentionSpec, d: int) -> Weights:
     """Load one relpos attention's tensors through a ``weights`` loader (its ``take`` / ``linear`` / ``norm``)."""
     r = a.relpos
     assert r is not None
@@ -183,21 +183,21 @@ def relpos_weights(ld: "object", prefix: str, a: AttentionSpec, d: int) -> Weigh
     h, hkv, dh, k = a.num_heads, a.num_kv_heads, a.head_dim, r.conv_kernel
     for key, n_out, n_in in (("q_proj", h * dh, d), ("k_proj", hkv * dh, d), ("v_proj", hkv * a.v_head_dim, d),
                              ("r_proj", h * r.d_rel, d), ("o_proj", d, h * a.v_head_dim)):
-        ld.linear(w, prefix, names[key], n_out, n_in, False, key=key)  # type: ignore[attr-defined]
-    w["rel_proj"] = ld.take(f"{prefix}.{names['rel_proj']}", (r.d_rel, r.extent))  # type: ignore[attr-defined]
+        ld.linear(w, prefix, names[key], n_out, n_in, False, key=key)
+    w["rel_proj"] = ld.take(f"{prefix}.{names['rel_proj']}", (r.d_rel, r.extent))
     for key, c in (("k_conv", hkv * dh), ("v_conv", hkv * a.v_head_dim)):
         if r.dynamic_conv:
-            w[key] = ld.take(f"{prefix}.{names[key + '_static']}", (k, c), torch.float32)  # type: ignore
+            w[key] = ld.take(f"{prefix}.{names[key + '_static']}", (k, c), torch.float32)
             taps = key[0] + "_taps"
-            w[f"{taps}.weight"] = ld.take(f"{prefix}.{names[taps]}", (hkv * k, d))  # type: ignore[attr-defined]
+            w[f"{taps}.weight"] = ld.take(f"{prefix}.{names[taps]}", (hkv * k, d))
         else:
-            w[key] = ld.take(f"{prefix}.{names[key]}", (c, 1, k), torch.float32)  # type: ignore[attr-defined]
+            w[key] = ld.take(f"{prefix}.{names[key]}", (c, 1, k), torch.float32)
     if r.variant == "inkling":
-        w["q_norm.weight"] = ld.norm(f"{prefix}.{names['q_norm']}", dh)  # type: ignore[attr-defined]
-        w["k_norm.weight"] = ld.norm(f"{prefix}.{names['k_norm']}", dh)  # type: ignore[attr-defined]
+        w["q_norm.weight"] = ld.norm(f"{prefix}.{names['q_norm']}", dh)
+        w["k_norm.weight"] = ld.norm(f"{prefix}.{names['k_norm']}", dh)
     else:
-        w["q_scale"] = ld.take(f"{prefix}.{names['q_scale']}", (h, dh))  # type: ignore[attr-defined]
-        w["rel_scale"] = ld.take(f"{prefix}.{names['rel_scale']}", (h, r.d_rel))  # type: ignore[attr-defined]
-        ld.linear(w, prefix, names["sink_proj"], h, d, False, key="sink_proj")  # type: ignore[attr-defined]
-        ld.linear(w, prefix, names["gate"], h * a.v_head_dim, d, False, key="gate")  # type: ignore[attr-defined]
+        w["q_scale"] = ld.take(f"{prefix}.{names['q_scale']}", (h, dh))
+        w["rel_scale"] = ld.take(f"{prefix}.{names['rel_scale']}", (h, r.d_rel))
+        ld.linear(w, prefix, names["sink_proj"], h, d, False, key="sink_proj")
+        ld.linear(w, prefix, names["gate"], h * a.v_head_dim, d, False, key="gate")
     return w
