@@ -393,8 +393,8 @@ class Engine:
                 total += a.kv_lora_rank + a.qk_rope_dim
             elif a.kind == "shared_kv":  # DeepSeek-V4: window KV plus the compressor's per-position parts
                 total += cached_width(a)
-            else:
-                total += a.num_kv_heads * (a.head_dim + a.v_head_dim)
+            else:  # GQA (plus Qwen4-Exp's raw indexer key per position)
+                total += a.num_kv_heads * (a.head_dim + a.v_head_dim) + (a.qsa.head_dim if a.qsa else 0)
         return total * elsize
 
     def kv_manager(self, config: Any = None) -> Any:
