@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +36,21 @@ def _llguidance() -> Any:
     return llguidance
 
 
-SLICED_VOCAB = 32_768
-"""From this vocabulary size llguidance's token slices are used: a one-time precompute (seconds) per tokenizer buys
-~3x cheaper masks; below it masks are cheap enough without."""
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON is written as ``json.dumps`` writes it (what models see in chat templates), not in free whitespace."""
 
 
 @functools.lru_cache(maxsize=4)
 def grammar_tokenizer(tokenizer_json: Path, vocab: int, eos: tuple[int, ...]) -> Any:
-    """llguidance's view of a ``tokenizer.json`` (built once per file)."""
+    """llguidance's view of a ``tokenizer.json``, built and warmed once per file: the first mask over a vocabulary
+    precomputes its token trie and slices (seconds on a busy CPU), which no request should wait for."""
     ll = _llguidance()
     try:
-        return ll.LLTokenizer(str(tokenizer_json), n_vocab=vocab, eos_token=list(eos),
-                              slices=None if vocab >= SLICED_VOCAB else [])
+        tokenizer = ll.LLTokenizer(str(tokenizer_json), n_vocab=vocab, eos_token=list(eos))
     except (ValueError, RuntimeError) as exc:
         raise GrammarError(f"cannot read {tokenizer_json} for constrained decoding: {exc}") from None
+    GrammarProcessor(tokenizer, json_schema_grammar({"type": "string"}), vocab)(torch.zeros(vocab))
+    return tokenizer
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
@@ -84,12 +84,16 @@ class GrammarProcessor:
         self.vocab = vocab
         self.mask = self._torch.allocate_token_bitmask(1, vocab)  # [1, W] int32
         self.steps = 0
+        self.mask_s = 0.0
+        """Seconds spent computing and applying masks (the constraint's whole cost per request)."""
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [V] with -inf wherever the grammar forbids the token."""
+        t0 = time.perf_counter()
         self._torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
         out = logits.float().clone()[None, :]  # [1, V]
         self._torch.apply_token_bitmask_inplace(out, self.mask)
+        self.mask_s += time.perf_counter() - t0
         return out[0]
 
     def accept(self, token: int) -> None:
