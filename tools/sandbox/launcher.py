@@ -163,6 +163,8 @@ def supervise(spec: dict, as_init: bool) -> int:
     command = os.fork()
     if command == 0:
         try:
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; the command must not inherit that
+                signal.signal(sig, signal.SIG_DFL)
             os.chdir(spec["cwd"])
             os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
         except OSError as exc:
