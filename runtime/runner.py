@@ -31,6 +31,8 @@ class Row(NamedTuple):
     """[T_b] int64 new tokens."""
     want: Want
     """Logits wanted: ``none`` (prefill of a prompt's middle), ``last`` (the next token), ``all`` (verification)."""
+    rope_length: int | None = None
+    """The sequence's whole known length (length-dependent rotary embeddings turn a chunked prefill by it)."""
 
 
 class ModelRunner:
@@ -52,7 +54,8 @@ class ModelRunner:
         self._threads(decode=not prefill)
         # prefill: torch's threads carry it, so the kernels' idle workers sleep soon instead of polling in their way
         with torch_heavy() if prefill else nullcontext():
-            hidden = self.decoder.forward_batch([r.tokens for r in rows], [r.cache for r in rows])  # [T, D]
+            hidden = self.decoder.forward_batch([r.tokens for r in rows], [r.cache for r in rows],
+                                                [r.rope_length for r in rows])  # [T, D]
             picks, start = [], 0
             for r in rows:
                 n = int(r.tokens.shape[0])

@@ -505,7 +505,8 @@ class Scheduler:
                 break
         # a sequence preempted after it was planned gives its row back
         plan = [(s, n) for s, n in plan if s in self.running]
-        rows = [Row(s.cache, torch.tensor(s.tokens[s.computed : s.computed + n]), self._want(s, n)) for s, n in plan]
+        rows = [Row(s.cache, torch.tensor(s.tokens[s.computed : s.computed + n]), self._want(s, n), len(s.tokens))
+                for s, n in plan]
         prefill = sum(n for s, n in plan if s.remaining > 1)
         return rows, [s for s, _ in plan], prefill, len(plan) - sum(1 for s, _ in plan if s.remaining > 1)
 

@@ -97,10 +97,13 @@ class Decoder:
         return self.forward_batch([token_ids], [cache])
 
     @torch.inference_mode()
-    def forward_batch(self, token_ids: list[torch.Tensor], caches: list[KVCache]) -> torch.Tensor:
+    def forward_batch(self, token_ids: list[torch.Tensor], caches: list[KVCache],
+                      rope_lengths: list[int | None] | None = None) -> torch.Tensor:
         """Chunks token_ids[b] [T_b] of sequences b → final hidden states [ΣT_b, D], rows in batch order.
 
         Each chunk is appended to ``caches[b]`` (distinct caches) and its positions continue from that cache's length.
+        ``rope_lengths[b]``: the whole known length of sequence b (a chunked prefill's prompt), which length-dependent
+        rotary embeddings (dynamic NTK, longrope) turn by, as one forward of it would; None: the chunk's own end.
         """
         if len(token_ids) != len(caches) or not token_ids:
             raise ValueError("forward_batch takes one cache per chunk, and at least one chunk")
@@ -115,6 +118,10 @@ class Decoder:
             start += n
         self._batch_scratch: dict = {}  # per-forward values of the whole batch (the MoE shortcut)
         self._segments = segments  # the few token-mixing FFNs (product-key MoE) run per sequence
+        self._batch_positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else None
+        floors = [int(n or 0) for n in (rope_lengths or [None] * len(segments))]
+        for rotary in {id(r): r for r in self.rotary if r is not None}.values():
+            rotary.prime([s.positions for s in segments], floors, self._batch_positions)
         flat = token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
         self._token_ids = flat.to(self.device)  # [T]: hash-routed MoE layers choose experts by token id
         h = F.embedding(flat.to(self.device), w.embed)
@@ -218,7 +225,8 @@ class Decoder:
         if layer.recurrent is None and batched:
             # projections over every row at once (each weight read once per step), attention per sequence
             spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
-            positions = torch.cat([s.positions for s in segments])
+            positions = self._batch_positions if self._batch_positions is not None else \
+                torch.cat([s.positions for s in segments])
             if att.kv_source is not None:  # Gemma 4: queries over another layer's KV
                 return reused_kv_attention(x, lw.attn, att, self.rotary[i], None, positions, spec.norm_eps, spans)
             fn = {"mla": mla_attention, "shared_kv": shared_kv_attention}.get(att.kind, gqa_attention)

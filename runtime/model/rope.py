@@ -140,6 +140,7 @@ class Rotary:
         self._cos = self._sin = torch.empty(0, device=device)
         self._last: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] = (None, self._cos, self._sin)
         self._long: tuple[torch.Tensor, float] | None = None
+        self._primed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, R/2] in fp32 for the given integer positions [T].
@@ -148,6 +149,8 @@ class Rotary:
         only the length-dependent kinds use it."""
         if positions is self._last[0]:  # every layer of a forward asks for the same positions
             return self._last[1], self._last[2]
+        if (primed := self._primed.get(id(positions))) is not None and primed[0] is positions:
+            return primed[1], primed[2]
         if self.length_dependent and positions.numel():
             parts = positions.split(lengths) if lengths is not None else (positions,)
             tables = [self._for_length(part) for part in parts]
@@ -156,6 +159,20 @@ class Rotary:
             cos, sin = self._table(positions)
         self._last = (positions, cos, sin)  # holds the positions tensor: its identity cannot be reused meanwhile
         return cos, sin
+
+    def prime(self, positions: list[torch.Tensor], lengths: list[int], batch: torch.Tensor | None = None) -> None:
+        """Fix the length-dependent frequencies of one forward: each sequence's ``positions[b]`` turn as in a forward
+        of ``lengths[b]`` tokens (its whole known length: a prefill split into chunks turns every chunk as one
+        prefill of the prompt would); ``batch`` (all of them concatenated) gets the same rows. Later ``cos_sin``
+        calls with these very tensors return them."""
+        self._primed = {}
+        if not self.length_dependent:
+            return
+        tables = [self._for_length(pos, length) for pos, length in zip(positions, lengths) if pos.numel()]
+        for pos, (cos, sin) in zip([p for p in positions if p.numel()], tables):
+            self._primed[id(pos)] = (pos, cos, sin)
+        if batch is not None and tables:
+            self._primed[id(batch)] = (batch, torch.cat([t[0] for t in tables]), torch.cat([t[1] for t in tables]))
 
     def _table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max().item()) + 1 if positions.numel() else 0
@@ -166,10 +183,11 @@ class Rotary:
             self._cos, self._sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         return self._cos[positions], self._sin[positions]
 
-    def _for_length(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, R/2] of one sequence's rows, with the frequencies of a forward of its length."""
+    def _for_length(self, positions: torch.Tensor, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R/2] of one sequence's rows, with the frequencies of a forward of its length (at least
+        ``length``)."""
         rope = self.spec
-        seq_len = int(positions.max().item()) + 1
+        seq_len = max(int(positions.max().item()) + 1, length)
         original = rope.original_max_position or rope.max_position
         scaling = self.scaling
         if rope.long_mscale is not None:  # PhiMoE: the scale follows the length, the frequencies may not

@@ -97,6 +97,24 @@ def test_rope_type_matches_transformers(case: tuple[str, str, dict[str, Any], di
                               default.cos_sin(positions)[0], atol=1e-3), name
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("dynamic", "longrope")], ids=["dynamic", "longrope"])
+def test_chunked_prefill_turns_like_one_forward(case: tuple[str, str, dict[str, Any], dict[str, Any]],
+                                                tmp_path: Path) -> None:
+    """A prompt past the original context prefilled in chunks turns every chunk with the frequencies of the whole
+    prompt, as transformers' single prefill forward does (not of each chunk's end)."""
+    _, model_type, rope, fields = case
+    torch.set_num_threads(1)
+    model = save_checkpoint(model_type, tmp_path, rope_parameters={"rope_theta": 10000.0, **rope}, **fields)
+    engine = Engine.from_pretrained(tmp_path)
+    engine.scheduler.token_budget = 6  # chunks of 6 tokens: most of them end inside the original context
+    prompt = torch.randint(0, 512, (ORIGINAL + 10,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(prompt[None]).logits[0].float()
+        hf = model.generate(prompt[None], do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, len(prompt):]
+    assert (engine.logits(prompt) - ref).abs().max().item() <= 1e-4
+    assert engine.generate(prompt, max_new_tokens=6, temperature=0.0).token_ids == hf.tolist()
+
+
 def test_length_dependent_rope_per_sequence_in_a_batch(tmp_path: Path) -> None:
     """In one batched step each sequence gets the frequencies for its own length, as it would alone."""
     torch.set_num_threads(1)
