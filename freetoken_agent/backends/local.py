@@ -165,6 +165,22 @@ class LocalEngine(TextBackend):
         """The model's context (``max_position_embeddings``)."""
         return int(self.engine.spec.max_position)
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults from its ``generation_config.json`` (``temperature``, ``top_p``,
+        ``top_k``) when it samples (``do_sample``); {} for a greedy model. A server uses them for fields a
+        request leaves out."""
+        config = getattr(self.engine, "generation_config", None) or {}
+        if not config.get("do_sample"):
+            return {}
+        out: dict[str, Any] = {}
+        for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+            value = config.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+                out[key] = kind(value)
+        if "top_p" in out and not 0 < out["top_p"] <= 1:
+            del out["top_p"]
+        return out
+
     def count_tokens(self, request: GenerateRequest) -> int:
         return len(self.engine.tokenizer.encode(self.render(request)))
 

@@ -15,7 +15,7 @@ from freetoken_agent.backends.base import Constraint, GenerateRequest, Generatio
 from freetoken_agent.chat import TextDelta, ToolCallFinished
 from freetoken_agent.server.fields import Fields, RequestError, stop_list, type_name
 from freetoken_agent.server.protocol import (
-    IMAGES, ChatCall, one_constraint, read_model, sampling_from, strict_names, strict_tools,
+    IMAGES, ChatCall, Defaults, one_constraint, read_model, sampling_from, strict_names, strict_tools,
 )
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -218,7 +218,7 @@ class MessagesCall(ChatCall):
     thinking: bool = True
 
 
-def messages_request(body: Any, count_only: bool = False) -> MessagesCall:
+def messages_request(body: Any, defaults: Defaults, count_only: bool = False) -> MessagesCall:
     """A ``/v1/messages`` (or ``count_tokens``) body read in full: every field checked, honored or refused."""
     f = Fields(body, ignored=IGNORED)
     model = read_model(f)
@@ -240,7 +240,7 @@ def messages_request(body: Any, count_only: bool = False) -> MessagesCall:
         return MessagesCall(GenerateRequest(messages=messages, tools=tools), model=model)
     if not f.has("max_tokens"):
         raise RequestError("'max_tokens' is required", "max_tokens")
-    sampling = sampling_from(f, 1, max_keys=("max_tokens",), stop_key=None, temperature_max=1.0)
+    sampling = sampling_from(f, defaults, max_keys=("max_tokens",), stop_key=None, temperature_max=1.0)
     sampling["stop"] = stop_list(f.raw("stop_sequences"), "stop_sequences", limit=64)
     stream = f.bool_("stream")
     f.done()

@@ -31,7 +31,7 @@ from freetoken_agent.server.http import (
     request_error, run_whole, shape_for, stream_sse, typed_sse,
 )
 from freetoken_agent.server.protocol import (
-    NO_GRAMMAR, ChatCall, anext_or_none, chain, chat_request, completion_request, envelope, new_id, usage_dict,
+    NO_GRAMMAR, ChatCall, Defaults, anext_or_none, chain, chat_request, completion_request, envelope, new_id, usage_dict,
 )
 from freetoken_agent.server.responses import ResponseStore
 
@@ -49,7 +49,9 @@ class OpenAIServer:
                  max_body: int = MAX_BODY_BYTES) -> None:
         self.backend = backend
         self.model_id = model_id
-        self.default_max_tokens = default_max_tokens
+        model_defaults = getattr(backend, "sampling_defaults", None)
+        self.defaults = Defaults(default_max_tokens, **(model_defaults() if callable(model_defaults) else {}))
+        """What fields a request leaves out get (the completion length; the model's generation_config)."""
         self.api_key = api_key
         self.max_body = max_body
         self.responses = ResponseStore()
@@ -119,7 +121,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            call = await self._read(request, lambda b: chat_request(b, self.default_max_tokens))
+            call = await self._read(request, lambda b: chat_request(b, self.defaults))
             self.check_model(call.model)
         except RequestError as exc:
             return request_error(openai_error, exc)
@@ -130,7 +132,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         try:
-            call = await self._read(request, lambda b: completion_request(b, self.default_max_tokens))
+            call = await self._read(request, lambda b: completion_request(b, self.defaults))
             self.check_model(call.model)
             if not isinstance(self.backend, TextBackend):
                 raise RequestError("this backend serves chat completions only")
@@ -144,7 +146,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------------------------ Anthropic Messages
     async def messages(self, request: Request) -> Response:
         try:
-            call = await self._read(request, lambda b: anthropic.messages_request(b))
+            call = await self._read(request, lambda b: anthropic.messages_request(b, self.defaults))
             self.check_model(call.model)
         except RequestError as exc:
             return request_error(anthropic_error, exc)
@@ -164,7 +166,7 @@ class OpenAIServer:
 
     async def count_tokens(self, request: Request) -> Response:
         try:
-            call = await self._read(request, lambda b: anthropic.messages_request(b, count_only=True))
+            call = await self._read(request, lambda b: anthropic.messages_request(b, self.defaults, count_only=True))
             self.check_model(call.model)
             tokens = await anyio.to_thread.run_sync(self.backend_count, call.request)
         except RequestError as exc:
@@ -184,7 +186,7 @@ class OpenAIServer:
     async def create_response(self, request: Request) -> Response:
         try:
             call = await self._read(request, lambda b: responses_api.responses_request(
-                b, self.default_max_tokens, self.responses))
+                b, self.defaults, self.responses))
             self.check_model(call.model)
         except RequestError as exc:
             return request_error(openai_error, exc)

@@ -52,19 +52,30 @@ def refuse_unsupported_sampling(f: Fields) -> None:
     f.raw("logit_bias")
 
 
-def sampling_from(f: Fields, default_max_tokens: int, max_keys: tuple[str, ...] = ("max_completion_tokens",
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets: the server's completion length and the model's own sampling
+    defaults (its ``generation_config.json``; greedy when it has none)."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def sampling_from(f: Fields, defaults: Defaults, max_keys: tuple[str, ...] = ("max_completion_tokens",
                   "max_tokens"), stop_key: str | None = "stop", temperature_max: float = 2.0) -> dict[str, Any]:
     """Sampling fields shared by every endpoint, checked: max tokens (the first of ``max_keys`` present),
-    temperature, top_p, top_k, seed, stop strings."""
+    temperature, top_p, top_k, seed, stop strings; fields left out take ``defaults``."""
     max_tokens = None
     for key in max_keys:
         value = f.int_(key, low=1)
         max_tokens = value if max_tokens is None else max_tokens
     seed = f.int_("seed")
-    top_k = f.int_("top_k", 0, low=-1, high=1_000_000)
-    out = {"max_tokens": max_tokens or default_max_tokens, "strict_length": max_tokens is not None,
-           "temperature": f.num("temperature", 0.0, 0.0, temperature_max), "top_p": f.num("top_p", 1.0, 0.0, 1.0),
-           "top_k": max(top_k or 0, 0), "seed": seed}
+    top_k = f.int_("top_k", defaults.top_k, low=-1, high=1_000_000)
+    out = {"max_tokens": max_tokens or defaults.max_tokens, "strict_length": max_tokens is not None,
+           "temperature": f.num("temperature", min(defaults.temperature, temperature_max), 0.0, temperature_max),
+           "top_p": f.num("top_p", defaults.top_p, 0.0, 1.0), "top_k": max(top_k or 0, 0), "seed": seed}
     if stop_key is not None:
         out["stop"] = stop_list(f.raw(stop_key), f.name(stop_key))
     return out
@@ -260,7 +271,7 @@ def _stream_options(f: Fields, stream: bool) -> bool:
     return usage
 
 
-def chat_request(body: Any, default_max_tokens: int) -> ChatCall:
+def chat_request(body: Any, defaults: Defaults) -> ChatCall:
     """A ``/v1/chat/completions`` body read in full (every field checked, honored or refused)."""
     f = Fields(body, ignored=IGNORED)
     model = read_model(f)
@@ -280,13 +291,13 @@ def chat_request(body: Any, default_max_tokens: int) -> ChatCall:
     refuse_unsupported_sampling(f)
     f.refuse_unless("reasoning_effort", None, "the model's reasoning effort cannot be set")
     f.refuse_unless("modalities", ["text"], "text output only")
-    sampling = sampling_from(f, default_max_tokens)
+    sampling = sampling_from(f, defaults)
     f.done()
     return ChatCall(GenerateRequest(messages=messages, tools=tools, constraint=constraint, **sampling), stream, usage,
                     model, single, field)
 
 
-def completion_request(body: Any, default_max_tokens: int) -> ChatCall:
+def completion_request(body: Any, defaults: Defaults) -> ChatCall:
     """A ``/v1/completions`` body (one prompt) read in full."""
     f = Fields(body, ignored=IGNORED)
     model = read_model(f)
@@ -302,7 +313,7 @@ def completion_request(body: Any, default_max_tokens: int) -> ChatCall:
     f.refuse_unless("suffix", None, "fill-in-the-middle is not supported")
     f.refuse_unless("logprobs", None, "log probabilities are not reported")
     refuse_unsupported_sampling(f)
-    sampling = sampling_from(f, default_max_tokens, max_keys=("max_tokens",))
+    sampling = sampling_from(f, defaults, max_keys=("max_tokens",))
     f.done()
     return ChatCall(GenerateRequest(prompt=prompt, **sampling), stream, usage, model)
 

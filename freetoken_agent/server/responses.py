@@ -18,7 +18,7 @@ from freetoken_agent.backends.base import Constraint, GenerateRequest, Generatio
 from freetoken_agent.chat import TextDelta, ToolCallFinished
 from freetoken_agent.server.fields import Fields, RequestError, type_name
 from freetoken_agent.server.protocol import (
-    IGNORED, IMAGES, ChatCall, anext_or_none, arguments_text, chain, new_id, one_constraint, read_model,
+    IGNORED, IMAGES, ChatCall, Defaults, anext_or_none, arguments_text, chain, new_id, one_constraint, read_model,
     refuse_unsupported_sampling, response_format, sampling_from, strict_names, strict_tools, tool_choice,
     tool_function,
 )
@@ -163,7 +163,7 @@ def _text_format(f: Fields) -> Constraint | None:
     return constraint
 
 
-def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) -> ResponsesCall:
+def responses_request(body: Any, defaults: Defaults, store: ResponseStore) -> ResponsesCall:
     """A ``/v1/responses`` body read in full: every field checked, honored or refused."""
     f = Fields(body, ignored=(*IGNORED, "include", "client_metadata"))
     model = read_model(f)
@@ -207,7 +207,7 @@ def responses_request(body: Any, default_max_tokens: int, store: ResponseStore) 
     f.refuse_unless("top_logprobs", 0, "log probabilities are not reported")
     f.refuse_unless("conversation", None, "conversations are kept by previous_response_id only")
     refuse_unsupported_sampling(f)
-    sampling = sampling_from(f, default_max_tokens, max_keys=("max_output_tokens",), stop_key=None)
+    sampling = sampling_from(f, defaults, max_keys=("max_output_tokens",), stop_key=None)
     f.done()
     echo = {"instructions": instructions, "tools": tool_list, "tool_choice": f.body.get("tool_choice") or "auto",
             "parallel_tool_calls": not single, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
