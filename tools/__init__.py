@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from freetoken_agent.tools.definition import Tool, ToolKind, tool
     from freetoken_agent.tools.mcp import mcp_stdio_tools
     from freetoken_agent.tools.registry import ToolRegistry
+    from freetoken_agent.tools.sandbox import ResourceLimits, SandboxMode, SandboxPolicy
     from freetoken_agent.tools.workspace import Workspace, WorkspaceError
 
 _LAZY: dict[str, str] = {
@@ -42,6 +43,9 @@ _LAZY: dict[str, str] = {
     "WorkspaceError": "freetoken_agent.tools.workspace",
     "coding_tools": "freetoken_agent.tools.coding",
     "mcp_stdio_tools": "freetoken_agent.tools.mcp",
+    "SandboxPolicy": "freetoken_agent.tools.sandbox",
+    "SandboxMode": "freetoken_agent.tools.sandbox",
+    "ResourceLimits": "freetoken_agent.tools.sandbox",
 }
 
 __all__ = sorted(_LAZY)

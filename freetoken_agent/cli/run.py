@@ -31,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine (default: torch's)")
     p.add_argument("--trajectory", default=None, help="append the run to this JSONL file (or folder)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines instead of the live view")
+    p.add_argument("--sandbox", choices=["read-only", "workspace-write", "full-access"], default="workspace-write",
+                   help="what commands run by the tools may do (default: workspace-write: write the workspace but "
+                        "not .git, no network); full-access turns the OS sandbox off")
+    p.add_argument("--allow-network", action="store_true", help="let sandboxed commands use the network")
     from freetoken_agent.cli.budget import add_budget_flags
 
     add_budget_flags(p)
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken_agent.agent import Agent, Limits, Sampling
     from freetoken_agent.cli.live import LiveView, summary
     from freetoken_agent.events import event_record
+    from freetoken_agent.tools.sandbox import SandboxMode, SandboxPolicy
 
     _limits_ok(args)
     console = Console(stderr=False)
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         backend, workspace=args.workspace, trajectory=args.trajectory,
         limits=Limits(max_steps=args.max_steps, max_tokens=args.max_tokens, max_tokens_per_step=args.max_step_tokens,
                       max_wall_s=args.max_wall),
-        sampling=Sampling(temperature=args.temperature, seed=args.seed))
+        sampling=Sampling(temperature=args.temperature, seed=args.seed),
+        sandbox=SandboxPolicy(SandboxMode(args.sandbox), network=args.allow_network))
     view = LiveView(args.task)
     agent.on_tool_output = view.on_tool_output
 
