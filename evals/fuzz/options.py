@@ -6,7 +6,7 @@ variant transformers itself rejects (raises while building the config or model, 
 gives non-finite logits) is *out of scope*; anything our side gets wrong is a *failure* with a one-line reason.
 
     python -m freetoken_agent.evals.fuzz.options [--types mixtral qwen3_moe] [--kinds act rope]
-        [--per-type N] [--seed S] [--json]
+        [--per-type N] [--match REGEX] [--seed S] [--json] [--markdown] [--out-of-scope]
 
 prints a table of passed / out-of-scope / failed per type and option kind, then every failure with its reason.
 """
@@ -183,6 +183,18 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def markdown(outcomes: list[Outcome]) -> str:
+    """Per type: variants tried, passed, out of scope (transformers rejects them), failed — a Markdown table."""
+    rows: dict[str, list[int]] = {}
+    for o in outcomes:
+        cell = rows.setdefault(o.model_type, [0, 0, 0, 0])
+        cell[0] += 1
+        cell[{"pass": 1, "out_of_scope": 2, "fail": 3}[o.status]] += 1
+    lines = ["| type | tried | passed | out of scope | failed |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {t} | {c[0]} | {c[1]} | {c[2]} | {c[3]} |" for t, c in sorted(rows.items())]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from freetoken_agent.runtime.model.adapters import supported_architectures
 
@@ -194,8 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--match", help="only variants whose TYPE:OPTION=VALUE name matches this regex")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON outcome per line instead of the table")
+    parser.add_argument("--markdown", action="store_true", help="also print the per-type counts as a Markdown table")
     parser.add_argument("--out-of-scope", action="store_true", help="also list out-of-scope variants and why")
+    parser.add_argument("--report", metavar="JSONL", help="print the table of a finished --json sweep (runs nothing)")
     args = parser.parse_args(argv)
+    if args.report:
+        outcomes = [Outcome(**json.loads(line)) for line in Path(args.report).read_text().splitlines() if line.strip()]
+        print(table(outcomes) + ("\n\n" + markdown(outcomes) if args.markdown else ""))
+        return 1 if any(o.status == "fail" for o in outcomes) else 0
     supported = supported_architectures()
     types = args.types or supported
     unknown = [t for t in types if t not in supported]
@@ -217,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(file=sys.stderr)
         print(table(outcomes))
+        if args.markdown:
+            print("\n" + markdown(outcomes))
         if args.out_of_scope:
             print("\nout of scope (transformers rejects):")
             for o in outcomes:
