@@ -120,6 +120,20 @@ async def test_secrets_in_the_agent_environment_stay_out(
     assert "secret-value" not in out and "PATH=" in out and "HOME=" in out
 
 
+async def test_credential_files_are_hidden(
+    project: Path, tmp_path: Path, registry: ToolRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("PRIVATE KEY\n")
+    (home / ".netrc").write_text("machine x login y password SECRET\n")
+    monkeypatch.setenv("HOME", str(home))
+    ctx = ToolContext(Workspace(project))
+    out = await shell(registry, ctx, "ls -a ~/.ssh; cat ~/.ssh/id_ed25519 ~/.netrc; echo end")
+    assert "PRIVATE KEY" not in out and "SECRET" not in out and "No such file" in out and "end" in out
+    assert (home / ".ssh" / "id_ed25519").read_text() == "PRIVATE KEY\n"  # hidden in the sandbox only
+
+
 async def test_the_agent_cannot_be_signalled(ctx: ToolContext, registry: ToolRegistry) -> None:
     out = await shell(registry, ctx, f"kill -9 {os.getpid()}; kill -9 {os.getppid()}; echo tried")
     assert "tried" in out  # and this test process is still alive to read it

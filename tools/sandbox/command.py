@@ -47,6 +47,16 @@ def _workspace_grants(root: Path, read_only: list[str], namespaces: bool) -> lis
     return [path for path in entries if path not in read_only]
 
 
+def _hidden(policy: SandboxPolicy, root: Path) -> list[str]:
+    """The policy's hidden paths, resolved; never one that holds the workspace or lies inside it."""
+    found = []
+    for item in policy.hidden:
+        path = Path(os.path.realpath(os.path.expanduser(item)))
+        if os.path.lexists(path) and not (root.is_relative_to(path) or path.is_relative_to(root)):
+            found.append(str(path))
+    return found
+
+
 @contextmanager
 def confined(argv: list[str], policy: SandboxPolicy, root: Path, extra_env: dict[str, str],
              timeout_s: float) -> Iterator[Confined]:
@@ -69,11 +79,12 @@ def confined(argv: list[str], policy: SandboxPolicy, root: Path, extra_env: dict
         if policy.mode is SandboxMode.WORKSPACE_WRITE:
             write += [*_workspace_grants(root, read_only, found.namespaces), *policy.writable]
         limits = policy.limits.as_dict()
+        hidden = _hidden(policy, root) if found.namespaces else []  # mounts need a mount namespace
         if limits["cpu_s"] is not None:
             limits["cpu_s"] = min(limits["cpu_s"], int(timeout_s) + 60)
         spec = {
             "argv": list(argv), "cwd": str(root), "env": env, "read": ["/"], "write": write,
-            "read_only": read_only if found.namespaces else [], "network": policy.network,
+            "read_only": read_only if found.namespaces else [], "hidden": hidden, "network": policy.network,
             "namespaces": found.namespaces, "landlock": True,
             # with a network namespace the loopback is private, so local servers may keep working inside it
             "block_tcp": not policy.network and not found.namespaces, "limits": limits,

@@ -3,7 +3,8 @@
 Standard library only, and imported by path, so the confined process never imports the agent. In order:
 
 1. with ``namespaces``: a new user, mount and PID namespace (and network namespace unless network is allowed, with
-   only its own loopback up); ``.git`` and other read-only paths bind-mounted read-only; then a fork: the child is
+   only its own loopback up); credential folders and files hidden (an empty tmpfs, ``/dev/null``); ``.git`` and other
+   read-only paths bind-mounted read-only; then a fork: the child is
    PID 1 of the new namespace, so when it exits the kernel kills every process left in it (daemons, ``setsid``);
 2. resource limits, ``PR_SET_NO_NEW_PRIVS``, and a Landlock domain (everything readable, only the write paths
    writable, TCP denied when the network is off, no signals out of the sandbox);
@@ -69,6 +70,8 @@ def enter_namespaces(spec: dict) -> None:
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
     _check(_libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making mounts private")
+    for path in spec["hidden"]:
+        _hide(path)
     for path in spec["read_only"]:
         if os.path.lexists(path):
             _bind_read_only(path)
@@ -85,6 +88,16 @@ def _bind_read_only(path: str) -> None:
                                  (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
                                  (os.ST_RELATIME, MS_RELATIME)) if f & st)
     _check(_libc.mount(None, raw, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None), f"making {path} read-only")
+
+
+def _hide(path: str) -> None:
+    # credentials: an empty read-only tmpfs over a folder, /dev/null over a file
+    raw = os.fsencode(path)
+    if os.path.isdir(path):
+        _check(_libc.mount(b"tmpfs", raw, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k"),
+               f"hiding {path}")
+    elif os.path.exists(path):
+        _check(_libc.mount(b"/dev/null", raw, None, MS_BIND, None), f"hiding {path}")
 
 
 def _loopback_up() -> None:

@@ -49,6 +49,12 @@ DEFAULT_ENV_ALLOW: tuple[str, ...] = (
     "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "PYTHONHOME", "JAVA_HOME", "GOPATH", "GOROOT", "CARGO_HOME",
     "RUSTUP_HOME", "NODE_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
 )
+# credentials a command has no business reading (hidden where namespaces exist: an empty folder, an empty file)
+DEFAULT_HIDDEN: tuple[str, ...] = (
+    "~/.ssh", "~/.gnupg", "~/.aws", "~/.azure", "~/.config/gcloud", "~/.kube", "~/.docker/config.json",
+    "~/.netrc", "~/.git-credentials", "~/.pypirc", "~/.npmrc", "~/.cargo/credentials.toml",
+    "~/.cache/huggingface/token", "~/.config/gh/hosts.yml",
+)
 TOOL_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "TERM": "dumb", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -95,6 +101,8 @@ class SandboxPolicy:
     """Extra absolute folders commands may write (``workspace-write`` only), e.g. a shared build cache."""
     read_only: tuple[str, ...] = (".git",)
     """Paths kept read-only even in ``workspace-write`` (relative ones are taken from the workspace root)."""
+    hidden: tuple[str, ...] = DEFAULT_HIDDEN
+    """Paths (``~`` expanded) commands cannot read: credentials. Needs namespaces; without them they stay readable."""
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     """Resource limits for every sandboxed process."""
     env_allow: tuple[str, ...] = DEFAULT_ENV_ALLOW

@@ -92,7 +92,7 @@ def _probe(off: frozenset[str]) -> Mechanisms:
 
 
 def _try_namespaces() -> tuple[bool, str]:
-    spec = {"argv": ["/bin/true"], "cwd": "/", "env": {}, "read": [], "write": [], "read_only": [],
+    spec = {"argv": ["/bin/true"], "cwd": "/", "env": {}, "read": [], "write": [], "read_only": [], "hidden": [],
             "network": False, "namespaces": True, "landlock": False, "block_tcp": False, "limits": {}}
     try:
         done = subprocess.run([sys.executable, "-I", str(LAUNCHER), json.dumps(spec)], capture_output=True,
