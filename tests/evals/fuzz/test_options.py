@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -26,6 +27,7 @@ def _sample() -> list[Variant]:
 
 
 def test_seeded_sample_matches_transformers() -> None:
+    torch.set_num_threads(1)  # sized for one core: ~35 s
     todo = _sample()
     assert len({v.model_type for v in todo}) >= 20 and len({v.kind for v in todo}) >= 7
     start = time.perf_counter()
@@ -35,7 +37,7 @@ def test_seeded_sample_matches_transformers() -> None:
     passed = [o for o in outcomes if o.status == "pass"]
     assert len(passed) >= SAMPLE // 2, "most sampled variants must run in transformers, else the sample tests nothing"
     assert all(o.max_error is not None and o.max_error < 1e-2 for o in passed)
-    assert time.perf_counter() - start < 300
+    assert time.perf_counter() - start < 300  # a loose bound (a busy machine): the sample is sized for ~35 s
 
 
 def test_a_variant_transformers_rejects_is_out_of_scope() -> None:
