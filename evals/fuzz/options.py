@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-
 from freetoken_agent.evals.fuzz.tiny import make_model
 from freetoken_agent.evals.fuzz.variants import GENERATORS, Variant, sample, variants
 
@@ -63,9 +62,8 @@ def _line(exc: BaseException) -> str:
 
 def check(variant: Variant, seed: int = 0) -> Outcome:
     """Build ``variant`` with transformers, load it in our engine and compare logits and greedy tokens."""
-    from transformers.utils import logging as hf_logging
-
     from freetoken_agent.runtime.engine import Engine
+    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per variant otherwise
     start = time.perf_counter()

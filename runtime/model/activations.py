@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from freetoken_agent.runtime.errors import ConfigError
 
 Fn = Callable[[torch.Tensor], torch.Tensor]

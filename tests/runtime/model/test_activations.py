@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from freetoken_agent.runtime.errors import ConfigError
-from freetoken_agent.runtime.model.activations import ACTIVATIONS, activation_fn, canonical
+from freetoken_agent.runtime.model.activations import (
+    ACTIVATIONS,
+    activation_fn,
+    canonical,
+)
 
 activations = pytest.importorskip("transformers.activations")
 LEARNED = {"prelu", "xielu"}
