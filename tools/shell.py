@@ -139,7 +139,10 @@ async def run_tests(
         argv += ["-k", keyword]
     limit = ctx.clamp_timeout(timeout_s)
     policy = ctx.sandbox_for("run_tests")
-    with confined(argv, policy, ctx.workspace.root, ctx.env, limit) as run:
+    # no bytecode: an edit within the second of the last run (same size, same mtime second) would otherwise run the
+    # stale .pyc; and the user's repository gets no __pycache__ folders
+    env = {"PYTHONDONTWRITEBYTECODE": "1", **ctx.env}
+    with confined(argv, policy, ctx.workspace.root, env, limit) as run:
         outcome = await run_process(
             run.argv,
             cwd=str(ctx.workspace.root),

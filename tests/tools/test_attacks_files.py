@@ -211,7 +211,9 @@ async def test_ignore_file_pointing_outside_is_not_an_oracle(
     assert "kept.txt" in listed.content  # the outside file's rules were not read
 
 
-async def test_huge_ignore_file_is_read_only_up_to_its_cap(root: Path, ctx: ToolContext, registry: ToolRegistry) -> None:
+async def test_huge_ignore_file_is_read_only_up_to_its_cap(
+    root: Path, ctx: ToolContext, registry: ToolRegistry
+) -> None:
     with (root / ".gitignore").open("wb") as handle:
         handle.truncate(8 << 30)  # 8 GiB of NUL bytes, sparse
     (root / "a.py").write_text("x")

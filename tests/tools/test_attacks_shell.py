@@ -29,8 +29,9 @@ def project(root: Path) -> Path:
 
 
 def intact(root: Path) -> bool:
+    git = root / ".git"
     return (root / "keep.py").read_text() == "print('intact')\n" and \
-        (root / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n" and not any((root / ".git" / "hooks").iterdir())
+        (git / "HEAD").read_text() == "ref: refs/heads/main\n" and not any((git / "hooks").iterdir())
 
 
 async def shell(registry: ToolRegistry, ctx: ToolContext, command: str, timeout_s: float = 20) -> str:
