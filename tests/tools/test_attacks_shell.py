@@ -51,6 +51,14 @@ async def test_writes_land_only_in_the_workspace(
     assert intact(project)
 
 
+async def test_shared_memory_is_private_and_multiprocessing_works(ctx: ToolContext, registry: ToolRegistry) -> None:
+    name = f"freetoken-attack-{os.getpid()}"
+    pool = "import multiprocessing as m; print(sum(m.Pool(2).map(abs, [-1, -2])))"
+    out = await shell(registry, ctx, f"echo x > /dev/shm/{name}; {sys.executable} -c \"{pool}\"; ps -e | wc -l")
+    assert not Path("/dev/shm", name).exists() and out.startswith("3\n")
+    assert int(out.splitlines()[1]) <= 6  # the sandbox sees only its own processes
+
+
 async def test_read_only_mode_writes_nothing(project: Path, registry: ToolRegistry) -> None:
     ctx = ToolContext(Workspace(project), sandbox=SandboxPolicy(SandboxMode.READ_ONLY))
     out = await shell(registry, ctx, "cat keep.py; echo x > new.txt; echo t > $TMPDIR/t && cat $TMPDIR/t")

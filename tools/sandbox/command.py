@@ -16,6 +16,7 @@ from freetoken_agent.tools.sandbox.policy import SandboxMode, SandboxPolicy, San
 from freetoken_agent.tools.sandbox.probe import LAUNCHER, Mechanisms, probe
 
 DEVICES_WRITABLE = ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")
+SHM_BYTES = 1 << 30  # the private /dev/shm's size
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def confined(argv: list[str], policy: SandboxPolicy, root: Path, extra_env: dict
     private_tmp = tempfile.mkdtemp(prefix="freetoken-sandbox-")
     try:
         env.update({"TMPDIR": private_tmp, "TMP": private_tmp, "TEMP": private_tmp})
-        write = [private_tmp, *DEVICES_WRITABLE]
+        write = [private_tmp, *DEVICES_WRITABLE] + (["/dev/shm"] if found.namespaces else [])
         read_only = [str(root / path) for path in policy.read_only]
         if policy.mode is SandboxMode.WORKSPACE_WRITE:
             write += [*_workspace_grants(root, read_only, found.namespaces), *policy.writable]
@@ -87,11 +88,14 @@ def confined(argv: list[str], policy: SandboxPolicy, root: Path, extra_env: dict
             "read_only": read_only if found.namespaces else [], "hidden": hidden, "network": policy.network,
             "namespaces": found.namespaces, "landlock": True,
             # with a network namespace the loopback is private, so local servers may keep working inside it
-            "block_tcp": not policy.network and not found.namespaces, "limits": limits,
+            "block_tcp": not policy.network and not found.namespaces, "limits": limits, "shm_bytes": SHM_BYTES,
         }
+        spec_path = os.path.join(private_tmp, "sandbox-spec.json")  # the launcher reads it and deletes it
+        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+            json.dump(spec, handle)
         used = [f"landlock ABI {found.landlock_abi}", "no-new-privs", "rlimits"]
         used += ["namespaces (user, mount, pid" + ("" if policy.network else ", network") + ")"] if found.namespaces \
             else ["child subreaper"]
-        yield Confined([sys.executable, "-I", str(LAUNCHER), json.dumps(spec)], env, tuple(used))
+        yield Confined([sys.executable, "-I", str(LAUNCHER), spec_path], env, tuple(used))
     finally:
         shutil.rmtree(private_tmp, ignore_errors=True)

@@ -1,9 +1,9 @@
-"""The sandbox launcher: run as ``python -I launcher.py SPEC_JSON`` in place of the command it confines.
+"""The sandbox launcher: run as ``python -I launcher.py SPEC.json`` in place of the command it confines.
 
 Standard library only, and imported by path, so the confined process never imports the agent. In order:
 
 1. with ``namespaces``: a new user, mount and PID namespace (and network namespace unless network is allowed, with
-   only its own loopback up); credential folders and files hidden (an empty tmpfs, ``/dev/null``); ``.git`` and other
+   only its own loopback up); a private ``/dev/shm``; credential folders and files hidden (an empty tmpfs, ``/dev/null``); ``.git`` and other
    read-only paths bind-mounted read-only; then a fork: the child is
    PID 1 of the new namespace, so when it exits the kernel kills every process left in it (daemons, ``setsid``);
 2. resource limits, ``PR_SET_NO_NEW_PRIVS``, and a Landlock domain (everything readable, only the write paths
@@ -70,6 +70,9 @@ def enter_namespaces(spec: dict) -> None:
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
     _check(_libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making mounts private")
+    if os.path.isdir("/dev/shm"):  # a private, size-capped /dev/shm: multiprocessing's semaphores live there
+        size = f"size={spec['shm_bytes']},mode=1777".encode()
+        _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size), "mounting a private /dev/shm")
     for path in spec["hidden"]:
         _hide(path)
     for path in spec["read_only"]:
@@ -122,8 +125,11 @@ def confine(spec: dict) -> None:
         landlock.restrict(spec["read"], spec["write"], block_tcp=spec["block_tcp"])
 
 
-def _count_processes() -> int:
-    return sum(1 for name in os.listdir("/proc") if name.isdigit())
+def _count_processes(as_init: bool) -> int:
+    """Processes started by the command (this supervisor not counted)."""
+    if as_init:
+        return sum(1 for name in os.listdir("/proc") if name.isdigit()) - 1
+    return len(_descendants(os.getpid()))
 
 
 def _descendants(pid: int) -> list[int]:
@@ -158,7 +164,7 @@ def _kill_all(as_init: bool) -> None:
                 except ProcessLookupError:
                     pass
         _reap()
-        if as_init and _count_processes() <= 1:
+        if as_init and _count_processes(as_init) <= 0:
             return
 
 
@@ -189,7 +195,7 @@ def supervise(spec: dict, as_init: bool) -> int:
         while (reaped := _reap()) is not None and reaped[0] != 0:
             if reaped[0] == command:
                 status = reaped[1]
-        if status is None and as_init and cap and _count_processes() > cap + 1:
+        if status is None and cap and _count_processes(as_init) > cap:
             os.write(2, f"\nsandbox: the command ran more than {cap} processes at once; all were killed\n".encode())
             _kill_all(as_init)
             return 128 + signal.SIGKILL
@@ -210,8 +216,13 @@ def _forward(pid: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Run the command described by the JSON spec in ``argv[1]``; see the module docstring."""
-    spec = json.loads(argv[1])
+    """Run the command described by the JSON spec file ``argv[1]`` (read, then deleted); see the module docstring.
+
+    A file, not an argument: the command line of a process is visible to every user, and its environment is in it.
+    """
+    with open(argv[1]) as handle:
+        spec = json.load(handle)
+    os.unlink(argv[1])
     try:
         if not spec["namespaces"]:
             confine(spec)

@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,12 +94,18 @@ def _probe(off: frozenset[str]) -> Mechanisms:
 
 def _try_namespaces() -> tuple[bool, str]:
     spec = {"argv": ["/bin/true"], "cwd": "/", "env": {}, "read": [], "write": [], "read_only": [], "hidden": [],
-            "network": False, "namespaces": True, "landlock": False, "block_tcp": False, "limits": {}}
+            "network": False, "namespaces": True, "landlock": False, "block_tcp": False, "limits": {},
+            "shm_bytes": 1 << 20}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle)
     try:
-        done = subprocess.run([sys.executable, "-I", str(LAUNCHER), json.dumps(spec)], capture_output=True,
+        done = subprocess.run([sys.executable, "-I", str(LAUNCHER), handle.name], capture_output=True,
                               text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"the probe failed ({exc})"
+    finally:
+        if os.path.exists(handle.name):
+            os.unlink(handle.name)
     if done.returncode == 0:
         return True, ""
     return False, (done.stderr.strip().splitlines() or ["unknown error"])[-1]
