@@ -3,9 +3,9 @@
 Standard library only, and imported by path, so the confined process never imports the agent. In order:
 
 1. with ``namespaces``: a new user, mount and PID namespace (and network namespace unless network is allowed, with
-   only its own loopback up); a private ``/dev/shm``; credential folders and files hidden (an empty tmpfs, ``/dev/null``); ``.git`` and other
-   read-only paths bind-mounted read-only; then a fork: the child is
-   PID 1 of the new namespace, so when it exits the kernel kills every process left in it (daemons, ``setsid``);
+   only its own loopback up); a private ``/dev/shm``; credential folders and files hidden (an empty tmpfs,
+   ``/dev/null``); ``.git`` and other read-only paths bind-mounted read-only; then a fork: the child is PID 1 of the
+   new namespace, so when it exits the kernel kills every process left in it (daemons, ``setsid``);
 2. resource limits, ``PR_SET_NO_NEW_PRIVS``, and a Landlock domain (everything readable, only the write paths
    writable, TCP denied when the network is off, no signals out of the sandbox);
 3. the command is forked and executed; this process reaps every orphan (PID 1, or a child subreaper without
