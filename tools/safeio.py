@@ -147,7 +147,7 @@ def parent_dir(root_fd: int, rel: str, *, create: bool) -> Iterator[tuple[int, s
                 nxt = open_beneath(current, part, DIR_FLAGS)
             except FileNotFoundError:
                 if not create:
-                    raise ToolError(f"folder of {rel!r} does not exist") from None
+                    raise ToolError(f"file {rel!r} does not exist (its folder {part!r} is missing)") from None
                 try:
                     os.mkdir(part, 0o777, dir_fd=current)
                 except FileExistsError:

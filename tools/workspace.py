@@ -29,6 +29,10 @@ class Workspace:
         # symlink later cannot move the workspace
         self.root_fd: int = os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
+    def __reduce__(self) -> tuple[type[Workspace], tuple[str]]:
+        # copies and pickles open their own descriptor (a copied number would be closed twice)
+        return (Workspace, (str(self.root),))
+
     def __del__(self) -> None:
         fd = getattr(self, "root_fd", None)
         if fd is not None:

@@ -8,6 +8,7 @@ reads the same cached numbers, so what ``doctor`` prints is what expert placemen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from freetoken_agent.cli.flags import seconds
@@ -69,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seconds <= 0 or args.seconds > 60:
         raise CLIError(f"--seconds must be in (0, 60], got {args.seconds}")
+    from freetoken_agent.tools.sandbox import probe as sandbox_probe
+
     profile = load_or_probe(refresh=args.refresh, seconds=args.seconds)
+    sandbox = sandbox_probe()
     if args.json:
-        print(json.dumps(profile.to_json(), indent=2))
+        print(json.dumps({**profile.to_json(), "sandbox": dataclasses.asdict(sandbox)}, indent=2))
         return 0
     table = Table(title=f"freetoken doctor (cached in {cache_path()})", show_header=False)
     for name, value in rows(profile):
@@ -83,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken_agent.runtime.kernels import hugepages
 
     table.add_row("weights in 2 MiB pages", hugepages.describe())
-    from freetoken_agent.tools.sandbox import probe as sandbox_probe
-
-    for name, value in sandbox_probe().rows():  # what run_shell / run_tests are confined with on this machine
+    for name, value in sandbox.rows():  # what run_shell / run_tests are confined with on this machine
         table.add_row(name, value)
     Console().print(table)
     return 0
