@@ -9,7 +9,7 @@ streaming tool-call parser; a remote OpenAI-compatible server parses on its side
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Union, runtime_checkable
 
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted, make_parser
@@ -46,6 +46,12 @@ class GenerateRequest:
     """Conversation key: requests with the same key continue one conversation (a local engine keeps its KV)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0: off)."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    logprobs: int | None = None
+    """Report each generated token's log probability and this many alternatives (None: no log probabilities)."""
     constraint: Constraint | None = None
     """Grammar-constrained output (a forced tool call, a JSON schema); None: free text."""
     strict_length: bool = False
@@ -85,6 +91,15 @@ def check_context(prompt_tokens: int, request: GenerateRequest, context_length: 
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's text and log probability, and the most likely alternatives as (text, log prob)."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationDone:
     """The last event of a generation: why it stopped (``stop``, ``length``, ``tool_calls``) and its usage."""
 
@@ -92,6 +107,8 @@ class GenerationDone:
     usage: Usage = Usage()
     stop_sequence: str | None = None
     """The stop string that ended the generation (``finish_reason == "stop"`` on a ``stop`` string, not an EOS)."""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """Per generated token (``GenerateRequest.logprobs``): its text, log probability and the top alternatives."""
 
 
 BackendEvent = Union[TextDelta, ToolCallStarted, ToolCallFinished, FormatError, GenerationDone]
@@ -166,7 +183,7 @@ class TextBackend:
             saw_call = saw_call or isinstance(event, ToolCallFinished)
             yield event
         if saw_call and done.finish_reason == "stop" and done.stop_sequence is None:
-            done = GenerationDone("tool_calls", done.usage)
+            done = replace(done, finish_reason="tool_calls")
         yield done
 
     def hint(self, phase: Phase, expected_s: float | None = None, session: str | None = None) -> None:
@@ -185,6 +202,8 @@ class TextBackend:
 
     supports_constraints: bool = False
     """Whether ``GenerateRequest.constraint`` is enforced (a server refuses constrained requests otherwise)."""
+    supports_logits: bool = False
+    """Whether the logits-level controls are honored: penalties, ``logit_bias``, ``min_p``, ``logprobs``."""
 
     def count_tokens(self, request: GenerateRequest) -> int:
         """Prompt tokens ``request`` would take (what its ``GenerationDone.usage.prompt_tokens`` reports)."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-from freetoken_agent.backends.base import Constraint, GenerateRequest, GenerationDone, TextBackend, TextChunk, check_context, stop_hit
+from freetoken_agent.backends.base import (
+    Constraint, GenerateRequest, GenerationDone, TextBackend, TextChunk, TokenLogprobs, check_context, stop_hit,
+)
 from freetoken_agent.chat import detect_format
 from freetoken_agent.events import Usage
 from freetoken_agent.phases import Phase
@@ -219,8 +221,11 @@ class LocalEngine(TextBackend):
         sampling = {"max_new_tokens": request.max_tokens, "temperature": 0.0 if greedy else request.temperature,
                     "top_p": 1.0 if greedy else request.top_p, "top_k": 0 if greedy else request.top_k,
                     "seed": request.seed, "stop": tuple(request.stop)}
-        if request.constraint is not None:
-            sampling["processor"] = self.grammar(request.constraint, request.tools)
+        processors, recorder = self.processors(request, sampling["temperature"])
+        if processors:
+            from freetoken_agent.runtime.generation.processors import Chain
+
+            sampling["processor"] = processors[0] if len(processors) == 1 else Chain(processors)
         count, finish, text, out_ids = 0, "length", [], []
         async for item in self._stream(ids, request.session, sampling):
             if isinstance(item, tuple):
@@ -234,7 +239,33 @@ class LocalEngine(TextBackend):
         stop = None
         if finish == "stop" and request.stop and out_ids and out_ids[-1] not in self._eos:
             stop = stop_hit(self.engine.tokenizer.decode(out_ids), len("".join(text)), request.stop)
-        yield GenerationDone(finish, Usage(len(ids), count), stop)
+        logprobs = None
+        if recorder is not None:
+            decode = self.engine.tokenizer.decode
+            logprobs = tuple(TokenLogprobs(decode([e.token]), e.logprob, tuple((decode([i]), v) for i, v in e.top))
+                             for e in recorder.entries[:count])
+        yield GenerationDone(finish, Usage(len(ids), count), stop, logprobs)
+
+    supports_logits = True
+
+    def processors(self, request: GenerateRequest, temperature: float) -> tuple[list[Any], Any]:
+        """The request's logits processors, in order (biases and penalties, min-p, the grammar, the log-probability
+        recorder last, so it sees the distribution the pick is drawn from), and the recorder (or None)."""
+        from freetoken_agent.runtime.generation.processors import LogitBias, LogprobRecorder, MinP, Penalties
+
+        out: list[Any] = []
+        if request.logit_bias:
+            out.append(LogitBias(request.logit_bias))
+        if request.frequency_penalty or request.presence_penalty:
+            out.append(Penalties(request.frequency_penalty, request.presence_penalty))
+        if request.min_p:
+            out.append(MinP(request.min_p, temperature))
+        if request.constraint is not None:
+            out.append(self.grammar(request.constraint, request.tools))
+        recorder = LogprobRecorder(request.logprobs) if request.logprobs is not None else None
+        if recorder is not None:
+            out.append(recorder)
+        return out, recorder
 
     @property
     def pooled_sessions(self) -> tuple[Any, ...]:

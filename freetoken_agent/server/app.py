@@ -9,9 +9,11 @@ disconnects — streaming or not — cancels its generation; a prompt that does 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -117,6 +119,9 @@ class OpenAIServer:
         if call.request.constraint is not None and not getattr(self.backend, "supports_constraints", False):
             raise RequestError(f"'{call.constraint_field}' is not supported: it needs {NO_GRAMMAR}",
                                call.constraint_field)
+        if call.logits_field is not None and not getattr(self.backend, "supports_logits", False):
+            raise RequestError(f"'{call.logits_field}' is not supported: this backend does not expose the model's "
+                               "logits", call.logits_field)
         return call
 
     async def chat_completions(self, request: Request) -> Response:
@@ -141,7 +146,7 @@ class OpenAIServer:
         rid = new_id("cmpl")
         if call.stream:
             return await stream_sse(openai_error, self._text_chunks(call, rid), openai_sse)
-        return await run_whole(request, openai_error, self._text_whole(call.request, rid))
+        return await run_whole(request, openai_error, self._text_whole(call, rid))
 
     # ------------------------------------------------------------------------------------ Anthropic Messages
     async def messages(self, request: Request) -> Response:
@@ -227,36 +232,76 @@ class OpenAIServer:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
-    async def _text_whole(self, req: GenerateRequest, rid: str) -> dict[str, Any]:
+    async def _text_whole(self, call: ChatCall, rid: str) -> dict[str, Any]:
         backend = self.backend
         assert isinstance(backend, TextBackend)  # checked by ``completions``
-        text, done = [], GenerationDone("stop")
-        async for item in backend.stream_text(req):
-            if isinstance(item, TextChunk):
-                text.append(item.text)
-            else:
-                done = item
-        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": done.finish_reason}
-        u = done.usage
-        return envelope("text_completion", rid, self.model_id, [choice], usage_dict(u.prompt_tokens, u.completion_tokens))
+
+        async def one(index: int, req: GenerateRequest) -> tuple[dict[str, Any], GenerationDone]:
+            text, done = [], GenerationDone("stop")
+            async for item in backend.stream_text(req):
+                if isinstance(item, TextChunk):
+                    text.append(item.text)
+                else:
+                    done = item
+            logprobs = None
+            if done.logprobs is not None:
+                logprobs = {"tokens": [t.text for t in done.logprobs],
+                            "token_logprobs": [finite(t.logprob) for t in done.logprobs],
+                            "top_logprobs": [{text: finite(v) for text, v in t.top} for t in done.logprobs]}
+            return {"index": index, "text": "".join(text), "logprobs": logprobs,
+                    "finish_reason": done.finish_reason}, done
+
+        choices, usage = await self._n_choices(call, one)
+        return envelope("text_completion", rid, self.model_id, choices, usage)
 
     async def _chat_whole(self, call: ChatCall, rid: str) -> dict[str, Any]:
-        text, calls, done = [], [], GenerationDone("stop")
-        async for number, event in self.call_events(call.request, call.single_call):
-            if isinstance(event, TextDelta) and not event.reasoning:
-                text.append(event.text)
-            elif isinstance(event, ToolCallFinished):
-                calls.append({"id": f"call_{rid[-8:]}_{number}", "type": "function", "function": {
-                    "name": event.name, "arguments": json.dumps(event.arguments, ensure_ascii=False)}})
-            elif isinstance(event, GenerationDone):
-                done = event
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = calls
-        finish = "tool_calls" if calls else done.finish_reason
-        return envelope("chat.completion", rid, self.model_id,
-                        [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                        usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
+        async def one(index: int, req: GenerateRequest) -> tuple[dict[str, Any], GenerationDone]:
+            text, calls, done = [], [], GenerationDone("stop")
+            async for number, event in self.call_events(req, call.single_call):
+                if isinstance(event, TextDelta) and not event.reasoning:
+                    text.append(event.text)
+                elif isinstance(event, ToolCallFinished):
+                    calls.append({"id": f"call_{rid[-8:]}_{index}_{number}", "type": "function", "function": {
+                        "name": event.name, "arguments": json.dumps(event.arguments, ensure_ascii=False)}})
+                elif isinstance(event, GenerationDone):
+                    done = event
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = calls
+            logprobs = None
+            if done.logprobs is not None:
+                logprobs = {"content": [{**_logprob(t.text, t.logprob), "top_logprobs": [
+                    _logprob(text, v) for text, v in t.top]} for t in done.logprobs], "refusal": None}
+            finish = "tool_calls" if calls else done.finish_reason
+            return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}, done
+
+        choices, usage = await self._n_choices(call, one)
+        return envelope("chat.completion", rid, self.model_id, choices, usage)
+
+    async def _n_choices(self, call: ChatCall, one: Callable[[int, GenerateRequest], Any],
+                         ) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """``call.n`` choices generated side by side (the engine batches them; seeds ``seed + i``), and the usage:
+        the prompt once, the completions summed."""
+        results: list[Any] = [None] * call.n
+        errors: list[Exception] = []
+
+        async def run(index: int) -> None:
+            req = call.request
+            if index:
+                req = replace(req, seed=None if req.seed is None else (req.seed + index) % 2**63)
+            try:
+                results[index] = await one(index, req)
+            except (FreeTokenError, RequestError) as exc:  # a refusal: the caller answers it (not a task group)
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(call.n):
+                tg.start_soon(run, index)
+        if errors:
+            raise errors[0]
+        prompt = results[0][1].usage.prompt_tokens
+        completion = sum(done.usage.completion_tokens for _choice, done in results)
+        return [choice for choice, _done in results], usage_dict(prompt, completion)
 
     async def _chat_chunks(self, call: ChatCall, rid: str) -> AsyncIterator[dict]:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -297,6 +342,15 @@ class OpenAIServer:
                 if call.include_usage:
                     yield envelope("text_completion", rid, self.model_id, [],
                                    usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
+
+
+def finite(logprob: float) -> float:
+    """A log probability JSON can carry (-inf, a token the sampler could not pick, is written as -9999)."""
+    return max(logprob, -9999.0)
+
+
+def _logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

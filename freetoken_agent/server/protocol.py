@@ -33,6 +33,10 @@ class ChatCall:
     """``parallel_tool_calls: false``: the answer ends after the first tool call."""
     constraint_field: str | None = None
     """The field that asked for ``request.constraint`` (named when a backend cannot enforce it)."""
+    logits_field: str | None = None
+    """The first logits-level control the request sets (named when a backend cannot honor them)."""
+    n: int = 1
+    """Choices to generate (independent samples; seeds ``seed``, ``seed + 1``, ...)."""
 
 
 def read_model(f: Fields) -> str | None:
@@ -40,16 +44,27 @@ def read_model(f: Fields) -> str | None:
     return f.str_("model")
 
 
-def refuse_unsupported_sampling(f: Fields) -> None:
-    """Sampling controls the engine does not implement yet: accepted at their neutral value, else a 400."""
-    f.refuse_unless("n", 1, "one choice per request")
-    f.refuse_unless("frequency_penalty", 0, "repetition penalties are not implemented")
-    f.refuse_unless("presence_penalty", 0, "repetition penalties are not implemented")
-    f.refuse_unless("repetition_penalty", 1, "repetition penalties are not implemented")
-    f.refuse_unless("min_p", 0, "min-p sampling is not implemented")
-    if f.has("logit_bias") and f.raw("logit_bias") != {}:
-        raise RequestError("'logit_bias' is not supported: logit biases are not implemented", "logit_bias")
-    f.raw("logit_bias")
+def logit_controls(f: Fields) -> tuple[dict[str, Any], str | None]:
+    """Penalties, ``logit_bias`` and ``min_p`` (checked), and the first of them set to a non-neutral value (the
+    field named when a backend cannot honor logits-level controls)."""
+    f.refuse_unless("repetition_penalty", 1, "use frequency_penalty / presence_penalty")
+    out: dict[str, Any] = {"frequency_penalty": f.num("frequency_penalty", 0.0, -2.0, 2.0),
+                           "presence_penalty": f.num("presence_penalty", 0.0, -2.0, 2.0),
+                           "min_p": f.num("min_p", 0.0, 0.0, 1.0)}
+    bias = f.raw("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > 1024:
+            raise RequestError("'logit_bias' must be an object of at most 1024 token ids to numbers", "logit_bias")
+        clean: dict[int, float] = {}
+        for key, value in bias.items():
+            if not key.isdigit() or len(key) > 9 or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -100 <= value <= 100:
+                raise RequestError(f"'logit_bias' maps token ids to numbers in [-100, 100]; got {key[:20]!r}: "
+                                   f"{value!r:.40}", "logit_bias")
+            clean[int(key)] = float(value)
+        out["logit_bias"] = clean
+    used = next((k for k in ("frequency_penalty", "presence_penalty", "min_p", "logit_bias") if out.get(k)), None)
+    return out, used
 
 
 @dataclass(frozen=True)
@@ -286,15 +301,23 @@ def chat_request(body: Any, defaults: Defaults) -> ChatCall:
     strict_tools(constraint, strict)
     stream = f.bool_("stream")
     usage = _stream_options(f, stream)
-    f.refuse_unless("logprobs", False, "log probabilities are not reported")
-    f.refuse_unless("top_logprobs", 0, "log probabilities are not reported")
-    refuse_unsupported_sampling(f)
+    n = f.int_("n", 1, low=1, high=16)
+    top = f.int_("top_logprobs", 0, low=0, high=20)
+    logprobs = top if f.bool_("logprobs") else None
+    if top and logprobs is None:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if (logprobs is not None or n > 1) and stream:
+        raise RequestError(f"'{'logprobs' if logprobs is not None else 'n'}' is supported for non-streamed requests "
+                           "only", "logprobs" if logprobs is not None else "n")
+    controls, used = logit_controls(f)
     f.refuse_unless("reasoning_effort", None, "the model's reasoning effort cannot be set")
     f.refuse_unless("modalities", ["text"], "text output only")
     sampling = sampling_from(f, defaults)
     f.done()
-    return ChatCall(GenerateRequest(messages=messages, tools=tools, constraint=constraint, **sampling), stream, usage,
-                    model, single, field)
+    request = GenerateRequest(messages=messages, tools=tools, constraint=constraint, logprobs=logprobs, **controls,
+                              **sampling)
+    return ChatCall(request, stream, usage, model, single, field, used or ("logprobs" if logprobs is not None
+                                                                           else None), n)
 
 
 def completion_request(body: Any, defaults: Defaults) -> ChatCall:
@@ -311,11 +334,17 @@ def completion_request(body: Any, defaults: Defaults) -> ChatCall:
     f.refuse_unless("echo", False, "the prompt is not echoed")
     f.refuse_unless("best_of", 1, "one candidate per request")
     f.refuse_unless("suffix", None, "fill-in-the-middle is not supported")
-    f.refuse_unless("logprobs", None, "log probabilities are not reported")
-    refuse_unsupported_sampling(f)
+    logprobs = f.int_("logprobs", None, low=0, high=5)
+    n = f.int_("n", 1, low=1, high=16)
+    if (logprobs is not None or n > 1) and stream:
+        raise RequestError(f"'{'logprobs' if logprobs is not None else 'n'}' is supported for non-streamed requests "
+                           "only", "logprobs" if logprobs is not None else "n")
+    controls, used = logit_controls(f)
     sampling = sampling_from(f, defaults, max_keys=("max_tokens",))
     f.done()
-    return ChatCall(GenerateRequest(prompt=prompt, **sampling), stream, usage, model)
+    request = GenerateRequest(prompt=prompt, logprobs=logprobs, **controls, **sampling)
+    return ChatCall(request, stream, usage, model, logits_field=used or ("logprobs" if logprobs is not None else None),
+                    n=n)
 
 
 async def anext_or_none(events: AsyncIterator[Any]) -> Any:

@@ -19,7 +19,7 @@ from freetoken_agent.chat import TextDelta, ToolCallFinished
 from freetoken_agent.server.fields import Fields, RequestError, type_name
 from freetoken_agent.server.protocol import (
     IGNORED, IMAGES, ChatCall, Defaults, anext_or_none, arguments_text, chain, new_id, one_constraint, read_model,
-    refuse_unsupported_sampling, response_format, sampling_from, strict_names, strict_tools, tool_choice,
+    logit_controls, response_format, sampling_from, strict_names, strict_tools, tool_choice,
     tool_function,
 )
 
@@ -206,7 +206,7 @@ def responses_request(body: Any, defaults: Defaults, store: ResponseStore) -> Re
     f.refuse_unless("max_tool_calls", None, "the number of tool calls cannot be capped")
     f.refuse_unless("top_logprobs", 0, "log probabilities are not reported")
     f.refuse_unless("conversation", None, "conversations are kept by previous_response_id only")
-    refuse_unsupported_sampling(f)
+    controls, used = logit_controls(f)
     sampling = sampling_from(f, defaults, max_keys=("max_output_tokens",), stop_key=None)
     f.done()
     echo = {"instructions": instructions, "tools": tool_list, "tool_choice": f.body.get("tool_choice") or "auto",
@@ -216,9 +216,9 @@ def responses_request(body: Any, defaults: Defaults, store: ResponseStore) -> Re
             "text": {"format": (f.body.get("text") or {}).get("format") or {"type": "text"}},
             "truncation": "disabled", "metadata": f.body.get("metadata") or {},
             "reasoning": {"effort": None, "summary": None}}
-    request = GenerateRequest(messages=messages, tools=tools, constraint=constraint, **sampling)
+    request = GenerateRequest(messages=messages, tools=tools, constraint=constraint, **controls, **sampling)
     return ResponsesCall(request, stream, model=model, single_call=single, constraint_field=field, echo=echo,
-                         store=keep, namespaces=namespaces)
+                         store=keep, namespaces=namespaces, logits_field=used)
 
 
 class ResponseRun:
