@@ -72,10 +72,14 @@ def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
 
     layers = float_bytes = quant_bytes = 0
     packed = False
+    done: dict[int, Any] = {}
     for i, lw in enumerate(decoder.weights.layers):
         if lw.moe is None or not isinstance(lw.moe.experts, TorchExperts):
             continue
         te: TorchExperts = lw.moe.experts
+        if id(te) in done:  # a layer visited again (a loop's later pass) shares its experts
+            decoder.experts[i] = done[id(te)]
+            continue
         if te.gate_up.device.type != "cpu":
             raise FreeTokenError("quantized experts run on the CPU; load with device='cpu' (GPU slots come later)")
         qe = QuantizedExperts.from_float(te.gate_up, te.down, fmt)  # converted to fp32 chunk by chunk
@@ -88,7 +92,7 @@ def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
         float_bytes += te.gate_up.nbytes + te.down.nbytes
         quant_bytes += qe.nbytes
         packed = qe.packed
-        decoder.experts[i] = _TypedExperts(qe)
+        decoder.experts[i] = done[id(te)] = _TypedExperts(qe)
         # release the float experts: the decoder only reads them through decoder.experts[i]
         te.gate_up = torch.empty(0, dtype=te.gate_up.dtype)
         te.down = torch.empty(0, dtype=te.down.dtype)
