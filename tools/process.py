@@ -2,7 +2,8 @@
 
 When the command ends (normally, by timeout or by cancellation) the whole process group is killed, so background
 children (``sleep 100 &``) never outlive the call or hold its output pipe open. A child that leaves the group on
-purpose (``setsid``) escapes this; confining it needs an OS sandbox (cgroups, containers).
+purpose (``setsid``) escapes the group kill; the tools' OS sandbox (``tools/sandbox``: a PID namespace, or a child
+subreaper) ends those too.
 """
 
 from __future__ import annotations

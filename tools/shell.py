@@ -1,4 +1,5 @@
-"""Process tools: ``run_shell`` and ``run_tests`` (pytest, summarised). Both run in the workspace root."""
+"""Process tools: ``run_shell`` and ``run_tests`` (pytest, summarised). Both run in the workspace root, confined by
+the OS sandbox of the tool's ``SandboxPolicy`` (``tools/sandbox``; refused where none exists unless ``full-access``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import shutil
 import sys
 from typing import Annotated
 
+import anyio.to_thread
 import pydantic
 
 from freetoken_agent.tools.context import ToolContext, ToolError, ToolResult
 from freetoken_agent.tools.definition import tool
 from freetoken_agent.tools.process import ProcessOutcome, clean_terminal_text, run_process
 from freetoken_agent.tools.sandbox.command import confined
+from freetoken_agent.tools.sandbox.probe import probe
 
 TEST_TAIL_CHARS = 4000
 MAX_TIMEOUT_S = 86_400.0
@@ -55,6 +58,7 @@ async def run_shell(ctx: ToolContext, command: str, timeout_s: Seconds | None = 
         raise ToolError("command is empty")
     limit = ctx.clamp_timeout(timeout_s)
     policy = ctx.sandbox_for("run_shell")
+    await anyio.to_thread.run_sync(probe)  # the first probe starts a process: not on the event loop
     with confined([_shell(), "-c", command], policy, ctx.workspace.root, ctx.env, limit) as run:
         outcome = await run_process(
             run.argv,
@@ -139,6 +143,7 @@ async def run_tests(
         argv += ["-k", keyword]
     limit = ctx.clamp_timeout(timeout_s)
     policy = ctx.sandbox_for("run_tests")
+    await anyio.to_thread.run_sync(probe)
     # no bytecode: an edit within the second of the last run (same size, same mtime second) would otherwise run the
     # stale .pyc; and the user's repository gets no __pycache__ folders
     env = {"PYTHONDONTWRITEBYTECODE": "1", **ctx.env}
