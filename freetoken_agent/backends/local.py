@@ -255,6 +255,12 @@ class LocalEngine(TextBackend):
 
         out: list[Any] = []
         if request.logit_bias:
+            vocab = int(self.engine.spec.vocab_size)
+            outside = [t for t in request.logit_bias if not 0 <= t < vocab]
+            if outside:
+                from freetoken_agent.runtime.errors import SamplingError
+
+                raise SamplingError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{vocab - 1})")
             out.append(LogitBias(request.logit_bias))
         if request.frequency_penalty or request.presence_penalty:
             out.append(Penalties(request.frequency_penalty, request.presence_penalty))

@@ -60,6 +60,8 @@ def test_logit_bias_forces_and_bans_tokens(served) -> None:
     banned = client.chat.completions.create(model="builtin", messages=HI, max_tokens=1, temperature=0, logprobs=True,
                                             logit_bias={str(first_id): -100})
     assert banned.choices[0].logprobs.content[0].token != first
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.chat.completions.create(model="builtin", messages=HI, max_tokens=1, logit_bias={"99999": 5})
 
 
 def test_logprobs_are_the_greedy_distribution(served) -> None:
