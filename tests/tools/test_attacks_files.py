@@ -96,6 +96,37 @@ async def test_symlink_race_on_a_folder_never_writes_outside(
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize("link", [os.link, os.symlink])
+async def test_link_race_on_the_file_never_leaks_or_writes_outside(
+    root: Path, outside: Path, ctx: ToolContext, registry: ToolRegistry, link: object
+) -> None:
+    # a thread swaps "f.txt" between a regular file and a (hard or symbolic) link to the outside file
+    stop = threading.Event()
+    target = root / "f.txt"
+
+    def swap() -> None:
+        while not stop.is_set():
+            for make in (lambda: target.write_text("inside OUTSIDE\n"), lambda: link(outside, target)):  # type: ignore
+                try:
+                    target.unlink(missing_ok=True)
+                    make()
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=swap)
+    thread.start()
+    seen: list[str] = []
+    try:
+        for _ in range(150):
+            seen.append((await registry.call("read_file", {"path": "f.txt"}, ctx)).content)
+            await registry.call("edit_file", {"path": "f.txt", "old_string": "OUTSIDE", "new_string": "pwned"}, ctx)
+            await registry.call("write_file", {"path": "f.txt", "content": "pwned\n"}, ctx)
+    finally:
+        stop.set()
+        thread.join()
+    assert not any("OUTSIDE SECRET" in text for text in seen) and intact(outside)
+
+
 @pytest.mark.parametrize("tool,args", [
     ("read_file", {"path": "../outside.txt"}),
     ("read_file", {"path": "a/../../outside.txt"}),
