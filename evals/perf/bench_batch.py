@@ -6,8 +6,8 @@ their ``--tokens`` is the decode time. Reported per N: aggregate decode tok/s, i
 step, and the distinct experts each MoE layer read per decode step (a batch of N reads the union of its rows'
 experts once: ~26 of 64 for N = 4 at top-8, not 4 × 8). Rounds alternate over N; medians.
 
-    python -m freetoken_agent.evals.perf.bench_batch [--layers 4] [--n 1,2,4,8] [--tokens 32] [--prompt-len 32]
-        [--threads 2] [--rounds 3] [--deterministic] [--json]
+    python -m freetoken_agent.evals.perf.bench_batch [--layers 4 | --model DIR] [--n 1,2,4,8] [--tokens 32] [--prompt-len 32]
+        [--threads 2] [--rounds 3] [--modes fast,deterministic] [--json]
 """
 
 from __future__ import annotations
@@ -53,46 +53,67 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m freetoken_agent.evals.perf.bench_batch", description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp/freetoken-bench-batch", help="where the synthetic checkpoint is cached")
     ap.add_argument("--layers", type=int, default=4, help="layers of the synthetic qwen3_moe (hidden 2048, 64 experts top-8)")
+    ap.add_argument("--model", default=None,
+                    help="an existing model folder instead (e.g. bench_concurrent's 7.5B: /tmp/freetoken-bench-concurrent/qwen3_moe-7b)")
     ap.add_argument("--n", default="1,2,4,8", help="comma-separated batch sizes")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels")
+    ap.add_argument("--modes", default="fast",
+                    help="comma-separated kernel modes, alternated within each round on one engine: fast "
+                         "(default kernels), deterministic (batch-invariant, --deterministic)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if not modes or any(m not in ("fast", "deterministic") for m in modes):
+        ap.error(f"--modes takes fast and/or deterministic, got {args.modes!r}")
 
     from freetoken_agent.evals.perf.bench_gguf_decode import CONFIG, write_checkpoint
     from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.kernels import ops
 
-    config = {**CONFIG, "num_hidden_layers": args.layers}
-    folder = write_checkpoint(Path(args.dir) / f"qwen3_moe-l{args.layers}", config=config)
-    engine = Engine.from_pretrained(folder, quant="q4", threads=args.threads, deterministic=args.deterministic)
+    if args.model:
+        folder = Path(args.model)
+        config = json.loads((folder / "config.json").read_text())
+        args.layers = config["num_hidden_layers"]
+    else:
+        config = {**CONFIG, "num_hidden_layers": args.layers}
+        folder = write_checkpoint(Path(args.dir) / f"qwen3_moe-l{args.layers}", config=config)
+    engine = Engine.from_pretrained(folder, quant="q4", threads=args.threads)
     ns = [int(x) for x in args.n.split(",")]
-    measure(engine, 1, 4, args.prompt_len, seed=0)  # warm-up
-    runs: dict[int, list[dict[str, float]]] = {n: [] for n in ns}
-    for r in range(args.rounds):
-        for n in ns:
-            runs[n].append(measure(engine, n, args.tokens, args.prompt_len, seed=1000 * r + n))
-    rows = []
-    for n in ns:
-        med = {k: statistics.median(x[k] for x in runs[n]) for k in runs[n][0]}
-        rows.append({"n": n, **{k: round(v, 2) for k, v in med.items()}})
-    base = rows[0]["tok_s"]
-    for row in rows:
-        row["vs_n1"] = round(row["tok_s"] / base, 2)
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {(m, n): [] for m in modes for n in ns}
+    for m in modes:
+        ops.set_deterministic(m == "deterministic")
+        measure(engine, 1, 4, args.prompt_len, seed=0)  # warm-up
+    for r in range(args.rounds):  # modes and sizes alternate, so drift on a shared machine hits every row alike
+        for m in modes:
+            ops.set_deterministic(m == "deterministic")
+            for n in ns:
+                runs[m, n].append(measure(engine, n, args.tokens, args.prompt_len, seed=1000 * r + n))
+    ops.set_deterministic(False)
     engine.close()
+    rows = []
+    for (m, n), got in runs.items():
+        med = {k: statistics.median(x[k] for x in got) for k in got[0]}
+        rows.append({"mode": m, "n": n, **{k: round(v, 2) for k, v in med.items()}})
+    first = {m: next(r["tok_s"] for r in rows if r["mode"] == m) for m in modes}
+    fast = {r["n"]: r["tok_s"] for r in rows if r["mode"] == "fast"}
+    for row in rows:
+        row["vs_n1"] = round(row["tok_s"] / first[row["mode"]], 2)
+        if row["mode"] != "fast" and row["n"] in fast:
+            row["vs_fast"] = round(row["tok_s"] / fast[row["n"]], 2)
     experts = config["num_experts"] * 3 * config["hidden_size"] * config["moe_intermediate_size"] * args.layers
     if args.json:
         print(json.dumps({"rows": rows, "layers": args.layers, "expert_params": experts}))
         return 0
-    print(f"synthetic qwen3_moe, {args.layers} layers, {experts / 1e9:.2f}B expert params at q4, "
-          f"{args.threads} threads, {args.tokens} tokens after a {args.prompt_len}-token prompt, "
-          f"deterministic={args.deterministic}")
-    print("| N | decode tok/s (aggregate) | vs N=1 | mean rows/step | experts read per layer-step |")
-    print("|---|---|---|---|---|")
+    print(f"qwen3_moe ({folder}), {args.layers} layers, {experts / 1e9:.2f}B expert params at q4, "
+          f"{args.threads} threads, {args.tokens} tokens after a {args.prompt_len}-token prompt, {args.rounds} rounds")
+    print("| mode | N | decode tok/s (aggregate) | vs N=1 | vs fast | mean rows/step | experts read per layer-step |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['n']} | {row['tok_s']} | {row['vs_n1']}x | {row['mean_batch']} | "
+        vs_fast = f"{row['vs_fast']}x" if "vs_fast" in row else "-"
+        print(f"| {row['mode']} | {row['n']} | {row['tok_s']} | {row['vs_n1']}x | {vs_fast} | {row['mean_batch']} | "
               f"{row['experts_per_layer_step']} |")
     return 0
 
