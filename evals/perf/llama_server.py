@@ -90,12 +90,18 @@ def build_peer(cache: Path = DEFAULT_CACHE, version: str = DEFAULT_VERSION, jobs
     src = source_dir(cache, version)
     log = cache / "build-peer.log"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    env = None
-    if "amx_tile" in hardware.describe()[1]["simd"]:  # ggml's AMX matmul crashed on these machines: build without it
+    env, isa = None, []
+    simd = hardware.describe()[1]["simd"]
+    if "amx_tile" in simd:
+        # ggml's AMX matmul crashed on these machines. -mno-amx-* in CFLAGS alone is not enough: GGML_NATIVE appends
+        # -march=native after it (AMX back on), so name the ISA explicitly instead, AMX left out.
+        isa = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+               "-DGGML_AVX512=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+        isa += [f"-DGGML_{f.upper()}=ON" for f in ("avx512_vnni", "avx512_bf16") if f in simd]
         flags = " ".join(NO_AMX)
         env = {**os.environ, "CFLAGS": f"{os.environ.get('CFLAGS', '')} {flags}".strip(),
                "CXXFLAGS": f"{os.environ.get('CXXFLAGS', '')} {flags}".strip()}
-    _run(["cmake", "-S", str(src), "-B", str(cache / "build"), *generator, *CMAKE_FLAGS], log, env)
+    _run(["cmake", "-S", str(src), "-B", str(cache / "build"), *generator, *CMAKE_FLAGS, *isa], log, env)
     _run(["cmake", "--build", str(cache / "build"), "--target", "llama-server", f"-j{jobs}"], log)
     if not binary.is_file():
         raise RuntimeError(f"the build finished without {binary}; see {log}")
