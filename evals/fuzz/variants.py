@@ -104,10 +104,17 @@ def activations(model_type: str, cfg: Config) -> Iterator[Variant]:
                     yield Variant(model_type, "act", path, act, _set(cfg, path, act))
 
 
+_ROPE_KEYS = frozenset({"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                        "attention_factor", "short_factor", "long_factor", "low_freq_factor", "high_freq_factor",
+                        "truncate", "alpha"})
+"""Parameters of the transformers rope types (replaced by the variant's own)."""
+
+
 def _rope_entry(kind: str, entry: Config, rotary_dim: int, max_pos: int) -> Config:
-    """``entry`` (theta, partial factor kept) turned into a ``kind`` rope whose scaling bites at the test length:
-    the original context is 16 positions, shorter than the prompt."""
-    keep = {k: entry[k] for k in ("rope_theta", "partial_rotary_factor") if k in entry}
+    """``entry`` turned into a ``kind`` rope whose scaling bites at the test length (the original context is 16
+    positions, shorter than the prompt). Theta, the partial factor and keys no rope type defines (a model's own
+    extras, e.g. Mistral 4's ``llama_4_scaling_beta``, PhiMoE's ``short_mscale``) are kept."""
+    keep = {k: v for k, v in entry.items() if k in ("rope_theta", "partial_rotary_factor") or k not in _ROPE_KEYS}
     if entry.get("rope_type") == "proportional" and kind != "proportional":
         keep.pop("partial_rotary_factor", None)  # proportional's factor zeroes frequencies; others would cut dims
     half = max(rotary_dim // 2, 1)
