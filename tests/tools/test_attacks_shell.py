@@ -171,8 +171,8 @@ def limited(root: Path, **limits: int) -> ToolContext:
 async def test_fork_bomb_is_contained(project: Path, registry: ToolRegistry) -> None:
     ctx = limited(project, processes=40)
     start = time.monotonic()
-    out = await shell(registry, ctx, "bomb() { bomb | bomb & }; bomb; sleep 5", timeout_s=15)
-    assert time.monotonic() - start < 8 and "more than 40 processes" in out
+    out = await shell(registry, ctx, "bomb() { bomb | bomb & }; bomb; sleep 5", timeout_s=10)
+    assert time.monotonic() - start < 8 and "kept 40 or more processes running" in out
     assert intact(project)
 
 
