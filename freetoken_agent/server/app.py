@@ -24,6 +24,7 @@ from starlette.types import ASGIApp
 
 from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
+from freetoken_agent.errors import BackendError
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.server import anthropic
 from freetoken_agent.server import responses as responses_api
@@ -291,7 +292,7 @@ class OpenAIServer:
                 req = replace(req, seed=None if req.seed is None else (req.seed + index) % 2**63)
             try:
                 results[index] = await one(index, req)
-            except (FreeTokenError, RequestError) as exc:  # a refusal: the caller answers it (not a task group)
+            except (FreeTokenError, RequestError, BackendError) as exc:  # answered by the caller, not a task group
                 errors.append(exc)
 
         async with anyio.create_task_group() as tg:

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from freetoken_agent.backends.base import ContextOverflow
+from freetoken_agent.errors import BackendError
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.scheduler import ContextLengthError
 from freetoken_agent.server.fields import RequestError
@@ -63,6 +64,20 @@ def error_response(shape: ErrorShape, status: int, kind: str, message: str, para
 
 def request_error(shape: ErrorShape, exc: RequestError) -> Response:
     return error_response(shape, exc.status, exc.kind, str(exc), exc.param)
+
+
+def upstream(shape: ErrorShape, exc: BackendError) -> Response:
+    """The backend failed (a remote server unreachable, a script run out): 502, the cause in one line."""
+    return error_response(shape, 502, "api_error", f"the backend failed: {exc}")
+
+
+def stream_error(shape: ErrorShape, exc: Exception) -> dict[str, Any]:
+    """The event that ends a stream whose generation failed midway, in the API's shape."""
+    status = 502 if isinstance(exc, BackendError) else getattr(exc, "status", 400)
+    body = shape(status, "api_error" if status >= 500 else "invalid_request_error", str(exc), None)
+    if shape is anthropic_error:
+        return body  # {"type": "error", "error": {...}}
+    return {"type": "error", **body}  # OpenAI: {"error": {...}}; typed streams read "type"
 
 
 def refusal(shape: ErrorShape, exc: FreeTokenError) -> Response:
@@ -178,6 +193,8 @@ async def run_whole(request: Request, shape: ErrorShape, work: Awaitable[dict[st
             out["error"] = exc
         except RequestError as exc:
             out["request_error"] = exc
+        except BackendError as exc:
+            out["upstream"] = exc
         scope.cancel()
 
     async with anyio.create_task_group() as tg:
@@ -187,6 +204,8 @@ async def run_whole(request: Request, shape: ErrorShape, work: Awaitable[dict[st
         return refusal(shape, out["error"])
     if "request_error" in out:
         return request_error(shape, out["request_error"])
+    if "upstream" in out:
+        return upstream(shape, out["upstream"])
     if "body" not in out:  # disconnected: nobody reads this
         return Response(status_code=499)
     return JSONResponse(out["body"])
@@ -218,6 +237,8 @@ async def stream_sse(shape: ErrorShape, events: AsyncIterator[dict[str, Any]], f
         return refusal(shape, exc)
     except RequestError as exc:
         return request_error(shape, exc)
+    except BackendError as exc:
+        return upstream(shape, exc)
 
     async def sse() -> AsyncIterator[str]:
         try:
@@ -225,10 +246,12 @@ async def stream_sse(shape: ErrorShape, events: AsyncIterator[dict[str, Any]], f
                 yield fmt(first)
                 async for item in events:
                     yield fmt(item)
-            end = fmt(None)
-            if end:
-                yield end
+        except (FreeTokenError, RequestError, BackendError) as exc:  # the response has started: end it with an error
+            yield fmt(stream_error(shape, exc))
         finally:
             await events.aclose()
+        end = fmt(None)
+        if end:
+            yield end
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -203,3 +203,41 @@ def test_api_key_on_every_route() -> None:
         reply = httpx.post(f"{root}/chat/completions", headers={"Authorization": "Bearer sekret"}, json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "ok"
+
+
+class FailsMidway:
+    """A backend whose generation breaks after its first words (a remote server dropping the connection)."""
+
+    async def generate(self, request: Any) -> Any:
+        from freetoken_agent.backends.base import GenerationDone  # noqa: F401  (the stream never gets there)
+        from freetoken_agent.chat import TextDelta
+        from freetoken_agent.errors import BackendError
+
+        yield TextDelta("partial ")
+        raise BackendError("the upstream server closed the connection")
+
+    def hint(self, phase: Any, expected_s: float | None = None) -> None:
+        """No phases."""
+
+    def stats(self) -> None:
+        return None
+
+
+def test_a_failing_backend_is_a_502_or_an_error_event_never_a_500() -> None:
+    from freetoken_agent import OpenAICompatible
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    messages = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    with serve_in_thread(OpenAICompatible("http://127.0.0.1:9/v1", model="m"), "m") as root:
+        for path, body in [("/chat/completions", chat), ("/messages", messages), ("/responses", {"input": "x"})]:
+            for stream in (False, True):
+                reply = httpx.post(f"{root}{path}", json={**body, "stream": stream}, timeout=30)
+                assert reply.status_code == 502 and "cannot talk to" in reply.text, (path, stream, reply.text)
+    with serve_in_thread(FailsMidway(), "m") as root:
+        for path, body, marker in [("/chat/completions", chat, 'data: {"type": "error", "error"'),
+                                   ("/messages", messages, "event: error\ndata: {\"type\": \"error\""),
+                                   ("/responses", {"input": "x"}, "event: error\n")]:
+            text = httpx.post(f"{root}{path}", json={**body, "stream": True}, timeout=30).text
+            assert "partial" in text and marker in text and "closed the connection" in text, (path, text)
+            whole = httpx.post(f"{root}{path}", json=body, timeout=30)
+            assert whole.status_code == 502 and "closed the connection" in whole.text
