@@ -24,6 +24,7 @@ from starlette.types import ASGIApp
 
 from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextBackend, TextChunk
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
+from freetoken_agent.chat.think import ThinkSplitter
 from freetoken_agent.errors import BackendError
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.server import anthropic
@@ -217,17 +218,24 @@ class OpenAIServer:
         """
         number = 0
         events = self.backend.generate(req)
+        think = ThinkSplitter()  # <think>...</think> comes back as reasoning
         try:
             async for event in events:
                 if isinstance(event, ToolCallStarted):
                     continue
+                if isinstance(event, FormatError):  # an unreadable call is returned as the text it was
+                    event = TextDelta(event.raw)
+                if isinstance(event, TextDelta):
+                    for piece in think.feed(event):
+                        yield None, piece
+                    continue
+                for piece in think.finish():
+                    yield None, piece
                 if isinstance(event, ToolCallFinished):
                     yield number, event
                     number += 1
                     if single_call:
                         return
-                elif isinstance(event, FormatError):  # an unreadable call is returned as the text it was
-                    yield None, TextDelta(event.raw)
                 else:
                     yield None, event
         finally:
@@ -257,16 +265,18 @@ class OpenAIServer:
 
     async def _chat_whole(self, call: ChatCall, rid: str) -> dict[str, Any]:
         async def one(index: int, req: GenerateRequest) -> tuple[dict[str, Any], GenerationDone]:
-            text, calls, done = [], [], GenerationDone("stop")
+            text, reasoning, calls, done = [], [], [], GenerationDone("stop")
             async for number, event in self.call_events(req, call.single_call):
-                if isinstance(event, TextDelta) and not event.reasoning:
-                    text.append(event.text)
+                if isinstance(event, TextDelta):
+                    (reasoning if event.reasoning else text).append(event.text)
                 elif isinstance(event, ToolCallFinished):
                     calls.append({"id": f"call_{rid[-8:]}_{index}_{number}", "type": "function", "function": {
                         "name": event.name, "arguments": json.dumps(event.arguments, ensure_ascii=False)}})
                 elif isinstance(event, GenerationDone):
                     done = event
             message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+            if reasoning:
+                message["reasoning_content"] = "".join(reasoning)
             if calls:
                 message["tool_calls"] = calls
             logprobs = None

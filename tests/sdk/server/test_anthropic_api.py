@@ -100,3 +100,31 @@ def test_errors_are_in_anthropics_shape(served) -> None:
                                                 "temperature": 1.5})
     assert reply.status_code == 400 and reply.json() == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "'temperature' must be a number in [0.0, 1.0], got 1.5"}}
+
+
+def test_think_tags_become_thinking_blocks(served) -> None:
+    backend, client, _url = served
+    backend.turns += ["<think>The sign is wrong.</think>Fixed it.", "<think>Again.</think>Done."]
+    reply = client.messages.create(model="tiny-moe", max_tokens=64, messages=MESSAGES)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == [
+        ("thinking", "The sign is wrong."), ("text", "Fixed it.")]
+    with client.messages.stream(model="tiny-moe", max_tokens=64, messages=MESSAGES) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == "Again."
+
+
+def test_think_splitter_holds_partial_tags() -> None:
+    from freetoken_agent.chat import TextDelta
+    from freetoken_agent.chat.think import ThinkSplitter
+
+    splitter, out = ThinkSplitter(), []
+    for piece in ["<th", "ink>a", "b</th", "in", "k>c <", "d"]:
+        out += splitter.feed(TextDelta(piece))
+    out += splitter.finish()
+    merged: list[tuple[bool, str]] = []
+    for d in out:
+        if merged and merged[-1][0] == d.reasoning:
+            merged[-1] = (d.reasoning, merged[-1][1] + d.text)
+        else:
+            merged.append((d.reasoning, d.text))
+    assert merged == [(True, "ab"), (False, "c <d")]
