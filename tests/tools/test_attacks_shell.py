@@ -51,6 +51,14 @@ async def test_writes_land_only_in_the_workspace(
     assert intact(project)
 
 
+async def test_a_nested_namespace_cannot_undo_the_sandbox(
+    project: Path, ctx: ToolContext, registry: ToolRegistry
+) -> None:
+    out = await shell(registry, ctx, "unshare -Urm sh -c 'umount .git; mount -t tmpfs x .git; touch .git/x'; "
+                                     "echo status=$?; touch .git/y")
+    assert "status=1" in out and "Read-only file system" in out and intact(project)
+
+
 async def test_shared_memory_is_private_and_multiprocessing_works(ctx: ToolContext, registry: ToolRegistry) -> None:
     name = f"freetoken-attack-{os.getpid()}"
     pool = "import multiprocessing as m; print(sum(m.Pool(2).map(abs, [-1, -2])))"
