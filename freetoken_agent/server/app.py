@@ -279,12 +279,8 @@ class OpenAIServer:
                 message["reasoning_content"] = "".join(reasoning)
             if calls:
                 message["tool_calls"] = calls
-            logprobs = None
-            if done.logprobs is not None:
-                logprobs = {"content": [{**_logprob(t.text, t.logprob), "top_logprobs": [
-                    _logprob(text, v) for text, v in t.top]} for t in done.logprobs], "refusal": None}
             finish = "tool_calls" if calls else done.finish_reason
-            return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}, done
+            return {"index": index, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(done)}, done
 
         choices, usage = await self._n_choices(call, one)
         return envelope("chat.completion", rid, self.model_id, choices, usage)
@@ -315,9 +311,9 @@ class OpenAIServer:
         return [choice for choice, _done in results], usage_dict(prompt, completion)
 
     async def _chat_chunks(self, call: ChatCall, rid: str) -> AsyncIterator[dict]:
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
             return envelope("chat.completion.chunk", rid, self.model_id,
-                            [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+                            [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
 
         events = self.call_events(call.request, call.single_call)
         first = await anext_or_none(events)  # the engine accepts or refuses the request before the response starts
@@ -333,7 +329,9 @@ class OpenAIServer:
                                                  event.arguments, ensure_ascii=False)}}]})
             elif isinstance(event, GenerationDone):
                 done = event
-        yield chunk({}, "tool_calls" if any_call else done.finish_reason)
+        # a token's log probability is known when it is sampled, but text deltas are cut by the tool-call parser,
+        # not by token: the whole list comes with the last chunk (clients append each chunk's list)
+        yield chunk({}, "tool_calls" if any_call else done.finish_reason, chat_logprobs(done))
         if call.include_usage:
             yield envelope("chat.completion.chunk", rid, self.model_id, [],
                            usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
@@ -362,6 +360,14 @@ def finite(logprob: float) -> float:
 
 def _logprob(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(done: GenerationDone) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` (None when they were not asked for)."""
+    if done.logprobs is None:
+        return None
+    return {"content": [{**_logprob(t.text, t.logprob), "top_logprobs": [_logprob(text, v) for text, v in t.top]}
+                        for t in done.logprobs], "refusal": None}
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

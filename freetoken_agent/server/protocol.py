@@ -306,9 +306,8 @@ def chat_request(body: Any, defaults: Defaults) -> ChatCall:
     logprobs = top if f.bool_("logprobs") else None
     if top and logprobs is None:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    if (logprobs is not None or n > 1) and stream:
-        raise RequestError(f"'{'logprobs' if logprobs is not None else 'n'}' is supported for non-streamed requests "
-                           "only", "logprobs" if logprobs is not None else "n")
+    if n > 1 and stream:
+        raise RequestError("'n' above 1 is supported for non-streamed requests only", "n")
     controls, used = logit_controls(f)
     f.refuse_unless("reasoning_effort", None, "the model's reasoning effort cannot be set")
     f.refuse_unless("modalities", ["text"], "text output only")

@@ -74,6 +74,10 @@ def test_logprobs_are_the_greedy_distribution(served) -> None:
         tops = [t.logprob for t in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and sum(math.exp(t) for t in tops) <= 1 + 1e-5
         assert math.isclose(entry.logprob, tops[0], abs_tol=1e-5)  # greedy picks the most likely token
+    streamed = [c for c in client.chat.completions.create(model="builtin", messages=HI, max_tokens=6, temperature=0,
+                                                          logprobs=True, top_logprobs=3, stream=True)]
+    tail = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert len(tail) == 1 and [e.logprob for e in tail[0].content] == [e.logprob for e in content]
     text = client.completions.create(model="builtin", prompt="def add(a, b):", max_tokens=4, temperature=0,
                                      logprobs=2).choices[0].logprobs
     assert len(text.tokens) == len(text.token_logprobs) == len(text.top_logprobs) == 4
