@@ -45,6 +45,6 @@ def tool_call_lark(fmt: str, tools: Sequence[dict[str, Any]], name: str | None, 
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
     call = f'{tag("<tool_call>")} "\\n" body "\\n" {tag("</tool_call>")}'
-    start = f'call ("\\n" call)*' if parallel else "call"
+    start = 'call ("\\n" call)*' if parallel else "call"
     return (f"start: {start}\ncall: {call}\n"
             f"body: %json {json.dumps({**schema, 'x-guidance': style})}\n")
