@@ -191,6 +191,13 @@ async def test_disk_filling_is_capped_per_file(project: Path, registry: ToolRegi
     assert intact(project)
 
 
+async def test_cpu_time_is_capped(project: Path, registry: ToolRegistry) -> None:
+    ctx = limited(project, cpu_s=1)
+    start = time.monotonic()
+    out = await shell(registry, ctx, f"{sys.executable} -c \"while True: pass\"; echo status=$?")
+    assert "status=152" in out and time.monotonic() - start < 8  # 128 + SIGXCPU
+
+
 async def test_memory_is_capped(project: Path, registry: ToolRegistry) -> None:
     ctx = limited(project, memory_bytes=256 << 20)
     out = await shell(registry, ctx, f"{sys.executable} -c \"b = bytearray(1 << 31); print('ALLOCATED')\"")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -81,8 +82,8 @@ def confined(argv: list[str], policy: SandboxPolicy, root: Path, extra_env: dict
             write += [*_workspace_grants(root, read_only, found.namespaces), *policy.writable]
         limits = policy.limits.as_dict()
         hidden = _hidden(policy, root) if found.namespaces else []  # mounts need a mount namespace
-        if limits["cpu_s"] is not None:
-            limits["cpu_s"] = min(limits["cpu_s"], int(timeout_s) + 60)
+        if limits["cpu_s"] is None:
+            limits["cpu_s"] = math.ceil((timeout_s + 60) * (os.cpu_count() or 1))
         spec = {
             "argv": list(argv), "cwd": str(root), "env": env, "read": ["/"], "write": write,
             "read_only": read_only if found.namespaces else [], "hidden": hidden, "network": policy.network,

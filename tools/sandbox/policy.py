@@ -60,10 +60,11 @@ TOOL_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "TERM": "dumb", "NO_COLOR": "1",
 
 @dataclass(frozen=True)
 class ResourceLimits:
-    """Per-process limits (``setrlimit``) for sandboxed commands; None leaves a limit as it is."""
+    """Per-process limits (``setrlimit``) for sandboxed commands; None leaves a limit as it is (except ``cpu_s``)."""
 
-    cpu_s: int | None = 3600
-    """CPU seconds per process (a backstop; the tool's wall-clock timeout is the main limit)."""
+    cpu_s: int | None = None
+    """CPU seconds per process, all its threads together. None: (the call's timeout + 60 s) x the CPU cores, a
+    backstop that a command using every core for its whole timeout still stays under."""
     memory_bytes: int | None = 16 * GIB
     """Writable private memory per process (``RLIMIT_DATA``; address-space reservations are not counted)."""
     file_bytes: int | None = 4 * GIB
