@@ -120,7 +120,9 @@ def confine(spec: dict) -> None:
         if value is not None:
             hard = resource.getrlimit(which)[1]
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-            resource.setrlimit(which, (value, value))
+            # CPU: SIGXCPU at the soft limit ("CPU time limit exceeded"), SIGKILL 5 s later
+            top = value + 5 if which == resource.RLIMIT_CPU else value
+            resource.setrlimit(which, (value, top if hard == resource.RLIM_INFINITY else min(top, hard)))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     landlock.set_no_new_privs()
     if spec["landlock"]:
