@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -170,3 +171,37 @@ def test_hostile_bodies_against_the_engine(server: str) -> None:
             _check(client.post(f"{root}{path}", content=body, headers={"content-type": "application/json"}),
                    f"#{n} {path} {body[:200]!r}")
         assert client.get(f"{root}/health").status_code == 200
+
+
+def test_a_public_address_without_a_key_warns_and_a_key_is_enforced(tmp_path: Path) -> None:
+    script = tmp_path / "script.json"
+    script.write_text('["hello there"]')
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--script", str(script), "--host", "0.0.0.0",
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "FREETOKEN_API_KEY": ""})
+    try:
+        assert "without an API key" in (proc.stderr.readline() if proc.stderr else "")
+    finally:
+        proc.kill()
+        proc.wait()
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--script", str(script), "--port", str(port),
+                             "--api-key", "k1"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status = httpx.get(f"{url}/health", timeout=1).status_code
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert status == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0)
+        reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content == "hello there"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
