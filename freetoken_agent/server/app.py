@@ -73,6 +73,7 @@ class OpenAIServer:
             Route("/v1/responses", self.create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
             Route("/health", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),
+            Route("/", lambda request: JSONResponse({"status": "ok"}), methods=["GET"]),  # clients probe the root
             Route("/stats", self.stats, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception})
         return ApiKeyGate(app, self.api_key)
