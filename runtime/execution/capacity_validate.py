@@ -10,6 +10,7 @@ prediction and measurement see the same machine load; each model keeps its best 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,10 @@ def scale_down(config: dict[str, Any], max_params: int) -> tuple[dict[str, Any],
                 c[key] = max(32, c[key] // 2)
         heads = int(c["num_attention_heads"])
         if c.get("head_dim") is None and c["hidden_size"] // heads < 16:
-            c["num_attention_heads"] = max(1, heads // 2)
+            c["num_attention_heads"] = heads = max(1, heads // 2)
+            kv = c.get("num_key_value_heads")
+            if isinstance(kv, int) and kv > 0 and heads % kv:  # each KV head keeps a whole group of query heads
+                c["num_key_value_heads"] = math.gcd(heads, kv)
     if c["hidden_size"] != hidden:
         changes.append(f"widths / {hidden // c['hidden_size']} (hidden {hidden} -> {c['hidden_size']})")
     return c, changes

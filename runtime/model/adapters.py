@@ -242,10 +242,17 @@ def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=_eos(cfg),
     )
-    # dynamic NTK and linear scaling stretch max_position_embeddings (the trained context) by their factor
-    rope = _rope_params(cfg)
-    if rope.get("rope_type") in ("dynamic", "linear") and float(rope.get("factor") or 1.0) > 1:
-        base["max_position"] = int(base["max_position"] * float(rope["factor"]))
+    # dynamic NTK and linear scaling stretch max_position_embeddings (the trained context) by their factor; with one
+    # rope per layer type (some of them null), the largest stretch over the types
+    params = cfg.get("rope_parameters") or {}
+    per_type = bool(params) and all(isinstance(v, dict) or v is None for v in params.values())
+    stretch = 1.0
+    for layer_type in [k for k, v in params.items() if v] if per_type else [None]:
+        rope = _rope_params(cfg, layer_type)
+        if rope.get("rope_type") in ("dynamic", "linear"):
+            stretch = max(stretch, float(rope.get("factor") or 1.0))
+    if stretch > 1:
+        base["max_position"] = int(base["max_position"] * stretch)
     base.update(fields)
     return ModelSpec(**base)
 
