@@ -98,7 +98,7 @@ def _text_model_spec(config: Config) -> ModelSpec:
 # ----------------------------------------------------------------------------------------------- shared helpers
 
 
-def _req(cfg: Config, *names: str) -> Any:
+def required_field(cfg: Config, *names: str) -> Any:
     """First present, non-null field among ``names`` (configs rename fields across versions)."""
     for name in names:
         if cfg.get(name) is not None:
@@ -106,7 +106,7 @@ def _req(cfg: Config, *names: str) -> Any:
     raise KeyError(names[0])
 
 
-def _opt(cfg: Config, *names: str, default: Any = None) -> Any:
+def optional_field(cfg: Config, *names: str, default: Any = None) -> Any:
     for name in names:
         if cfg.get(name) is not None:
             return cfg[name]
@@ -125,7 +125,7 @@ WHOLE_HEAD_ROPE = frozenset({
 ``partial_rotary_factor``: a factor in their config is ignored here too (found by the option fuzzer)."""
 
 
-def _rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
+def rope_params(cfg: Config, layer_type: str | None = None) -> dict[str, Any]:
     """Normalize ``rope_parameters`` (transformers ≥5) and ``rope_scaling``/``rope_theta`` (older configs).
 
     Configs with one rope per layer type (``{"full_attention": {...}, "sliding_attention": {...}}``) are resolved
@@ -153,9 +153,9 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "pro
 its adapter from ``dynamic`` with an ``alpha``."""
 
 
-def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | None = None,
+def rope_spec(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | None = None,
           layer_type: str | None = None) -> RopeSpec:
-    p = _rope_params(cfg, layer_type)
+    p = rope_params(cfg, layer_type)
     kind = p["rope_type"]
     if kind not in ROPE_TYPES:
         raise ConfigError(f"config.json: rope type {kind!r} (rope_parameters / rope_scaling) is not supported; "
@@ -196,25 +196,25 @@ def _rope(cfg: Config, head_dim: int, style: str = "half", rotary_dim: int | Non
 
 
 def _head_dim(cfg: Config) -> int:
-    return int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
+    return int(optional_field(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
 
 
-def _gqa(cfg: Config, style: str = "half", layer_type: str | None = None, **overrides: Any) -> AttentionSpec:
+def gqa_spec(cfg: Config, style: str = "half", layer_type: str | None = None, **overrides: Any) -> AttentionSpec:
     head_dim = _head_dim(cfg)
     fields: dict[str, Any] = dict(
         kind="gqa",
         num_heads=int(cfg["num_attention_heads"]),
-        num_kv_heads=int(_opt(cfg, "num_key_value_heads", default=cfg["num_attention_heads"])),
+        num_kv_heads=int(optional_field(cfg, "num_key_value_heads", default=cfg["num_attention_heads"])),
         head_dim=head_dim,
         v_head_dim=head_dim,
         scale=head_dim**-0.5,
-        rope=_rope(cfg, head_dim, style, layer_type=layer_type),
+        rope=rope_spec(cfg, head_dim, style, layer_type=layer_type),
     )
     fields.update(overrides)
     return AttentionSpec(**fields)
 
 
-def _layer_types(cfg: Config, default_sliding: Callable[[int], bool] | None = None) -> list[bool]:
+def sliding_layers(cfg: Config, default_sliding: Callable[[int], bool] | None = None) -> list[bool]:
     """Per layer: does it use sliding-window attention."""
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
@@ -223,24 +223,24 @@ def _layer_types(cfg: Config, default_sliding: Callable[[int], bool] | None = No
     return [bool(default_sliding and default_sliding(i)) for i in range(n)]
 
 
-def _eos(cfg: Config) -> tuple[int, ...]:
+def eos_ids(cfg: Config) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
-def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
+def model_spec(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
     base: dict[str, Any] = dict(
         model_type=cfg["model_type"],
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         layers=tuple(layers),
-        norm_eps=float(_opt(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
+        norm_eps=float(optional_field(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-        eos_token_ids=_eos(cfg),
+        eos_token_ids=eos_ids(cfg),
     )
     # dynamic NTK and linear scaling stretch max_position_embeddings (the trained context) by their factor; with one
     # rope per layer type (some of them null), the largest stretch over the types
@@ -248,7 +248,7 @@ def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
     per_type = bool(params) and all(isinstance(v, dict) or v is None for v in params.values())
     stretch = 1.0
     for layer_type in [k for k, v in params.items() if v] if per_type else [None]:
-        rope = _rope_params(cfg, layer_type)
+        rope = rope_params(cfg, layer_type)
         if rope.get("rope_type") in ("dynamic", "linear"):
             stretch = max(stretch, float(rope.get("factor") or 1.0))
     if stretch > 1:
@@ -257,14 +257,14 @@ def _model(cfg: Config, layers: list[LayerSpec], **fields: Any) -> ModelSpec:
     return ModelSpec(**base)
 
 
-def _mtp_ignored(cfg: Config) -> tuple[str, ...]:
+def mtp_ignored(cfg: Config) -> tuple[str, ...]:
     """Multi-token-prediction layers are stored after the last decoder layer; generation does not use them."""
     n = int(cfg["num_hidden_layers"])
     extra = int(cfg.get("num_nextn_predict_layers") or 0)
     return tuple(rf"^model\.layers\.{n + k}\." for k in range(extra))
 
 
-def _act(cfg: Config, field: str = "hidden_act") -> str:
+def activation_name(cfg: Config, field: str = "hidden_act") -> str:
     """The canonical activation name of ``field`` (silu when absent); a ``ConfigError`` for unknown names."""
     return canonical(cfg.get(field) or "silu", field)
 
@@ -276,43 +276,43 @@ def _act(cfg: Config, field: str = "hidden_act") -> str:
 def mixtral(cfg: Config) -> ModelSpec:
     sw = cfg.get("sliding_window")
     moe = MoESpec(
-        num_experts=int(_req(cfg, "num_local_experts", "num_experts")),
+        num_experts=int(required_field(cfg, "num_local_experts", "num_experts")),
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="softmax", norm_topk=True),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
-    attn = _gqa(cfg, sliding_window=sw)
+    attn = gqa_spec(cfg, sliding_window=sw)
     layers = [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])]
-    return _model(cfg, layers, names=WeightNames(moe_prefix="block_sparse_moe"))
+    return model_spec(cfg, layers, names=WeightNames(moe_prefix="block_sparse_moe"))
 
 
 @adapter("qwen2_moe", "qwen3_moe")
 def qwen_moe(cfg: Config) -> ModelSpec:
     qwen3 = cfg["model_type"] == "qwen3_moe"
     n = int(cfg["num_hidden_layers"])
-    num_experts = int(_req(cfg, "num_experts", "num_local_experts"))
+    num_experts = int(required_field(cfg, "num_experts", "num_local_experts"))
     shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
     moe = MoESpec(
         num_experts=num_experts,
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["moe_intermediate_size"]),
         router=RouterSpec(scoring="softmax", norm_topk=bool(cfg.get("norm_topk_prob", False))),
-        activation=_act(cfg),  # type: ignore[arg-type]
-        shared=MLPSpec(shared_size, _act(cfg)) if shared_size else None,  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
+        shared=MLPSpec(shared_size, activation_name(cfg)) if shared_size else None,  # type: ignore[arg-type]
         shared_gate=bool(shared_size),
     )
-    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg))  # type: ignore[arg-type]
+    dense = MLPSpec(int(cfg["intermediate_size"]), activation_name(cfg))  # type: ignore[arg-type]
     step, mlp_only = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
     use_sw = bool(cfg.get("use_sliding_window", False))
     if qwen3:
         sliding = [use_sw and cfg.get("sliding_window") is not None] * n
     else:
         max_window = int(cfg.get("max_window_layers", n))
-        sliding = _layer_types(cfg, lambda i: use_sw and bool((i + 1) % 2) and i < max_window)
+        sliding = sliding_layers(cfg, lambda i: use_sw and bool((i + 1) % 2) and i < max_window)
     layers = []
     for i in range(n):
-        attn = _gqa(
+        attn = gqa_spec(
             cfg,
             qkv_bias=bool(cfg.get("attention_bias", False)) if qwen3 else bool(cfg.get("qkv_bias", True)),
             o_bias=bool(cfg.get("attention_bias", False)) if qwen3 else False,
@@ -321,7 +321,7 @@ def qwen_moe(cfg: Config) -> ModelSpec:
         )
         is_moe = i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
         layers.append(LayerSpec(attention=attn, moe=moe) if is_moe else LayerSpec(attention=attn, mlp=dense))
-    return _model(cfg, layers, names=WeightNames(shared="shared_expert"))
+    return model_spec(cfg, layers, names=WeightNames(shared="shared_expert"))
 
 
 @adapter("olmoe")
@@ -331,11 +331,11 @@ def olmoe(cfg: Config) -> ModelSpec:
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="softmax", norm_topk=bool(cfg.get("norm_topk_prob", False))),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
-    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+    attn = gqa_spec(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
                 qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])])
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])])
 
 
 @adapter("granitemoe")
@@ -345,13 +345,13 @@ def granitemoe(cfg: Config) -> ModelSpec:
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="none", topk_before_scoring=True),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
-    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+    attn = gqa_spec(cfg, qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
                 scale=float(cfg.get("attention_multiplier", 1.0)))
     names = WeightNames(moe_prefix="block_sparse_moe", router="router.layer",
                         fused_names=("input_linear.weight", "output_linear.weight"))
-    return _model(
+    return model_spec(
         cfg,
         [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
@@ -373,15 +373,15 @@ def gpt_oss(cfg: Config) -> ModelSpec:
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         expert_bias=True,
     )
-    sliding = _layer_types(cfg, lambda i: i % 2 == 0)
+    sliding = sliding_layers(cfg, lambda i: i % 2 == 0)
     bias = bool(cfg.get("attention_bias", True))
     layers = [
-        LayerSpec(attention=_gqa(cfg, qkv_bias=bias, o_bias=bias, sinks=True,
+        LayerSpec(attention=gqa_spec(cfg, qkv_bias=bias, o_bias=bias, sinks=True,
                                  sliding_window=cfg.get("sliding_window") if sliding[i] else None), moe=moe)
         for i in range(cfg["num_hidden_layers"])
     ]
     names = WeightNames(router="router", gate_up_layout="interleaved_transposed")
-    return _model(cfg, layers, names=names)
+    return model_spec(cfg, layers, names=names)
 
 
 @adapter("ernie4_5_moe")
@@ -391,26 +391,27 @@ def ernie4_5_moe(cfg: Config) -> ModelSpec:
     shared_n = int(cfg.get("moe_num_shared_experts") or 0)
     inter = int(cfg["moe_intermediate_size"])
     moe = MoESpec(
-        num_experts=int(_req(cfg, "moe_num_experts", "num_experts")),
-        top_k=int(_req(cfg, "moe_k", "num_experts_per_tok")),
+        num_experts=int(required_field(cfg, "moe_num_experts", "num_experts")),
+        top_k=int(required_field(cfg, "moe_k", "num_experts_per_tok")),
         intermediate=inter,
         router=RouterSpec(scoring="softmax", norm_topk=True, norm_min=float(cfg.get("moe_norm_min", 1e-12)),
                           correction_bias=True),
-        activation=_act(cfg),  # type: ignore[arg-type]
-        shared=MLPSpec(inter * shared_n, _act(cfg), bias=bias) if shared_n else None,  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
+        shared=(MLPSpec(inter * shared_n, activation_name(cfg), bias=bias)  # type: ignore[arg-type]
+                if shared_n else None),
     )
-    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg), bias=bias)  # type: ignore[arg-type]
+    dense = MLPSpec(int(cfg["intermediate_size"]), activation_name(cfg), bias=bias)  # type: ignore[arg-type]
     interval = int(cfg.get("moe_layer_interval", 1))
     start, end = int(cfg.get("moe_layer_start_index", 0)), cfg.get("moe_layer_end_index")
     end = n - 1 if end is None or end == -1 else int(end)
-    attn = _gqa(cfg, style="interleaved", qkv_bias=bias, o_bias=bias)
+    attn = gqa_spec(cfg, style="interleaved", qkv_bias=bias, o_bias=bias)
     layers = [
         LayerSpec(attention=attn, moe=moe) if ((i + 1) % interval == 0 and start <= i <= end)
         else LayerSpec(attention=attn, mlp=dense)
         for i in range(n)
     ]
     names = WeightNames(correction_bias="moe_statics.e_score_correction_bias")
-    return _model(cfg, layers, names=names, lm_head_bias=bias)
+    return model_spec(cfg, layers, names=names, lm_head_bias=bias)
 
 
 # ------------------------------------------------------------------------------- sigmoid routers / DeepSeek family
@@ -438,14 +439,15 @@ def _deepseek_layers(cfg: Config, attn_for: Callable[[int], AttentionSpec], sigm
     shared_n = int(cfg.get("n_shared_experts") or 0)
     bias = bool(cfg.get("mlp_bias", False))  # DeepSeek-V2's dense and shared MLPs (its experts have none)
     moe = MoESpec(
-        num_experts=int(_req(cfg, "n_routed_experts", "num_local_experts")),
+        num_experts=int(required_field(cfg, "n_routed_experts", "num_local_experts")),
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=inter,
         router=_deepseek_router(cfg, sigmoid),
-        activation=_act(cfg),  # type: ignore[arg-type]
-        shared=MLPSpec(inter * shared_n, _act(cfg), bias=bias) if shared_n else None,  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
+        shared=(MLPSpec(inter * shared_n, activation_name(cfg), bias=bias)  # type: ignore[arg-type]
+                if shared_n else None),
     )
-    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg), bias=bias)  # type: ignore[arg-type]
+    dense = MLPSpec(int(cfg["intermediate_size"]), activation_name(cfg), bias=bias)  # type: ignore[arg-type]
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
     return [
@@ -455,13 +457,13 @@ def _deepseek_layers(cfg: Config, attn_for: Callable[[int], AttentionSpec], sigm
     ]
 
 
-def _mla(cfg: Config, **overrides: Any) -> AttentionSpec:
+def mla_spec(cfg: Config, **overrides: Any) -> AttentionSpec:
     nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     head_dim = nope + rope_dim
     interleave = cfg["model_type"] == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
-    rope = _rope(cfg, rope_dim, "interleaved" if interleave else "half", rotary_dim=rope_dim)
+    rope = rope_spec(cfg, rope_dim, "interleaved" if interleave else "half", rotary_dim=rope_dim)
     scale = head_dim**-0.5
-    p = _rope_params(cfg)
+    p = rope_params(cfg)
     if p["rope_type"] != "default" and p.get("mscale_all_dim"):
         m = 0.1 * float(p["mscale_all_dim"]) * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
         scale *= m * m
@@ -478,46 +480,46 @@ def _mla(cfg: Config, **overrides: Any) -> AttentionSpec:
 
 @adapter("deepseek_v2", "deepseek_v3")
 def deepseek(cfg: Config) -> ModelSpec:
-    attn = _mla(cfg)
+    attn = mla_spec(cfg)
     layers = _deepseek_layers(cfg, lambda i: attn, sigmoid=cfg["model_type"] == "deepseek_v3")
-    return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, layers, ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("glm4_moe")
 def glm4_moe(cfg: Config) -> ModelSpec:
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, qk_norm="head" if cfg.get("use_qk_norm") else "none")
-    return _model(cfg, _deepseek_layers(cfg, lambda i: attn, sigmoid=True), ignored_tensors=_mtp_ignored(cfg))
+    attn = gqa_spec(cfg, qkv_bias=bias, qk_norm="head" if cfg.get("use_qk_norm") else "none")
+    return model_spec(cfg, _deepseek_layers(cfg, lambda i: attn, sigmoid=True), ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("dots1")
 def dots1(cfg: Config) -> ModelSpec:
     bias = bool(cfg.get("attention_bias", False))
-    sliding = _layer_types(cfg)
+    sliding = sliding_layers(cfg)
     layers = _deepseek_layers(
         cfg,
-        lambda i: _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head",
+        lambda i: gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head",
                        sliding_window=cfg.get("sliding_window") if sliding[i] else None),
         sigmoid=True,
     )
-    return _model(cfg, layers)
+    return model_spec(cfg, layers)
 
 
 @adapter("minimax_m2")
 def minimax_m2(cfg: Config) -> ModelSpec:
     head_dim = _head_dim(cfg)
-    rotary_dim = cfg.get("rotary_dim") if "partial_rotary_factor" not in _rope_params(cfg) else None
+    rotary_dim = cfg.get("rotary_dim") if "partial_rotary_factor" not in rope_params(cfg) else None
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]),
         top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="sigmoid", norm_topk=True, correction_bias=True),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
-    attn = _gqa(cfg, qk_norm="full", rope=_rope(cfg, head_dim, rotary_dim=rotary_dim))
+    attn = gqa_spec(cfg, qk_norm="full", rope=rope_spec(cfg, head_dim, rotary_dim=rotary_dim))
     names = WeightNames(moe_prefix="block_sparse_moe", correction_bias="e_score_correction_bias")
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names,
-                  ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names,
+                  ignored_tensors=mtp_ignored(cfg))
 
 
 # Further families register themselves on import (kept in separate files by family).

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agent.runtime.errors import TokenizerError
-from freetoken_agent.runtime.tokenizer.tokenizer import _token_content, read_tokenizer_config
+from freetoken_agent.runtime.tokenizer.tokenizer import token_content, read_tokenizer_config
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -60,7 +60,7 @@ class ChatTemplate:
             source = (path / "chat_template.jinja").read_text(encoding="utf-8")
         if not source:
             return None
-        special = {k: v for k in _SPECIAL_KEYS if (v := _token_content(config.get(k))) is not None}
+        special = {k: v for k in _SPECIAL_KEYS if (v := token_content(config.get(k))) is not None}
         return cls(source, special)
 
     def render(

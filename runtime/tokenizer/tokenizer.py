@@ -17,7 +17,7 @@ _DEFAULT_TIKTOKEN_PATTERN = (
 _TIKTOKEN_FILES = ("tiktoken.model", "tokenizer.model.tiktoken")
 
 
-def _token_content(value: Any) -> str | None:
+def token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
@@ -42,8 +42,8 @@ class Tokenizer:
         self.special_tokens = special
         """Special/added token text → id."""
         self._special_ids = set(special.values())
-        self.bos_token = _token_content(config.get("bos_token"))
-        self.eos_token = _token_content(config.get("eos_token"))
+        self.bos_token = token_content(config.get("bos_token"))
+        self.eos_token = token_content(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
 
     @classmethod
@@ -81,7 +81,7 @@ class Tokenizer:
             raise TokenizerError(f"cannot load tiktoken vocabulary {file}: {exc}") from None
         special: dict[str, int] = {}
         for idx, entry in (config.get("added_tokens_decoder") or {}).items():
-            content = _token_content(entry)
+            content = token_content(entry)
             if content is not None:
                 special[content] = int(idx)
         backend = tiktoken.Encoding(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken_agent.runtime.model.activations import canonical
-from freetoken_agent.runtime.model.adapters import Config, _model, _rope, adapter
+from freetoken_agent.runtime.model.adapters import Config, model_spec, rope_spec, adapter
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
     CompressorSpec,
@@ -31,7 +31,7 @@ _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _SCORINGS = ("sqrtsoftplus", "sigmoid")
 
 
-def _layer_types(cfg: Config, n: int) -> list[str]:
+def sliding_layers(cfg: Config, n: int) -> list[str]:
     types = cfg.get("layer_types")
     if types is None and cfg.get("compress_ratios") is not None:
         types = [_RATIO_TO_TYPE[int(r)] for r in cfg["compress_ratios"]]
@@ -79,9 +79,9 @@ def _ropes(cfg: Config, head_dim: int) -> tuple[dict[str, RopeSpec], int]:
         if (params[kind].get("rope_type") or params[kind].get("type")) == "proportional":
             # transformers builds it over the whole head (frequencies past the proportion are 0) and rotates
             # the trailing head_dim channels: all of them
-            ropes[kind] = _rope(nested, head_dim, "interleaved", layer_type=kind)
+            ropes[kind] = rope_spec(nested, head_dim, "interleaved", layer_type=kind)
         else:
-            ropes[kind] = _rope(nested, rope_dim, "interleaved", rotary_dim=rope_dim, layer_type=kind)
+            ropes[kind] = rope_spec(nested, rope_dim, "interleaved", rotary_dim=rope_dim, layer_type=kind)
     return ropes, rope_dim
 
 
@@ -134,7 +134,7 @@ def deepseek_v4(cfg: Config) -> ModelSpec:
     cfg = {**cfg, "max_position_embeddings": cfg.get("max_position_embeddings") or 1_048_576}  # transformers' default
     n = int(cfg["num_hidden_layers"])
     ropes, rope_dim = _ropes(cfg, int(cfg["head_dim"]))
-    types, mlp_types = _layer_types(cfg, n), _mlp_types(cfg, n)
+    types, mlp_types = sliding_layers(cfg, n), _mlp_types(cfg, n)
     attn = {kind: _attention(cfg, kind, ropes["main" if kind == SLIDING else "compress"], rope_dim)
             for kind in set(types)}
     moes = {t: _moe(cfg, t == "hash_moe") for t in set(mlp_types)}
@@ -147,4 +147,4 @@ def deepseek_v4(cfg: Config) -> ModelSpec:
         names=WeightNames(attn="attn", moe_prefix="ffn", attn_in_norm="attn_norm", ffn_in_norm="ffn_norm",
                           correction_bias="gate.bias", lm_head="head"),
     )
-    return _model(cfg, layers, **fields)
+    return model_spec(cfg, layers, **fields)

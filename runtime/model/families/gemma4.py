@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken_agent.runtime.model.activations import canonical
-from freetoken_agent.runtime.model.adapters import Config, _model, _rope, adapter
+from freetoken_agent.runtime.model.adapters import Config, model_spec, rope_spec, adapter
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
     LayerSpec,
@@ -30,7 +30,7 @@ DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
 """transformers' ropes when a config names none."""
 
 
-def _layer_types(cfg: Config, n: int) -> list[str]:
+def sliding_layers(cfg: Config, n: int) -> list[str]:
     types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
     if len(types) != n or any(t not in (SLIDING, FULL) for t in types):
         raise ValueError(f"layer_types must name {n} layers among {SLIDING}, {FULL}; got {types}")
@@ -77,7 +77,7 @@ def gemma4_text(cfg: Config) -> ModelSpec:
     if cfg.get("use_bidirectional_attention") == "all":
         raise ValueError("use_bidirectional_attention='all' is an encoder setting; a causal LM cannot decode with it")
     n, d = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-    types = _layer_types(cfg, n)
+    types = sliding_layers(cfg, n)
     overrides, sources = _per_layer(cfg, types), _kv_sources(cfg, types)
     act = canonical(cfg.get("hidden_activation", "gelu_pytorch_tanh"), "hidden_activation")
     # transformers' Gemma 4 rope reads only each layer type's own parameters: a top-level partial_rotary_factor is
@@ -97,7 +97,7 @@ def gemma4_text(cfg: Config) -> ModelSpec:
         attn = AttentionSpec(
             kind="gqa", num_heads=int(cfg["num_attention_heads"]),
             num_kv_heads=int(overrides[i].get("num_key_value_heads", cfg["num_key_value_heads"])),
-            head_dim=head_dim, v_head_dim=head_dim, scale=1.0, rope=_rope(rope_cfg, head_dim, layer_type=kind,
+            head_dim=head_dim, v_head_dim=head_dim, scale=1.0, rope=rope_spec(rope_cfg, head_dim, layer_type=kind,
                                                                           rotary_dim=_rotary_dim(cfg, kind, head_dim)),
             qkv_bias=bias, o_bias=bias, qk_norm="head",
             sliding_window=int(cfg.get("sliding_window", 512)) if kind == SLIDING else None,
@@ -116,7 +116,7 @@ def gemma4_text(cfg: Config) -> ModelSpec:
     # checkpoints may still hold the (unused) key/value weights of the layers that share KV
     ignored = tuple(rf"^model\.layers\.{i}\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\."
                     for i, src in enumerate(sources) if src is not None)
-    return _model(
+    return model_spec(
         cfg, layers, names=names, ignored_tensors=ignored, embedding_multiplier=d**0.5,
         final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),

@@ -6,7 +6,15 @@ from dataclasses import replace
 
 import torch
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, _mtp_ignored, _opt, adapter
+from freetoken_agent.runtime.model.adapters import (
+    Config,
+    activation_name,
+    gqa_spec,
+    model_spec,
+    mtp_ignored,
+    optional_field,
+    adapter,
+)
 from freetoken_agent.runtime.model.spec import (
     LayerSpec,
     MLPSpec,
@@ -23,7 +31,7 @@ def _deltanet(cfg: Config, layout: str, norm: str = "norm") -> RecurrentSpec:
         kind="gated_deltanet", num_k_heads=int(cfg["linear_num_key_heads"]),
         num_v_heads=int(cfg["linear_num_value_heads"]), head_k_dim=int(cfg["linear_key_head_dim"]),
         head_v_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        layout=layout, norm=norm, activation=_act(cfg),  # type: ignore[arg-type]
+        layout=layout, norm=norm, activation=activation_name(cfg),  # type: ignore[arg-type]
     )
 
 
@@ -31,7 +39,7 @@ def _deltanet(cfg: Config, layout: str, norm: str = "norm") -> RecurrentSpec:
 def qwen3_next(cfg: Config) -> ModelSpec:
     cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default when the config names none
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     moe = MoESpec(
         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
@@ -47,7 +55,7 @@ def qwen3_next(cfg: Config) -> ModelSpec:
                                        for i in range(n)]
     step, mlp_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", q_gate=True)
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", q_gate=True)
     recurrent = _deltanet(cfg, "grouped" if cfg["model_type"] == "qwen3_next" else "split")
     layers = []
     for i in range(n):
@@ -55,14 +63,14 @@ def qwen3_next(cfg: Config) -> ModelSpec:
         layers.append(LayerSpec(attention=attn, recurrent=recurrent if types[i] == "linear_attention" else None,
                                 moe=moe if is_moe else None, mlp=None if is_moe else dense))
     names = WeightNames(shared="shared_expert")
-    return _model(cfg, layers, names=names, norm_weight_offset=1.0,
+    return model_spec(cfg, layers, names=names, norm_weight_offset=1.0,
                   ignored_tensors=(r"^mtp\.",))
 
 
 @adapter("lara_mini")
 def lara_mini(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     moe = MoESpec(
         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
@@ -76,17 +84,17 @@ def lara_mini(cfg: Config) -> ModelSpec:
     layers = []
     for i in range(n):
         sliding = types[i] == "sliding_attention"  # only sliding layers use rotary positions
-        attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head",
+        attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head",
                     sliding_window=cfg.get("sliding_window") if sliding else None, **({} if sliding else {"rope": None}))
         layers.append(LayerSpec(attention=attn, moe=moe,
                                 recurrent=recurrent if types[i] == "linear_attention" else None))
-    return _model(cfg, layers, names=WeightNames(shared="shared_expert"))
+    return model_spec(cfg, layers, names=WeightNames(shared="shared_expert"))
 
 
 @adapter("lfm2_moe")
 def lfm2_moe(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     w = ("w1", "w3", "w2")
     bias = bool(cfg.get("use_expert_bias", True))
     moe = MoESpec(
@@ -100,7 +108,7 @@ def lfm2_moe(cfg: Config) -> ModelSpec:
     types = cfg.get("layer_types") or ["full_attention"] * n
     conv = RecurrentSpec(kind="short_conv", num_k_heads=1, num_v_heads=1, head_k_dim=0, head_v_dim=0,
                          conv_kernel=int(cfg.get("conv_L_cache", 3)), conv_bias=bool(cfg.get("conv_bias", False)))
-    attn = _gqa(cfg, qk_norm="head")
+    attn = gqa_spec(cfg, qk_norm="head")
     first_dense = int(cfg.get("num_dense_layers") or 0)
     layers = [
         LayerSpec(attention=attn, recurrent=conv if types[i] == "conv" else None,
@@ -110,7 +118,7 @@ def lfm2_moe(cfg: Config) -> ModelSpec:
     names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", correction_bias="expert_bias",
                         attn_in_norm="operator_norm", ffn_in_norm="ffn_norm", q_norm="q_layernorm",
                         k_norm="k_layernorm", o_proj="out_proj", recurrent="conv", final_norm="model.embedding_norm")
-    return _model(cfg, layers, names=names, norm_eps=float(cfg.get("norm_eps", 1e-5)))
+    return model_spec(cfg, layers, names=names, norm_eps=float(cfg.get("norm_eps", 1e-5)))
 
 
 def _float(value: object) -> float:
@@ -120,7 +128,7 @@ def _float(value: object) -> float:
 
 def _mamba2(cfg: Config, prefix: str = "mamba_") -> RecurrentSpec:
     """Mamba-2 spec from Granite-style (``mamba_*``) or Nemotron-style (unprefixed) config fields."""
-    g = lambda *names: _opt(cfg, *names)
+    g = lambda *names: optional_field(cfg, *names)
     heads = int(g(f"{prefix}n_heads", "mamba_num_heads"))
     head_dim = int(g(f"{prefix}d_head", "mamba_head_dim"))
     groups = int(g(f"{prefix}n_groups", "n_groups"))
@@ -130,14 +138,14 @@ def _mamba2(cfg: Config, prefix: str = "mamba_") -> RecurrentSpec:
         head_v_dim=head_dim, conv_kernel=int(g(f"{prefix}d_conv", "conv_kernel")),
         conv_bias=bool(g(f"{prefix}conv_bias", "use_conv_bias")), proj_bias=bool(g(f"{prefix}proj_bias", "use_bias")),
         norm_groups=groups, dt_limit=(_float(limit[0]), _float(limit[1])),
-        activation=_act(cfg, "mamba_hidden_act" if "mamba_hidden_act" in cfg else "hidden_act"),
+        activation=activation_name(cfg, "mamba_hidden_act" if "mamba_hidden_act" in cfg else "hidden_act"),
     )
 
 
 @adapter("granitemoehybrid")
 def granitemoehybrid(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     shared = int(cfg.get("shared_intermediate_size") or 0)
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
@@ -147,7 +155,7 @@ def granitemoehybrid(cfg: Config) -> ModelSpec:
     types = cfg.get("layer_types") or ["attention"] * n
     bias = bool(cfg.get("attention_bias", False))
     rope = cfg.get("position_embedding_type") == "rope"
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)),
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)),
                 **({} if rope else {"rope": None}))
     mamba = _mamba2(cfg)
     layers = [LayerSpec(attention=attn, moe=moe, recurrent=mamba if types[i] in ("mamba", "linear_attention") else None)
@@ -155,7 +163,7 @@ def granitemoehybrid(cfg: Config) -> ModelSpec:
     names = WeightNames(moe_prefix="block_sparse_moe", router="router.layer", shared="shared_mlp",
                         shared_at_layer=True, fused_names=("input_linear.weight", "output_linear.weight"),
                         recurrent="mamba")
-    return _model(
+    return model_spec(
         cfg, layers, names=names,
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
@@ -166,7 +174,7 @@ def granitemoehybrid(cfg: Config) -> ModelSpec:
 @adapter("nemotron_h")
 def nemotron_h(cfg: Config) -> ModelSpec:
     """Nemotron-H: every block is one sub-layer (Mamba-2, attention, MoE or a plain relu² MLP) with its own norm."""
-    act = _act({"mlp_hidden_act": "relu2", **cfg}, "mlp_hidden_act")
+    act = activation_name({"mlp_hidden_act": "relu2", **cfg}, "mlp_hidden_act")
     mlp_bias = bool(cfg.get("mlp_bias"))
     # NemotronHMLP: a shared size of 0 (or none) falls back to intermediate_size
     shared = int(cfg.get("moe_shared_expert_intermediate_size") or cfg["intermediate_size"])
@@ -179,7 +187,7 @@ def nemotron_h(cfg: Config) -> ModelSpec:
         latent=int(cfg.get("moe_latent_size") or 0), latent_bias=mlp_bias,
     )
     dense = MLPSpec(int(cfg["intermediate_size"]), act, gated=False, bias=mlp_bias)  # type: ignore[arg-type]
-    attn = _gqa(cfg, rope=None)  # transformers' NemotronH attention has no biases, whatever attention_bias says
+    attn = gqa_spec(cfg, rope=None)  # transformers' NemotronH attention has no biases, whatever attention_bias says
     # its Mamba-2 projections take their bias from use_bias (mamba_proj_bias is not read)
     mamba = replace(_mamba2(cfg, prefix="mamba_"), proj_bias=bool(cfg.get("use_bias", False)))
     layers = []
@@ -196,14 +204,15 @@ def nemotron_h(cfg: Config) -> ModelSpec:
                         attn="mixer", recurrent="mixer", moe_prefix="mixer", mlp="mixer", attn_in_norm="norm",
                         ffn_in_norm="norm", fused_names=("experts.up_proj", "experts.down_proj"))
     # transformers never ties this type's lm_head (no tied-weights keys): tie_word_embeddings changes nothing
-    return _model(cfg, layers, names=names, norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), tie_embeddings=False,
+    return model_spec(cfg, layers, names=names, norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                      tie_embeddings=False,
                   ignored_tensors=(r"^mtp\.",))
 
 
 @adapter("jamba")
 def jamba(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     moe = MoESpec(
         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="softmax"), activation=act,  # type: ignore[arg-type]
@@ -215,7 +224,7 @@ def jamba(cfg: Config) -> ModelSpec:
     mamba = RecurrentSpec(kind="mamba", num_k_heads=rank, num_v_heads=inner, head_k_dim=int(cfg["mamba_d_state"]),
                           head_v_dim=0, conv_kernel=int(cfg["mamba_d_conv"]), conv_bias=bool(cfg["mamba_conv_bias"]),
                           proj_bias=bool(cfg["mamba_proj_bias"]), inner_norms=True, activation=act)
-    attn = _gqa(cfg, rope=None)
+    attn = gqa_spec(cfg, rope=None)
     a_period, a_offset = int(cfg["attn_layer_period"]), int(cfg["attn_layer_offset"])
     e_period, e_offset = int(cfg["expert_layer_period"]), int(cfg["expert_layer_offset"])
     layers = [
@@ -225,7 +234,7 @@ def jamba(cfg: Config) -> ModelSpec:
     ]
     names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", router="router", recurrent="mamba",
                         ffn_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm")
-    return _model(cfg, layers, names=names)
+    return model_spec(cfg, layers, names=names)
 
 
 def _lightning_slopes(heads: int, layer: int, num_layers: int) -> tuple[float, ...]:
@@ -242,12 +251,12 @@ def minimax(cfg: Config) -> ModelSpec:
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="softmax", norm_topk=True),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     types = cfg.get("layer_types") or ["full_attention"] * n
-    attn = _gqa(cfg)
+    attn = gqa_spec(cfg)
     f = lambda name: float(cfg.get(name, 1))
     layers = []
     for i in range(n):
@@ -255,11 +264,11 @@ def minimax(cfg: Config) -> ModelSpec:
         kind = "linear_attn" if linear else "full_attn"
         mixer = RecurrentSpec(kind="lightning", num_k_heads=heads, num_v_heads=heads, head_k_dim=head_dim,
                               head_v_dim=head_dim, slopes=_lightning_slopes(heads, i, n),
-                              activation=_act(cfg)) if linear else None
+                              activation=activation_name(cfg)) if linear else None
         scales = (f(f"{kind}_alpha_factor"), f(f"{kind}_beta_factor"), f("mlp_alpha_factor"), f("mlp_beta_factor"))
         layers.append(LayerSpec(attention=attn, moe=moe, recurrent=mixer, residual_scales=scales))
     names = WeightNames(moe_prefix="block_sparse_moe", recurrent="self_attn")
-    return _model(cfg, layers, names=names, residual_from_norm=True,
+    return model_spec(cfg, layers, names=names, residual_from_norm=True,
                   ignored_tensors=(r"self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$",))
 
 
@@ -295,7 +304,7 @@ def kimi_linear(cfg: Config) -> ModelSpec:
 
     Kimi: low-rank gates, NoPE MLA. Bailing: full-rank gates with a bounded "safe" decay, rotary MLA whose output
     is gated per head, Bailing tensor names."""
-    from freetoken_agent.runtime.model.adapters import _mla
+    from freetoken_agent.runtime.model.adapters import mla_spec
     from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
 
     cfg = _kimi_linear_fields(cfg)
@@ -306,8 +315,8 @@ def kimi_linear(cfg: Config) -> ModelSpec:
                         head_k_dim=int(cfg["linear_head_dim"]), head_v_dim=int(cfg["linear_head_dim"]),
                         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), gate_lowrank=not bailing,
                         safe_gate_bound=float(cfg["kda_lower_bound"]) if bailing and cfg.get("kda_safe_gate") else None,
-                        out_proj="dense" if bailing else "o_proj", activation=_act(cfg))
-    attn = _mla(cfg, output_gate="sigmoid", output_gate_per_head=True) if bailing else _mla(cfg, rope=None)
+                        out_proj="dense" if bailing else "o_proj", activation=activation_name(cfg))
+    attn = mla_spec(cfg, output_gate="sigmoid", output_gate_per_head=True) if bailing else mla_spec(cfg, rope=None)
     layers = [
         LayerSpec(attention=spec.attention, mlp=spec.mlp, moe=spec.moe,
                   recurrent=kda if types[i] == "linear_attention" else None)
@@ -318,5 +327,5 @@ def kimi_linear(cfg: Config) -> ModelSpec:
                             output_gate="g_proj", correction_bias="gate.expert_bias")
     else:
         names = WeightNames(moe_prefix="block_sparse_moe", mlp="block_sparse_moe", recurrent="self_attn")
-    return _model(cfg, layers, names=names, max_position=int(cfg.get("model_max_length") or 4096),
-                  ignored_tensors=_mtp_ignored(cfg), tie_embeddings=False)  # transformers never ties these heads
+    return model_spec(cfg, layers, names=names, max_position=int(cfg.get("model_max_length") or 4096),
+                  ignored_tensors=mtp_ignored(cfg), tie_embeddings=False)  # transformers never ties these heads

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _eos, _opt, adapter
+from freetoken_agent.runtime.model.adapters import Config, activation_name, eos_ids, optional_field, adapter
 from freetoken_agent.runtime.model.attn_residual import (
     FINAL_QUERY,
     GATES,
@@ -56,13 +56,13 @@ def relpos_attention_spec(cfg: Config, sliding: bool, variant: str) -> Attention
     heads = int(cfg[f"{prefix}num_attention_heads"])
     kv_heads = int(cfg[f"{prefix}num_key_value_heads"])
     head_dim = int(cfg[f"{prefix}head_dim"])
-    window = int(_opt(cfg, "sliding_window_size", "sliding_window"))
+    window = int(optional_field(cfg, "sliding_window_size", "sliding_window"))
     if heads % kv_heads:
         raise ValueError(f"{prefix}num_attention_heads {heads} is not a multiple of {prefix}num_key_value_heads")
     floor = cfg.get("log_scaling_n_floor")
     relpos = RelPosSpec(
         d_rel=int(cfg["d_rel"]), extent=window if sliding else int(cfg["rel_extent"]),
-        conv_kernel=int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4)),
+        conv_kernel=int(optional_field(cfg, "conv_kernel_size", "sconv_kernel_size", default=4)),
         variant=variant,  # type: ignore[arg-type]
         log_floor=None if sliding or floor is None else int(floor), log_alpha=float(cfg.get("log_scaling_alpha", 0.1)),
         dynamic_conv=variant == "inkling2" and not sliding,
@@ -83,7 +83,7 @@ def lm_head_rows(cfg: Config) -> int | None:
 @adapter("inkling_text")
 def inkling(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     sliding = layer_is_sliding(cfg)
     mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
     if len(mlp_types) != n or any(t not in ("dense", "sparse") for t in mlp_types):
@@ -100,7 +100,7 @@ def inkling(cfg: Config) -> ModelSpec:
         shared=MLPSpec(inter, act),  # type: ignore[arg-type]
     )
     dense = MLPSpec(int(cfg["intermediate_size"]), act, out_scale=True)  # type: ignore[arg-type]
-    kernel = int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
+    kernel = int(optional_field(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
     layers = [
         LayerSpec(attention=relpos_attention_spec(cfg, sliding[i], "inkling"),
                   moe=moe if mlp_types[i] == "sparse" else None, mlp=dense if mlp_types[i] == "dense" else None,
@@ -115,13 +115,13 @@ def inkling(cfg: Config) -> ModelSpec:
         names=WeightNames(correction_bias="gate.e_score_correction_bias", embed_norm="model.embed_tokens.embed_norm"),
         ignored_tensors=(r"^model\.mtp\.",),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-        eos_token_ids=_eos(cfg),
+        eos_token_ids=eos_ids(cfg),
     )
 
 
 def _inkling2_extras(cfg: Config, sliding: bool, looped: bool) -> tuple[ExtraTensor, ...]:
     """A layer's tensors owned by ``model/attn_residual.py``: input norms, output convolutions, loop gates."""
-    d, k = int(cfg["hidden_size"]), int(_opt(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
+    d, k = int(cfg["hidden_size"]), int(optional_field(cfg, "conv_kernel_size", "sconv_kernel_size", default=4))
     norms = ("attn_norm",) if sliding else INPUT_NORMS
     extras = [(f"{name}.weight", (d,)) for name in (*norms, "mlp_norm")]
     extras += [(f"{name}.weight", (d, 1, k)) for name in ("attn_sconv", "mlp_sconv")]
@@ -184,5 +184,5 @@ def inkling2(cfg: Config) -> ModelSpec:
             fused_names=("experts.w13_weight", "experts.w2_weight"),
         ),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-        eos_token_ids=_eos(cfg),
+        eos_token_ids=eos_ids(cfg),
     )

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, adapter
+from freetoken_agent.runtime.model.adapters import Config, activation_name, gqa_spec, model_spec, adapter
 from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
 
 
 @adapter("llama4_text")
 def llama4_text(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]),
@@ -42,8 +42,8 @@ def llama4_text(cfg: Config) -> ModelSpec:
             if cfg.get("attn_temperature_tuning"):
                 fields.update(q_scale_beta=float(cfg["attn_scale"]), q_scale_period=int(cfg["floor_scale"]),
                               q_scale_offset=1)
-        attn = _gqa(cfg, **fields)
+        attn = gqa_spec(cfg, **fields)
         layers.append(LayerSpec(attention=attn, moe=moe) if i in moe_layers else LayerSpec(attention=attn, mlp=dense))
     names = WeightNames(moe_prefix="feed_forward", mlp="feed_forward", router="router", shared="shared_expert",
                         gate_up_layout="concat_transposed")
-    return _model(cfg, layers, names=names)
+    return model_spec(cfg, layers, names=names)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _mla, _model, _mtp_ignored, _rope_params, adapter
+from freetoken_agent.runtime.model.adapters import (
+    Config,
+    activation_name,
+    mla_spec,
+    model_spec,
+    mtp_ignored,
+    rope_params,
+    adapter,
+)
 from freetoken_agent.runtime.model.families.sigmoid import moe_layers, sigmoid_router
 from freetoken_agent.runtime.model.spec import (
     IndexerSpec,
@@ -19,27 +27,27 @@ from freetoken_agent.runtime.model.spec import (
 
 @adapter("sarvam_mla", "glm4_moe_lite")
 def deepseek_like_mla(cfg: Config) -> ModelSpec:
-    attn = _mla(cfg)
-    return _model(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), ignored_tensors=_mtp_ignored(cfg))
+    attn = mla_spec(cfg)
+    return model_spec(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("axk1")
 def axk1(cfg: Config) -> ModelSpec:
-    attn = _mla(cfg)
+    attn = mla_spec(cfg)
     layers = moe_layers(cfg, lambda i: attn, sigmoid_router(cfg), moe_fields={"output_norm": True})
-    return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, layers, ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("mistral4")
 def mistral4(cfg: Config) -> ModelSpec:
-    p = _rope_params(cfg)
+    p = rope_params(cfg)
     fields: dict[str, Any] = {}
     if p.get("llama_4_scaling_beta"):
         fields = dict(q_scale_beta=float(p["llama_4_scaling_beta"]),
                       q_scale_period=int(p.get("original_max_position_embeddings") or cfg["max_position_embeddings"]))
-    attn = _mla(cfg, **fields)
+    attn = mla_spec(cfg, **fields)
     router = sigmoid_router(cfg, scoring="softmax", correction_bias=False)
-    return _model(cfg, moe_layers(cfg, lambda i: attn, router), names=WeightNames())
+    return model_spec(cfg, moe_layers(cfg, lambda i: attn, router), names=WeightNames())
 
 
 def _indexer(cfg: Config, i: int, style: str, **fields: object) -> IndexerSpec:
@@ -55,14 +63,15 @@ def deepseek_sparse(cfg: Config) -> ModelSpec:
     A.X K2 adds gated queries and gated RMSNorms (before attention, and before each MoE)."""
     axk2 = cfg["model_type"] == "axk2"
     style = "interleaved" if cfg["model_type"] == "glm_moe_dsa" else "half"
-    attns = [_mla(cfg, indexer=_indexer(cfg, i, style), mla_q_gate=axk2) for i in range(int(cfg["num_hidden_layers"]))]
+    attns = [mla_spec(cfg, indexer=_indexer(cfg, i, style), mla_q_gate=axk2)
+             for i in range(int(cfg["num_hidden_layers"]))]
     layers = moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg))
     if axk2:
         sparse = WeightNames(gated_norm_roles=("attn_in", "ffn_in"))
         dense = WeightNames(gated_norm_roles=("attn_in",))
         layers = [LayerSpec(attention=ly.attention, mlp=ly.mlp, moe=ly.moe, names=sparse if ly.moe else dense)
                   for ly in layers]
-    return _model(cfg, layers, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, layers, ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("longcat_flash")
@@ -71,7 +80,7 @@ def longcat_flash(cfg: Config) -> ModelSpec:
     "zero" experts) reads the first sub-block's MLP input and joins the stream after the second."""
     n = int(cfg.get("num_layers") or cfg["num_hidden_layers"])
     d = int(cfg["hidden_size"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     moe = MoESpec(
         num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["moe_topk"]),
         intermediate=int(cfg["expert_ffn_hidden_size"]),
@@ -80,7 +89,8 @@ def longcat_flash(cfg: Config) -> ModelSpec:
         activation=act, zero_experts=int(cfg.get("zero_expert_num") or 0),  # type: ignore[arg-type]
     )
     dense = MLPSpec(int(cfg["ffn_hidden_size"]), act)  # type: ignore[arg-type]
-    attn = _mla(cfg, mla_q_scale=(d / int(cfg["q_lora_rank"])) ** 0.5, mla_kv_scale=(d / int(cfg["kv_lora_rank"])) ** 0.5)
+    attn = mla_spec(cfg, mla_q_scale=(d / int(cfg["q_lora_rank"])) ** 0.5,
+                    mla_kv_scale=(d / int(cfg["kv_lora_rank"])) ** 0.5)
     layers = []
     for i in range(n):
         for sub in (0, 1):
@@ -92,8 +102,8 @@ def longcat_flash(cfg: Config) -> ModelSpec:
                                     names=names))
     # transformers stores (never used) weights for the identity experts too
     zero_ids = "|".join(str(e) for e in range(moe.num_experts, moe.num_experts + moe.zero_experts))
-    ignored = _mtp_ignored({**cfg, "num_hidden_layers": n}) + ((rf"\.mlp\.experts\.({zero_ids})\.",) if zero_ids else ())
-    return _model({**cfg, "num_hidden_layers": n}, layers, ignored_tensors=ignored)
+    ignored = mtp_ignored({**cfg, "num_hidden_layers": n}) + ((rf"\.mlp\.experts\.({zero_ids})\.",) if zero_ids else ())
+    return model_spec({**cfg, "num_hidden_layers": n}, layers, ignored_tensors=ignored)
 
 
 @adapter("dots3_note_text")
@@ -108,37 +118,37 @@ def dots3_note_text(cfg: Config) -> ModelSpec:
                   k_rope_norm=True, lora_norm_eps=eps, output_gate="sigmoid", output_gate_per_head=True)
 
     def attn(i: int):  # type: ignore[no-untyped-def]
-        from freetoken_agent.runtime.model.adapters import _rope
+        from freetoken_agent.runtime.model.adapters import rope_spec
 
         lcfg = {**cfg, **per_layer.get(i, {})}  # per-layer head / rank overrides
         layer_common = {**common, "mla_kv_scale": (d / int(lcfg["kv_lora_rank"])) ** 0.5}
-        base = _mla(lcfg, **layer_common)
-        rope = _rope(lcfg, base.qk_rope_dim, "interleaved", rotary_dim=base.qk_rope_dim, layer_type=types[i])
+        base = mla_spec(lcfg, **layer_common)
+        rope = rope_spec(lcfg, base.qk_rope_dim, "interleaved", rotary_dim=base.qk_rope_dim, layer_type=types[i])
         if types[i] == "sliding_attention":
-            return _mla(lcfg, **layer_common, rope=rope, scale=base.head_dim**-0.5,
+            return mla_spec(lcfg, **layer_common, rope=rope, scale=base.head_dim**-0.5,
                         sliding_window=cfg.get("sliding_window"))
-        return _mla(lcfg, **layer_common, rope=rope, scale=base.head_dim**-0.5,
+        return mla_spec(lcfg, **layer_common, rope=rope, scale=base.head_dim**-0.5,
                     indexer=_indexer(cfg, i, "interleaved"))
 
     attns = [attn(i) for i in range(n)]
     names = WeightNames(output_gate="g_proj")
     # one shared MLP of shared_experts_intermediate_size x n_shared_experts channels (as transformers builds it)
     shared = int(cfg.get("shared_experts_intermediate_size") or 0) * int(cfg.get("n_shared_experts") or 0)
-    moe_fields = {"shared": MLPSpec(shared, _act(cfg)) if shared else None}
-    return _model(cfg, moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg), moe_fields=moe_fields), names=names,
-                  ignored_tensors=_mtp_ignored(cfg))
+    moe_fields = {"shared": MLPSpec(shared, activation_name(cfg)) if shared else None}
+    return model_spec(cfg, moe_layers(cfg, lambda i: attns[i], sigmoid_router(cfg), moe_fields=moe_fields), names=names,
+                  ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("hy_v4")
 def hy_v4(cfg: Config) -> ModelSpec:
     """Hunyuan HY-V4: MLA + sparse-attention indexer (shared layers), learnable sinks, per-channel output gates,
     clamped-SiLU experts and hyper-connections (several residual streams)."""
-    from freetoken_agent.runtime.model.adapters import _rope
+    from freetoken_agent.runtime.model.adapters import rope_spec
 
     n = int(cfg["num_hidden_layers"])
     rope_dim, eps = int(cfg["qk_rope_head_dim"]), float(cfg.get("rms_norm_eps", 1e-6))
-    rope = _rope(cfg, rope_dim, "half", rotary_dim=rope_dim)
-    attns = [_mla(cfg, rope=rope, sinks=True, output_gate="sigmoid",
+    rope = rope_spec(cfg, rope_dim, "half", rotary_dim=rope_dim)
+    attns = [mla_spec(cfg, rope=rope, sinks=True, output_gate="sigmoid",
                   indexer=_indexer(cfg, i, "half", rope_last=True, k_norm_eps=eps, scale_after_relu=True))
              for i in range(n)]
     leaves = ("linear_gate", "up_proj", "down_proj")
@@ -153,6 +163,6 @@ def hy_v4(cfg: Config) -> ModelSpec:
         mlp = None if ly.mlp is None else MLPSpec(ly.mlp.intermediate, ly.mlp.activation, leaves=leaves)
         layers.append(LayerSpec(attention=ly.attention, mlp=mlp, moe=moe))
     names = WeightNames(output_gate="linear_gate", sinks="learnable_sink_param")
-    return _model(cfg, layers, names=names, hyper_streams=int(cfg.get("hc_mult") or 4),
+    return model_spec(cfg, layers, names=names, hyper_streams=int(cfg.get("hc_mult") or 4),
                   hyper_magnitude=float(cfg.get("hc_magnitude") or 2.0), hyper_eps=float(cfg.get("hc_eps") or 1e-6),
-                  ignored_tensors=_mtp_ignored(cfg))
+                  ignored_tensors=mtp_ignored(cfg))

@@ -4,7 +4,7 @@ hyper-connections (``model/gated_hyper.py``), hashed n-gram per-layer embeddings
 
 from __future__ import annotations
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _gqa, _model, adapter
+from freetoken_agent.runtime.model.adapters import Config, activation_name, gqa_spec, model_spec, adapter
 from freetoken_agent.runtime.model.gated_hyper import FINAL_MIX, SUBLAYERS
 from freetoken_agent.runtime.model.qsa import INDEXER
 from freetoken_agent.runtime.model.spec import (
@@ -25,7 +25,7 @@ HASH_BUFFERS = r"\.ple\.ple_embedding\.(layer_multipliers|ngram_heads_offsets|ng
 """Hash constants transformers stores as buffers; they follow from the config and are recomputed (``ngram.hashing``)."""
 
 
-def _layer_types(cfg: Config, n: int) -> list[str]:
+def sliding_layers(cfg: Config, n: int) -> list[str]:
     types = cfg.get("layer_types")
     if not types:
         interval = int(cfg.get("full_attention_interval") or 4)
@@ -48,7 +48,7 @@ def _hyper_extras(streams: int, d: int, rank: int, inject: bool, prefix: str) ->
 @adapter("qwen4_exp_text")
 def qwen4_exp(cfg: Config) -> ModelSpec:
     n, d = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-    act, types = _act(cfg), _layer_types(cfg, n)
+    act, types = activation_name(cfg), sliding_layers(cfg, n)
     streams, rank = int(cfg.get("hc_count") or 4), int(cfg["hc_lowrank"])
     if streams < 2:
         raise ValueError(f"hc_count must be > 1, got {streams}")
@@ -69,7 +69,7 @@ def qwen4_exp(cfg: Config) -> ModelSpec:
         qsa = QSASpec(num_heads=int(cfg["indexer_n_heads"]), head_dim=int(cfg["indexer_head_dim"]),
                       budget=int(cfg["indexer_budget"]), ratio=int(cfg["indexer_compress_ratio"]))
     bias = bool(cfg.get("attention_bias", False))
-    attention = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", q_gate=True, qsa=qsa)
+    attention = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", q_gate=True, qsa=qsa)
     shared = int(cfg["shared_expert_intermediate_size"])
     moe = MoESpec(
         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
@@ -105,6 +105,6 @@ def qwen4_exp(cfg: Config) -> ModelSpec:
         layers.append(LayerSpec(attention=attention, moe=moe, ple=ple, extras=tuple(extras),
                                 recurrent=recurrent if kind == "linear_attention" else None))
     names = WeightNames(shared="shared_expert", attn_in_norm=None, ffn_in_norm=None, final_norm=None)
-    return _model(cfg, layers, names=names, gated_hyper=GatedHyperSpec(streams=streams, rank=rank),
+    return model_spec(cfg, layers, names=names, gated_hyper=GatedHyperSpec(streams=streams, rank=rank),
                   extras=tuple(_hyper_extras(streams, d, rank, False, FINAL_MIX)),
                   ignored_tensors=(HASH_BUFFERS, r"^mtp\."))

@@ -10,12 +10,12 @@ from typing import Any
 
 from freetoken_agent.runtime.model.adapters import (
     Config,
-    _act,
-    _gqa,
-    _model,
-    _mtp_ignored,
-    _opt,
-    _req,
+    activation_name,
+    gqa_spec,
+    model_spec,
+    mtp_ignored,
+    optional_field,
+    required_field,
     adapter,
 )
 from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
@@ -23,22 +23,23 @@ from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, Mo
 
 def sigmoid_router(cfg: Config, **overrides: Any) -> RouterSpec:
     fields: dict[str, Any] = dict(
-        scoring="sigmoid", norm_topk=bool(_opt(cfg, "norm_topk_prob", "moe_renormalize", default=True)),
+        scoring="sigmoid", norm_topk=bool(optional_field(cfg, "norm_topk_prob", "moe_renormalize", default=True)),
         norm_eps=1e-20, correction_bias=True,
-        n_group=int(_opt(cfg, "n_group", "num_expert_group", default=1)),
-        topk_group=int(_opt(cfg, "topk_group", default=1)), group_score="top2_sum",
+        n_group=int(optional_field(cfg, "n_group", "num_expert_group", default=1)),
+        topk_group=int(optional_field(cfg, "topk_group", default=1)), group_score="top2_sum",
         group_masked_value=float("-inf"),
-        scaling=float(_opt(cfg, "routed_scaling_factor", "router_scaling_factor", "route_scale", default=1.0)),
+        scaling=float(optional_field(cfg, "routed_scaling_factor", "router_scaling_factor", "route_scale",
+                                     default=1.0)),
     )
     fields.update(overrides)
     return RouterSpec(**fields)
 
 
 def shared_size(cfg: Config) -> int:
-    explicit = _opt(cfg, "shared_expert_intermediate_size", "shared_experts_intermediate_size")
+    explicit = optional_field(cfg, "shared_expert_intermediate_size", "shared_experts_intermediate_size")
     if explicit:
         return int(explicit)
-    count = int(_opt(cfg, "n_shared_experts", "num_shared_experts", default=0))
+    count = int(optional_field(cfg, "n_shared_experts", "num_shared_experts", default=0))
     return count * int(cfg["moe_intermediate_size"])
 
 
@@ -47,7 +48,7 @@ def is_sparse(cfg: Config) -> list[bool]:
     n = int(cfg["num_hidden_layers"])
     if cfg.get("mlp_layer_types"):
         return [t == "sparse" for t in cfg["mlp_layer_types"]]
-    first_dense = int(_opt(cfg, "first_k_dense_replace", "num_dense_layers", default=0))
+    first_dense = int(optional_field(cfg, "first_k_dense_replace", "num_dense_layers", default=0))
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen-style: every step-th layer is sparse
     return [i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(n)]
@@ -60,11 +61,11 @@ def moe_layers(
     moe_fields: dict[str, Any] | None = None,
     dense_size: int | None = None,
 ) -> list[LayerSpec]:
-    act = _act(cfg)
+    act = activation_name(cfg)
     shared = shared_size(cfg)
     fields: dict[str, Any] = dict(
-        num_experts=int(_req(cfg, "n_routed_experts", "num_experts", "num_local_experts")),
-        top_k=int(_req(cfg, "num_experts_per_tok", "num_experts_per_token")),
+        num_experts=int(required_field(cfg, "n_routed_experts", "num_experts", "num_local_experts")),
+        top_k=int(required_field(cfg, "num_experts_per_tok", "num_experts_per_token")),
         intermediate=int(cfg["moe_intermediate_size"]),
         router=router,
         activation=act,
@@ -85,8 +86,8 @@ def _types(cfg: Config) -> list[str]:
 
 @adapter("solar_open")
 def solar_open(cfg: Config) -> ModelSpec:
-    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
-    return _model(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), ignored_tensors=_mtp_ignored(cfg))
+    attn = gqa_spec(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
+    return model_spec(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("exaone_moe")
@@ -96,53 +97,53 @@ def exaone_moe(cfg: Config) -> ModelSpec:
     def attn(i: int) -> Any:
         sliding = types[i] == "sliding_attention"
         # Full-attention layers of a sliding-window model use no positional encoding (NoPE).
-        return _gqa(cfg, qk_norm="head", sliding_window=window if sliding else None,
+        return gqa_spec(cfg, qk_norm="head", sliding_window=window if sliding else None,
                     **({} if window is None or sliding else {"rope": None}))
 
     names = WeightNames(correction_bias="e_score_correction_bias")
-    return _model(cfg, moe_layers(cfg, attn, sigmoid_router(cfg)), names=names, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, moe_layers(cfg, attn, sigmoid_router(cfg)), names=names, ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("hy_v3")
 def hy_v3(cfg: Config) -> ModelSpec:
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head")
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head")
     router = sigmoid_router(cfg, norm_topk=True, n_group=1, topk_group=1)
     names = WeightNames(router="router.gate", correction_bias="expert_bias", shared="shared_mlp")
     # HYV3MLP: every dense and shared MLP has mlp_bias; a shared size of 0 falls back to intermediate_size
-    mlp_bias, act = bool(cfg.get("mlp_bias", False)), _act(cfg)
+    mlp_bias, act = bool(cfg.get("mlp_bias", False)), activation_name(cfg)
     shared = MLPSpec(shared_size(cfg) or int(cfg["intermediate_size"]), act, bias=mlp_bias)
     layers = [replace(ly, mlp=replace(ly.mlp, bias=mlp_bias)) if ly.mlp else ly
               for ly in moe_layers(cfg, lambda i: attn, router, moe_fields={"shared": shared})]
-    return _model(cfg, layers, names=names, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, layers, names=names, ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("sarvam_moe")
 def sarvam_moe(cfg: Config) -> ModelSpec:
-    attn = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias", False)),
+    attn = gqa_spec(cfg, qkv_bias=bool(cfg.get("attention_bias", False)),
                 qk_norm="head" if cfg.get("use_qk_norm", True) else "none")
     names = WeightNames(correction_bias="gate.expert_bias", embed="model.word_embeddings", attn="attention",
                         fused_qkv="query_key_value", o_proj="dense", q_norm="query_layernorm",
                         k_norm="key_layernorm")
-    return _model(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), names=names,
-                  ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), names=names,
+                  ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("mimo_v2_flash")
 def mimo_v2_flash(cfg: Config) -> ModelSpec:
     types, kv = _types(cfg), int(cfg["num_key_value_heads"])
-    head_dim = int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
+    head_dim = int(optional_field(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
 
     def attn(i: int) -> Any:
         sliding = types[i] == "sliding_attention"
-        return _gqa(cfg, layer_type=types[i], num_kv_heads=kv * 2 if sliding else kv,
-                    v_head_dim=int(_opt(cfg, "v_head_dim", default=head_dim)),
+        return gqa_spec(cfg, layer_type=types[i], num_kv_heads=kv * 2 if sliding else kv,
+                    v_head_dim=int(optional_field(cfg, "v_head_dim", default=head_dim)),
                     qkv_bias=bool(cfg.get("attention_bias", False)), sinks=sliding,
                     sliding_window=cfg.get("sliding_window") if sliding else None,
-                    v_scale=float(_opt(cfg, "attention_value_scale", default=1.0)))
+                    v_scale=float(optional_field(cfg, "attention_value_scale", default=1.0)))
 
     names = WeightNames(sinks="attention_sink_bias")
-    return _model(cfg, moe_layers(cfg, attn, sigmoid_router(cfg)), names=names, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, moe_layers(cfg, attn, sigmoid_router(cfg)), names=names, ignored_tensors=mtp_ignored(cfg))
 
 
 @adapter("afmoe")
@@ -152,7 +153,7 @@ def afmoe(cfg: Config) -> ModelSpec:
 
     def attn(i: int) -> Any:
         local = types[i] == "sliding_attention"
-        return _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", output_gate="sigmoid",
+        return gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", output_gate="sigmoid",
                     sliding_window=cfg.get("sliding_window") if local else None,
                     **({} if local else {"rope": None}))
 
@@ -160,7 +161,7 @@ def afmoe(cfg: Config) -> ModelSpec:
     names = WeightNames(router="router.gate", correction_bias="expert_bias", attn_out_norm="post_attention_layernorm",
                         ffn_in_norm="pre_mlp_layernorm", ffn_out_norm="post_mlp_layernorm")
     mup = float(cfg["hidden_size"]) ** 0.5 if cfg.get("mup_enabled") else 1.0  # muP: embeddings scaled by √D
-    return _model(cfg, moe_layers(cfg, attn, router), names=names, embedding_multiplier=mup)
+    return model_spec(cfg, moe_layers(cfg, attn, router), names=names, embedding_multiplier=mup)
 
 
 @adapter("laguna")
@@ -172,7 +173,7 @@ def laguna(cfg: Config) -> ModelSpec:
     per_head = gating is True or gating == "per-head"  # transformers always gates: anything else is per channel
 
     def attn(i: int) -> Any:
-        return _gqa(cfg, layer_type=types[i], num_heads=int(heads[i]), qkv_bias=bias, o_bias=bias, qk_norm="head",
+        return gqa_spec(cfg, layer_type=types[i], num_heads=int(heads[i]), qkv_bias=bias, o_bias=bias, qk_norm="head",
                     output_gate="softplus", output_gate_per_head=per_head,
                     sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention" else None)
 
@@ -180,7 +181,7 @@ def laguna(cfg: Config) -> ModelSpec:
                             scaling=float(cfg.get("moe_routed_scaling_factor") or 1.0),
                             logit_softcap=float(cfg.get("moe_router_logit_softcapping") or 0.0))
     names = WeightNames(shared="shared_expert", correction_bias="experts.e_score_correction_bias", output_gate="g_proj")
-    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+    return model_spec(cfg, moe_layers(cfg, attn, router), names=names)
 
 
 @adapter("flint")
@@ -190,13 +191,13 @@ def flint(cfg: Config) -> ModelSpec:
 
     def attn(i: int) -> Any:
         sliding = types[i] == "sliding_attention"
-        return _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", sinks=True,
+        return gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", sinks=True,
                     sliding_window=cfg.get("sliding_window") if sliding else None,
                     **({} if sliding else {"rope": None}))
 
     router = RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", True)))
     names = WeightNames(shared="shared_expert", sinks="softmax_offset")
-    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+    return model_spec(cfg, moe_layers(cfg, attn, router), names=names)
 
 
 @adapter("kolibri1")
@@ -205,14 +206,14 @@ def kolibri1(cfg: Config) -> ModelSpec:
 
     def attn(i: int) -> Any:
         sliding = types[i] == "sliding_attention"
-        return _gqa(cfg, qk_norm="head", sliding_window=window if sliding else None,
+        return gqa_spec(cfg, qk_norm="head", sliding_window=window if sliding else None,
                     **({} if window is None or sliding else {"rope": None}))
 
     router = RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", False)), correction_bias=True,
                         correction_on_logits=True)
     names = WeightNames(correction_bias="moe.router.expert_bias", correction_at_layer=True,
                         attn_out_norm="post_attn_norm", ffn_out_norm="post_ffn_norm")
-    return _model(cfg, moe_layers(cfg, attn, router), names=names)
+    return model_spec(cfg, moe_layers(cfg, attn, router), names=names)
 
 
 @adapter("beam")
@@ -226,7 +227,7 @@ def beam(cfg: Config) -> ModelSpec:
 
     def attn(i: int) -> Any:
         rope = (cfg.get("rope_parameters") or {}).get(types[i]) is not None
-        return _gqa(cfg, layer_type=types[i], qkv_bias=bias, o_bias=bias, qk_norm="head", output_gate="sigmoid",
+        return gqa_spec(cfg, layer_type=types[i], qkv_bias=bias, o_bias=bias, qk_norm="head", output_gate="sigmoid",
                     output_gate_bias=True, sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention"
                     else None, **({} if rope else {"rope": None, "q_scale_power": 0.1, "q_scale_period": 2048,
                                                    "q_scale_offset": 1}))
@@ -238,27 +239,28 @@ def beam(cfg: Config) -> ModelSpec:
         layers.append(LayerSpec(attention=layer.attention, mlp=layer.mlp, moe=layer.moe, residual_scales=scales))
     names = WeightNames(attn_out_norm="post_attention_layernorm", ffn_in_norm="pre_feedforward_layernorm",
                         ffn_out_norm="post_feedforward_layernorm")
-    return _model(cfg, layers, names=names, final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+    return model_spec(cfg, layers, names=names, final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
 @adapter("minimax_m3_vl_text")
 def minimax_m3(cfg: Config) -> ModelSpec:
     """MiniMax-M3 text: zero-centered norms, partial rope, GPT-OSS-style clamped SwiGLU experts and shared expert,
     sigmoid router with correction bias, and block-sparse indexer attention on ``minimax_m3_sparse`` layers."""
-    from freetoken_agent.runtime.model.adapters import _rope
+    from freetoken_agent.runtime.model.adapters import rope_spec
     from freetoken_agent.runtime.model.spec import BlockIndexerSpec
 
     n = int(cfg["num_hidden_layers"])
     types = _types(cfg)
     alpha, limit = float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))
-    head_dim = int(_opt(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
-    rope = _rope(cfg, head_dim)  # transformers rotates head_dim · partial_rotary_factor channels; rotary_dim is unused
+    head_dim = int(optional_field(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"]))
+    # transformers rotates head_dim · partial_rotary_factor channels; rotary_dim is unused
+    rope = rope_spec(cfg, head_dim)
     bx = BlockIndexerSpec(num_heads=int(cfg.get("index_n_heads") or cfg["num_key_value_heads"]),
                           head_dim=int(cfg.get("index_head_dim") or head_dim),
                           block_size=int(cfg.get("index_block_size") or 128),
                           topk_blocks=int(cfg.get("index_topk_blocks") or 16),
                           local_blocks=int(cfg.get("index_local_blocks") or 0))
-    attns = [_gqa(cfg, qk_norm="head", rope=rope, block_indexer=bx if types[i] == "minimax_m3_sparse" else None)
+    attns = [gqa_spec(cfg, qk_norm="head", rope=rope, block_indexer=bx if types[i] == "minimax_m3_sparse" else None)
              for i in range(n)]
     shared = MLPSpec(int(cfg["shared_intermediate_size"]), "swiglu_oai", fused=True,
                      fused_names=("gate_up_proj", "down_proj"), swiglu_alpha=alpha, swiglu_limit=limit)
@@ -272,4 +274,4 @@ def minimax_m3(cfg: Config) -> ModelSpec:
     mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
     layers = [LayerSpec(attention=attns[i], moe=moe) if mlp_types[i] == "sparse" else
               LayerSpec(attention=attns[i], mlp=dense) for i in range(n)]
-    return _model(cfg, layers, norm_weight_offset=1.0, ignored_tensors=_mtp_ignored(cfg))
+    return model_spec(cfg, layers, norm_weight_offset=1.0, ignored_tensors=mtp_ignored(cfg))

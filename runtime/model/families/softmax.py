@@ -6,12 +6,12 @@ from dataclasses import replace
 
 from freetoken_agent.runtime.model.adapters import (
     Config,
-    _act,
-    _gqa,
-    _layer_types,
-    _model,
-    _req,
-    _rope_params,
+    activation_name,
+    gqa_spec,
+    sliding_layers,
+    model_spec,
+    required_field,
+    rope_params,
     adapter,
 )
 from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
@@ -19,11 +19,11 @@ from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, Mo
 
 def _softmax_moe(cfg: Config, inter: int, norm_topk: bool, **fields: object) -> MoESpec:
     return MoESpec(
-        num_experts=int(_req(cfg, "num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")),
-        top_k=int(_req(cfg, "num_experts_per_tok", "moe_topk", "moe_k")),
+        num_experts=int(required_field(cfg, "num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")),
+        top_k=int(required_field(cfg, "num_experts_per_tok", "moe_topk", "moe_k")),
         intermediate=inter,
         router=RouterSpec(scoring="softmax", norm_topk=norm_topk),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
         **fields,  # type: ignore[arg-type]
     )
 
@@ -32,27 +32,27 @@ def _softmax_moe(cfg: Config, inter: int, norm_topk: bool, **fields: object) -> 
 def flex_olmo(cfg: Config) -> ModelSpec:
     moe = _softmax_moe(cfg, int(cfg["intermediate_size"]), bool(cfg.get("norm_topk_prob", False)))
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
     names = WeightNames(attn_in_norm=None, attn_out_norm="post_attention_layernorm", ffn_in_norm=None,
                         ffn_out_norm="post_feedforward_layernorm")
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
 
 
 @adapter("mellum")
 def mellum(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
     moe = _softmax_moe(cfg, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)))
-    dense = MLPSpec(int(cfg["intermediate_size"]), _act(cfg))  # type: ignore[arg-type]
+    dense = MLPSpec(int(cfg["intermediate_size"]), activation_name(cfg))  # type: ignore[arg-type]
     types = cfg.get("layer_types") or ["full_attention"] * n
     mlp_types = cfg.get("mlp_layer_types") or ["sparse"] * n
     bias = bool(cfg.get("attention_bias", False))
     layers = []
     for i in range(n):
-        attn = _gqa(cfg, layer_type=types[i], qkv_bias=bias, o_bias=bias, qk_norm="head",
+        attn = gqa_spec(cfg, layer_type=types[i], qkv_bias=bias, o_bias=bias, qk_norm="head",
                     sliding_window=cfg.get("sliding_window") if types[i] == "sliding_attention" else None)
         layers.append(LayerSpec(attention=attn, moe=moe) if mlp_types[i] == "sparse" else
                       LayerSpec(attention=attn, mlp=dense))
-    return _model(cfg, layers, ignored_tensors=(r"^mtp\.",))
+    return model_spec(cfg, layers, ignored_tensors=(r"^mtp\.",))
 
 
 @adapter("hunyuan_v1_moe")
@@ -60,15 +60,15 @@ def hunyuan_v1_moe(cfg: Config) -> ModelSpec:
     inter = int(cfg["intermediate_size"])
     topk = cfg.get("moe_topk")  # published Hunyuan-A13B gives one top-k per layer
     moes = [_softmax_moe({**cfg, "moe_topk": topk[i] if isinstance(topk, list) else topk}, inter, True,
-                         shared=MLPSpec(inter, _act(cfg)))  # type: ignore[arg-type]
+                         shared=MLPSpec(inter, activation_name(cfg)))  # type: ignore[arg-type]
             for i in range(int(cfg["num_hidden_layers"]))]
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
     if attn.rope is not None and attn.rope.kind == "dynamic" and attn.rope.alpha:
         # transformers' Hunyuan rotary: "dynamic" with an alpha is a fixed NTK stretch, not length-dependent
         attn = replace(attn, rope=replace(attn.rope, kind="ntk_alpha"))
     names = WeightNames(router="gate.wg", shared="shared_mlp", q_norm="query_layernorm", k_norm="key_layernorm")
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for moe in moes], names=names)
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for moe in moes], names=names)
 
 
 @adapter("aria_text")
@@ -78,13 +78,14 @@ def aria_text(cfg: Config) -> ModelSpec:
     moe = MoESpec(
         num_experts=int(cfg["moe_num_experts"]), top_k=int(cfg["moe_topk"]), intermediate=inter,
         router=RouterSpec(scoring="none", topk_before_scoring=True), activation="silu",
-        shared=MLPSpec(inter * shared_n, _act(cfg), bias=bool(cfg.get("mlp_bias", False))) if shared_n else None,  # type: ignore[arg-type]
+        shared=(MLPSpec(inter * shared_n, activation_name(cfg),  # type: ignore[arg-type]
+                        bias=bool(cfg.get("mlp_bias", False))) if shared_n else None),
     )
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias)
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias)
     names = WeightNames(router="router", gate_up_layout="concat_transposed",
                         fused_names=("experts.fc1.weight", "experts.fc2.weight"))
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])], names=names)
 
 
 @adapter("granitemoeshared", "granitemoe_swa")
@@ -94,24 +95,24 @@ def granite_shared(cfg: Config) -> ModelSpec:
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]), router=RouterSpec(scoring="none", topk_before_scoring=True),
-        activation=_act(cfg),  # type: ignore[arg-type]
-        shared=MLPSpec(shared, _act(cfg), fused=True) if shared else None,  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
+        shared=MLPSpec(shared, activation_name(cfg), fused=True) if shared else None,  # type: ignore[arg-type]
     )
     swa = cfg["model_type"] == "granitemoe_swa"
-    sliding = _layer_types(cfg)
+    sliding = sliding_layers(cfg)
     thetas = cfg.get("layer_rope_theta")
     bias = bool(cfg.get("attention_bias", False))
     layers = []
     for i in range(n):
         # a per-layer theta replaces only the base (the rope type and its parameters stay); theta 0 is NoPE
-        lcfg = {**cfg, "rope_parameters": {**_rope_params(cfg), "rope_theta": thetas[i]}} if thetas else cfg
-        attn = _gqa(lcfg, qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)), sinks=swa,
+        lcfg = {**cfg, "rope_parameters": {**rope_params(cfg), "rope_theta": thetas[i]}} if thetas else cfg
+        attn = gqa_spec(lcfg, qkv_bias=bias, o_bias=bias, scale=float(cfg.get("attention_multiplier", 1.0)), sinks=swa,
                     sliding_window=cfg.get("sliding_window") if sliding[i] else None,
                     **({"rope": None} if thetas and not thetas[i] else {}))
         layers.append(LayerSpec(attention=attn, moe=moe))
     names = WeightNames(moe_prefix="block_sparse_moe", router="router" if swa else "router.layer", shared="shared_mlp",
                         shared_at_layer=True, fused_names=("input_linear.weight", "output_linear.weight"))
-    return _model(
+    return model_spec(
         cfg, layers,
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
@@ -124,7 +125,7 @@ def granite_shared(cfg: Config) -> ModelSpec:
 def cohere2_moe(cfg: Config) -> ModelSpec:
     """Cohere 2 MoE: parallel attention + MoE from one LayerNorm, RoPE only on sliding layers, scaled logits."""
     n = int(cfg["num_hidden_layers"])
-    act = _act(cfg)
+    act = activation_name(cfg)
     inter = int(cfg["intermediate_size"])
     shared_n = int(cfg.get("num_shared_experts") or 0)
     sigmoid = cfg.get("expert_selection_fn", "softmax") == "sigmoid"
@@ -143,14 +144,14 @@ def cohere2_moe(cfg: Config) -> ModelSpec:
     for i in range(n):
         sliding = types[i] == "sliding_attention"
         force_rope = mlp_types[i] == "dense" and cfg.get("prefix_dense_sliding_window_pattern") == 1
-        attn = _gqa(cfg, style="interleaved", qkv_bias=bias, o_bias=bias,
+        attn = gqa_spec(cfg, style="interleaved", qkv_bias=bias, o_bias=bias,
                     sliding_window=cfg.get("sliding_window") if sliding else None,
                     **({} if sliding or force_rope else {"rope": None}))
         layers.append(LayerSpec(attention=attn, moe=moe) if mlp_types[i] == "sparse" else
                       LayerSpec(attention=attn, mlp=dense))
     rms = cfg.get("rms_norm_eps") is not None
     names = WeightNames(ffn_in_norm=None)
-    return _model(cfg, layers, names=names, parallel_block=True, norm_kind="rms" if rms else "layer",
+    return model_spec(cfg, layers, names=names, parallel_block=True, norm_kind="rms" if rms else "layer",
                   norm_eps=float(cfg["rms_norm_eps"] if rms else cfg.get("layer_norm_eps", 1e-5)),
                   logits_divisor=1.0 / float(cfg.get("logit_scale") or 1.0))
 
@@ -162,17 +163,17 @@ def phimoe(cfg: Config) -> ModelSpec:
         num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="sparsemixer", jitter_eps=float(cfg.get("router_jitter_noise") or 0.01)),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, sliding_window=cfg.get("sliding_window"))
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, sliding_window=cfg.get("sliding_window"))
     if attn.rope is not None and attn.rope.kind != "default":
         # transformers' PhiMoE rotary computes the frequencies once (seq_len None: longrope's short factors) and
         # scales cos/sin by short_mscale / long_mscale, switched at original_max_position_embeddings
-        p = _rope_params(cfg)
+        p = rope_params(cfg)
         attn = replace(attn, rope=replace(attn.rope, frequency_update=False, short_mscale=float(p["short_mscale"]),
                                           long_mscale=float(p["long_mscale"])))
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(cfg["num_hidden_layers"])],
                   names=WeightNames(moe_prefix="block_sparse_moe"), norm_kind="layer", norm_bias=True,
                   lm_head_bias=bool(cfg.get("lm_head_bias", False)))
 
@@ -189,34 +190,34 @@ def dbrx(cfg: Config) -> ModelSpec:
     moe = MoESpec(
         num_experts=int(ffn["moe_num_experts"]), top_k=int(ffn["moe_top_k"]), intermediate=int(ffn["ffn_hidden_size"]),
         router=RouterSpec(scoring="softmax", norm_topk=p is not None, norm_p=float(p or 1.0)),
-        activation=_act(ffn.get("ffn_act_fn") or {}, "name"),
+        activation=activation_name(ffn.get("ffn_act_fn") or {}, "name"),
     )
-    attn = _gqa(flat, clip_qkv=attn_cfg.get("clip_qkv"))
+    attn = gqa_spec(flat, clip_qkv=attn_cfg.get("clip_qkv"))
     names = WeightNames(layers="transformer.blocks", embed="transformer.wte", final_norm="transformer.norm_f",
                         attn="norm_attn_norm.attn", fused_qkv="Wqkv", o_proj="out_proj", moe_prefix="ffn",
                         router="router.layer", gate_up_layout="dbrx", attn_in_norm="norm_attn_norm.norm_1",
                         ffn_in_norm="norm_attn_norm.norm_2")
-    return _model(flat, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["n_layers"]))], names=names,
+    return model_spec(flat, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["n_layers"]))], names=names,
                   norm_kind="layer", norm_eps=1e-5)
 
 
 @adapter("jetmoe")
 def jetmoe(cfg: Config) -> ModelSpec:
     """JetMoE: mixture-of-attention-heads (routed query/output experts over shared KV) and a biased MoE MLP."""
-    from freetoken_agent.runtime.model.adapters import _rope
+    from freetoken_agent.runtime.model.adapters import rope_spec
     from freetoken_agent.runtime.model.spec import AttentionSpec
 
     hkv, dh, k = int(cfg["num_key_value_heads"]), int(cfg["kv_channels"]), int(cfg["num_experts_per_tok"])
     attn = AttentionSpec(kind="moa", num_heads=hkv * k, num_kv_heads=hkv, head_dim=dh, v_head_dim=dh,
-                         scale=dh**-0.5, rope=_rope(cfg, dh))
+                         scale=dh**-0.5, rope=rope_spec(cfg, dh))
     moe = MoESpec(
         num_experts=int(cfg["num_local_experts"]), top_k=k, intermediate=int(cfg["intermediate_size"]),
         router=RouterSpec(scoring="none", topk_before_scoring=True),
-        activation=_act(cfg, "activation_function"), output_bias=True,
+        activation=activation_name(cfg, "activation_function"), output_bias=True,
     )
     names = WeightNames(attn="self_attention", router="router.layer",
                         fused_names=("input_linear.weight", "output_linear.weight"))
-    return _model(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["num_hidden_layers"]))],
+    return model_spec(cfg, [LayerSpec(attention=attn, moe=moe) for _ in range(int(cfg["num_hidden_layers"]))],
                   names=names, norm_eps=float(cfg.get("rms_norm_eps") or 1e-6))
 
 
@@ -224,10 +225,10 @@ def jetmoe(cfg: Config) -> ModelSpec:
 def doge(cfg: Config) -> ModelSpec:
     """Doge: dynamic-mask attention (learned per-key bias, top-k window), learned residual scales and, with
     ``is_moe``, the cross-domain product-key MoE over rank-1 experts beside a dense MLP."""
-    act = _act(cfg)
+    act = activation_name(cfg)
     dense = MLPSpec(int(cfg["intermediate_size"]), act, bias=bool(cfg.get("mlp_bias", False)))  # type: ignore[arg-type]
     bias = bool(cfg.get("attention_bias", False))
-    attn = _gqa(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", dynamic_mask=True,
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", dynamic_mask=True,
                 keep_window=int(cfg.get("keep_window_size") or 2048), sliding_window=cfg.get("sliding_window"))
     if cfg.get("is_moe"):
         moe = MoESpec(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
@@ -237,4 +238,4 @@ def doge(cfg: Config) -> ModelSpec:
     else:
         layers = [LayerSpec(attention=attn, mlp=dense) for _ in range(int(cfg["num_hidden_layers"]))]
     names = WeightNames(residual_weights=("input_residual", "post_attention_residual"))
-    return _model(cfg, layers, names=names)
+    return model_spec(cfg, layers, names=names)

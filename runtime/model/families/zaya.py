@@ -4,7 +4,14 @@ learned affine residuals and input scaling; every layer is MoE, top-1."""
 
 from __future__ import annotations
 
-from freetoken_agent.runtime.model.adapters import Config, _act, _model, _opt, _rope, adapter
+from freetoken_agent.runtime.model.adapters import (
+    Config,
+    activation_name,
+    model_spec,
+    optional_field,
+    rope_spec,
+    adapter,
+)
 from freetoken_agent.runtime.model.spec import (
     AttentionSpec,
     LayerSpec,
@@ -19,7 +26,7 @@ from freetoken_agent.runtime.model.spec import (
 def zaya(cfg: Config) -> ModelSpec:
     n = int(cfg["num_hidden_layers"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-    head_dim = int(_opt(cfg, "head_dim", default=int(cfg["hidden_size"]) // heads))
+    head_dim = int(optional_field(cfg, "head_dim", default=int(cfg["hidden_size"]) // heads))
     if heads % kv_heads or (kv_heads * head_dim) % 2:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads, and the value width even")
     types = cfg.get("layer_types") or ["hybrid"] * n
@@ -33,13 +40,13 @@ def zaya(cfg: Config) -> ModelSpec:
         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate=int(cfg["moe_intermediate_size"]),
         router=RouterSpec(scoring="softmax", mlp_hidden=int(cfg["router_hidden_size"])),
-        activation=_act(cfg),  # type: ignore[arg-type]
+        activation=activation_name(cfg),  # type: ignore[arg-type]
     )
 
     def attention(layer_type: str) -> AttentionSpec:
         return AttentionSpec(
             kind="cca", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-            scale=head_dim**-0.5, rope=_rope(cfg, head_dim, layer_type=layer_type), qkv_bias=bias, o_bias=bias,
+            scale=head_dim**-0.5, rope=rope_spec(cfg, head_dim, layer_type=layer_type), qkv_bias=bias, o_bias=bias,
             sliding_window=int(window) if layer_type == "hybrid_sliding" else None,
             cca_kernels=(int(cfg.get("cca_time0", 2)), int(cfg.get("cca_time1", 2))),
         )
@@ -47,5 +54,5 @@ def zaya(cfg: Config) -> ModelSpec:
     layers = [LayerSpec(attention=attention(t), moe=moe) for t in types]
     names = WeightNames(embed_affine="model.input_hidden_states",
                         residual_affine=("post_attention_residual_scale", "post_mlp_residual_scale"))
-    return _model(cfg, layers, names=names, tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    return model_spec(cfg, layers, names=names, tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                   lm_head_bias=bool(cfg.get("lm_head_bias", False)))
