@@ -239,6 +239,10 @@ def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
             elif name.endswith("tid2eid"):  # hash routing table (zeros at init): distinct random experts per token
                 experts = torch.rand(b.shape[0], model.config.num_local_experts).argsort(-1).to(b.dtype)
                 b.copy_(experts[:, : b.shape[1]])
+        for module in model.modules():  # learned activations (PReLU, xIELU): trained-like values, distinct per site
+            if type(module).__name__ in ("PReLU", "XIELUActivation"):
+                for p in module.parameters():
+                    p.add_(torch.randn_like(p) * 0.2)
     return model.eval()
 
 

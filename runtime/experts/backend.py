@@ -40,8 +40,11 @@ class ManagedExperts:
     def __init__(
         self, layer: int, spec: MoESpec, store: ExpertStore, planner: ExecutionPlanner,
         next_layer: int | None = None, lookahead: Lookahead | None = None,
+        act: dict[str, torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
+        """``act``: the experts' learned activation parameters (``TorchExperts.act``), if any."""
         self.layer, self.spec, self.store, self.planner = layer, spec, store, planner
+        self.act = act or {}
         self.next_layer, self.lookahead = next_layer, lookahead
         self.layout = store.host.layout
         self.exact = True
@@ -68,7 +71,7 @@ class ManagedExperts:
             qe = QuantizedExperts(self.layout.fmt, views.w13, views.w2, self.layout.hidden,
                                   self.layout.intermediate, self.layout.packed)
             if self.spec.activation != "silu" or self.spec.glu_clamp:
-                qe.activation = partial(activate, moe=self.spec)
+                qe.activation = partial(activate, moe=self.spec, params=self.act)
             qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
         self._views[tier] = (pool.generation, views, qe)
         return views, qe
@@ -79,7 +82,7 @@ class ManagedExperts:
         h = expert_linear(x, views.gate_up[slot])  # [n, 2I]
         if views.gate_up_bias is not None:
             h = h + views.gate_up_bias[slot]
-        h = expert_linear(activate(h, self.spec), views.down[slot])  # [n, D]
+        h = expert_linear(activate(h, self.spec, self.act), views.down[slot])  # [n, D]
         if views.down_bias is not None:
             h = h + views.down_bias[slot]
         return h

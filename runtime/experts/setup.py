@@ -138,7 +138,8 @@ class Managed:
             look = _lookahead(decoder, nxt) if nxt is not None and self.store._executor is not None else None
             moe = self.spec.layers[i].moe
             assert moe is not None
-            backend = ManagedExperts(i, moe, self.store, self.planner, nxt, look)
+            act = self.weights.layers[i].moe.experts.act  # type: ignore[union-attr]
+            backend = ManagedExperts(i, moe, self.store, self.planner, nxt, look, act)
             backend.exact = self.exact
             decoder.experts[i] = backend
             self.backends.append(backend)

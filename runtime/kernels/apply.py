@@ -13,7 +13,6 @@ the kernels (matches ``dequantized_reference(..., activations="int8")``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,7 @@ def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
     fmt = check_quant(quant)
     if fmt == "none":
         return None
-    from ..model.moe import TorchExperts, activate
+    from ..model.moe import TorchExperts
 
     layers = float_bytes = quant_bytes = 0
     packed = False
@@ -84,7 +83,7 @@ def quantize_experts(decoder: Any, quant: str) -> QuantReport | None:
             raise FreeTokenError("quantized experts run on the CPU; load with device='cpu' (GPU slots come later)")
         qe = QuantizedExperts.from_float(te.gate_up, te.down, fmt)  # converted to fp32 chunk by chunk
         if te.spec.activation != "silu" or te.spec.glu_clamp:
-            qe.activation = partial(activate, moe=te.spec)
+            qe.activation = te.activation()
         if te.gate_up_bias is not None:
             qe.gate_up_bias = te.gate_up_bias.float()
         if te.down_bias is not None:
@@ -119,7 +118,6 @@ def dequantized_reference(decoder: Any, activations: str = "fp32") -> None:
     ``activations="fp32"``: plain ``TorchExperts`` (the reference for exact mode and prefill); ``"int8"``:
     ``reference.Int8ActExperts``, which also rounds matmul inputs like the C decode kernels.
     """
-    from ..model.moe import activate
     from .reference import Int8ActExperts
 
     if activations not in ("fp32", "int8"):
@@ -131,7 +129,7 @@ def dequantized_reference(decoder: Any, activations: str = "fp32") -> None:
         qe, te = backend.inner, lw.moe.experts
         gate_up, down = qe.dequantize()
         if activations == "int8":
-            decoder.experts[i] = Int8ActExperts(gate_up, down, partial(activate, moe=te.spec),
+            decoder.experts[i] = Int8ActExperts(gate_up, down, te.activation(),
                                                 qe.gate_up_bias, qe.down_bias)
             continue
         dtype = te.gate_up.dtype

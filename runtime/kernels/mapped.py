@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +83,6 @@ class MappedLoad:
 
     def install(self, decoder: Any) -> QuantReport:
         """Give every MoE layer of ``decoder`` a ``QuantizedExperts`` over its blobs (no copy)."""
-        from ..model.moe import activate
-
         lay = self.layout
         quant_bytes = 0
         for j, layer in enumerate(self.layers):
@@ -96,7 +93,7 @@ class MappedLoad:
             qe = QuantizedExperts(lay.fmt, views.w13, views.w2, lay.hidden, lay.intermediate, lay.packed)
             qe.attach_int4()  # no compiler, q4 only: torch int4 copies
             if moe.activation != "silu" or moe.glu_clamp:
-                qe.activation = partial(activate, moe=moe)
+                qe.activation = self.weights.layers[layer].moe.experts.activation()  # the loader's empty experts
             qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
             decoder.experts[layer] = _TypedExperts(qe)
             quant_bytes += qe.nbytes

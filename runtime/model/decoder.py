@@ -23,9 +23,15 @@ from freetoken_agent.runtime.model.cca import cca_attention
 from freetoken_agent.runtime.model.gated_hyper import GatedHyperRunner
 from freetoken_agent.runtime.model.mlp_router import mlp_route
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
-from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.compressed import shared_kv_attention
-from freetoken_agent.runtime.model.gemma import per_layer_inputs, per_layer_residual, reused_kv_attention, router_input
+from freetoken_agent.runtime.model.gemma import (
+    per_layer_activation,
+    per_layer_inputs,
+    per_layer_residual,
+    reused_kv_attention,
+    router_input,
+)
 from freetoken_agent.runtime.model.hyper import hc_head, hc_post, hc_pre
 from freetoken_agent.runtime.model.mhc import mhc_post, mhc_pre
 from freetoken_agent.runtime.model.layers import (
@@ -161,7 +167,9 @@ class Decoder:
             if layer.moe_shortcut == "add":
                 h = h + self._batch_scratch.pop("moe_shortcut")
             if per_layer is not None or "layer_scalar" in lw.norms:  # Gemma 4
-                act = activation_fn(layer.mlp.activation if layer.mlp is not None else "gelu_tanh")
+                act = activation_fn("linear")  # unused without per-layer inputs
+                if per_layer is not None:
+                    act = activation_fn(per_layer_activation(layer), params_in(lw.norms, "ple_act"))
                 h = per_layer_residual(h, None if per_layer is None else per_layer[:, i], lw.norms, act, spec.norm_eps)
         for seg in segments:
             seg.cache.advance()
@@ -356,7 +364,7 @@ class Decoder:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         for observe in self.routing_observers:
             observe(i, ids)
-        act = activation_fn(moe.activation)
+        act = activation_fn(moe.activation, params_in(mw.shared))  # one act_fn serves the MLP and the experts
         h = act(torch.einsum("tkd,td->tk", mw.router["down_embed"][ids], x)) * weights  # [T, K]
         routed = torch.einsum("tk,tkd->td", h, mw.router["up_embed"][ids])
         return mlp(x, mw.shared, moe.shared) + routed

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import Span, attention_scores, dense_linear, linear, rms_norm, unit_rms_norm
 from freetoken_agent.runtime.model.rope import Rotary
-from freetoken_agent.runtime.model.spec import AttentionSpec, ModelSpec
+from freetoken_agent.runtime.model.spec import AttentionSpec, LayerSpec, ModelSpec
 
 Weights = dict[str, torch.Tensor]
 
@@ -33,6 +33,11 @@ def per_layer_inputs(token_ids: torch.Tensor, embeds: torch.Tensor, w: Weights, 
     projected = dense_linear(embeds, w["projection"]) * spec.hidden_size**-0.5  # [T, L·P]
     projected = rms_norm(projected.view(t, layers, p), w["norm"], spec.norm_eps)
     return (projected + tokens.view(t, layers, p)) * 2**-0.5
+
+
+def per_layer_activation(layer: LayerSpec) -> str:
+    """The activation of a layer's per-layer-input gate: the config's, as its MLP has it (GELU-tanh without one)."""
+    return layer.mlp.activation if layer.mlp is not None else "gelu_tanh"
 
 
 def per_layer_residual(

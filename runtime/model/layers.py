@@ -24,7 +24,7 @@ from freetoken_agent.runtime.model.indexer import (
     indexer_keys,
     topk_keep,
 )
-from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
@@ -115,7 +115,7 @@ def mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
 
 
 def _mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
-    act = activation_fn(spec.activation)
+    act = activation_fn(spec.activation, params_in(w))
     if not spec.gated:
         return linear(elementwise(act, linear(x, w, "up_proj")), w, "down_proj")
     if spec.fused:

@@ -9,7 +9,9 @@ the router's logits, the reference experts' matmuls and the activations are batc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from freetoken_agent.runtime.kernels import invariant
 from freetoken_agent.runtime.kernels import ops as kops
-from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.activations import Params, activation_fn
 from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 from freetoken_agent.runtime.model.spec import MoESpec, RouterSpec
 
@@ -35,10 +37,11 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return invariant.linear(x, weight) if kops.deterministic() else x @ weight.T
 
 
-def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
-    """[N, 2I] (gate columns then up columns) → [N, I]; ungated experts: [N, I] → [N, I]."""
+def activate(gate_up: torch.Tensor, moe: MoESpec, params: Params | None = None) -> torch.Tensor:
+    """[N, 2I] (gate columns then up columns) → [N, I]; ungated experts: [N, I] → [N, I]. ``params``: the tensors
+    of a learned activation (``TorchExperts.act``)."""
     if not moe.gated:
-        return elementwise(activation_fn(moe.activation), gate_up)
+        return elementwise(activation_fn(moe.activation, params), gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if moe.glu_clamp:  # DeepSeek-V4
         gate, up = gate.clamp(max=moe.swiglu_limit), up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
@@ -53,7 +56,7 @@ def activate(gate_up: torch.Tensor, moe: MoESpec) -> torch.Tensor:
     if moe.activation == "softcap_swiglu":  # Inkling 2: the sigmoid sees the raw gate, the caps bound the factors
         (cg, cu), g, u = moe.softcaps, gate.float(), up.float()
         return (torch.tanh(g / cg) * cg * torch.sigmoid(g) * torch.tanh(u / cu) * cu).to(gate.dtype)
-    return elementwise(activation_fn(moe.activation), gate) * up
+    return elementwise(activation_fn(moe.activation, params), gate) * up
 
 
 @dataclass
@@ -65,6 +68,13 @@ class TorchExperts:
     down: torch.Tensor  # [E, D, I]
     gate_up_bias: torch.Tensor | None = None  # [E, 2I]
     down_bias: torch.Tensor | None = None  # [E, D]
+    act: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The experts' learned activation parameters (``activations.LEARNED``; empty for plain activations): every
+    backend built from these experts applies them through ``activation()``."""
+
+    def activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``activate`` bound to this layer's spec and parameters: [N, 2I] → [N, I]."""
+        return partial(activate, moe=self.spec, params=self.act)
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights of one expert: (gate_up [2I, D], down [D, I])."""
@@ -85,7 +95,7 @@ class TorchExperts:
             h = expert_linear(x[tokens], self.gate_up[e])  # [n, 2I]
             if self.gate_up_bias is not None:
                 h = h + self.gate_up_bias[e]
-            h = expert_linear(activate(h, self.spec), self.down[e])  # [n, D]
+            h = expert_linear(activate(h, self.spec, self.act), self.down[e])  # [n, D]
             if self.down_bias is not None:
                 h = h + self.down_bias[e]
             out.index_add_(0, tokens, (h * weight_of[start : start + n, None]).to(out.dtype))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 from freetoken_agent.runtime.model.spec import MLPSpec, MoESpec
 
@@ -38,7 +38,7 @@ def sink_route(
 
 def stacked_shared(x: torch.Tensor, w: dict[str, torch.Tensor], gammas: torch.Tensor, spec: MLPSpec) -> torch.Tensor:
     """Σ_n γ_n · down_n(act(gate_n(x)) · up_n(x)) for x [T, D], gate/up [n, I, D], down [n, D, I], γ [T, n]."""
-    act = activation_fn(spec.activation)
+    act = activation_fn(spec.activation, params_in(w))
     gate = torch.einsum("td,nid->nti", x, w["gate_proj"])  # [n, T, I]
     up = torch.einsum("td,nid->nti", x, w["up_proj"])
     h = elementwise(act, gate) * up * gammas.T.to(x.dtype)[:, :, None]

@@ -15,8 +15,10 @@ import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from freetoken_agent.runtime.model.activations import LEARNED, default_params
 from freetoken_agent.runtime.model.compressed import load_shared_kv
 from freetoken_agent.runtime.model.cca import cca_weights
+from freetoken_agent.runtime.model.gemma import per_layer_activation
 from freetoken_agent.runtime.model.mlp_router import mlp_router_weights
 from freetoken_agent.runtime.model.moe import TorchExperts
 from freetoken_agent.runtime.model.ngram import ple_weights
@@ -33,6 +35,8 @@ from freetoken_agent.runtime.model.spec import (
 
 # Tensors some exporters write that carry no weights we need.
 _ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
+_ACT_MODULES = ("act_fn", "activation_fn", "activation", "act")
+"""The names transformers' modeling code gives an activation module (``self.act_fn = ACT2FN[...]`` and kin)."""
 
 
 @dataclass
@@ -112,6 +116,30 @@ class _Loader:
             )
         return self.reader.get(name).to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        return self.reader.read(name).dtype if name in self.reader else None
+
+    def activation(self, name: str, *bases: str, key: str = "act") -> dict[str, torch.Tensor]:
+        """A learned activation's parameters at one site as ``{key}.{param}`` (``{}`` for a plain activation):
+        read from the first activation module (``_ACT_MODULES``) under one of ``bases`` that stores them, in their
+        stored dtype (transformers' xIELU computes its coefficients in it: bf16)."""
+        shapes = LEARNED.get(name)
+        if not shapes:
+            return {}
+        first = next(iter(shapes))
+        module = next((f"{b}.{leaf}" for b in bases for leaf in _ACT_MODULES
+                       if self.stored_shape(f"{b}.{leaf}.{first}") is not None), f"{bases[0]}.act_fn")
+        return {f"{key}.{p}": self.take(f"{module}.{p}", shape, self.stored_dtype(f"{module}.{p}"))
+                for p, shape in shapes.items()}
+
+    def conv_activation(self, prefix: str, name: str) -> dict[str, torch.Tensor]:
+        """The activation after a recurrent mixer's convolution, as ``act.{param}``. transformers applies it as
+        ``ACT2FN[name](x)``, a module built anew on every call: a learned one computes with its default parameters,
+        and the ``act`` module the mixer also builds (stored, never called) is knowingly left unread."""
+        for stored in self.stored_under(f"{prefix}.act."):
+            self.mark_used(stored)
+        return {f"act.{p}": t.to(self.device) for p, t in default_params(name).items()}
+
     def take_ids(self, name: str, shape: tuple[int, ...], limit: int) -> torch.Tensor:
         """An integer index table (int64) whose entries must lie in ``0..limit-1`` (a hash router's token → expert
         ids); read without the floating-point weight checks."""
@@ -146,6 +174,9 @@ class _Loader:
                 w["conv.bias"] = self.take(f"{prefix}.conv.bias", (d,))
             self.linear(w, prefix, "out_proj", d, d, r.conv_bias)
             return w
+        # lightning: a stored act_fn on the qkv projection; the others: the convolution's activation
+        w.update(self.activation(r.activation, prefix) if r.kind == "lightning"
+                 else self.conv_activation(prefix, r.activation))
         hk, hv, dk, dv = r.num_k_heads, r.num_v_heads, r.head_k_dim, r.head_v_dim
         if r.kind == "kda":
             h, dk = r.num_v_heads, r.head_k_dim
@@ -216,7 +247,7 @@ class _Loader:
         return w
 
     def mlp(self, prefix: str, spec: MLPSpec, d: int) -> dict[str, torch.Tensor]:
-        w: dict[str, torch.Tensor] = {}
+        w: dict[str, torch.Tensor] = self.activation(spec.activation, prefix)
         if spec.fused:
             gate_up, down = spec.fused_names
             self.linear(w, prefix, gate_up, 2 * spec.intermediate, d, spec.bias, key="input_linear")
@@ -370,6 +401,9 @@ class _Loader:
                 raise ShapeMismatchError(f"tensor {name} has shape {list(shape)}, expected [{n_route}]")
             correction = self.take(name, shape, torch.float32).reshape(-1)
         weights = MoEWeights(router, correction, self.experts(prefix, m, names, m.latent or d))
+        weights.experts.act = {k.removeprefix("act."): t for k, t in
+                               self.activation(m.activation, f"{prefix}.experts", f"{prefix}.experts.mlp",
+                                               prefix).items()}
         if m.latent:
             self.linear(weights.latent, prefix, "fc1_latent_proj", m.latent, d, m.latent_bias)
             self.linear(weights.latent, prefix, "fc2_latent_proj", d, m.latent, m.latent_bias)
@@ -377,6 +411,7 @@ class _Loader:
             n, i, base = m.router.shared_sink, m.shared.intermediate, f"{prefix}.{names.shared}"
             weights.shared = {leaf: self.take(f"{base}.{leaf}", shape) for leaf, shape in
                               (("gate_proj", (n, i, d)), ("up_proj", (n, i, d)), ("down_proj", (n, d, i)))}
+            weights.shared.update(self.activation(m.shared.activation, base))
         elif m.shared is not None:
             base = layer_prefix if names.shared_at_layer else prefix
             weights.shared = self.mlp(f"{base}.{names.shared}", m.shared, d)
@@ -443,6 +478,9 @@ class _Recorder(_Loader):
 
     def take_ids(self, name: str, shape: tuple[int, ...], limit: int) -> torch.Tensor:
         return self.take(name, shape, torch.int64)
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        return None
 
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
         leaves = (("gate_proj", (m.intermediate, d)),) if m.gated else ()
@@ -517,6 +555,7 @@ def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWei
             lw.norms["ple_gate"] = ld.take(f"{p}.per_layer_input_gate.weight", (pd, d))
             lw.norms["ple_proj"] = ld.take(f"{p}.per_layer_projection.weight", (d, pd))
             lw.norms["ple_norm"] = ld.norm(f"{p}.post_per_layer_input_norm.weight", d)
+            lw.norms.update(ld.activation(per_layer_activation(layer), p, key="ple_act"))
         if n.layer_scalar:
             lw.norms["layer_scalar"] = ld.take(f"{p}.{n.layer_scalar}", (1,))
         if layer.post_conv:  # Inkling's residual convolutions on the mixer and FFN outputs (fp32, [D, 1, K])

@@ -8,19 +8,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.activations import Params, activation_fn
 
 
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None,
-    activation: str | None = "silu",
+    activation: str | None = "silu", params: Params | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, C], weight [C, K] (or [C, 1, K]), state [K-1, C] or None → (y [T, C], new state [K-1, C]);
-    ``activation`` (a name in ``activations.ACTIVATIONS``, None: none) is applied to y."""
+    ``activation`` (an activation name, None: none; ``params``: a learned one's tensors) is applied to y."""
     w = weight.reshape(weight.shape[0], -1)
     k = w.shape[1]
     if state is None:
         state = x.new_zeros((k - 1, x.shape[1]))
     full = torch.cat([state.to(x.dtype), x], dim=0)  # [K-1+T, C]
     y = F.conv1d(full.T[None], w[:, None, :], bias, groups=w.shape[0])[0].T  # [T, C]
-    return (activation_fn(activation)(y) if activation else y), full[full.shape[0] - (k - 1) :].clone()
+    return (activation_fn(activation, params)(y) if activation else y), full[full.shape[0] - (k - 1) :].clone()

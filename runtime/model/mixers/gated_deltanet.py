@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
 
@@ -63,7 +64,8 @@ def gated_deltanet(
         b, a = F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"])
     state = cache.get_state(layer)
     conv_state, rec_state = (None, None) if state is None else state
-    mixed, conv_state = causal_conv(mixed, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation)
+    mixed, conv_state = causal_conv(mixed, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation,
+                                   params_in(w))
     q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
     beta = torch.sigmoid(b.float())
@@ -99,7 +101,7 @@ def kimi_delta(
     parts, new_convs = [], []
     for name, conv in zip("qkv", convs):
         y, c = causal_conv(F.linear(x, w[f"{name}_proj.weight"]), w[f"{name}_conv1d.weight"], None, conv,
-                           spec.activation)
+                           spec.activation, params_in(w))
         parts.append(y.view(t, h, dk).float())
         new_convs.append(c)
     q, k, v = parts

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.activations import activation_fn
+from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.spec import RecurrentSpec
 
 
@@ -17,7 +17,7 @@ def lightning(
     x: torch.Tensor, w: dict[str, torch.Tensor], spec: RecurrentSpec, layer: int, cache: KVCache, eps: float
 ) -> torch.Tensor:
     t, h, dh = x.shape[0], spec.num_v_heads, spec.head_v_dim
-    qkv = activation_fn(spec.activation)(F.linear(x, w["qkv_proj.weight"])).view(t, h, 3 * dh)
+    qkv = activation_fn(spec.activation, params_in(w))(F.linear(x, w["qkv_proj.weight"])).view(t, h, 3 * dh)
     q, k, v = qkv.float().split(dh, dim=-1)  # [T, H, Dh] each
     decay = torch.exp(-torch.tensor(spec.slopes, dtype=torch.float32, device=x.device))[:, None, None]  # [H, 1, 1]
     state = cache.get_state(layer)

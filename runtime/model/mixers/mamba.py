@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
 
@@ -28,7 +29,8 @@ def mamba(
     xs, gate = F.linear(x, w["in_proj.weight"], w.get("in_proj.bias")).chunk(2, dim=-1)
     state = cache.get_state(layer)
     conv_state, ssm = (None, None) if state is None else state
-    xs, conv_state = causal_conv(xs, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation)
+    xs, conv_state = causal_conv(xs, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation,
+                                  params_in(w))
     dt, b, c = F.linear(xs, w["x_proj.weight"]).split([rank, n, n], dim=-1)
     dt = _rms(dt, w.get("dt_layernorm.weight"), eps)
     b, c = _rms(b, w.get("b_layernorm.weight"), eps).float(), _rms(c, w.get("c_layernorm.weight"), eps).float()

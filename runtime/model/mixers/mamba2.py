@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
 
@@ -23,7 +24,8 @@ def mamba2(
     z, xbc, dt = F.linear(x, w["in_proj.weight"], w.get("in_proj.bias")).split([inner, inner + 2 * g * n, h], dim=-1)
     state = cache.get_state(layer)
     conv_state, ssm = (None, None) if state is None else state
-    xbc, conv_state = causal_conv(xbc, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation)
+    xbc, conv_state = causal_conv(xbc, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation,
+                                   params_in(w))
     xs, b, c = xbc.float().split([inner, g * n, g * n], dim=-1)
     xs, b, c = xs.view(t, h, p), b.view(t, g, n), c.view(t, g, n)
     b, c = b.repeat_interleave(h // g, dim=1), c.repeat_interleave(h // g, dim=1)  # [T, H, N]
