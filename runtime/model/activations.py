@@ -55,6 +55,7 @@ ACTIVATIONS: dict[str, Fn] = {
 _ALIASES = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu_squared": "relu2", "squared_relu": "relu2"}
 _FUSED = {"swiglu_oai": "silu", "silu_clamp": "silu", "softcap_swiglu": "silu"}
 """Fused forms (set by adapters, never read from a config) whose clamps the MLP / experts apply around a SiLU."""
+
 Params = Mapping[str, torch.Tensor]
 """A learned activation's tensors by parameter name (``weight``; ``alpha_p``, ``alpha_n``, ``beta``, ``eps``)."""
 
