@@ -14,11 +14,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
+from freetoken_agent.tools.sandbox import SandboxPolicy
 from freetoken_agent.evals.swe.agents import AgentOutcome, EvalAgent, TaskSkipped
 from freetoken_agent.evals.swe.gitops import GitError, apply_patch, checkout, diff_against, snapshot
 from freetoken_agent.evals.swe.grading import is_resolved, split
@@ -48,6 +49,9 @@ class HarnessConfig:
     agent_timeout_s: float | None = None
     model_name: str = ""
     """Written as ``model_name_or_path`` in predictions.jsonl."""
+    sandbox: SandboxPolicy | None = field(default_factory=SandboxPolicy)
+    """The OS sandbox the tests (the agent's code) run under: ``workspace-write`` without network by default;
+    ``None`` runs them unconfined. A machine that cannot enforce it refuses the task (an error naming why)."""
 
 
 def resolve_repo(task: Task, repos_dir: Path | None) -> str:
@@ -91,10 +95,11 @@ def _prepare(repo: str, commit: str, dest: Path, task: Task, python: str, log: P
     return base, snapshot(dest, "after setup") if task.setup else base
 
 
-def _run_tests(task: Task, ws: Path, python: str, timeout_s: float, log: Path, scratch: Path) -> ExecutedTests:
+def _run_tests(task: Task, ws: Path, python: str, timeout_s: float, log: Path, scratch: Path,
+               sandbox: SandboxPolicy | None) -> ExecutedTests:
     if task.test_command is not None:
-        return run_commands(task.tests, task.test_command, ws, timeout_s, log, python, task.env)
-    return run_pytest(task.tests, ws, python, timeout_s, log, scratch, task.env)
+        return run_commands(task.tests, task.test_command, ws, timeout_s, log, python, task.env, sandbox)
+    return run_pytest(task.tests, ws, python, timeout_s, log, scratch, task.env, sandbox)
 
 
 async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore,
@@ -133,7 +138,7 @@ async def evaluate_task(task: Task, agent: EvalAgent, store: RunStore,
             return result, patch
         (tdir / "tests.log").unlink(missing_ok=True)
         run = await anyio.to_thread.run_sync(_run_tests, task, ev, python, config.test_timeout_s or task.test_timeout_s,
-                                             tdir / "tests.log", tmp / "scratch")
+                                             tdir / "tests.log", tmp / "scratch", config.sandbox)
         result.tests_s = time.monotonic() - t_tests
         _score(task, run, diff, result)
         return result, patch

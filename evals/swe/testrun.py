@@ -4,6 +4,11 @@ pytest mode (the default): all tests run in one ``python -m pytest`` process wit
 streams a line as each test starts and ends. A watchdog kills the whole process group when one test runs past
 its timeout; that test scores FAILED (timed out) and the tests that had not run yet run again in a new process.
 Command mode (``Task.test_command``): one shell command per test, exit status 0 = PASSED.
+
+The tests run the code the agent wrote, so with a ``SandboxPolicy`` they run under the tools' OS sandbox
+(``freetoken_agent.tools.sandbox``: workspace and the report's scratch folder writable, network off, ``.git``
+read-only, an allow-listed environment plus the variables the harness and the task set, everything killed at the
+end). Trusted setup commands run without it.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from freetoken_agent.tools.sandbox import SandboxPolicy, confined
 
 PASSED, FAILED, ERROR, SKIPPED, XFAIL = "PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"
 PLUGIN_MODULE = "_freetoken_eval_report"
@@ -64,15 +72,30 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_watched(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, idle_timeout_s: float,
-                events_path: Path | None = None, first_timeout_s: float | None = None) -> _Batch:
+                events_path: Path | None = None, first_timeout_s: float | None = None,
+                sandbox: SandboxPolicy | None = None) -> _Batch:
     """Run ``cmd`` in its own process group, output appended to ``log``. With ``events_path`` the watchdog
     restarts its clock at each event and fires ``idle_timeout_s`` after the last one (``first_timeout_s``
-    before the first); without it the command gets ``idle_timeout_s`` in total."""
+    before the first); without it the command gets ``idle_timeout_s`` in total. With ``sandbox`` the command runs
+    confined to ``cwd`` (``SandboxUnavailable`` when this machine cannot enforce the policy); of ``env`` it then
+    keeps the policy's allow-list plus every variable that differs from this process's environment."""
+    if sandbox is None:
+        jail = nullcontext(None)
+    else:
+        extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        jail = confined(cmd, sandbox, cwd, extra, (first_timeout_s or 0.0) + idle_timeout_s)
+    with jail as box:
+        argv, run_env = (cmd, env) if box is None else (box.argv, box.env)
+        return _watch(cmd, argv, cwd, run_env, log, idle_timeout_s, events_path, first_timeout_s)
+
+
+def _watch(shown: list[str], cmd: list[str], cwd: Path, env: dict[str, str], log: Path, idle_timeout_s: float,
+           events_path: Path | None, first_timeout_s: float | None) -> _Batch:
     events: list[dict[str, str]] = []
     offset = 0
     running: str | None = None
     with log.open("ab") as out:
-        out.write(f"$ {shlex.join(cmd)}\n".encode())
+        out.write(f"$ {shlex.join(shown)}\n".encode())
         out.flush()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -114,9 +137,12 @@ def _match(requested: str, reported: dict[str, str]) -> str | None:
 
 
 def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float, log: Path,
-               scratch: Path, extra_env: dict[str, str] | None = None) -> ExecutedTests:
+               scratch: Path, extra_env: dict[str, str] | None = None,
+               sandbox: SandboxPolicy | None = None) -> ExecutedTests:
     """Run pytest node ids with the report plugin and the per-test watchdog (see module docstring)."""
     scratch.mkdir(parents=True, exist_ok=True)
+    if sandbox is not None:  # the report plugin writes its events next to itself
+        sandbox = replace(sandbox, writable=(*sandbox.writable, str(scratch.resolve())))
     plugin_src = Path(__file__).with_name("pytest_report_plugin.py")
     (scratch / f"{PLUGIN_MODULE}.py").write_text(plugin_src.read_text(encoding="utf-8"), encoding="utf-8")
     env = subprocess_env(extra_env, scratch)
@@ -134,7 +160,8 @@ def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float,
         cmd = [python, "-m", "pytest", "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--rootdir", str(workspace),
                "--continue-on-collection-errors", "-q", "-rfE", *batch]
         # Startup and collection get more time than one test: large repositories import slowly.
-        run = run_watched(cmd, workspace, env, log, timeout_s, events_path, first_timeout_s=max(timeout_s, 120.0))
+        run = run_watched(cmd, workspace, env, log, timeout_s, events_path, first_timeout_s=max(timeout_s, 120.0),
+                          sandbox=sandbox)
         new = {e["nodeid"]: e["status"] for e in run.events if e["event"] == "end"}
         reported.update(new)
         broken = {e["nodeid"] for e in run.events if e["event"] == "collect_error"}
@@ -173,13 +200,14 @@ def run_pytest(tests: list[str], workspace: Path, python: str, timeout_s: float,
 
 
 def run_commands(tests: list[str], template: str, workspace: Path, timeout_s: float, log: Path,
-                 python: str, extra_env: dict[str, str] | None = None) -> ExecutedTests:
+                 python: str, extra_env: dict[str, str] | None = None,
+                 sandbox: SandboxPolicy | None = None) -> ExecutedTests:
     """Command mode: ``template`` with ``{test}`` (shell-quoted) and ``{python}`` run once per test."""
     result = ExecutedTests()
     env = subprocess_env(extra_env)
     for t in tests:
         cmd = template.replace("{test}", shlex.quote(t)).replace("{python}", shlex.quote(python))
-        run = run_watched(["bash", "-c", cmd], workspace, env, log, timeout_s)
+        run = run_watched(["bash", "-c", cmd], workspace, env, log, timeout_s, sandbox=sandbox)
         if run.returncode is None:
             result.timed_out.append(t)
         result.status[t] = PASSED if run.returncode == 0 else FAILED

@@ -40,6 +40,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repos", type=Path, help="folder with local clones for SWE-bench owner/name repositories")
     p.add_argument("--python", help="interpreter for setup commands and tests (default: this one)")
     p.add_argument("--test-timeout", type=seconds(), help="seconds per test before it is killed (default: per task)")
+    p.add_argument("--sandbox", choices=["read-only", "workspace-write", "full-access"], default="workspace-write",
+                   help="the OS sandbox the tests (the agent's code) and the agent's commands run under (default "
+                        "workspace-write: the workspace writable, not .git, no network); full-access turns it off")
     p.add_argument("--agent-timeout", type=seconds(), help="seconds the agent may work on one task (default: per task)")
     p.add_argument("--max-steps", type=count(), default=30, help="model calls per task for --agent agent (default 30)")
     p.add_argument("--max-step-tokens", type=count(), default=1024,
@@ -83,7 +86,10 @@ def _make_agent(args: argparse.Namespace) -> Any:
 
         backend = _backend(args)
         limits = Limits(max_steps=args.max_steps, max_tokens_per_step=args.max_step_tokens)
-        return SDKAgent(coding_agent_factory(lambda: backend, limits=limits), name="agent")
+        from freetoken_agent.tools.sandbox import SandboxMode, SandboxPolicy
+
+        sandbox = SandboxPolicy(SandboxMode(args.sandbox))
+        return SDKAgent(coding_agent_factory(lambda: backend, limits=limits, sandbox=sandbox), name="agent")
     return SDKAgent(load_factory(args.agent), name=args.agent)
 
 
@@ -185,9 +191,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{finished[0]}/{len(tasks)}] {result.instance_id}: {result.status} ({result.wall_s:.1f}s)"
               + (f" - {result.reason}" if result.reason else ""), file=sys.stderr, flush=True)
 
+    from freetoken_agent.tools.sandbox import SandboxMode, SandboxPolicy
+
     config = HarnessConfig(workers=args.workers, repos_dir=args.repos, python=args.python,
                            test_timeout_s=args.test_timeout, agent_timeout_s=args.agent_timeout,
-                           model_name=model or agent.name)
+                           model_name=model or agent.name, sandbox=SandboxPolicy(SandboxMode(args.sandbox)))
     anyio.run(run_pending, tasks, agent, store, config, progress)
     ids = [t.instance_id for t in tasks]
     summary = write_reports(store, ids)

@@ -208,3 +208,40 @@ def test_setup_commands_run_in_both_checkouts_and_never_count_as_changes(tmp_pat
     assert res["setup_broken"]["status"] == "skipped"
     assert res["setup_broken"]["reason"] == "setup command 'echo building; exit 3' exited 3 (see setup.log)"
     assert "building" in (tmp_path / "run" / "tasks" / "setup_broken" / "setup.log").read_text()
+
+
+ESCAPE = """
+
+def test_contained():
+    import os
+    try:
+        with open(os.environ["OUTSIDE_FILE"], "w") as f:
+            f.write("escaped")
+        wrote = True
+    except OSError:
+        wrote = False
+    assert not wrote, "the test wrote outside the workspace"
+    assert "FT_TEST_SECRET" not in os.environ, "the harness's secret reached the test"
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [True, False])
+def test_tests_run_the_agents_code_in_the_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  sandboxed: bool) -> None:
+    """The task's tests run code the agent wrote: confined, they can neither write outside the workspace nor read
+    the harness's secrets, so ``test_contained`` passes; unconfined (``sandbox=None``) both escapes happen."""
+    from freetoken_agent.tools.sandbox import probe
+
+    if sandboxed and not probe().can_sandbox(False):
+        pytest.skip("this machine has no sandbox mechanism (Landlock or namespaces)")
+    monkeypatch.setenv("FT_TEST_SECRET", "hunter2")
+    outside = tmp_path / "outside" / "escaped.txt"
+    outside.parent.mkdir()
+    row = calc_task(tmp_path, "escape", ESCAPE, env={**FAST, "OUTSIDE_FILE": str(outside)},
+                    PASS_TO_PASS=["tests/test_calc.py::test_ok", "tests/test_calc.py::test_contained"])
+    store = RunStore(tmp_path / "run")
+    store.start({"agent": "gold"}, resume=False)
+    config = HarnessConfig() if sandboxed else HarnessConfig(sandbox=None)
+    [result] = anyio.run(run_pending, load_tasks(write_jsonl(tmp_path / "t.jsonl", [row])), GoldAgent(), store, config)
+    assert result.status == ("resolved" if sandboxed else "unresolved"), result.reason
+    assert outside.exists() is not sandboxed
