@@ -101,9 +101,12 @@ class _Loader:
     def skip_empty_shared(self, base: str, gate: str) -> None:
         """A zero-width shared expert (transformers builds one for ``n_shared_experts: 0`` or a shared size of 0)
         computes exactly 0: its empty projections, and a gate that would scale that 0, are read as absent. A
-        non-empty tensor among them (a down bias) does contribute, so it stays unexpected."""
+        non-empty tensor among them (a down bias) does contribute, so it stays unexpected; a learned activation's
+        parameters (its ``act_fn``) act on nothing there."""
         found = self.stored_under(f"{base}.")
-        if found and all(math.prod(self.stored_shape(n) or (1,)) == 0 for n in found):
+        acts = tuple(f"{base}.{leaf}." for leaf in _ACT_MODULES)
+        weights = [n for n in found if not n.startswith(acts)]
+        if weights and all(math.prod(self.stored_shape(n) or (1,)) == 0 for n in weights):
             for name in (*found, gate):
                 self.mark_used(name)
 

@@ -83,3 +83,14 @@ def test_learned_activations_match_transformers_end_to_end(model_type: str, act:
     variant = next(v for v in variants(model_type, ("act",)) if v.value == act)
     outcome = check(variant)
     assert outcome.status == "pass", outcome.reason
+
+
+def test_a_zero_width_shared_expert_leaves_its_activation_parameters_unread() -> None:
+    pytest.importorskip("transformers")
+    from freetoken_agent.evals.fuzz.options import check
+    from freetoken_agent.evals.fuzz.variants import Variant
+
+    torch.set_num_threads(1)
+    overrides = {"shared_expert_intermediate_size": 0, "hidden_act": "prelu"}  # the shared act_fn acts on nothing
+    outcome = check(Variant("qwen2_moe", "shared", "shared_expert_intermediate_size", "0, prelu", overrides))
+    assert outcome.status == "pass", outcome.reason
