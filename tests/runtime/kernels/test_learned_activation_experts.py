@@ -55,3 +55,6 @@ def test_budgeted_experts_apply_the_learned_activation(model: Path, tmp_path: Pa
     managed = Engine.from_pretrained(model, budget=Budget())
     assert managed.residency is not None
     assert torch.allclose(managed.logits(PROMPT), plain.logits(PROMPT), rtol=0, atol=1e-5)
+    quantized = Engine.from_pretrained(model, quant="q8")  # quantized slots: QuantizedExperts over the pool
+    managed_q8 = Engine.from_pretrained(model, quant="q8", budget=Budget())
+    assert torch.allclose(managed_q8.logits(PROMPT), quantized.logits(PROMPT), rtol=0, atol=1e-5)
