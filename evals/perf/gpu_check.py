@@ -54,7 +54,7 @@ def random_dense(spec: Any, device: str, dtype: torch.dtype) -> Any:
             empty = torch.empty(0, dtype=dtype)
             return TorchExperts(m, empty, empty)
 
-    return weights_mod._walk(spec, RandomLoader(), None)
+    return weights_mod.walk_weights(spec, RandomLoader(), None)
 
 
 def write_experts(path: Path, spec: Any, layout: Any, moe_layers: list[int]) -> Any:

@@ -74,7 +74,7 @@ class ResidencyConfig:
     """With a GPU engine: keep a device slot pool (False = every routed expert on the CPU, ``--n-cpu-moe`` style)."""
 
 
-class _DenseLoader(weights_mod._Loader):
+class _DenseLoader(weights_mod.TensorLoader):
     """The strict loader, except routed experts: it records each MoE layer's ``ExpertSource`` instead."""
 
     def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -175,7 +175,7 @@ def load_managed(
     policy_name = config.policy
     make_policy(policy_name)  # validate the name before any work
     loader = _DenseLoader(reader, dtype, device)
-    weights = weights_mod._walk(spec, loader, None)
+    weights = weights_mod.walk_weights(spec, loader, None)
     dense_report = quantize_dense(spec, weights, dense_quant)  # before the dense bytes are claimed
     ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
     unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]

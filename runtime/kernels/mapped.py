@@ -137,7 +137,7 @@ def load_quantized(
     from ..model import weights as weights_mod
 
     loader = _DenseLoader(reader, dtype, device)
-    weights = weights_mod._walk(spec, loader, None)
+    weights = weights_mod.walk_weights(spec, loader, None)
     ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
     unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
     if unexpected:

@@ -77,7 +77,9 @@ class ModelWeights:
     """Gemma 4 per-layer inputs: ``embed`` [V', L·P], ``projection`` [L·P, D], ``norm`` [P]."""
 
 
-class _Loader:
+class TensorLoader:
+    """Takes checkpoint tensors by name with their expected shapes (``take``); subclassed to record or remap them."""
+
     norm_offset = 0.0
     layer = -1
     """Index (in ``ModelSpec.layers``) of the layer being loaded."""
@@ -438,7 +440,7 @@ def load_weights(
     on_layer: "callable | None" = None,  # type: ignore[valid-type]
 ) -> ModelWeights:
     """Read every tensor the spec needs; ``on_layer(i)`` is called after each layer (progress)."""
-    weights = _walk(spec, _Loader(reader, dtype, device), on_layer)
+    weights = walk_weights(spec, TensorLoader(reader, dtype, device), on_layer)
     ignored = [re.compile(p) for p in (*spec.ignored_tensors, *_ALWAYS_IGNORED)]
     unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
     if unexpected:
@@ -455,11 +457,11 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     Computed by walking the same loader over a recorder, so it can never disagree with ``load_weights``.
     """
     recorder = _Recorder()
-    _walk(spec, recorder, None)
+    walk_weights(spec, recorder, None)
     return recorder.shapes
 
 
-class _Recorder(_Loader):
+class _Recorder(TensorLoader):
     """A loader that records the (name, shape) it is asked for and returns empty meta tensors."""
 
     def __init__(self) -> None:
@@ -494,7 +496,10 @@ class _Recorder(_Loader):
         return TorchExperts(m, meta, meta)
 
 
-def _walk(spec: ModelSpec, ld: _Loader, on_layer: "callable | None") -> ModelWeights:  # type: ignore[valid-type]
+def walk_weights(spec: ModelSpec, ld: TensorLoader,
+                 on_layer: "callable | None") -> ModelWeights:  # type: ignore[valid-type]
+    """Every tensor ``spec`` needs, taken from ``ld`` (a reader-backed ``TensorLoader``, or one that records, maps or
+    synthesizes them), assembled into ``ModelWeights``; ``on_layer(i, layer_weights)`` after each layer."""
     ld.norm_offset = spec.norm_weight_offset
     d, v = spec.hidden_size, spec.vocab_size
     embed = ld.take(f"{spec.names.embed}.weight", (v, d))
