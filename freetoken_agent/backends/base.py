@@ -8,6 +8,7 @@ streaming tool-call parser; a remote OpenAI-compatible server parses on its side
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Union, runtime_checkable
@@ -156,7 +157,7 @@ class TextChunk:
     tokens: int = 1
 
 
-class TextBackend:
+class TextBackend(ABC):
     """Base for backends that generate raw text: subclasses implement :meth:`stream_text`.
 
     ``tool_format`` names the tool-call format the model writes (see :func:`freetoken_agent.chat.detect_format`).
@@ -164,9 +165,9 @@ class TextBackend:
 
     tool_format: str = "hermes"
 
+    @abstractmethod
     def stream_text(self, request: GenerateRequest) -> AsyncIterator[TextChunk | GenerationDone]:
         """Raw text chunks for ``request``, then one :class:`GenerationDone`."""
-        raise NotImplementedError
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[BackendEvent]:
         parser = make_parser(self.tool_format, request.tools)
@@ -205,6 +206,7 @@ class TextBackend:
     supports_logits: bool = False
     """Whether the logits-level controls are honored: penalties, ``logit_bias``, ``min_p``, ``logprobs``."""
 
-    def count_tokens(self, request: GenerateRequest) -> int:
-        """Prompt tokens ``request`` would take (what its ``GenerationDone.usage.prompt_tokens`` reports)."""
-        raise NotImplementedError
+    def count_tokens(self, request: GenerateRequest) -> int | None:
+        """Prompt tokens ``request`` would take (what its ``GenerationDone.usage.prompt_tokens`` reports); None when
+        this backend has no tokenizer to count with."""
+        return None

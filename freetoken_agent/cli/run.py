@@ -53,7 +53,8 @@ def _limits_ok(args: argparse.Namespace) -> None:
         raise CLIError(f"workspace {args.workspace!r} is not a folder")
 
 
-def _threads(count: int | None) -> None:
+def set_threads(count: int | None) -> None:
+    """Pin torch to ``count`` threads (None: leave it); fewer than 1 is a usage error."""
     from freetoken_agent.cli import CLIError
 
     if count is not None:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         from freetoken_agent.backends.local import LocalEngine
         from freetoken_agent.runtime.models import resolve_model
 
-        _threads(args.threads)
+        set_threads(args.threads)
         folder = resolve_model(args.model)
         with console.status(f"loading {folder.name}"):
             backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype,

@@ -78,10 +78,10 @@ def load_backend(args: argparse.Namespace) -> tuple[Any, str]:
         return ScriptedBackend(turns), args.name or "scripted"
     from freetoken_agent.backends.local import LocalEngine
     from freetoken_agent.cli.budget import engine_kwargs
-    from freetoken_agent.cli.run import _threads
+    from freetoken_agent.cli.run import set_threads
     from freetoken_agent.runtime.models import resolve_model
 
-    _threads(args.threads)
+    set_threads(args.threads)
     folder = resolve_model(args.model)
     backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype, **engine_kwargs(args))
     return backend, args.name or folder.resolve().name

@@ -185,10 +185,11 @@ class OpenAIServer:
 
     def backend_count(self, request: GenerateRequest) -> int:
         """Prompt tokens of ``request`` by the backend's own count (a 400 when it cannot count)."""
-        try:
-            return int(self.backend.count_tokens(request))  # type: ignore[attr-defined]
-        except (AttributeError, NotImplementedError):
-            raise RequestError("this backend cannot count tokens") from None
+        count = getattr(self.backend, "count_tokens", None)  # remote (OpenAI-compatible) backends have none
+        tokens = count(request) if count is not None else None
+        if tokens is None:
+            raise RequestError("this backend cannot count tokens")
+        return int(tokens)
 
     # ------------------------------------------------------------------------------------ OpenAI Responses
     async def create_response(self, request: Request) -> Response:
