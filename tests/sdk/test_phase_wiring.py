@@ -25,7 +25,10 @@ TASK = "The test in calc.py fails; fix add()."
 calls: list[str] = []
 
 
-@tool(expected_s=2.0)
+# A long expected pause: a pausing session then always drops its KV (the recompute estimate, tokens over the
+# measured prefill rate, stays far below it however loaded the machine is), so what pre-staging saves does not
+# depend on the measured rate (at 2 s a loaded machine kept the KV instead and the saving changed).
+@tool(expected_s=600.0)
 def bash(command: str) -> str:
     """Run a shell command (scripted: records the command, prints a fixed failing test run).
 
