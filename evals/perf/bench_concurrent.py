@@ -58,6 +58,8 @@ class Server:
     """``(port, n) -> argv``."""
     body: Callable[[Turn, int], dict[str, Any]]
     """``(turn, max_tokens) -> JSON body`` of a streaming ``/v1/completions`` request."""
+    stats_path: str | None = None
+    """A route answering the engine's counters (ours: ``/stats``), read before and after the replay."""
 
 
 def ours(model: str | None, threads: int, quant: str, quant_dense: str) -> Server:
@@ -69,7 +71,7 @@ def ours(model: str | None, threads: int, quant: str, quant_dense: str) -> Serve
     def body(turn: Turn, max_tokens: int) -> dict[str, Any]:
         return {"model": "bench", "prompt": turn.text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
 
-    return Server("ours", command, body)
+    return Server("ours", command, body, "/stats")
 
 
 def llama_cpp(binary: Path, gguf: Path, threads: int, ctx: int) -> Server:
@@ -157,15 +159,38 @@ def measure(server: Server, n: int, sessions: list[Session], warmup: Turn, cfg: 
 
             async with httpx.AsyncClient(timeout=cfg.request_timeout_s) as client:
                 warm = await stream_request(client, url, server.body(warmup, 4), RequestResult(-1, 0, len(warmup.ids)))
+                before = (await client.get(base + server.stats_path)).json() if server.stats_path else None
             results, wall = await run_sessions(url, sessions[:n], lambda t: server.body(t, cfg.workload.max_tokens),
                                                cfg.request_timeout_s, cfg.deadline_s)
-            return warm, results, wall
+            async with httpx.AsyncClient(timeout=cfg.request_timeout_s) as client:
+                after = (await client.get(base + server.stats_path)).json() if server.stats_path else None
+            return warm, results, wall, before, after
 
-        warm, results, wall = asyncio.run(go())
+        warm, results, wall, before, after = asyncio.run(go())
     if warm.error:
         raise RuntimeError(f"{server.name}: the warm-up request failed: {warm.error}; see {log}")
     return {"server": server.name, "n": n, "startup_s": round(startup_s, 1), "load1_before": round(load_before, 2),
-            "load1_after": round(os.getloadavg()[0], 2), **summarize(results, wall)}
+            "load1_after": round(os.getloadavg()[0], 2), **summarize(results, wall),
+            "engine": engine_split(before, after, wall) if before is not None and after is not None else None}
+
+
+def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """Where the engine's time went during a replay, from its counters before and after (``/stats``).
+
+    ``decode_tok_s`` is the aggregate decode throughput proper: tokens of decode-only steps (every running sequence
+    adds one token) over those steps' seconds, with ``rows`` the mean sequences per such step. Steps that prefill
+    (a chunk of a new prompt, maybe with decode rows beside it) count as ``prefill_s``; ``idle_s`` is the wall time
+    the engine had nothing to run (every session in a tool pause or between requests).
+    """
+    d = {k: after[k] - before[k] for k in ("prompt_tokens", "prefill_s", "decode_s", "decode_steps",
+                                           "decode_step_tokens", "generated_tokens")}
+    busy = d["prefill_s"] + d["decode_s"]
+    return {"decode_tok_s": d["decode_step_tokens"] / d["decode_s"] if d["decode_s"] else None,
+            "rows": d["decode_step_tokens"] / d["decode_steps"] if d["decode_steps"] else None,
+            "prefill_tok_s": d["prompt_tokens"] / d["prefill_s"] if d["prefill_s"] else None,
+            "prompt_tokens": d["prompt_tokens"], "prefill_s": round(d["prefill_s"], 2),
+            "decode_s": round(d["decode_s"], 2), "idle_s": round(max(wall_s - busy, 0.0), 2),
+            "prefill_share": d["prefill_s"] / busy if busy else None}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -174,6 +199,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         base = by.get((r["server"], 1))
         r["vs_n1"] = r["tok_s"] / base["tok_s"] if base and base["tok_s"] else None
+        eng, base_eng = r.get("engine"), (base or {}).get("engine")
+        if eng and base_eng and eng["decode_tok_s"] and base_eng["decode_tok_s"]:
+            eng["decode_vs_n1"] = eng["decode_tok_s"] / base_eng["decode_tok_s"]
         if r["server"] == "ours":
             peer = by.get(("llama.cpp", r["n"]))
             r["ours_vs_llama"] = r["tok_s"] / peer["tok_s"] if peer and peer["tok_s"] else None
@@ -197,6 +225,26 @@ def table(rows: list[dict[str, Any]], title: str) -> Any:
                   ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   str(r["requests"]), str(r["errors"]), str(r["tokens"]), f"{r['wall_s']:.0f}",
                   f"{r['load1_before']:.1f}/{r['load1_after']:.1f}")
+    return t
+
+
+def engine_table(rows: list[dict[str, Any]]) -> Any:
+    """Ours only: the engine's own split of each replay (``engine_split``)."""
+    from rich.table import Table
+
+    def num(v: float | None, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    t = Table(title="engine time during the replay (ours, from /stats): decode-only steps vs steps that prefill")
+    for col in ("N", "decode tok/s", "vs N=1", "rows/decode step", "prefill tok/s", "prompt tokens", "prefill s",
+                "decode s", "idle s", "prefill share of busy"):
+        t.add_column(col, justify="right")
+    for r in sorted((r for r in rows if r.get("engine")), key=lambda r: r["n"]):
+        e = r["engine"]
+        t.add_row(str(r["n"]), num(e["decode_tok_s"]), num(e.get("decode_vs_n1")) + ("x" if e.get("decode_vs_n1")
+                  else ""), num(e["rows"]), num(e["prefill_tok_s"], ".1f"), str(e["prompt_tokens"]),
+                  num(e["prefill_s"], ".1f"), num(e["decode_s"], ".1f"), num(e["idle_s"], ".1f"),
+                  num(e["prefill_share"] and 100 * e["prefill_share"], ".0f") + "%")
     return t
 
 
@@ -271,7 +319,10 @@ def show(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     w = meta["workload"]
     title = (f"{len(meta['sessions'])} agent sessions x {w['turns']} turns, {w['max_tokens']} tokens/request, "
              f"{meta['params'] / 1e9:.2f}B params, {meta['threads']} threads")
-    Console(width=160).print(table(rows, title))
+    console = Console(width=160)
+    console.print(table(rows, title))
+    if any(r.get("engine") for r in rows):
+        console.print(engine_table(rows))
     for r in rows:
         if r["first_error"] or r["prompt_token_mismatches"]:
             print(f"{r['server']} N={r['n']}: first error {r['first_error']!r}, "

@@ -79,6 +79,13 @@ def test_harness_end_to_end_on_the_builtin_model(tmp_path: Path, capsys) -> None
         assert 0 < r["tokens"] <= 4 * r["requests"] and r["tok_s"] > 0
         assert r["ttft_p50_s"] is not None and r["ttft_p99_s"] >= r["ttft_p50_s"]
         assert r["prompt_token_mismatches"] == 0  # the server tokenized the text into the ids we counted
+        # the engine's own split, from /stats before and after: every prompt token it computed was prefilled in a
+        # prefill step; decode-only steps made at most the tokens the clients received (first tokens come from
+        # prefill steps)
+        e = r["engine"]
+        assert e["prompt_tokens"] > 0 and e["prefill_s"] > 0 and 0 < e["prefill_share"] <= 1
+        assert e["decode_s"] == 0 or 1 <= e["rows"] <= n
+        assert e["idle_s"] >= 0 and e["prefill_s"] + e["decode_s"] <= r["wall_s"] + 0.5
     assert rows[("ours", 1)]["vs_n1"] == 1.0
     assert report["meta"]["sessions"] == ["s0", "s1"]
     assert (tmp_path / "out" / "logs" / "ours-n2.log").is_file()
