@@ -367,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         print(llama_server.build_peer(Path(args.cache), args.version, args.jobs))
         return 0
     if args.cmd == "show":
-        report = json.loads(args.report.read_text())
-        show(report["meta"], report["rows"])
+        try:
+            report = json.loads(args.report.read_text())
+            meta, rows = report["meta"], report["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{args.report}: not a bench_concurrent --json report ({exc.__class__.__name__}: {exc})")
+        show(meta, rows)
         return 0
     if args.cmd == "prepare":
         from freetoken_agent.evals.perf.concurrent_model import prepare_model
