@@ -51,6 +51,9 @@ class GenerateRequest:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """The multiplicative penalty over every token of the prompt and the completion (transformers', vLLM's and
+    llama.cpp's ``repetition_penalty``; 1.0: off)."""
     logprobs: int | None = None
     """Report each generated token's log probability and this many alternatives (None: no log probabilities)."""
     constraint: Constraint | None = None
@@ -112,7 +115,18 @@ class GenerationDone:
     """Per generated token (``GenerateRequest.logprobs``): its text, log probability and the top alternatives."""
 
 
-BackendEvent = Union[TextDelta, ToolCallStarted, ToolCallFinished, FormatError, GenerationDone]
+@dataclass(frozen=True)
+class LogprobsDelta:
+    """The log probabilities of the tokens generated since the last such event (requests with
+    ``GenerateRequest.logprobs`` only). :meth:`TextBackend.generate` sends it just before the events parsed from
+    those tokens' text, so a streaming server attaches it to the next piece of output it sends; the whole list
+    also comes with :class:`GenerationDone` (tokens whose text is no output, such as an end-of-sequence token, only
+    there)."""
+
+    entries: tuple[TokenLogprobs, ...]
+
+
+BackendEvent = Union[TextDelta, ToolCallStarted, ToolCallFinished, FormatError, LogprobsDelta, GenerationDone]
 
 
 @runtime_checkable
@@ -155,6 +169,9 @@ class TextChunk:
 
     text: str
     tokens: int = 1
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """The log probabilities of the tokens whose text this chunk carries (``tokens`` of them; None when the request
+    did not ask for them)."""
 
 
 class TextBackend(ABC):
@@ -177,6 +194,8 @@ class TextBackend(ABC):
             if isinstance(item, GenerationDone):
                 done = item
                 continue
+            if item.logprobs:
+                yield LogprobsDelta(item.logprobs)
             for event in parser.feed(item.text):
                 saw_call = saw_call or isinstance(event, ToolCallFinished)
                 yield event
@@ -204,7 +223,8 @@ class TextBackend(ABC):
     supports_constraints: bool = False
     """Whether ``GenerateRequest.constraint`` is enforced (a server refuses constrained requests otherwise)."""
     supports_logits: bool = False
-    """Whether the logits-level controls are honored: penalties, ``logit_bias``, ``min_p``, ``logprobs``."""
+    """Whether the logits-level controls are honored: penalties (``repetition_penalty`` too), ``logit_bias``,
+    ``min_p``, ``logprobs``."""
 
     def count_tokens(self, request: GenerateRequest) -> int | None:
         """Prompt tokens ``request`` would take (what its ``GenerationDone.usage.prompt_tokens`` reports); None when

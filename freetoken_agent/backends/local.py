@@ -221,37 +221,45 @@ class LocalEngine(TextBackend):
         sampling = {"max_new_tokens": request.max_tokens, "temperature": 0.0 if greedy else request.temperature,
                     "top_p": 1.0 if greedy else request.top_p, "top_k": 0 if greedy else request.top_k,
                     "seed": request.seed, "stop": tuple(request.stop)}
-        processors, recorder = self.processors(request, sampling["temperature"])
+        processors, recorder = self.processors(request, sampling["temperature"], ids)
         if processors:
             from freetoken_agent.runtime.generation.processors import Chain
 
             sampling["processor"] = processors[0] if len(processors) == 1 else Chain(processors)
         count, finish, text, out_ids = 0, "length", [], []
+        decode = self.engine.tokenizer.decode
+        logprobs: list[TokenLogprobs] = []  # per token, as each is picked (the recorder learned it before its event)
+        held = 0  # tokens since the last chunk (their text was incomplete or held back for a stop string)
         async for item in self._stream(ids, request.session, sampling):
             if isinstance(item, tuple):
                 count += 1
+                held += 1
                 out_ids.append(item[0])
+                if recorder is not None:
+                    e = recorder.entries[count - 1]
+                    logprobs.append(TokenLogprobs(decode([e.token]), e.logprob,
+                                                  tuple((decode([i]), v) for i, v in e.top)))
                 if item[1]:
                     text.append(item[1])
-                    yield TextChunk(item[1])
+                    yield TextChunk(item[1], held, None if recorder is None else tuple(logprobs[count - held:]))
+                    held = 0
             else:
                 finish = item
         stop = None
         if finish == "stop" and request.stop and out_ids and out_ids[-1] not in self._eos:
-            stop = stop_hit(self.engine.tokenizer.decode(out_ids), len("".join(text)), request.stop)
-        logprobs = None
-        if recorder is not None:
-            decode = self.engine.tokenizer.decode
-            logprobs = tuple(TokenLogprobs(decode([e.token]), e.logprob, tuple((decode([i]), v) for i, v in e.top))
-                             for e in recorder.entries[:count])
-        yield GenerationDone(finish, Usage(len(ids), count), stop, logprobs)
+            stop = stop_hit(decode(out_ids), len("".join(text)), request.stop)
+        yield GenerationDone(finish, Usage(len(ids), count), stop, None if recorder is None else tuple(logprobs))
 
     supports_logits = True
 
-    def processors(self, request: GenerateRequest, temperature: float) -> tuple[list[Any], Any]:
+    def processors(self, request: GenerateRequest, temperature: float, prompt: list[int] | None = None,
+                   ) -> tuple[list[Any], Any]:
         """The request's logits processors, in order (biases and penalties, min-p, the grammar, the log-probability
-        recorder last, so it sees the distribution the pick is drawn from), and the recorder (or None)."""
-        from freetoken_agent.runtime.generation.processors import LogitBias, LogprobRecorder, MinP, Penalties
+        recorder last, so it sees the distribution the pick is drawn from), and the recorder (or None). ``prompt``:
+        the prompt's token ids (the repetition penalty covers them)."""
+        from freetoken_agent.runtime.generation.processors import (
+            LogitBias, LogprobRecorder, MinP, Penalties, RepetitionPenalty,
+        )
 
         out: list[Any] = []
         if request.logit_bias:
@@ -262,6 +270,8 @@ class LocalEngine(TextBackend):
 
                 raise SamplingError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{vocab - 1})")
             out.append(LogitBias(request.logit_bias))
+        if request.repetition_penalty != 1.0:
+            out.append(RepetitionPenalty(request.repetition_penalty, prompt or ()))
         if request.frequency_penalty or request.presence_penalty:
             out.append(Penalties(request.frequency_penalty, request.presence_penalty))
         if request.min_p:

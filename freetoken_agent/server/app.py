@@ -9,7 +9,6 @@ disconnects — streaming or not — cancels its generation; a prompt that does 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,7 +21,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from freetoken_agent.backends.base import Backend, GenerateRequest, GenerationDone, TextBackend, TextChunk
+from freetoken_agent.backends.base import (
+    Backend, GenerateRequest, GenerationDone, LogprobsDelta, TextBackend, TextChunk,
+)
 from freetoken_agent.chat import FormatError, TextDelta, ToolCallFinished, ToolCallStarted
 from freetoken_agent.chat.think import ThinkSplitter
 from freetoken_agent.errors import BackendError
@@ -35,7 +36,8 @@ from freetoken_agent.server.http import (
     request_error, run_whole, shape_for, stream_sse, typed_sse,
 )
 from freetoken_agent.server.protocol import (
-    NO_GRAMMAR, ChatCall, Defaults, anext_or_none, chain, chat_request, completion_request, envelope, new_id, usage_dict,
+    NO_GRAMMAR, ChatCall, Defaults, anext_or_none, chain, chat_logprobs, chat_request, choice_request,
+    completion_request, envelope, merged, new_id, text_logprobs, usage_dict,
 )
 from freetoken_agent.server.responses import ResponseStore
 
@@ -216,7 +218,8 @@ class OpenAIServer:
 
         A call is announced to the client only once it has parsed (name and arguments in one delta), so a client
         never holds a call whose arguments never come. With ``single_call`` the generation ends after the first call
-        (``parallel_tool_calls: false``).
+        (``parallel_tool_calls: false``). ``LogprobsDelta`` events (requests asking for log probabilities) pass
+        through in place: the tokens they cover belong to the next piece of output.
         """
         number = 0
         events = self.backend.generate(req)
@@ -224,6 +227,9 @@ class OpenAIServer:
         try:
             async for event in events:
                 if isinstance(event, ToolCallStarted):
+                    continue
+                if isinstance(event, LogprobsDelta):
+                    yield None, event
                     continue
                 if isinstance(event, FormatError):  # an unreadable call is returned as the text it was
                     event = TextDelta(event.raw)
@@ -254,12 +260,7 @@ class OpenAIServer:
                     text.append(item.text)
                 else:
                     done = item
-            logprobs = None
-            if done.logprobs is not None:
-                logprobs = {"tokens": [t.text for t in done.logprobs],
-                            "token_logprobs": [finite(t.logprob) for t in done.logprobs],
-                            "top_logprobs": [{text: finite(v) for text, v in t.top} for t in done.logprobs]}
-            return {"index": index, "text": "".join(text), "logprobs": logprobs,
+            return {"index": index, "text": "".join(text), "logprobs": text_logprobs(done.logprobs),
                     "finish_reason": done.finish_reason}, done
 
         choices, usage = await self._n_choices(call, one)
@@ -282,24 +283,21 @@ class OpenAIServer:
             if calls:
                 message["tool_calls"] = calls
             finish = "tool_calls" if calls else done.finish_reason
-            return {"index": index, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(done)}, done
+            return {"index": index, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(done.logprobs)}, done
 
         choices, usage = await self._n_choices(call, one)
         return envelope("chat.completion", rid, self.model_id, choices, usage)
 
     async def _n_choices(self, call: ChatCall, one: Callable[[int, GenerateRequest], Any],
                          ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """``call.n`` choices generated side by side (the engine batches them; seeds ``seed + i``), and the usage:
-        the prompt once, the completions summed."""
+        """``call.n`` choices generated side by side (the engine batches them; seeds by :func:`choice_request`), and
+        the usage: the prompt once, the completions summed."""
         results: list[Any] = [None] * call.n
         errors: list[Exception] = []
 
         async def run(index: int) -> None:
-            req = call.request
-            if index:
-                req = replace(req, seed=None if req.seed is None else (req.seed + index) % 2**63)
             try:
-                results[index] = await one(index, req)
+                results[index] = await one(index, choice_request(call.request, index))
             except (FreeTokenError, RequestError, BackendError) as exc:  # answered by the caller, not a task group
                 errors.append(exc)
 
@@ -313,63 +311,88 @@ class OpenAIServer:
         return [choice for choice, _done in results], usage_dict(prompt, completion)
 
     async def _chat_chunks(self, call: ChatCall, rid: str) -> AsyncIterator[dict]:
-        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-            return envelope("chat.completion.chunk", rid, self.model_id,
-                            [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
+        """Chunks of the ``call.n`` choices as they come (each with its ``index``; generated side by side), then the
+        usage (``include_usage``): the prompt once, the completions summed."""
+        streams = [self._chat_choice(call, rid, index) for index in range(call.n)]
+        completion, prompt = 0, 0
+        async for _index, (choice, done) in merged(streams):
+            if done is not None:
+                prompt, completion = done.usage.prompt_tokens, completion + done.usage.completion_tokens
+            yield envelope("chat.completion.chunk", rid, self.model_id, [choice])
+        if call.include_usage:
+            yield envelope("chat.completion.chunk", rid, self.model_id, [], usage_dict(prompt, completion))
 
-        events = self.call_events(call.request, call.single_call)
+    async def _chat_choice(self, call: ChatCall, rid: str, index: int,
+                           ) -> AsyncIterator[tuple[dict[str, Any], GenerationDone | None]]:
+        """One choice's chunks (its ``choices`` entry) and, with the last one, its ``GenerationDone``.
+
+        With log probabilities asked for, a chunk carries those of the tokens generated since the previous chunk
+        (those whose text it carries; text is cut by the tool-call parser, not by token); the last chunk carries
+        the rest (an end-of-sequence token, text held back), so the chunks' lists joined are the non-streamed list.
+        """
+        req = choice_request(call.request, index)
+        asked = req.logprobs is not None
+        pending: list[Any] = []
+        sent = 0
+
+        def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            nonlocal pending, sent
+            logprobs = chat_logprobs(pending) if asked and pending else None
+            sent, pending = sent + len(pending), []
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+
+        events = self.call_events(req, call.single_call)
         first = await anext_or_none(events)  # the engine accepts or refuses the request before the response starts
-        yield chunk({"role": "assistant", "content": ""})
+        yield {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+               "logprobs": None}, None
         done, any_call = GenerationDone("stop"), False
         async for number, event in chain(first, events):
-            if isinstance(event, TextDelta) and event.text:
-                yield chunk({"reasoning_content": event.text} if event.reasoning else {"content": event.text})
+            if isinstance(event, LogprobsDelta):
+                pending.extend(event.entries)
+            elif isinstance(event, TextDelta) and event.text:
+                yield choice({"reasoning_content": event.text} if event.reasoning else {"content": event.text}), None
             elif isinstance(event, ToolCallFinished):
                 any_call = True
-                yield chunk({"tool_calls": [{"index": number, "id": f"call_{rid[-8:]}_{number}", "type": "function",
-                                             "function": {"name": event.name, "arguments": json.dumps(
-                                                 event.arguments, ensure_ascii=False)}}]})
+                yield choice({"tool_calls": [{
+                    "index": number, "id": f"call_{rid[-8:]}_{index}_{number}", "type": "function", "function": {
+                        "name": event.name, "arguments": json.dumps(event.arguments, ensure_ascii=False)}}]}), None
             elif isinstance(event, GenerationDone):
                 done = event
-        # a token's log probability is known when it is sampled, but text deltas are cut by the tool-call parser,
-        # not by token: the whole list comes with the last chunk (clients append each chunk's list)
-        yield chunk({}, "tool_calls" if any_call else done.finish_reason, chat_logprobs(done))
-        if call.include_usage:
-            yield envelope("chat.completion.chunk", rid, self.model_id, [],
-                           usage_dict(done.usage.prompt_tokens, done.usage.completion_tokens))
+        rest = done.logprobs[sent:] if done.logprobs is not None else None
+        yield {"index": index, "delta": {}, "finish_reason": "tool_calls" if any_call else done.finish_reason,
+               "logprobs": chat_logprobs(rest)}, done
 
     async def _text_chunks(self, call: ChatCall, rid: str) -> AsyncIterator[dict]:
+        """Chunks of the ``call.n`` text choices as they come, then the usage (``include_usage``; one choice
+        without it carries its usage on its last chunk)."""
+        streams = [self._text_choice(call, index) for index in range(call.n)]
+        completion, prompt = 0, 0
+        async for _index, (choice, done) in merged(streams):
+            usage = None
+            if done is not None:
+                prompt, completion = done.usage.prompt_tokens, completion + done.usage.completion_tokens
+                if call.n == 1 and not call.include_usage:
+                    usage = usage_dict(prompt, completion)
+            yield envelope("text_completion", rid, self.model_id, [choice], usage)
+        if call.include_usage:
+            yield envelope("text_completion", rid, self.model_id, [], usage_dict(prompt, completion))
+
+    async def _text_choice(self, call: ChatCall, index: int,
+                           ) -> AsyncIterator[tuple[dict[str, Any], GenerationDone | None]]:
+        """One text choice's chunks, each with the log probabilities of the tokens whose text it carries (when
+        asked for); the last (no text) with the rest of them and its ``GenerationDone``."""
         backend = self.backend
         assert isinstance(backend, TextBackend)  # checked by ``completions``
-        async for item in backend.stream_text(call.request):
+        done, sent = GenerationDone("stop"), 0
+        async for item in backend.stream_text(choice_request(call.request, index)):
             if isinstance(item, TextChunk):
-                yield envelope("text_completion", rid, self.model_id,
-                               [{"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}])
+                sent += len(item.logprobs or ())
+                yield {"index": index, "text": item.text, "logprobs": text_logprobs(item.logprobs),
+                       "finish_reason": None}, None
             else:
-                yield envelope("text_completion", rid, self.model_id,
-                               [{"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}],
-                               None if call.include_usage else usage_dict(item.usage.prompt_tokens,
-                                                                          item.usage.completion_tokens))
-                if call.include_usage:
-                    yield envelope("text_completion", rid, self.model_id, [],
-                                   usage_dict(item.usage.prompt_tokens, item.usage.completion_tokens))
-
-
-def finite(logprob: float) -> float:
-    """A log probability JSON can carry (-inf, a token the sampler could not pick, is written as -9999)."""
-    return max(logprob, -9999.0)
-
-
-def _logprob(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
-
-
-def chat_logprobs(done: GenerationDone) -> dict[str, Any] | None:
-    """A chat choice's ``logprobs`` (None when they were not asked for)."""
-    if done.logprobs is None:
-        return None
-    return {"content": [{**_logprob(t.text, t.logprob), "top_logprobs": [_logprob(text, v) for text, v in t.top]}
-                        for t in done.logprobs], "refusal": None}
+                done = item
+        rest = done.logprobs[sent:] if done.logprobs is not None else None
+        yield {"index": index, "text": "", "logprobs": text_logprobs(rest), "finish_reason": done.finish_reason}, done
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from freetoken_agent.backends.base import Constraint, GenerateRequest
+from freetoken_agent.backends.base import Constraint, GenerateRequest, TokenLogprobs
 from freetoken_agent.server.fields import Fields, RequestError, stop_list, type_name
 
 __all__ = ["ChatCall", "RequestError", "chat_request", "completion_request", "envelope", "error_body", "new_id",
-           "usage_dict", "anext_or_none", "chain"]
+           "usage_dict", "anext_or_none", "chain", "merged", "choice_request", "logprob_entry", "chat_logprobs",
+           "text_logprobs"]
 
 
 IMAGES = "images, audio and files are not supported: the model reads text only"
@@ -36,7 +38,16 @@ class ChatCall:
     logits_field: str | None = None
     """The first logits-level control the request sets (named when a backend cannot honor them)."""
     n: int = 1
-    """Choices to generate (independent samples; seeds ``seed``, ``seed + 1``, ...)."""
+    """Choices to generate (independent samples, streamed or not; see :func:`choice_request`)."""
+
+
+def choice_request(request: GenerateRequest, index: int) -> GenerateRequest:
+    """The request of choice ``index`` of an ``n``-choice request: seed ``seed + index`` (mod 2**63), so choices
+    differ from one another and a request with a seed reproduces every one of them; without a seed each choice
+    draws its own."""
+    if not index or request.seed is None:
+        return request
+    return replace(request, seed=(request.seed + index) % 2**63)
 
 
 def read_model(f: Fields) -> str | None:
@@ -45,12 +56,15 @@ def read_model(f: Fields) -> str | None:
 
 
 def logit_controls(f: Fields) -> tuple[dict[str, Any], str | None]:
-    """Penalties, ``logit_bias`` and ``min_p`` (checked), and the first of them set to a non-neutral value (the
-    field named when a backend cannot honor logits-level controls)."""
-    f.refuse_unless("repetition_penalty", 1, "use frequency_penalty / presence_penalty")
+    """Penalties (OpenAI's frequency/presence and the ``repetition_penalty`` extension of vLLM and llama.cpp),
+    ``logit_bias`` and ``min_p`` (checked), and the first of them set to a non-neutral value (the field named when a
+    backend cannot honor logits-level controls)."""
+    repetition = f.num("repetition_penalty", 1.0, 0.0, 10.0)
+    if repetition == 0:
+        raise RequestError("'repetition_penalty' must be greater than 0 (1 is off)", "repetition_penalty")
     out: dict[str, Any] = {"frequency_penalty": f.num("frequency_penalty", 0.0, -2.0, 2.0),
                            "presence_penalty": f.num("presence_penalty", 0.0, -2.0, 2.0),
-                           "min_p": f.num("min_p", 0.0, 0.0, 1.0)}
+                           "min_p": f.num("min_p", 0.0, 0.0, 1.0), "repetition_penalty": repetition}
     bias = f.raw("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > 1024:
@@ -63,7 +77,8 @@ def logit_controls(f: Fields) -> tuple[dict[str, Any], str | None]:
                                    f"{value!r:.40}", "logit_bias")
             clean[int(key)] = float(value)
         out["logit_bias"] = clean
-    used = next((k for k in ("frequency_penalty", "presence_penalty", "min_p", "logit_bias") if out.get(k)), None)
+    used = next((k for k in ("repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias")
+                 if out.get(k) and (k != "repetition_penalty" or out[k] != 1.0)), None)
     return out, used
 
 
@@ -306,8 +321,6 @@ def chat_request(body: Any, defaults: Defaults) -> ChatCall:
     logprobs = top if f.bool_("logprobs") else None
     if top and logprobs is None:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    if n > 1 and stream:
-        raise RequestError("'n' above 1 is supported for non-streamed requests only", "n")
     controls, used = logit_controls(f)
     f.refuse_unless("reasoning_effort", None, "the model's reasoning effort cannot be set")
     f.refuse_unless("modalities", ["text"], "text output only")
@@ -335,9 +348,6 @@ def completion_request(body: Any, defaults: Defaults) -> ChatCall:
     f.refuse_unless("suffix", None, "fill-in-the-middle is not supported")
     logprobs = f.int_("logprobs", None, low=0, high=5)
     n = f.int_("n", 1, low=1, high=16)
-    if (logprobs is not None or n > 1) and stream:
-        raise RequestError(f"'{'logprobs' if logprobs is not None else 'n'}' is supported for non-streamed requests "
-                           "only", "logprobs" if logprobs is not None else "n")
     controls, used = logit_controls(f)
     sampling = sampling_from(f, defaults, max_keys=("max_tokens",))
     f.done()
@@ -363,6 +373,57 @@ async def chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
+async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of several streams as (stream index, item) in the order they come, the streams pulled at once
+    (each by its own task, so the engine batches the requests behind them).
+
+    Nothing is yielded until every stream has given its first item (or ended), so a request the backend refuses is
+    refused before a response starts. An error in any stream cancels the others and is raised here; closing this
+    generator cancels them all (and with them their generations). One stream is read in place, without tasks.
+    """
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+            await queue.put((index, end, None))
+        except Exception as exc:  # raised to the reader, which cancels the rest
+            await queue.put((index, end, exc))
+        finally:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        started: set[int] = set()
+        held: list[tuple[int, Any]] = []  # items waiting until every stream has started
+        open_ = len(streams)
+        while open_:
+            index, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            started.add(index)
+            if item is end:
+                open_ -= 1
+            else:
+                held.append((index, item))
+            if len(started) == len(streams):  # from then on each item passes straight through
+                for pair in held:
+                    yield pair
+                held = []
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def new_id(prefix: str) -> str:
     """A fresh response id such as ``chatcmpl-1a2b...``."""
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -381,6 +442,37 @@ def envelope(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finite(logprob: float) -> float:
+    """A log probability JSON can carry (-inf, a token the sampler could not pick, is written as -9999)."""
+    return max(logprob, -9999.0)
+
+
+def _logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def logprob_entry(t: TokenLogprobs) -> dict[str, Any]:
+    """One token's log probability with its alternatives, as chat completions and the Responses API write it
+    (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+    return {**_logprob(t.text, t.logprob), "top_logprobs": [_logprob(text, v) for text, v in t.top]}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+    """A chat choice's (or chunk's) ``logprobs`` (None when they were not asked for)."""
+    if entries is None:
+        return None
+    return {"content": [logprob_entry(t) for t in entries], "refusal": None}
+
+
+def text_logprobs(entries: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+    """A text completion choice's (or chunk's) ``logprobs``: parallel lists of tokens, their log probabilities and
+    their alternatives as {text: log probability} (None when they were not asked for)."""
+    if entries is None:
+        return None
+    return {"tokens": [t.text for t in entries], "token_logprobs": [finite(t.logprob) for t in entries],
+            "top_logprobs": [{text: finite(v) for text, v in t.top} for t in entries]}
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: int | str | None = None,

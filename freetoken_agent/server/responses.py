@@ -14,17 +14,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken_agent.backends.base import Constraint, GenerateRequest, GenerationDone
+from freetoken_agent.backends.base import Constraint, GenerateRequest, GenerationDone, LogprobsDelta
 from freetoken_agent.chat import TextDelta, ToolCallFinished
 from freetoken_agent.server.fields import Fields, RequestError, type_name
 from freetoken_agent.server.protocol import (
-    IGNORED, IMAGES, ChatCall, Defaults, anext_or_none, arguments_text, chain, new_id, one_constraint, read_model,
-    logit_controls, response_format, sampling_from, strict_names, strict_tools, tool_choice,
+    IGNORED, IMAGES, ChatCall, Defaults, anext_or_none, arguments_text, chain, logprob_entry, new_id, one_constraint,
+    read_model, logit_controls, response_format, sampling_from, strict_names, strict_tools, tool_choice,
     tool_function,
 )
 
 STORE_SIZE = 256
 """Responses kept for ``previous_response_id`` (oldest dropped first)."""
+LOGPROBS = "message.output_text.logprobs"
+"""The ``include`` entry that asks for the log probabilities of the output text (``top_logprobs`` asks too)."""
 
 
 @dataclass
@@ -165,7 +167,7 @@ def _text_format(f: Fields) -> Constraint | None:
 
 def responses_request(body: Any, defaults: Defaults, store: ResponseStore) -> ResponsesCall:
     """A ``/v1/responses`` body read in full: every field checked, honored or refused."""
-    f = Fields(body, ignored=(*IGNORED, "include", "client_metadata"))
+    f = Fields(body, ignored=(*IGNORED, "client_metadata"))
     model = read_model(f)
     messages: list[dict[str, Any]] = []
     previous_id = f.str_("previous_response_id")
@@ -204,7 +206,11 @@ def responses_request(body: Any, defaults: Defaults, store: ResponseStore) -> Re
     f.refuse_unless("background", False, "responses run in the foreground")
     f.refuse_unless("truncation", "disabled", "the conversation is never truncated")
     f.refuse_unless("max_tool_calls", None, "the number of tool calls cannot be capped")
-    f.refuse_unless("top_logprobs", 0, "log probabilities are not reported")
+    include = f.list_("include", limit=64)
+    if not all(isinstance(entry, str) for entry in include):  # others (reasoning.encrypted_content, ...): no effect
+        raise RequestError("'include' must be an array of strings", "include")
+    top = f.int_("top_logprobs", 0, low=0, high=20)
+    logprobs = top if top or LOGPROBS in include else None
     f.refuse_unless("conversation", None, "conversations are kept by previous_response_id only")
     controls, used = logit_controls(f)
     sampling = sampling_from(f, defaults, max_keys=("max_output_tokens",), stop_key=None)
@@ -215,8 +221,11 @@ def responses_request(body: Any, defaults: Defaults, store: ResponseStore) -> Re
             "previous_response_id": previous_id, "store": keep,
             "text": {"format": (f.body.get("text") or {}).get("format") or {"type": "text"}},
             "truncation": "disabled", "metadata": f.body.get("metadata") or {},
-            "reasoning": {"effort": None, "summary": None}}
-    request = GenerateRequest(messages=messages, tools=tools, constraint=constraint, **controls, **sampling)
+            "reasoning": {"effort": None, "summary": None}, "top_logprobs": top}
+    if used is None and logprobs is not None:
+        used = "top_logprobs" if top else "include"
+    request = GenerateRequest(messages=messages, tools=tools, constraint=constraint, logprobs=logprobs, **controls,
+                              **sampling)
     return ResponsesCall(request, stream, model=model, single_call=single, constraint_field=field, echo=echo,
                          store=keep, namespaces=namespaces, logits_field=used)
 
@@ -275,14 +284,21 @@ class ResponseRun:
         raise AssertionError("the response stream ended without a final event")
 
     async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
-        """Typed ``response.*`` events; the last is ``response.completed`` (or ``response.incomplete``)."""
+        """Typed ``response.*`` events; the last is ``response.completed`` (or ``response.incomplete``).
+
+        With log probabilities asked for, each ``response.output_text.delta`` carries those of the tokens generated
+        since the previous delta (the tokens whose text it carries) and the message's ``output_text`` part collects
+        them; tokens of reasoning, of tool calls and an end-of-sequence token are no output text and have none."""
+        pending: list[Any] = []
         first = await anext_or_none(events)  # the backend accepts or refuses the request before the stream starts
         yield self.event("response.created", response=self.body("in_progress"))
         yield self.event("response.in_progress", response=self.body("in_progress"))
         done = GenerationDone("stop")
         current: dict[str, Any] | None = None  # the open message or reasoning item
         async for number, event in chain(first, events):
-            if isinstance(event, TextDelta) and event.text:
+            if isinstance(event, LogprobsDelta):
+                pending.extend(event.entries)
+            elif isinstance(event, TextDelta) and event.text:
                 kind = "reasoning" if event.reasoning else "message"
                 if current is None or current["type"] != kind:
                     if current is not None:
@@ -294,10 +310,15 @@ class ResponseRun:
                 part = current["content"][0]
                 part["text"] += event.text
                 delta_kind = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-                extra = {} if kind == "reasoning" else {"logprobs": []}
+                extra = {}
+                if kind == "message":
+                    extra["logprobs"] = [logprob_entry(t) for t in pending]
+                    part["logprobs"].extend(extra["logprobs"])
+                pending = []
                 yield self.event(delta_kind, item_id=current["id"], output_index=len(self.output) - 1,
                                  content_index=0, delta=event.text, **extra)
             elif isinstance(event, ToolCallFinished):
+                pending = []
                 if current is not None:
                     for out in self._close(current):
                         yield out
@@ -341,6 +362,8 @@ class ResponseRun:
         empty = {**item, "content": []}
         out = [self.event("response.output_item.added", output_index=index, item=empty)]
         part = {**item["content"][0], "text": ""}
+        if "logprobs" in part:
+            part["logprobs"] = []  # the item's own list fills as the text comes
         out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
                               content_index=0, part=part))
         return out
@@ -350,7 +373,7 @@ class ResponseRun:
         item["status"] = "completed"
         part = item["content"][0]
         done_kind = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        extra = {} if item["type"] == "reasoning" else {"logprobs": part["logprobs"]}
         return [self.event(done_kind, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
                            **extra),
                 self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,

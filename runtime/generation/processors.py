@@ -1,5 +1,5 @@
-"""Per-request logits processors (``SamplingParams.processor``): repetition penalties, logit biases, min-p, and a
-recorder of log probabilities. Each sees one sequence's logits [V] before the pick and learns the picked token, so
+"""Per-request logits processors (``SamplingParams.processor``): repetition penalties (OpenAI's frequency/presence
+and the multiplicative one of transformers, vLLM and llama.cpp), logit biases, min-p, and a recorder of log probabilities. Each sees one sequence's logits [V] before the pick and learns the picked token, so
 they run per sequence inside the batched sampler like the grammar mask (``constraints.py``); ``Chain`` runs several.
 
 Dimensions: V = the model's vocabulary.
@@ -51,6 +51,37 @@ class Penalties:
 
     def accept(self, token: int) -> None:
         self.counts[token] = self.counts.get(token, 0) + 1
+
+
+class RepetitionPenalty:
+    """The multiplicative repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``, vLLM's and
+    llama.cpp's ``repetition_penalty``): every token seen so far — in the prompt or generated — has a positive logit
+    divided by ``penalty`` and a negative one multiplied by it (``penalty`` > 1 discourages repeats, < 1 favors
+    them). Each token counts once however often it occurred."""
+
+    def __init__(self, penalty: float, prompt: Sequence[int] = ()) -> None:
+        if not penalty > 0:
+            raise ValueError(f"repetition penalty must be > 0, got {penalty!r}")
+        self.penalty = penalty
+        self.seen: dict[int, None] = dict.fromkeys(int(t) for t in prompt)
+        """Token ids seen so far, in first-seen order (a dict as an ordered set)."""
+        self._ids: torch.Tensor | None = None  # self.seen as a tensor, rebuilt when a new token joins it
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.seen or self.penalty == 1.0:
+            return logits
+        if self._ids is None:
+            self._ids = torch.tensor(list(self.seen), dtype=torch.long)
+        ids = self._ids[(self._ids >= 0) & (self._ids < logits.shape[-1])]
+        out = logits.float().clone()  # [V]
+        score = out[ids]
+        out[ids] = torch.where(score < 0, score * self.penalty, score / self.penalty)
+        return out
+
+    def accept(self, token: int) -> None:
+        if token not in self.seen:
+            self.seen[token] = None
+            self._ids = None
 
 
 class LogitBias:
