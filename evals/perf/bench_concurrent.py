@@ -202,6 +202,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         eng, base_eng = r.get("engine"), (base or {}).get("engine")
         if eng and base_eng and eng["decode_tok_s"] and base_eng["decode_tok_s"]:
             eng["decode_vs_n1"] = eng["decode_tok_s"] / base_eng["decode_tok_s"]
+        if eng and base and base["tok_s"] and eng["prefill_s"]:
+            # the wall can be no shorter than the prefill work alone: the most ``vs_n1`` could be at this N if
+            # decode steps and pauses cost nothing (prefill on these cores is compute-bound: N sessions, N x work)
+            eng["prefill_bound_vs_n1"] = r["tokens"] / eng["prefill_s"] / base["tok_s"]
         if r["server"] == "ours":
             peer = by.get(("llama.cpp", r["n"]))
             r["ours_vs_llama"] = r["tok_s"] / peer["tok_s"] if peer and peer["tok_s"] else None
@@ -237,14 +241,15 @@ def engine_table(rows: list[dict[str, Any]]) -> Any:
 
     t = Table(title="engine time during the replay (ours, from /stats): decode-only steps vs steps that prefill")
     for col in ("N", "decode tok/s", "vs N=1", "rows/decode step", "prefill tok/s", "prompt tokens", "prefill s",
-                "decode s", "idle s", "prefill share of busy"):
+                "decode s", "idle s", "prefill share of busy", "tok/s vs N=1 bound"):
         t.add_column(col, justify="right")
     for r in sorted((r for r in rows if r.get("engine")), key=lambda r: r["n"]):
         e = r["engine"]
         t.add_row(str(r["n"]), num(e["decode_tok_s"]), num(e.get("decode_vs_n1")) + ("x" if e.get("decode_vs_n1")
                   else ""), num(e["rows"]), num(e["prefill_tok_s"], ".1f"), str(e["prompt_tokens"]),
                   num(e["prefill_s"], ".1f"), num(e["decode_s"], ".1f"), num(e["idle_s"], ".1f"),
-                  num(e["prefill_share"] and 100 * e["prefill_share"], ".0f") + "%")
+                  num(e["prefill_share"] and 100 * e["prefill_share"], ".0f") + "%",
+                  num(e.get("prefill_bound_vs_n1")) + ("x" if e.get("prefill_bound_vs_n1") else ""))
     return t
 
 
