@@ -5,6 +5,7 @@ on known logits."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import anyio
@@ -239,6 +240,8 @@ def test_n_streamed_choices_equal_the_whole(served) -> None:
         if choice.finish_reason:
             finishes.setdefault(choice.index, []).append(choice.finish_reason)
     assert texts == {c.index: c.message.content for c in whole.choices} and len(set(texts.values())) > 1
+    order = [c.choices[0].index for c in chunks[:-1]]
+    assert order.index(2) < len(order) - 1 - order[::-1].index(0)  # generated side by side, not one after another
     assert finishes == {c.index: [c.finish_reason] for c in whole.choices}
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
@@ -249,6 +252,22 @@ def test_n_streamed_choices_equal_the_whole(served) -> None:
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert streamed == {c.index: c.text for c in plain.choices} and streamed[0] != streamed[1]
+
+
+def test_a_client_leaving_an_n_stream_stops_every_choice(served) -> None:
+    client, backend = served
+    scheduler = lambda: backend.engine.stats()["scheduler"]  # noqa: E731
+    before = scheduler()["cancelled"]
+    stream = client.chat.completions.create(model="builtin", messages=HI, max_tokens=1000, temperature=1.0, n=3,
+                                            stream=True)
+    for n, _chunk in enumerate(stream):
+        if n >= 6:
+            break
+    stream.close()  # the connection closes mid-stream
+    deadline = time.monotonic() + 30
+    while scheduler()["cancelled"] < before + 3 or scheduler()["running"]:
+        assert time.monotonic() < deadline, f"choices kept generating after the client left: {scheduler()}"
+        time.sleep(0.1)
 
 
 def test_responses_logprobs(served) -> None:
