@@ -215,7 +215,7 @@ E2E_TOOLS = [
         "k": {"type": ["string", "null"], "maxLength": 4}, "n": {"type": "number", "minimum": 0, "maximum": 9}},
         "required": ["k"], "additionalProperties": False}}},
 ]
-SEEDS = range(8)
+SEEDS = range(4)
 
 
 def tiny_model(folder: Path, fmt: str) -> Path:
@@ -255,7 +255,7 @@ def test_a_random_model_always_writes_schema_valid_calls(fmt: str, tmp_path: Pat
     prompt = "<|start|>assistant" if fmt == "harmony" else "Call a tool.\n"
 
     async def sample(seed: int, parallel: bool) -> tuple[str, str]:
-        request = GenerateRequest(prompt=prompt, tools=E2E_TOOLS, max_tokens=400, temperature=1.0, seed=seed,
+        request = GenerateRequest(prompt=prompt, tools=E2E_TOOLS, max_tokens=160, temperature=1.0, seed=seed,
                                   constraint=Constraint("tool_call", parallel=parallel))
         text, finish = [], ""
         async for item in backend.stream_text(request):
@@ -265,10 +265,18 @@ def test_a_random_model_always_writes_schema_valid_calls(fmt: str, tmp_path: Pat
                 finish = item.finish_reason
         return "".join(text), finish
 
-    for seed in SEEDS:
-        text, finish = asyncio.run(sample(seed, parallel=seed % 2 == 1))
-        assert finish == "stop", (fmt, seed, finish, text)
-        calls = parse(fmt, text, E2E_TOOLS)
-        assert calls and (seed % 2 == 1 or len(calls) == 1), (fmt, seed, text)
-        for name, args in calls:
-            jsonschema.validate(args, schemas[name])
+    for seed in SEEDS:  # even seeds: one call; odd: parallel calls (a random model may go on until max_tokens)
+        parallel = seed % 2 == 1
+        text, finish = asyncio.run(sample(seed, parallel))
+        parser = make_parser(fmt, E2E_TOOLS)
+        out = collect([*parser.feed(text), *parser.finish()])
+        calls = out.calls
+        if parallel and finish == "length":  # the call cut by max_tokens is unreadable or partly read
+            assert len(out.errors) <= 1, (fmt, seed, text, out.errors)
+            calls = calls if out.errors else calls[:-1]
+        else:
+            assert finish == "stop" and out.errors == [], (fmt, seed, finish, text, out.errors)
+            assert parallel or len(out.calls) == 1, (fmt, seed, text)
+        assert calls, (fmt, seed, text)
+        for call in calls:
+            jsonschema.validate(call.arguments, schemas[call.name])
