@@ -19,7 +19,7 @@ llguidance = pytest.importorskip("llguidance")
 from freetoken_agent.chat import collect, make_parser  # noqa: E402
 from freetoken_agent.chat.grammar import CONSTRAINED_FORMATS, END_MARKERS, avoiding, tool_call_lark  # noqa: E402
 from freetoken_agent.runtime.generation.constraints import JSON_STYLE  # noqa: E402
-from tests.sdk.chat.test_templates import CALLS, CASES, TOOLS, _render  # noqa: E402
+from tests.sdk.chat.test_templates import CALLS, CASES, TOOLS  # noqa: E402
 
 # the markers each family's tokenizer has as single added tokens (special ones in brackets are special)
 MARKERS: dict[str, list[str]] = {
@@ -128,7 +128,7 @@ TEMPLATE_TOOLS = [{"type": "function", "function": {**t["function"], "parameters
 
 @pytest.mark.parametrize(("fmt", "template"), CASES, ids=[f"{f}-{i}" for i, (f, _t) in enumerate(CASES)])
 def test_template_output_is_accepted(fmt: str, template: str, tokenizers: dict) -> None:
-    text = generated_part(fmt, _render(template))
+    text = render(fmt, CALLS, TOOLS, template)
     assert parse(fmt, text, TOOLS) == CALLS
     assert accepts(fmt, tokenizers, grammar(fmt, tokenizers, TEMPLATE_TOOLS), text), (fmt, text)
     # one call only without parallel calls; a grammar naming the other tool refuses the first call
@@ -148,16 +148,22 @@ WRONG = {"wrong name": ("edot", {"path": "a.py", "line": 3}), "missing required"
          "too long": ("edit", {"path": "a_very_long_path.py", "line": 3})}
 
 
-def write(fmt: str, name: str, args: dict) -> str:
-    """One call as ``fmt``'s template writes it."""
-    template = dict(CASES)[fmt]
-    message = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": f"functions.{name}:0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
+def render(fmt: str, calls: list[tuple[str, dict]], tools: list, template: str | None = None) -> str:
+    """The generated part of an assistant turn making ``calls``, as ``fmt``'s template writes it."""
     from freetoken_agent.backends.local import template_messages
     from freetoken_agent.runtime.tokenizer.chat import ChatTemplate
 
-    return generated_part(fmt, ChatTemplate(template).render(template_messages([message]), STRICT,
-                                                             add_generation_prompt=False))
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"functions.{name}:{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        for i, (name, args) in enumerate(calls)]}
+    rendered = ChatTemplate(template or dict(CASES)[fmt]).render(template_messages([message]), tools,
+                                                                 add_generation_prompt=False)
+    return generated_part(fmt, rendered)
+
+
+def write(fmt: str, name: str, args: dict) -> str:
+    """One call as ``fmt``'s template writes it."""
+    return render(fmt, [(name, args)], STRICT)
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED_FORMATS)
