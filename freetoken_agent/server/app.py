@@ -283,7 +283,8 @@ class OpenAIServer:
             if calls:
                 message["tool_calls"] = calls
             finish = "tool_calls" if calls else done.finish_reason
-            return {"index": index, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(done.logprobs)}, done
+            return {"index": index, "message": message, "finish_reason": finish,
+                    "logprobs": chat_logprobs(done.logprobs)}, done
 
         choices, usage = await self._n_choices(call, one)
         return envelope("chat.completion", rid, self.model_id, choices, usage)

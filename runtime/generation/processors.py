@@ -1,6 +1,7 @@
 """Per-request logits processors (``SamplingParams.processor``): repetition penalties (OpenAI's frequency/presence
-and the multiplicative one of transformers, vLLM and llama.cpp), logit biases, min-p, and a recorder of log probabilities. Each sees one sequence's logits [V] before the pick and learns the picked token, so
-they run per sequence inside the batched sampler like the grammar mask (``constraints.py``); ``Chain`` runs several.
+and the multiplicative one of transformers, vLLM and llama.cpp), logit biases, min-p, and a recorder of log
+probabilities. Each sees one sequence's logits [V] before the pick and learns the picked token, so they run per
+sequence inside the batched sampler like the grammar mask (``constraints.py``); ``Chain`` runs several.
 
 Dimensions: V = the model's vocabulary.
 """
