@@ -238,34 +238,48 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     return out
 
 
+KV_TYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""Cache element types the attention kernels read (``ft_attn.h``: FT_KV_F32 / F16 / BF16)."""
+
+
+def _kv_type(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
+    """The kernels' code for k and v's element type (both the same one of ``KV_TYPE_CODE``, q fp32), else None."""
+    if q.dtype != torch.float32 or k.dtype != v.dtype:
+        return None
+    return KV_TYPE_CODE.get(k.dtype)
+
+
 def attn_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One query's attention over every cached key: ``q [H, Dh]``, ``k [S, Hkv, Dh]``, ``v [S, Hkv, Dv]`` → ``[H, Dv]``;
     ``sinks [H]`` (GPT-OSS) add one logit per head to the softmax that carries no value.
 
-    fp32 on the CPU; k and v may be views with any stride between positions (a paged cache's run of pages) but
-    contiguous heads. Split over key blocks on the kernels' pool and merged in fp32 (``ft_attn.h``).
+    q fp32 on the CPU; k and v fp32, or both fp16 or both bf16 (a 16-bit KV cache, read as is: each block is widened
+    to fp32 in cache, and everything after is fp32); they may be views with any stride between positions (a paged
+    cache's run of pages) but contiguous heads. Split over key blocks on the kernels' pool and merged in fp32
+    (``ft_attn.h``). A 16-bit cache gives bitwise what the fp32 one gives on its widened values.
     """
     h, dh = q.shape
     s, hkv, dk = k.shape
     dv = v.shape[2]
+    kv_type = _kv_type(q, k, v)
     ok = (
-        dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and h % hkv == 0 and q.is_contiguous()
-        and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1)
-        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+        kv_type is not None and dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and h % hkv == 0
+        and q.is_contiguous() and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1)
+        and all(t.device.type == "cpu" for t in (q, k, v))
     )  # fmt: skip
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         ok = ok and sinks.shape == (h,) and sinks.device.type == "cpu"
     if not ok:
         raise FreeTokenError(
-            f"attn_decode: want fp32 q [H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with contiguous heads, got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"attn_decode: want fp32 q [H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] (fp32, or both fp16 or both bf16) with "
+            f"contiguous heads, got {tuple(q.shape)}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
         )
     out = torch.empty(h, dv, dtype=torch.float32)
-    if _lib().ft_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, dh, dv, k.stride(0), v.stride(0),
-                             scale, None if sinks is None else sinks.data_ptr(), out.data_ptr()):
+    if _lib().ft_attn_decode_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_type, s, h, hkv, dh, dv, k.stride(0),
+                                v.stride(0), scale, None if sinks is None else sinks.data_ptr(), out.data_ptr()):
         raise MemoryError("ft_attn_decode: out of memory")
     return out
 
@@ -278,16 +292,18 @@ def attn_queries(
     keys ``lo[t] <= s < hi[t]`` (int64 ``[T]``, non-empty ranges); ``sinks [H]`` as in ``attn_decode``.
 
     Each query is computed exactly as ``attn_decode`` computes it over its keys alone: bitwise the same whether it
-    is decoded by itself or inside a prefill chunk. Layout rules as in ``attn_decode``; q contiguous.
+    is decoded by itself or inside a prefill chunk. Layout and dtype rules as in ``attn_decode`` (16-bit caches
+    too); q contiguous.
     """
     t, h, dh = q.shape
     s, hkv, dk = k.shape
     dv = v.shape[2]
     lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
+    kv_type = _kv_type(q, k, v)
     ok = (
-        dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and t >= 1 and h % hkv == 0 and q.is_contiguous()
-        and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1) and lo.shape == hi.shape == (t,)
-        and all(z.dtype == torch.float32 and z.device.type == "cpu" for z in (q, k, v))
+        kv_type is not None and dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and t >= 1 and h % hkv == 0
+        and q.is_contiguous() and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1)
+        and lo.shape == hi.shape == (t,) and all(z.device.type == "cpu" for z in (q, k, v))
         and bool(((lo >= 0) & (hi > lo) & (hi <= s)).all())
     )  # fmt: skip
     if sinks is not None:
@@ -295,13 +311,14 @@ def attn_queries(
         ok = ok and sinks.shape == (h,) and sinks.device.type == "cpu"
     if not ok:
         raise FreeTokenError(
-            f"attention: want fp32 q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with contiguous heads and key ranges "
-            f"0 <= lo < hi <= S, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"attention: want fp32 q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] (fp32, or both fp16 or both bf16) with "
+            f"contiguous heads and key ranges 0 <= lo < hi <= S, got {tuple(q.shape)}, {tuple(k.shape)} {k.dtype}, "
+            f"{tuple(v.shape)} {v.dtype}"
         )
     out = torch.empty(t, h, dv, dtype=torch.float32)
-    if _lib().ft_attn_queries(q.data_ptr(), t, k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(), h, hkv, dh,
-                              dv, k.stride(0), v.stride(0), scale, None if sinks is None else sinks.data_ptr(),
-                              out.data_ptr()):
+    if _lib().ft_attn_queries_kv(q.data_ptr(), t, k.data_ptr(), v.data_ptr(), kv_type, lo.data_ptr(), hi.data_ptr(),
+                                 h, hkv, dh, dv, k.stride(0), v.stride(0), scale,
+                                 None if sinks is None else sinks.data_ptr(), out.data_ptr()):
         raise MemoryError("ft_attn_queries: out of memory")
     return out
 
