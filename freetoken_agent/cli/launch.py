@@ -46,6 +46,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine")
     p.add_argument("--api-key", default=None, help="the server's key (default: $FREETOKEN_API_KEY)")
     p.add_argument("--cli", default=None, metavar="PATH", help="the client executable (default: found on PATH)")
+    p.add_argument("--max-tokens", type=count(), default=None, metavar="N",
+                   help="the longest answer the client gets: Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS; for Codex "
+                        "(which sends no limit) the started server's --default-max-tokens (default: a quarter of the "
+                        "model's context for Claude Code, the server's default for Codex)")
 
 
 def split_args(args: argparse.Namespace) -> list[str]:
@@ -129,6 +133,8 @@ def start_server(args: argparse.Namespace, api_key: str | None) -> Server:
         value = getattr(args, flag)
         if value is not None:
             command += [f"--{flag}", str(value)]
+    if args.max_tokens is not None and args.client == "codex":
+        command += ["--default-max-tokens", str(args.max_tokens)]
     env = dict(os.environ, FREETOKEN_API_KEY=api_key or "")
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -145,8 +151,9 @@ def start_server(args: argparse.Namespace, api_key: str | None) -> Server:
 
 
 def client_command(client: str, executable: str, server: Server, api_key: str | None, user_args: list[str],
-                   ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that point ``client`` at ``server``."""
+                   max_tokens: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that point ``client`` at ``server``; ``max_tokens`` caps Claude Code's
+    answers (Codex sends no limit: the server's default applies)."""
     env = dict(os.environ)
     if client == "claude":
         env.pop("ANTHROPIC_API_KEY", None)  # a key for Anthropic's service is not sent to a local server
@@ -154,8 +161,14 @@ def client_command(client: str, executable: str, server: Server, api_key: str | 
                    ANTHROPIC_MODEL=server.model, ANTHROPIC_SMALL_FAST_MODEL=server.model,
                    ANTHROPIC_DEFAULT_OPUS_MODEL=server.model, ANTHROPIC_DEFAULT_SONNET_MODEL=server.model,
                    ANTHROPIC_DEFAULT_HAIKU_MODEL=server.model, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-        if server.context is not None:  # Claude Code asks for 32k output tokens unless told: keep room for the prompt
-            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max(1, min(32_000, server.context // 4)))
+        # Claude Code opens its system prompt with a billing line for Anthropic's service that carries a fingerprint
+        # of the first message: to a local model it is noise that changes the prompt's first tokens per conversation
+        # (no prefix reuse between conversations). The user's own setting wins.
+        env.setdefault("CLAUDE_CODE_ATTRIBUTION_HEADER", "0")
+        if max_tokens is not None:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_tokens)
+        elif server.context is not None:  # it asks for 32k output tokens unless told: keep room for the prompt
+            env.setdefault("CLAUDE_CODE_MAX_OUTPUT_TOKENS", str(max(1, min(32_000, server.context // 4))))
         return [executable, *user_args], env
     provider = f'{{name="FreeToken", base_url="{server.url}/v1", wire_api="responses"'
     if api_key:
@@ -177,9 +190,12 @@ def launch(args: argparse.Namespace) -> int:
     if executable is None:
         raise CLIError(f"{name} is not installed: npm install -g {package} (or give --cli PATH)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("FREETOKEN_API_KEY") or None
+    if args.max_tokens is not None and args.client == "codex" and args.url:
+        raise CLIError("--max-tokens with --url: Codex sends no output limit, so the running server's "
+                       "--default-max-tokens decides it")
     server = start_server(args, api_key)
     try:
-        command, env = client_command(args.client, executable, server, api_key, user_args)
+        command, env = client_command(args.client, executable, server, api_key, user_args, args.max_tokens)
         print(f"freetoken launch: {name} → {server.url} (model {server.model})", file=sys.stderr, flush=True)
         try:
             return subprocess.run(command, env=env).returncode
