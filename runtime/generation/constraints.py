@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,24 @@ def lark_grammar(text: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(text)
 
 
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[V] bool from a grammar engine's token bitmask (int32 [ceil(V/32)], token t allowed when bit t % 32 of word
+    t // 32 is set). Plain torch: ``llguidance.torch.apply_token_bitmask_inplace`` is a ``torch.compile`` kernel that
+    costs every server process 10-26 s and a C compiler on its first constrained request."""
+    words = bitmask.contiguous()
+    if sys.byteorder == "little":  # byte k of a word holds its bits 8k .. 8k+7
+        bits = (words.view(torch.uint8).unsqueeze(-1) >> _BITS) & 1  # [4W, 8]
+    else:
+        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
+    allowed = bits.flatten()[:vocab].bool()
+    if allowed.shape[0] < vocab:  # tokens past the mask's words are never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.shape[0])])
+    return allowed
+
+
 class GrammarProcessor:
     """A ``LogitsProcessor`` holding one request's grammar state (see ``SamplingParams.processor``)."""
 
@@ -91,10 +110,10 @@ class GrammarProcessor:
         """``logits`` [V] with -inf wherever the grammar forbids the token."""
         t0 = time.perf_counter()
         self._torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
-        out = logits.float().clone()[None, :]  # [1, V]
-        self._torch.apply_token_bitmask_inplace(out, self.mask)
+        out = logits.float().clone()  # [V]
+        out.masked_fill_(~allowed_tokens(self.mask[0], out.shape[0]), float("-inf"))
         self.mask_s += time.perf_counter() - t0
-        return out[0]
+        return out
 
     def accept(self, token: int) -> None:
         """Advance the grammar by the picked token (always one the mask allowed)."""
