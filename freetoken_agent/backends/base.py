@@ -187,7 +187,10 @@ class TextBackend(ABC):
         """Raw text chunks for ``request``, then one :class:`GenerationDone`."""
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[BackendEvent]:
-        parser = make_parser(self.tool_format, request.tools)
+        # A request that declares no tools gets no tool calls, as from the hosted APIs: what the model writes in its
+        # call syntax stays text (harmony is still parsed: its channels carry the reasoning and the final answer).
+        parser = make_parser(self.tool_format, request.tools) if request.tools or self.tool_format == "harmony" \
+            else None
         done = GenerationDone("stop")
         saw_call = False
         async for item in self.stream_text(request):
@@ -196,10 +199,14 @@ class TextBackend(ABC):
                 continue
             if item.logprobs:
                 yield LogprobsDelta(item.logprobs)
+            if parser is None:
+                if item.text:
+                    yield TextDelta(item.text)
+                continue
             for event in parser.feed(item.text):
                 saw_call = saw_call or isinstance(event, ToolCallFinished)
                 yield event
-        for event in parser.finish():
+        for event in parser.finish() if parser is not None else ():
             saw_call = saw_call or isinstance(event, ToolCallFinished)
             yield event
         if saw_call and done.finish_reason == "stop" and done.stop_sequence is None:

@@ -156,3 +156,19 @@ def test_completions_need_a_text_backend() -> None:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="serves chat completions only"):
             client.completions.create(model="proxy", prompt="x")
+
+
+def test_a_request_without_tools_gets_no_tool_calls(served) -> None:
+    """What a model writes in its call syntax stays text when the request declared no tools (the hosted APIs never
+    answer with a call to a tool the client did not offer; Claude Code would answer it with "No such tool")."""
+    backend, client = served
+    written = "Let me look. " + hermes_call("bash", {"command": "ls"})
+    backend.turns.append(written)
+    reply = client.chat.completions.create(model="tiny-moe", messages=MESSAGES, max_tokens=50)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == written
+    backend.turns.append(written)
+    stream = client.chat.completions.create(model="tiny-moe", messages=MESSAGES, stream=True)
+    parts = [(c.delta.content or "", c.delta.tool_calls) for chunk in stream for c in chunk.choices]
+    assert "".join(text for text, _ in parts) == written and not any(calls for _, calls in parts)
