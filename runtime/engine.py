@@ -134,6 +134,9 @@ class Engine:
         self._stats = EngineStats()
         self.threads = torch.get_num_threads()
         self._kv: Any = None
+        self.kv_dtype: torch.dtype | None = None
+        """Storage type of the KV pages (``from_pretrained``'s ``kv_dtype``); None: the compute dtype. Set it before
+        the first session or request (the KV manager is created then)."""
         self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
         self.dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport with dense_quant="q8"/"q4"
         self.lock = threading.RLock()
@@ -172,6 +175,7 @@ class Engine:
         residency: Any = None,
         dense_quant: str = "none",
         deterministic: bool = False,
+        kv_dtype: str | torch.dtype = "auto",
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
@@ -187,6 +191,10 @@ class Engine:
         ``runtime.kernels.ops.set_deterministic``): each row's result is then independent of what shares its step
         and of how its prefix was chunked, so a greedy request returns the same tokens every time.
 
+        ``kv_dtype``: how the KV cache stores keys and values: ``fp32``, ``bf16``, ``fp16`` (half the memory: twice
+        the positions in the same KV budget, and decode attention reads it as is), or ``auto`` (what
+        ``runtime.kv.pool.resolve_kv_dtype`` picks for this device and ``dtype``). Recurrent states stay in ``dtype``.
+
         ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
         """
@@ -197,8 +205,11 @@ class Engine:
         from freetoken_agent.runtime.kernels.mapped import supported as mapped_supported
         from freetoken_agent.runtime.quant.native import open_checkpoint
 
+        from freetoken_agent.runtime.kv.pool import resolve_kv_dtype
+
         quant = check_quant(quant)
         check_device(device)
+        resolved_kv = resolve_kv_dtype(kv_dtype, device, _dtype(dtype))
         if deterministic:
             from freetoken_agent.runtime.kernels import ops as kernel_ops
 
@@ -242,6 +253,7 @@ class Engine:
                 gen_cfg = {}
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
+        engine.kv_dtype = resolved_kv
         engine.dense_quant = dense_report
         from freetoken_agent.runtime.kernels import build, hugepages, ops
 
@@ -389,8 +401,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ sessions
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one position costs across all layers (GQA: keys + values; MLA: latent + rotary key)."""
+        """KV bytes one position costs across all layers (GQA: keys + values; MLA: latent + rotary key), in the
+        KV pool's storage type."""
         elsize = self.decoder.weights.embed.element_size()
+        if self.kv_dtype is not None:
+            elsize = torch.empty(0, dtype=self.kv_dtype).element_size()
         total = 0
         for layer in self.spec.layers:
             a = layer.attention
@@ -422,7 +437,7 @@ class Engine:
                 raise RuntimeError("cannot replace the KV manager while requests are in flight")
             stateful = bool(self.spec.state_layers())
             self._kv = KVManager(self.spec.num_layers, config, str(self.decoder.device), self._elastic_kv(config),
-                                 stateful=stateful, lock=self.lock)
+                                 stateful=stateful, lock=self.lock, kv_dtype=self.kv_dtype)
         return self._kv
 
     def _elastic_kv(self, config: Any) -> Any:

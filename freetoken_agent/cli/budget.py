@@ -1,5 +1,5 @@
-"""Flags shared by every command that loads a model: ``--quant``, ``--quant-dense``, ``--device-memory``,
-``--host-memory``, ``--residency-policy``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword
+"""Flags shared by every command that loads a model: ``--quant``, ``--quant-dense``, ``--kv-dtype``,
+``--device-memory``, ``--host-memory``, ``--residency-policy``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword
 arguments (empty when no flag was given, so the unbudgeted load path is unchanged).
 """
 
@@ -16,6 +16,9 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-dense", default="none", choices=["none", "q8", "q4"],
                    help="also quantize attention projections, dense MLPs and the lm_head (CPU kernels; "
                         "~2.5x faster decode on CPU, slightly less accurate)")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="KV cache storage: 16 bits hold twice the context in the same memory and decode attention "
+                        "reads them as is (auto: the engine's default for the device)")
     g.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="hard limit on accelerator memory, e.g. 8GB (experts beyond it live in host slots)")
     g.add_argument("--host-memory", default=None, metavar="SIZE",
@@ -29,13 +32,15 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``dense_quant=``/``deterministic=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if getattr(args, "quant_dense", "none") != "none":
         quant["dense_quant"] = args.quant_dense
     if getattr(args, "deterministic", False):
         quant["deterministic"] = True
+    if getattr(args, "kv_dtype", "auto") != "auto":
+        quant["kv_dtype"] = args.kv_dtype
     if device is None and host is None and policy is None:
         return quant
     from freetoken_agent.runtime.experts.setup import ResidencyConfig

@@ -79,8 +79,10 @@ class KVCache(RecurrentStates):
         self._pending = 0
         self._init_states()
 
-    def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
-        """Append this step's tensors for ``layer`` (each [T, ...]) and return views of all cached positions."""
+    def append(self, layer: int, *parts: torch.Tensor, stored: bool = False) -> list[torch.Tensor]:
+        """Append this step's tensors for ``layer`` (each [T, ...]) and return views of all cached positions.
+        ``stored`` (the paged cache's option to get a 16-bit pool's own tensors): this cache stores ``parts`` as
+        they come, so it changes nothing."""
         t = parts[0].shape[0]
         end = self.length + t
         store = self._store[layer]
@@ -96,9 +98,9 @@ class KVCache(RecurrentStates):
         self._pending = t
         return [buf[:end] for buf in store]
 
-    def cached(self, layer: int) -> list[torch.Tensor]:
+    def cached(self, layer: int, stored: bool = False) -> list[torch.Tensor]:
         """Views of every position ``layer`` holds, this forward's appends included (a layer reading another
-        layer's KV: Gemma 4 KV sharing)."""
+        layer's KV: Gemma 4 KV sharing); ``stored`` as in ``append``."""
         store = self._store[layer]
         if store is None:
             raise ValueError(f"layer {layer} has cached nothing yet")

@@ -33,6 +33,8 @@ class PagedKVCache(RecurrentStates):
         self._prepared: tuple[int, int] | None = None
         self._run = False
         """The page table is one ascending run of page ids: the cached positions are a view of the pool."""
+        self._dtypes: dict[int, list[torch.dtype]] = {}
+        """Per layer, the dtypes its parts were appended in (what ``cached`` widens a 16-bit pool's parts to)."""
         self._init_states()
 
     def _pages_changed(self) -> None:
@@ -80,22 +82,36 @@ class PagedKVCache(RecurrentStates):
         self.pages = list(range(first, first + count))
         return True
 
-    def append(self, layer: int, *parts: torch.Tensor) -> list[torch.Tensor]:
+    def append(self, layer: int, *parts: torch.Tensor, stored: bool = False) -> list[torch.Tensor]:
+        """Write this step's ``parts`` and return every cached position of each (see ``KVCache.append``).
+
+        ``stored``: return the tensors as the pool stores them (a 16-bit pool: fp16/bf16, for attention that reads
+        them as is); else in the dtype of ``parts`` (widened copies of a 16-bit pool's parts).
+        """
         n = parts[0].shape[0]
         if self._prepared != (self.length, n):
             self.reserve(n)
         self.pool.write(layer, self.pages, self.length, parts)
         self._pending = n
+        self._dtypes[layer] = [p.dtype for p in parts]
         if self._run:  # no copy: a decode step over a long context would otherwise copy every cached position
-            return self.pool.view(layer, self.pages[0], self.length + n)
-        return self.pool.gather(layer, self.pages, self.length + n)
+            out = self.pool.view(layer, self.pages[0], self.length + n)
+        else:
+            out = self.pool.gather(layer, self.pages, self.length + n)
+        return out if stored else [t.to(p.dtype) for t, p in zip(out, parts)]
 
-    def cached(self, layer: int) -> list[torch.Tensor]:
-        """Every position ``layer`` holds, this forward's appends included (see ``KVCache.cached``)."""
+    def cached(self, layer: int, stored: bool = False) -> list[torch.Tensor]:
+        """Every position ``layer`` holds, this forward's appends included (see ``KVCache.cached``); a 16-bit pool's
+        floating parts widened to fp32 unless ``stored``."""
         n = self.length + self._pending
         if self._run:
-            return self.pool.view(layer, self.pages[0], n)
-        return self.pool.gather(layer, self.pages, n)
+            out = self.pool.view(layer, self.pages[0], n)
+        else:
+            out = self.pool.gather(layer, self.pages, n)
+        if stored or self.pool.kv_dtype is None:
+            return out
+        dtypes = self._dtypes.get(layer, [torch.float32] * len(out))
+        return [t.to(d) if t.is_floating_point() else t for t, d in zip(out, dtypes)]
 
     def advance(self) -> None:
         self.length += self._pending

@@ -5,6 +5,11 @@ part (GQA: keys [P, page, Hkv, Dh] and values [P, page, Hkv, Dv]; MLA: latent [P
 [P, page, R]). Part shapes are learned from the first write, so any mixer that caches per-position tensors works.
 Control is integers only: page ids, reference counts, a free list.
 
+``kv_dtype`` (fp16 / bf16, or None: as written) is the storage type of every floating part: a 16-bit pool holds
+twice the positions of an fp32 one in the same bytes, and attention reads it as is (``runtime/kernels/ops.py``).
+fp16 writes saturate at ±65504 (an overflowing key becomes the largest half, not inf). Page copies (copy-on-write,
+runs, host offload) move the stored bits unchanged.
+
 Legend: P pages in the pool, S positions of a sequence.
 """
 
@@ -12,7 +17,35 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.errors import FreeTokenError, OptionError
+
+KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``kv_dtype`` option values → the pool's storage type (None: the model's compute dtype, as written)."""
+_KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+DEFAULT_CPU_KV_DTYPE: torch.dtype | None = None
+"""What ``auto`` stores on the CPU for an fp32 model (None: fp32, the compute dtype)."""
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, device: torch.device | str,
+                     compute_dtype: torch.dtype) -> torch.dtype | None:
+    """The storage dtype for a ``kv_dtype`` option (``auto``/``fp32``/``bf16``/``fp16``; torch dtypes too); None
+    means "as written" (the compute dtype). Raises ``OptionError`` for anything else."""
+    if isinstance(kv_dtype, torch.dtype):
+        if kv_dtype not in KV_DTYPES.values():
+            raise OptionError(f"unsupported KV cache dtype {kv_dtype}; use one of: {', '.join(KV_DTYPES)}")
+        return kv_dtype
+    name = "auto" if kv_dtype is None else _KV_ALIASES.get(str(kv_dtype).lower(), str(kv_dtype).lower())
+    if name not in KV_DTYPES:
+        raise OptionError(f"unknown KV cache dtype {kv_dtype!r}; use one of: {', '.join(KV_DTYPES)}")
+    if name == "auto":
+        if torch.device(device).type == "cpu" and compute_dtype == torch.float32:
+            return DEFAULT_CPU_KV_DTYPE
+        return None
+    return KV_DTYPES[name]
+
+
+FP16_MAX = 65504.0
 
 
 class OutOfPages(FreeTokenError):
@@ -23,8 +56,9 @@ class PagePool:
     """Fixed pool of ``num_pages`` pages on ``device``; pages are reference counted."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, device: torch.device | str = "cpu",
-                 tier: str = "device", active: int | None = None) -> None:
+                 tier: str = "device", active: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
         """``num_pages`` is the capacity (page ids); ``active`` pages (default: all) are in circulation.
+        ``kv_dtype``: storage type of floating parts (None: the type they are written in).
 
         An elastic pool starts with fewer active pages and ``grow``s / ``retire``s them as its memory reservation
         changes. Storage is reserved lazily at capacity size: on the CPU untouched pages cost no physical memory,
@@ -34,6 +68,7 @@ class PagePool:
             raise ValueError("a page pool needs at least one page of at least one position")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.device, self.tier = torch.device(device), tier
+        self.kv_dtype = kv_dtype
         self.data: list[list[torch.Tensor] | None] = [None] * num_layers
         self.refs = [0] * num_pages
         active = num_pages if active is None else max(0, min(active, num_pages))
@@ -127,10 +162,14 @@ class PagePool:
             # Normal (not inference-mode) tensors: pages are written both inside the decoder's inference mode and
             # outside it (tier moves), which inference tensors would forbid.
             with torch.inference_mode(False):
-                store = [torch.empty((self.num_pages, self.page_size, *p.shape[1:]), dtype=p.dtype,
+                store = [torch.empty((self.num_pages, self.page_size, *p.shape[1:]), dtype=self.storage_dtype(p.dtype),
                                      device=self.device) for p in parts]
             self.data[layer] = store
         return store
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """How a part written as ``dtype`` is stored."""
+        return self.kv_dtype if self.kv_dtype is not None and dtype.is_floating_point else dtype
 
     def write(self, layer: int, pages: list[int], start: int, parts: tuple[torch.Tensor, ...]) -> None:
         """Write ``parts`` (each [n, ...]) at sequence positions ``start..start+n`` of the page table ``pages``."""
@@ -140,7 +179,9 @@ class PagePool:
         page_idx = torch.tensor(pages, dtype=torch.long)[pos // ps]
         offset = pos % ps
         for buf, p in zip(store, parts):
-            buf[page_idx.to(buf.device), offset.to(buf.device)] = p.to(buf.device)
+            if buf.dtype == torch.float16 and p.dtype != torch.float16:
+                p = p.clamp(-FP16_MAX, FP16_MAX)
+            buf[page_idx.to(buf.device), offset.to(buf.device)] = p.to(device=buf.device, dtype=buf.dtype)
 
     def gather(self, layer: int, pages: list[int], length: int) -> list[torch.Tensor]:
         """The first ``length`` positions of a page table, as contiguous tensors [S, ...]."""

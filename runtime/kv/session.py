@@ -88,8 +88,11 @@ class KVManager:
     """Page pools + radix cache + pause policy, shared by an engine's sessions."""
 
     def __init__(self, num_layers: int, config: KVConfig, device: str = "cpu", elastic: ElasticKV | None = None,
-                 stateful: bool = False, lock: Any = None) -> None:
+                 stateful: bool = False, lock: Any = None, kv_dtype: Any = None) -> None:
         """``stateful``: the model has recurrent layers (hybrid), whose states the radix tree cannot share.
+        ``kv_dtype``: the pools' storage type for keys and values (``PagePool``; None: the compute dtype); the host
+        tier stores the same type, so offloading copies pages as they are. Recurrent states stay in the cache
+        objects, in the compute dtype.
         ``lock``: the engine's lock, held by its scheduler thread for each step; every change to pages, the radix
         tree or a session's cache from another thread takes it."""
         import threading
@@ -103,10 +106,12 @@ class KVManager:
             capacity = max(1, (limit if limit is not None else config.device_pages * elastic.bytes_per_page)
                            // elastic.bytes_per_page)
             active = elastic.reservation.nbytes // elastic.bytes_per_page
-            self.pool = PagePool(num_layers, capacity, config.page_size, device, tier="device", active=active)
+            self.pool = PagePool(num_layers, capacity, config.page_size, device, tier="device", active=active,
+                                 kv_dtype=kv_dtype)
         else:
-            self.pool = PagePool(num_layers, config.device_pages, config.page_size, device, tier="device")
-        self.host = PagePool(num_layers, config.host_pages, config.page_size, "cpu", tier="host") \
+            self.pool = PagePool(num_layers, config.device_pages, config.page_size, device, tier="device",
+                                 kv_dtype=kv_dtype)
+        self.host = PagePool(num_layers, config.host_pages, config.page_size, "cpu", tier="host", kv_dtype=kv_dtype) \
             if config.host_pages else None
         self.radix = RadixCache(self.pool)
         self.stats = KVStats()
@@ -210,6 +215,7 @@ class KVManager:
         saved = s.prefix_hit_tokens
         return {
             "page_size": self.pool.page_size,
+            "kv_dtype": str(self.pool.kv_dtype).removeprefix("torch.") if self.pool.kv_dtype else "as computed",
             "pages_device_used": self.pool.num_used,
             "pages_device_total": self.pool.active,
             "kv_grown_bytes": self.elastic.grown_bytes if self.elastic else 0,

@@ -149,10 +149,63 @@ def attention_scores(
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, Dh] over k [S, Hkv, Dh], v [S, Hkv, Dv] → [T, H*Dv]; ``keep`` [T, S] (or
-    [Hkv, T, S]) further restricts which keys each query sees (sparse attention), ``key_bias`` [S, Hkv] (Doge)."""
+    [Hkv, T, S]) further restricts which keys each query sees (sparse attention), ``key_bias`` [S, Hkv] (Doge).
+
+    k and v may be a 16-bit KV cache (fp16/bf16) under fp32 queries: decode steps and short chunks read it as is
+    (the C kernels; without them, ``_one_query_attention`` widens one block of keys at a time), other shapes widen
+    it to q's dtype first (a prefill's attention costs far more than that copy)."""
     if kops.deterministic():
         return _invariant_attention(q, k, v, q_pos, spec, sinks, keep, key_bias)
+    if k.dtype != q.dtype:
+        if q.dtype == torch.float32:
+            return _attention_16(q, k, v, q_pos, spec, sinks, keep, key_bias)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # e.g. an fp16 cache under a bf16 model
     return _attention(q, k, v, q_pos, spec, sinks, keep, key_bias)
+
+
+def _key_ranges(q_pos: torch.Tensor, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """[lo, hi) of the keys each query sees (causal, sliding window, chunked attention), int64 [T] each."""
+    hi = q_pos.to(torch.int64) + 1  # query at p sees keys < p + 1
+    lo = torch.zeros_like(hi)
+    if spec.sliding_window is not None:
+        lo = (hi - spec.sliding_window).clamp(min=0)
+    if spec.chunk_size is not None:
+        lo = torch.maximum(lo, q_pos.to(torch.int64) // spec.chunk_size * spec.chunk_size)
+    return lo, hi
+
+
+def _kernel_layout(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k [S, Hkv, Dh] / v [S, Hkv, Dv] as the C attention kernels take them: CPU, one of their dtypes, contiguous
+    heads (any stride between positions)."""
+    return (
+        k.device.type == "cpu" and k.dtype == v.dtype and k.dtype in kops.KV_TYPE_CODE
+        and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1)
+    )  # fmt: skip
+
+
+def _attention_16(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``_attention`` over a 16-bit cache under fp32 queries (same arguments). Up to ``EAGER_ATTENTION_TOKENS``
+    queries with a key range each (causal, window, chunk, sinks) go through the C kernel reading the cache as is;
+    a decode step without the kernels widens it block by block; anything else widens it once."""
+    t, h, dh = q.shape
+    s, _, dv = v.shape
+    plain = keep is None and key_bias is None and spec.sliding_window is None and spec.chunk_size is None
+    if plain and t == 1 and int(q_pos[0]) >= s - 1:
+        return _one_query_attention(q, k, v, spec.scale, sinks)
+    if (keep is None and key_bias is None and t <= EAGER_ATTENTION_TOKENS and q.device.type == "cpu"
+            and _kernel_layout(k, v) and kops.fast() is not None):
+        lo, hi = _key_ranges(q_pos, spec)
+        return kops.attn_queries(q.contiguous(), k, v, lo, hi, spec.scale, sinks).view(t, h * dv)
+    return _attention(q, k.to(q.dtype), v.to(q.dtype), q_pos, spec, sinks, keep, key_bias)
 
 
 def _invariant_attention(
@@ -183,6 +236,7 @@ def _invariant_attention(
         k = k if k.stride()[1:] == (dh, 1) else k.contiguous()
         v = v if v.stride()[1:] == (dv, 1) else v.contiguous()  # MLA: values are a slice of each head's row
         return kops.attn_queries(q.contiguous(), k, v, lo, hi, spec.scale, sinks).view(t, h * dv)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache under other queries: widened
     outs = []
     for i, p in enumerate(q_pos.tolist()):
         seen = p + 1
@@ -297,18 +351,15 @@ def _one_query_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """q [1, H, Dh] over every key of k [S, Hkv, Dh], v [S, Hkv, Dv] → [1, H*Dv]. Where the kernels are loaded an
-    fp32 cache goes through their split-over-keys kernel on the pool (``ft_attn.h``): torch runs both matmuls on
-    one thread through a permuted copy of K."""
+    fp32 cache, or a 16-bit one under fp32 queries, goes through their split-over-keys kernel on the pool
+    (``ft_attn.h``): torch runs both matmuls on one thread through a permuted copy of K. Without them a 16-bit cache
+    is widened one block of keys at a time (``_blocked_one_query``)."""
     h, dh = q.shape[1:]
     s, hkv, dv = v.shape
-    if (
-        q.dtype == k.dtype == v.dtype == torch.float32
-        and k.device.type == "cpu"
-        and k.stride()[1:] == (dh, 1)
-        and v.stride()[1:] == (dv, 1)
-        and kops.fast() is not None
-    ):
+    if q.dtype == torch.float32 and _kernel_layout(k, v) and kops.fast() is not None:
         return kops.attn_decode(q.reshape(h, dh).contiguous(), k, v, scale, sinks).view(1, h * dv)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return _blocked_one_query(q, k, v, scale, sinks)
     scores = torch.matmul(q.view(hkv, h // hkv, dh), k.permute(1, 2, 0)).view(h, s) * scale  # [H, S]
     if sinks is None:
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
@@ -317,6 +368,39 @@ def _one_query_attention(
         probs = probs[:, :-1].to(v.dtype)
     out = torch.matmul(probs.view(hkv, h // hkv, s), v.permute(1, 0, 2))  # [Hkv, G, Dv]
     return out.reshape(1, h * dv)
+
+
+WIDEN_BLOCK = 1024
+"""Keys a 16-bit cache is widened by at a time when no kernel reads it (the torch fallback of a decode step)."""
+
+
+def _blocked_one_query(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """``_one_query_attention`` over a cache in another dtype than q (a 16-bit KV pool without the C kernels): each
+    block of ``WIDEN_BLOCK`` keys and values is widened to fp32 and folded into a running max, exp-sum and
+    weighted value sum (the flash-decoding merge), so no fp32 copy of the whole cache is made."""
+    h, dh = q.shape[1:]
+    s, hkv, dv = v.shape
+    g = h // hkv
+    qg = q.reshape(hkv, g, dh).float()
+    m = torch.full((hkv, g, 1), float("-inf"), device=q.device)
+    den = torch.zeros(hkv, g, 1, device=q.device)
+    acc = torch.zeros(hkv, g, dv, device=q.device)
+    for a in range(0, s, WIDEN_BLOCK):
+        kb, vb = k[a : a + WIDEN_BLOCK].float(), v[a : a + WIDEN_BLOCK].float()
+        scores = torch.matmul(qg, kb.permute(1, 2, 0)) * scale  # [Hkv, G, b]
+        top = torch.maximum(m, scores.amax(-1, keepdim=True))
+        fade, p = torch.exp(m - top), torch.exp(scores - top)
+        den = den * fade + p.sum(-1, keepdim=True)
+        acc = acc * fade + torch.matmul(p, vb.permute(1, 0, 2))  # [Hkv, G, Dv]
+        m = top
+    if sinks is not None:  # one more logit per head, carrying no value
+        sink = sinks.float().view(hkv, g, 1)
+        top = torch.maximum(m, sink)
+        fade = torch.exp(m - top)
+        den, acc = den * fade + torch.exp(sink - top), acc * fade
+    return (acc / den).to(q.dtype).reshape(1, h * dv)
 
 
 def position_scaled(q: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
@@ -390,8 +474,8 @@ def gqa_attention(
         elif iq is not None:
             k_all, v_all, ik_all = sp.cache.append(layer, k[a:b], v[a:b], ik[a:b])
             keep = block_keep(iq[a:b], ik_all, spec.block_indexer, sp.positions)
-        else:
-            k_all, v_all = sp.cache.append(layer, k[a:b], v[a:b])
+        else:  # a 16-bit KV pool's pages as they are: attention_scores reads them (decode: the C kernel)
+            k_all, v_all = sp.cache.append(layer, k[a:b], v[a:b], stored=True)
         outs.append(attention_scores(q[a:b], k_all, v_all, sp.positions, spec, w.get("sinks"), keep=keep,
                                      key_bias=key_bias))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,137 @@
+"""Decode / multi-query attention over a 16-bit (fp16, bf16) KV cache read as is, against plain-torch references,
+on every ISA path this CPU has plus the portable one, at 1-3 pool threads.
+
+A 16-bit cache widens exactly to fp32, and the kernel runs the fp32 arithmetic on the widened values, so two facts
+are checked: the 16-bit call equals the fp32 kernel on the widened cache bit for bit, and both are within fp32
+rounding of a float64 softmax attention over the widened values. Against the unrounded (fp32) cache the error is
+the cache's own rounding: ``ROUNDING_TOL``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.kernels import ops
+from freetoken_agent.runtime.model import layers
+from freetoken_agent.runtime.model.spec import AttentionSpec
+from tests.runtime.kernels.test_ops import every_path, isas  # noqa: F401  (the every-ISA x thread-count helper)
+
+DTYPES = [torch.float16, torch.bfloat16]
+ROUNDING_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+"""Max |out - out over the unrounded cache| for keys of std 3 and values of std 1: measured 1.9e-3 (fp16) and
+1.5e-2 (bf16) over ``LAYOUTS``, bounds at 2x."""
+
+# (S keys, H, Hkv, Dh, Dv): GQA ratios 1/2/4/8/64, odd head dims, lengths off the 128-key block and the 8-key group
+LAYOUTS = [(1, 16, 4, 128, 128), (300, 16, 4, 128, 128), (129, 4, 1, 72, 40), (513, 6, 2, 24, 136),
+           (37, 8, 8, 63, 65), (200, 64, 1, 16, 8), (1000, 8, 1, 64, 64)]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 softmax attention of q [H, Dh] over keys lo..hi-1 of k [S, Hkv, Dh], v [S, Hkv, Dv] → fp32 [H, Dv]."""
+    g = q.shape[0] // k.shape[1]
+    kk = k[lo:hi].double().repeat_interleave(g, dim=1)
+    vv = v[lo:hi].double().repeat_interleave(g, dim=1)
+    scores = torch.einsum("hd,shd->hs", q.double(), kk) * scale
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None]], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[:, : hi - lo]
+    return torch.einsum("hs,shd->hd", probs, vv).float()
+
+
+def _paged(s: int, hkv: int, dh: int, dv: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """fp32 k, v and their 16-bit copies as strided views (a run of pool pages: offset rows, an extra head)."""
+    g = torch.Generator().manual_seed(seed)
+    pool_k, pool_v = torch.randn(s + 7, hkv + 1, dh, generator=g) * 3, torch.randn(s + 7, hkv + 1, dv, generator=g)
+    k32, v32 = pool_k[5 : 5 + s, :hkv], pool_v[2 : 2 + s, 1:]
+    k16, v16 = pool_k.to(dtype)[5 : 5 + s, :hkv], pool_v.to(dtype)[2 : 2 + s, 1:]
+    assert k16.stride(0) == (hkv + 1) * dh and v16.stride(0) == (hkv + 1) * dv  # strided between positions
+    return k32, v32, k16, v16
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dims", LAYOUTS)
+def test_decode_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, isas: list[str]) -> None:
+    s, h, hkv, dh, dv = dims
+    k32, v32, k16, v16 = _paged(s, hkv, dh, dv, dtype, seed=s + h)
+    q = torch.randn(h, dh, generator=torch.Generator().manual_seed(1))
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(2)) * 2
+    scale = dh**-0.5
+    widened = _reference(q, k16.float(), v16.float(), 0, s, scale, sinks)
+    unrounded = _reference(q, k32, v32, 0, s, scale, sinks)
+    assert (widened - unrounded).abs().max().item() <= ROUNDING_TOL[dtype]
+    with every_path(isas) as paths:
+        for isa, threads in paths:
+            got = ops.attn_decode(q, k16, v16, scale, sinks)
+            assert torch.equal(got, ops.attn_decode(q, k16.float(), v16.float(), scale, sinks)), (isa, threads)
+            assert torch.allclose(got, widened, rtol=1e-5, atol=1e-5), (isa, threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dims", [(300, 16, 4, 128, 128), (129, 4, 1, 72, 40), (37, 8, 8, 63, 65)])
+def test_query_chunks_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, isas: list[str]) -> None:
+    """``attn_queries`` (short prefill chunks, sliding windows): each query over its own key range, as the
+    reference, and bitwise as that query decoded alone over those keys."""
+    s, h, hkv, dh, dv = dims
+    _, _, k16, v16 = _paged(s, hkv, dh, dv, dtype, seed=s)
+    t = 9  # more than ATTN_QUERIES_PER_ITEM: two query groups
+    q = torch.randn(t, h, dh, generator=torch.Generator().manual_seed(3))
+    hi = torch.linspace(1, s, t).round().long()
+    lo = torch.where(torch.arange(t) % 2 == 0, torch.zeros_like(hi), (hi - 100).clamp(min=0))  # causal / window
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(4))
+    with every_path(isas) as paths:
+        for isa, threads in paths:
+            out = ops.attn_queries(q, k16, v16, lo, hi, 0.2, sinks)
+            for i in range(t):
+                a, b = int(lo[i]), int(hi[i])
+                assert torch.equal(out[i], ops.attn_decode(q[i], k16[a:b], v16[a:b], 0.2, sinks)), (isa, threads, i)
+                ref = _reference(q[i], k16.float(), v16.float(), a, b, 0.2, sinks)
+                assert torch.allclose(out[i], ref, rtol=1e-5, atol=1e-5), (isa, threads, i)
+
+
+def test_mixed_or_unsupported_cache_dtypes_are_refused(isas: list[str]) -> None:
+    q, k, v = torch.randn(4, 16), torch.randn(10, 2, 16).half(), torch.randn(10, 2, 16)
+    with pytest.raises(FreeTokenError):
+        ops.attn_decode(q, k, v, 1.0)  # k fp16, v fp32
+    with pytest.raises(FreeTokenError):
+        ops.attn_decode(q, k.double(), v.double(), 1.0)
+    with pytest.raises(FreeTokenError):
+        ops.attn_decode(q.half(), k, v.half(), 1.0)  # queries stay fp32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_torch_fallback_widens_block_by_block(dtype: torch.dtype, with_sinks: bool) -> None:
+    """Without the C kernels a decode step over a 16-bit cache folds blocks of ``WIDEN_BLOCK`` keys (the
+    flash-decoding merge in torch): the same attention as one softmax over the widened cache."""
+    s, h, hkv, dh, dv = layers.WIDEN_BLOCK * 2 + 37, 8, 2, 32, 24
+    _, _, k16, v16 = _paged(s, hkv, dh, dv, dtype, seed=7)
+    q = torch.randn(1, h, dh)
+    sinks = torch.randn(h) * 3 if with_sinks else None
+    got = layers._blocked_one_query(q, k16, v16, 0.3, sinks)
+    ref = _reference(q[0], k16.float(), v16.float(), 0, s, 0.3, sinks).reshape(1, -1)
+    assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", ["decode", "window_decode", "sinks_chunk", "chunked_attention", "long_prefill"])
+def test_engine_attention_over_a_16bit_cache_equals_the_widened_cache(dtype: torch.dtype, case: str,
+                                                                       isas: list[str]) -> None:
+    """``layers.attention_scores`` with a 16-bit cache under fp32 queries (every path it routes to: the decode
+    kernel, the range kernel for windows / sinks / chunks up to ``EAGER_ATTENTION_TOKENS``, widening for long
+    prefills) gives what it gives over the widened fp32 cache."""
+    s, h, hkv, d = 70, 8, 2, 16
+    kw = {"sliding_window": 24} if case == "window_decode" else {"chunk_size": 32} if case == "chunked_attention" else {}
+    spec = AttentionSpec(kind="gqa", rope=None, num_heads=h, num_kv_heads=hkv, head_dim=d, v_head_dim=d, scale=d**-0.5, **kw)
+    t = {"decode": 1, "window_decode": 1, "sinks_chunk": 5, "chunked_attention": 7, "long_prefill": 40}[case]
+    _, _, k16, v16 = _paged(s, hkv, d, d, dtype, seed=11)
+    q = torch.randn(t, h, d)
+    q_pos = torch.arange(s - t, s)
+    sinks = torch.randn(h) if case == "sinks_chunk" else None
+    with every_path(isas, threads=(1, 2)) as paths:
+        for isa, threads in paths:
+            got = layers.attention_scores(q, k16, v16, q_pos, spec, sinks)
+            want = layers.attention_scores(q, k16.float(), v16.float(), q_pos, spec, sinks)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5), (isa, threads)
