@@ -52,6 +52,11 @@ class _TypedExperts:
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+TypedExperts = _TypedExperts
+"""Public name of the wrapper, for loaders outside this package that install ``QuantizedExperts`` (the GGUF
+loader): ``set_expert_mode`` and ``dequantized_reference`` recognize what they install."""
+
+
 def check_quant(quant: str | None) -> str:
     """Normalize a user's ``--quant`` value (``none``/``q8``/``q4``, ``q8_0``/``q4_0`` accepted)."""
     q = (quant or "none").lower()
