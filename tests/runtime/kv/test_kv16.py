@@ -154,7 +154,17 @@ def test_hybrid_model_keeps_recurrent_states_in_fp32(tmp_path: Path) -> None:
     engine.close()
 
 
-def test_kv_dtype_option_values() -> None:
+def test_kv_dtype_option_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FREETOKEN_KV_DTYPE", raising=False)  # the suite pins ``auto`` to fp32 (tests/conftest.py)
+    assert resolve_kv_dtype("auto", "cpu", torch.float32) == torch.float16  # the CPU default for an fp32 model
+    assert resolve_kv_dtype("auto", "meta", torch.float32) is None  # other devices: the compute dtype
+    monkeypatch.setenv("FREETOKEN_KV_DTYPE", "bf16")
+    assert resolve_kv_dtype("auto", "cpu", torch.float32) == torch.bfloat16
+    assert resolve_kv_dtype("fp32", "cpu", torch.float32) == torch.float32  # an explicit choice wins
+    monkeypatch.setenv("FREETOKEN_KV_DTYPE", "fp12")
+    with pytest.raises(OptionError, match="FREETOKEN_KV_DTYPE"):
+        resolve_kv_dtype("auto", "cpu", torch.float32)
+    monkeypatch.delenv("FREETOKEN_KV_DTYPE")
     assert resolve_kv_dtype("fp16", "cpu", torch.float32) == torch.float16
     assert resolve_kv_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("fp32", "cpu", torch.bfloat16) == torch.float32
