@@ -189,3 +189,34 @@ def test_cli_flag_reaches_the_engine(tmp_path: Path) -> None:
     assert Engine.from_pretrained(tmp_path, **kwargs).kv_manager().pool.kv_dtype == torch.bfloat16
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-dtype", "fp8"])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_deterministic_mode_is_batch_invariant_over_a_16bit_pool(arch: str, tmp_path: Path) -> None:
+    """With ``set_deterministic(True)`` a prompt's last logits are bitwise the same fed as one chunk, token by token,
+    or as a prefix then a chunk, over a 16-bit pool too (the C kernel reads it as is for every chunk shape)."""
+    from freetoken_agent.runtime.kernels import build, ops
+    from freetoken_agent.runtime.kv.paged import PagedKVCache
+
+    if build.load() is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    save_checkpoint(arch, tmp_path, seed=5)
+    decoder = Engine.from_pretrained(tmp_path, kv_dtype="fp16").decoder
+    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(6))
+
+    def final_logits(chunks: list[torch.Tensor]) -> torch.Tensor:
+        pool = PagePool(decoder.spec.num_layers, 64, 4, kv_dtype=torch.float16)
+        cache = PagedKVCache(pool, pool.alloc)
+        for chunk in chunks:
+            hidden = decoder.forward(chunk, cache)
+            cache.advance()
+        assert all(t.dtype == torch.float16 for store in pool.data if store for t in store)
+        return decoder.logits(hidden[-1:])
+
+    ops.set_deterministic(True)
+    try:
+        whole = final_logits([prompt])
+        assert torch.equal(whole, final_logits(list(prompt.split(1))))
+        assert torch.equal(whole, final_logits([prompt[:20], prompt[20:]]))
+    finally:
+        ops.set_deterministic(False)
