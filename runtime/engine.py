@@ -215,17 +215,26 @@ class Engine:
 
             kernel_ops.set_deterministic(True)
         n_threads = configure_threads(threads)
-        spec = spec_from_config(load_config(path))
-        reader = open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
+        from freetoken_agent.runtime.gguf import open_gguf
+
+        gguf = open_gguf(path)  # a .gguf file / split file / folder holding one (runtime/gguf), else None
+        spec = gguf.spec if gguf else spec_from_config(load_config(path))
+        reader = gguf.reader if gguf else open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
         torch_dtype = _dtype(dtype)
         show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
         managed = mapped = None
+        if gguf is not None and (budget is not None or residency is not None):
+            raise OptionError("a memory budget (--budget / residency) is not supported for GGUF files yet; load "
+                              "without one, or convert the model to a safetensors folder")
         if budget is not None or residency is not None:
             from freetoken_agent.runtime.experts.setup import load_managed
 
             managed = load_managed(spec, reader, path, torch_dtype, device, quant, budget, residency, dense_quant)
             weights, dense_report = managed.weights, managed.dense_quant
-        elif quant != "none" and mapped_supported(spec, device):  # experts mapped from the expert cache file
+        elif gguf is not None and gguf.quantized_experts(quant, device):  # Q8_0/Q4_0 blocks as stored, or converted
+            mapped = gguf.load_quantized(torch_dtype, device, quant)
+            weights = mapped.weights
+        elif quant != "none" and gguf is None and mapped_supported(spec, device):  # experts mapped from the cache file
             mapped = load_quantized(spec, reader, path, torch_dtype, device, quant, show)
             weights = mapped.weights
         elif show:
@@ -240,12 +249,12 @@ class Engine:
             dense_report = quantize_dense(spec, weights, dense_quant)
         tokenizer = template = None
         try:
-            tokenizer = Tokenizer.from_pretrained(path)
-            template = ChatTemplate.from_pretrained(path)
+            tokenizer = gguf.tokenizer() if gguf else Tokenizer.from_pretrained(path)
+            template = gguf.chat_template(tokenizer) if gguf else ChatTemplate.from_pretrained(path)
         except TokenizerError:
             if require_tokenizer:
                 raise
-        gen_cfg: dict[str, Any] = {}
+        gen_cfg: dict[str, Any] = gguf.generation_config() if gguf else {}
         if (path / "generation_config.json").is_file():
             try:
                 gen_cfg = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))

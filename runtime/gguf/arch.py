@@ -1,0 +1,306 @@
+"""GGUF metadata → the Hugging Face ``config.json`` of the same model, and GGUF tensor names → Hugging Face names.
+
+The engine's family adapters (``runtime/model/adapters.py``) then build the ``ModelSpec`` and load the weights
+unchanged. Each supported architecture (llama.cpp's ``general.architecture``) maps to one transformers model type;
+what llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way in is undone here:
+
+- ``llama`` (Mixtral-style experts) and ``granitemoe`` use llama.cpp's interleaved ("normal") rope, so the converter
+  permuted the rows of ``attn_q`` / ``attn_k`` per head (pairs ``(i, i + d/2)`` → ``(2i, 2i + 1)``);
+  ``rope_permuted`` undoes it. ``qwen2moe``, ``qwen3moe`` and ``olmoe`` use NeoX rope: rows as in transformers.
+- Stacked experts ``blk.N.ffn_{gate,up,down}_exps`` ``[E, I, D]`` / ``[E, D, I]`` become per-expert tensors
+  ``{moe}.experts.{e}.{gate,up,down}_proj.weight``; a fused ``ffn_gate_up_exps`` ``[E, 2I, D]`` is split by rows.
+- Behaviour llama.cpp hard-codes per architecture (whether top-k weights are renormalized) becomes the config field
+  transformers reads, unless the file says otherwise (``expert_weights_norm``).
+
+Architectures llama.cpp writes that are not mapped here (dense ones, and MoE ones not done yet) are refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken_agent.runtime.gguf.file import GGUFArchitectureError, GGUFFile, GGUFMetadataError
+from freetoken_agent.runtime.model.spec import ModelSpec
+
+Config = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ArchMap:
+    """How one llama.cpp architecture maps onto a transformers model type."""
+
+    model_type: str
+    config: Callable[[GGUFFile], Config]
+    rope_permuted: bool = False
+    """llama.cpp permuted ``attn_q`` / ``attn_k`` rows for its interleaved rope (undone on read)."""
+
+
+def _int(f: GGUFFile, key: str, default: Any = None) -> int:
+    value = f.arch_get(key) if default is None else f.arch_get(key, default)
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise GGUFMetadataError(f"{f.path.name}: {f.architecture}.{key} differs per layer ({value}); "
+                                    "per-layer values are not supported")
+        value = value[0]
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise GGUFMetadataError(f"{f.path.name}: {f.architecture}.{key} must be an integer, got {value!r}") from None
+
+
+def _float(f: GGUFFile, key: str, default: float) -> float:
+    value = f.arch_get(key, default)
+    try:  # stored as float32: 7 significant digits give back the decimal the converter wrote (1e-05, not 9.99e-06)
+        return float(f"{float(value):.7g}")
+    except (TypeError, ValueError):
+        raise GGUFMetadataError(f"{f.path.name}: {f.architecture}.{key} must be a number, got {value!r}") from None
+
+
+def _rope(f: GGUFFile) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": _float(f, "rope.freq_base", 10000.0)}
+    kind = str(f.arch_get("rope.scaling.type", "none"))
+    factor = f.arch_get("rope.scaling.factor", None)
+    if kind == "none" and f.arch_get("rope.scale_linear", None) is not None:  # older files
+        kind, factor = "linear", f.arch_get("rope.scale_linear")
+    if kind == "linear" and factor is not None and float(factor) != 1.0:
+        params.update(rope_type="linear", factor=float(factor))
+    elif kind == "yarn":
+        params.update(rope_type="yarn", factor=float(factor or 1.0),
+                      original_max_position_embeddings=_int(f, "rope.scaling.original_context_length"),
+                      beta_fast=_float(f, "rope.scaling.yarn_beta_fast", 32.0),
+                      beta_slow=_float(f, "rope.scaling.yarn_beta_slow", 1.0))
+    elif kind not in ("none", "linear"):
+        raise GGUFMetadataError(f"{f.path.name}: rope scaling {kind!r} ({f.architecture}.rope.scaling.type) is not "
+                                "supported; supported: none, linear, yarn")
+    if "rope_freqs.weight" in f.tensors:  # llama3-style frequency factors baked into a tensor
+        raise GGUFMetadataError(f"{f.path.name}: rope frequency factors (rope_freqs.weight) are not supported")
+    return params
+
+
+def _token_id(f: GGUFFile, key: str) -> int | None:
+    value = f.get(f"tokenizer.ggml.{key}", None)
+    return int(value) if value is not None else None
+
+
+def _common(f: GGUFFile) -> Config:
+    """The fields every decoder has; ``vocab_size`` from the embedding table (authoritative for the weights)."""
+    if "token_embd.weight" not in f.tensors:
+        raise GGUFMetadataError(f"{f.path.name}: no token_embd.weight tensor (not a language model?)")
+    heads = _int(f, "attention.head_count")
+    hidden = _int(f, "embedding_length")
+    cfg: Config = dict(
+        vocab_size=f.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        num_hidden_layers=_int(f, "block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_int(f, "attention.head_count_kv", heads),
+        max_position_embeddings=_int(f, "context_length", 4096),
+        rms_norm_eps=_float(f, "attention.layer_norm_rms_epsilon", 1e-6),
+        rope_parameters=_rope(f),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        hidden_act="silu",
+        bos_token_id=_token_id(f, "bos_token_id"),
+        eos_token_id=_token_id(f, "eos_token_id"),
+    )
+    if f.arch_get("attention.key_length", None) is not None:
+        cfg["head_dim"] = _int(f, "attention.key_length")
+        if f.arch_get("attention.value_length", None) is not None and _int(f, "attention.value_length") != cfg["head_dim"]:
+            raise GGUFMetadataError(f"{f.path.name}: key_length {cfg['head_dim']} != value_length "
+                                    f"{_int(f, 'attention.value_length')} is not supported for {f.architecture}")
+    rot = f.arch_get("rope.dimension_count", None)
+    head_dim = cfg.get("head_dim", hidden // heads)
+    if rot is not None and int(rot) != head_dim:
+        raise GGUFMetadataError(f"{f.path.name}: partial rotary ({f.architecture}.rope.dimension_count={int(rot)} of "
+                                f"head_dim {head_dim}) is not supported for {f.architecture}")
+    return cfg
+
+
+def _experts(f: GGUFFile) -> tuple[int, int]:
+    """(expert_count, expert_used_count); a dense file of an MoE-capable architecture is refused."""
+    n = _int(f, "expert_count", 0)
+    if n <= 0:
+        raise GGUFArchitectureError(f"{f.path.name}: {f.architecture} without experts ({f.architecture}.expert_count "
+                                    "missing or 0) is a dense model; this engine runs MoE models")
+    return n, _int(f, "expert_used_count")
+
+
+def _moe_layers(f: GGUFFile, n_layers: int) -> list[int]:
+    return [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
+
+
+def _expert_ffn(f: GGUFFile) -> int:
+    """The routed experts' intermediate size: the metadata, else the stacked tensor's shape."""
+    if f.arch_get("expert_feed_forward_length", None) is not None:
+        return _int(f, "expert_feed_forward_length")
+    for name, t in f.tensors.items():
+        if name.endswith(".ffn_up_exps.weight"):
+            return t.shape[1]
+        if name.endswith(".ffn_gate_up_exps.weight"):
+            return t.shape[1] // 2
+    return _int(f, "feed_forward_length")
+
+
+def qwen_moe(f: GGUFFile, qwen3: bool) -> Config:
+    cfg = _common(f)
+    n, k = _experts(f)
+    moe = _moe_layers(f, cfg["num_hidden_layers"])
+    expert_ffn = _expert_ffn(f)
+    cfg.update(
+        model_type="qwen3_moe" if qwen3 else "qwen2_moe",
+        num_experts=n, num_experts_per_tok=k, moe_intermediate_size=expert_ffn,
+        intermediate_size=_int(f, "feed_forward_length", expert_ffn),
+        # llama.cpp renormalizes the top-k weights for qwen3moe and not for qwen2moe
+        norm_topk_prob=bool(f.arch_get("expert_weights_norm", qwen3)),
+        decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg["num_hidden_layers"]) if i not in moe],
+        use_sliding_window=False,
+    )
+    bias = "blk.0.attn_q.bias" in f.tensors
+    if qwen3:
+        cfg["attention_bias"] = bias
+    else:
+        cfg["qkv_bias"] = bias
+        shared = f.arch_get("expert_shared_feed_forward_length", None)
+        shexp = next((t for name, t in f.tensors.items() if name.endswith(".ffn_up_shexp.weight")), None)
+        cfg["shared_expert_intermediate_size"] = int(shared) if shared is not None else (shexp.shape[0] if shexp
+                                                                                         else 0)
+    return cfg
+
+
+def llama_moe(f: GGUFFile) -> Config:
+    """llama.cpp's ``llama`` architecture with experts: Mixtral."""
+    cfg = _common(f)
+    n, k = _experts(f)
+    cfg.update(model_type="mixtral", num_local_experts=n, num_experts_per_tok=k, intermediate_size=_expert_ffn(f),
+               sliding_window=None)
+    return cfg
+
+
+def olmoe(f: GGUFFile) -> Config:
+    cfg = _common(f)
+    n, k = _experts(f)
+    clamp = f.arch_get("attention.clamp_kqv", None)
+    cfg.update(model_type="olmoe", num_experts=n, num_experts_per_tok=k, intermediate_size=_expert_ffn(f),
+               clip_qkv=float(clamp) if clamp is not None else None,
+               norm_topk_prob=bool(f.arch_get("expert_weights_norm", False)),
+               attention_bias="blk.0.attn_q.bias" in f.tensors)
+    return cfg
+
+
+def granitemoe(f: GGUFFile) -> Config:
+    cfg = _common(f)
+    n, k = _experts(f)
+    if any(name.endswith("_shexp.weight") for name in f.tensors):
+        raise GGUFArchitectureError(f"{f.path.name}: granitemoe with shared experts (GraniteMoeShared) is not "
+                                    "supported from GGUF")
+    cfg.update(model_type="granitemoe", num_local_experts=n, num_experts_per_tok=k, intermediate_size=_expert_ffn(f),
+               attention_multiplier=_float(f, "attention.scale", 1.0),
+               embedding_multiplier=_float(f, "embedding_scale", 1.0),
+               residual_multiplier=_float(f, "residual_scale", 1.0),
+               logits_scaling=_float(f, "logit_scale", 1.0),
+               attention_bias="blk.0.attn_q.bias" in f.tensors)
+    return cfg
+
+
+ARCHITECTURES: dict[str, ArchMap] = {
+    "qwen3moe": ArchMap("qwen3_moe", lambda f: qwen_moe(f, True)),
+    "qwen2moe": ArchMap("qwen2_moe", lambda f: qwen_moe(f, False)),
+    "llama": ArchMap("mixtral", llama_moe, rope_permuted=True),
+    "olmoe": ArchMap("olmoe", olmoe),
+    "granitemoe": ArchMap("granitemoe", granitemoe, rope_permuted=True),
+}
+"""llama.cpp architecture → how it maps (the GGUF loader's supported list)."""
+
+NOT_YET = {
+    "deepseek2": "DeepSeek-V2/V3 (MLA with llama.cpp's split attn_k_b/attn_v_b)",
+    "gpt-oss": "GPT-OSS (attention sinks, MXFP4 experts with biases)",
+    "glm4moe": "GLM-4.5 (partial rotary, expert groups)",
+    "qwen3next": "Qwen3-Next (gated delta-net layers)",
+    "qwen35moe": "Qwen3.5 MoE (gated delta-net layers)",
+    "deepseek": "DeepSeek-V1 MoE",
+    "dots1": "dots.llm1",
+    "ernie4_5-moe": "ERNIE 4.5 MoE",
+    "bailingmoe": "Ling/Bailing MoE",
+    "bailingmoe2": "Ling 2 MoE",
+    "phimoe": "Phi-3.5-MoE",
+    "dbrx": "DBRX",
+    "llama4": "Llama 4",
+    "minimax-m2": "MiniMax-M2",
+    "hunyuan-moe": "Hunyuan MoE",
+    "grovemoe": "GroveMoE",
+    "lfm2moe": "LFM2 MoE",
+    "afmoe": "AFMoE",
+    "smallthinker": "SmallThinker",
+    "arctic": "Snowflake Arctic",
+    "grok": "Grok",
+}
+"""MoE architectures llama.cpp writes whose GGUF mapping is not done yet (refused with this name)."""
+
+
+def arch_map(f: GGUFFile) -> ArchMap:
+    arch = f.architecture
+    if arch in ARCHITECTURES:
+        return ARCHITECTURES[arch]
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if arch in NOT_YET:
+        raise GGUFArchitectureError(f"{f.path.name}: GGUF architecture {arch!r} ({NOT_YET[arch]}) is not supported "
+                                    f"from GGUF yet; supported: {supported}")
+    raise GGUFArchitectureError(f"{f.path.name}: GGUF architecture {arch!r} is not an MoE architecture this engine "
+                                f"runs; supported: {supported}")
+
+
+def hf_config(f: GGUFFile) -> Config:
+    """The transformers ``config.json`` (as a dict) equivalent to the file's metadata."""
+    return arch_map(f).config(f)
+
+
+# ------------------------------------------------------------------------------------------------ tensor names
+
+
+def block_names(spec: ModelSpec, layer: int) -> dict[str, str]:
+    """GGUF leaf (after ``blk.N.``) → Hugging Face name, for the non-expert tensors of one layer."""
+    lay = spec.layers[layer]
+    n = lay.names or spec.names
+    p = lay.prefix or f"{n.layers}.{layer}"
+    at = f"{p}.{n.attn}"
+    out: dict[str, str] = {}
+    if n.attn_in_norm:
+        out["attn_norm.weight"] = f"{p}.{n.attn_in_norm}.weight"
+    if n.ffn_in_norm:
+        out["ffn_norm.weight"] = f"{p}.{n.ffn_in_norm}.weight"
+    for theirs, ours in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", n.o_proj)):
+        for kind in ("weight", "bias"):
+            out[f"{theirs}.{kind}"] = f"{at}.{ours}.{kind}"
+    out["attn_q_norm.weight"] = f"{at}.{n.q_norm}.weight"
+    out["attn_k_norm.weight"] = f"{at}.{n.k_norm}.weight"
+    for leaf in ("gate", "up", "down"):
+        out[f"ffn_{leaf}.weight"] = f"{p}.{n.mlp}.{leaf}_proj.weight"
+    moe = f"{p}.{n.moe_prefix}"
+    out["ffn_gate_inp.weight"] = f"{moe}.{n.router}.weight"
+    shared = f"{p if n.shared_at_layer else moe}.{n.shared}"
+    for leaf in ("gate", "up", "down"):
+        out[f"ffn_{leaf}_shexp.weight"] = f"{shared}.{leaf}_proj.weight"
+    out["ffn_gate_inp_shexp.weight"] = f"{moe}.{n.shared_gate}.weight"
+    return out
+
+
+GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+EXPERT_LEAVES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
+
+
+def expert_prefix(spec: ModelSpec, layer: int) -> str:
+    """``model.layers.N.{moe_prefix}``: where a layer's experts live in Hugging Face names."""
+    lay = spec.layers[layer]
+    n = lay.names or spec.names
+    return f"{lay.prefix or f'{n.layers}.{layer}'}.{n.moe_prefix}"
+
+
+def global_name(spec: ModelSpec, gguf_name: str) -> str | None:
+    role = GLOBAL_NAMES.get(gguf_name)
+    if role is None:
+        return None
+    n = spec.names
+    return {"embed": f"{n.embed}.weight", "final_norm": f"{n.final_norm}.weight" if n.final_norm else None,
+            "lm_head": f"{n.lm_head}.weight"}[role]

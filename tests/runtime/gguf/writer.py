@@ -1,0 +1,181 @@
+"""Write a Hugging Face MoE folder as GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does (for tests).
+
+Tensor names come from the ``gguf`` package's own ``TensorNameMap`` (llama.cpp's table, not ours); experts are
+stacked into ``blk.N.ffn_{gate,up,down}_exps`` ``[E, I, D]`` / ``[E, D, I]``; ``llama`` / ``granitemoe`` Q and K rows
+are permuted for llama.cpp's interleaved rope (its ``LlamaModel.permute``); metadata keys as its ``TextModel`` and
+the per-architecture classes write them. Block types: F32/F16/BF16, and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 via
+``gguf.quants.quantize``; Q4_K via our own byte-exact ggml quantizer (``runtime/quant/q4k.py``; the ``gguf`` package
+cannot write K-quants).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+        "granitemoe": "granitemoe"}
+PERMUTED = {"llama", "granitemoe"}
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute``: per head, rows ``(i, i + d/2)`` → ``(2i, 2i + 1)``."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _encode(w: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
+    """(array, raw_dtype) for ``GGUFWriter.add_tensor``."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    x = w.float().numpy()
+    if kind not in ("F32", "F16") and w.shape[-1] % gguf.GGML_QUANT_SIZES[T[kind]][0]:
+        kind = "F16"  # rows that are no whole number of blocks: llama.cpp's quantizer falls back too
+    if kind == "F32":
+        return x, None
+    if kind == "F16":
+        return x.astype(np.float16), None
+    if kind == "Q4_K":
+        from freetoken_agent.runtime.quant.q4k import quantize_q4_k
+
+        rows = w.reshape(-1, w.shape[-1]).float()
+        blocks = quantize_q4_k(rows)  # [N, K/256, 144]
+        return blocks.reshape(*w.shape[:-1], -1).numpy(), T.Q4_K
+    qt = T[kind]
+    return gguf.quants.quantize(x, qt), qt
+
+
+def _load(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k).float() for k in f.keys()})
+    return out
+
+
+def _stack_experts(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Per-expert (``experts.{e}.{gate_proj,w1}``) and Granite's fused tensors → stacked merged names."""
+    out = dict(sd)
+    for i in range(n_layers):
+        for prefix in (f"model.layers.{i}.mlp", f"model.layers.{i}.block_sparse_moe"):
+            for style in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+                keys = sorted((k for k in sd if re.fullmatch(rf"{re.escape(prefix)}\.experts\.\d+\.{style[0]}\.weight", k)),
+                              key=lambda k: int(k.split(".experts.")[1].split(".")[0]))
+                if not keys:
+                    continue
+                for leaf in style:
+                    parts = [out.pop(f"{prefix}.experts.{e}.{leaf}.weight") for e in range(len(keys))]
+                    out[f"{prefix}.experts.{leaf}.weight"] = torch.stack(parts)
+            fused = f"{prefix}.input_linear.weight"
+            if fused in out:  # Granite: [E, 2I, D] → gate, up (convert's GraniteMoeModel splits it)
+                gate, up = out.pop(fused).chunk(2, dim=1)
+                out[f"{prefix}.experts.w1.weight"], out[f"{prefix}.experts.w3.weight"] = gate, up
+                out[f"{prefix}.output_linear.weight"] = out.pop(f"{prefix}.output_linear.weight")
+    return out
+
+
+def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32", split_max_tensors: int = 0,
+               tokenizer: Path | None = None, down: str | None = None) -> Path:
+    """Write ``folder`` (config.json + safetensors) as GGUF at ``out``; ``experts`` / ``dense`` are ggml type
+    names for the routed experts and the 2-D dense weights (norms and the router stay F32, as llama.cpp keeps
+    them); ``down`` overrides the type of ``ffn_down_exps`` (a Q4_K_M-style mix). ``tokenizer``: a folder whose
+    ``tokenizer.json`` (byte-level BPE) and chat template go into the metadata."""
+    import gguf
+
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = ARCH[cfg["model_type"]]
+    n_layers = cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "llama":
+        w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        w.add_vocab_size(cfg["vocab_size"])
+    if arch == "olmoe" and cfg.get("clip_qkv") is not None:
+        w.add_clamp_kqv(cfg["clip_qkv"])
+    if arch == "granitemoe":
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    if tokenizer is not None:
+        add_tokenizer(w, tokenizer)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch).name],
+                                    n_layers)
+    sd = _stack_experts(_load(folder), n_layers)
+    for name, t in sd.items():
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise ValueError(f"no GGUF name for {name}")
+        if arch in PERMUTED and ".self_attn.q_proj." in name:
+            t = _permute(t, heads)
+        elif arch in PERMUTED and ".self_attn.k_proj." in name:
+            t = _permute(t, kv_heads)
+        if new.endswith("_exps.weight"):
+            kind = down if (down and "ffn_down_exps" in new) else experts
+        elif t.dim() == 2 and "gate_inp" not in new:  # routers stay F32, as llama.cpp's quantizer keeps them
+            kind = dense
+        else:
+            kind = "F32"
+        arr, raw = _encode(t, kind)
+        w.add_tensor(new, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def add_tokenizer(w: Any, folder: Path) -> None:
+    """A byte-level BPE ``tokenizer.json`` as llama.cpp's ``_set_vocab_gpt2`` writes it (pre type ``gpt2``: the
+    plain GPT-2 split)."""
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tj["model"]["vocab"])
+    added = {t["content"]: t for t in tj.get("added_tokens", [])}
+    for t in added.values():
+        vocab[t["content"]] = t["id"]
+    size = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [4] * size  # holes: user-defined padding, as the converter writes them
+    for tok, i in vocab.items():
+        tokens[i] = tok
+        types[i] = (3 if added[tok].get("special") else 4) if tok in added else 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    for key, setter in (("eos_token", w.add_eos_token_id), ("pad_token", w.add_pad_token_id),
+                        ("bos_token", w.add_bos_token_id)):
+        if cfg.get(key):
+            setter(vocab[cfg[key]])
+    w.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+    if cfg.get("chat_template"):
+        w.add_chat_template(cfg["chat_template"])
