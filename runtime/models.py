@@ -2,7 +2,8 @@
 
 - nothing, or ``builtin``: the built-in trained model (falls back to ``synthetic:qwen3_moe`` if it is missing);
 - ``synthetic:ARCH``: a cached random-weight checkpoint of a preset architecture (written on first use);
-- anything else: a path to a Hugging Face model folder.
+- anything else: a path to a Hugging Face model folder, or a GGUF model: a ``.gguf`` file, the first part of a split
+  one (``-00001-of-0000N.gguf``) or a folder holding one (``runtime/gguf``), resolved to that file.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ def resolve_model(name: str | None) -> Path:
         return synthetic_model_dir(name.split(":", 1)[1])
     path = Path(name).expanduser()
     if not path.exists():
-        raise ConfigError(f"model folder not found: {path}")
+        kind = "model file" if path.suffix.lower() == ".gguf" else "model folder"
+        raise ConfigError(f"{kind} not found: {path}")
+    from freetoken_agent.runtime.gguf import find_gguf, is_gguf
+
+    if is_gguf(path):
+        return find_gguf(path)  # the file (first part) to load; a later part or several models: one clear error
     return path
 
 

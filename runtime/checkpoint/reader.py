@@ -62,7 +62,8 @@ def load_config(path: Path) -> dict[str, Any]:
     """Read ``config.json`` of a model folder, with one clear error when it is missing or invalid."""
     cfg = path / "config.json"
     if path.is_file():
-        raise ConfigError(f"{path} is a file; give the model folder that holds config.json and the weights")
+        raise ConfigError(f"{path} is a file; give the model folder that holds config.json and the weights, "
+                          "or a .gguf file")
     if not path.is_dir():
         raise ConfigError(f"model folder not found: {path}")
     if not cfg.is_file():
