@@ -208,8 +208,7 @@ def test_deterministic_mode_is_batch_invariant_over_a_16bit_pool(arch: str, tmp_
         pool = PagePool(decoder.spec.num_layers, 64, 4, kv_dtype=torch.float16)
         cache = PagedKVCache(pool, pool.alloc)
         for chunk in chunks:
-            hidden = decoder.forward(chunk, cache)
-            cache.advance()
+            hidden = decoder.forward(chunk, cache)  # appends and advances
         assert all(t.dtype == torch.float16 for store in pool.data if store for t in store)
         return decoder.logits(hidden[-1:])
 
