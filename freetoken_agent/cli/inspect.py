@@ -1,4 +1,4 @@
-"""``freetoken inspect MODEL_DIR``: what a checkpoint is and what the engine will do with it (no weights loaded)."""
+"""``freetoken inspect MODEL``: what a checkpoint (folder or GGUF file) is and what the engine will do with it (no weights loaded)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,23 @@ from typing import Any
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a model folder: architecture, parameters, experts, plan")
-    p.add_argument("model", nargs="?", default=None, help="model folder, 'builtin' or 'synthetic:ARCH'")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder, .gguf file (or first part of a split one), 'builtin' or 'synthetic:ARCH'")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
     p.set_defaults(func=run)
 
 
 def describe(path: Any) -> dict[str, Any]:
     from freetoken_agent.runtime.checkpoint.reader import CheckpointReader, load_config
+    from freetoken_agent.runtime.gguf import open_gguf
     from freetoken_agent.runtime.model.adapters import spec_from_config
 
-    spec = spec_from_config(load_config(path))
-    reader = CheckpointReader(path)
+    gguf = open_gguf(path)
+    if gguf is not None:
+        spec, reader = gguf.spec, gguf.reader
+    else:
+        spec = spec_from_config(load_config(path))
+        reader = CheckpointReader(path)
     expert_re = re.compile(r"\.experts\.|\.(input|output)_linear\.")
     expert_params = dense_params = expert_bytes = dense_bytes = 0
     for name, info in reader.infos.items():
@@ -38,7 +44,7 @@ def describe(path: Any) -> dict[str, Any]:
                 spec.layers[0].attention)
     recurrent = [i for i, layer in enumerate(spec.layers) if getattr(layer, "recurrent", None) is not None]
     active = dense_params + (expert_params * moe.top_k // moe.num_experts if moe else 0)
-    return {
+    info = {
         "path": str(path),
         "architecture": spec.model_type,
         "layers": spec.num_layers,
@@ -71,6 +77,49 @@ def describe(path: Any) -> dict[str, Any]:
         "plan": "load all weights into host RAM and run the generic decoder on the CPU "
                 f"(dense {dense_bytes / 2**20:.1f} MiB + experts {expert_bytes / 2**20:.1f} MiB)",
     }
+    if gguf is not None:
+        info.update(describe_gguf(gguf, dense_bytes, expert_bytes))
+    return info
+
+
+def describe_gguf(gguf: Any, dense_bytes: int, expert_bytes: int) -> dict[str, Any]:
+    """What a GGUF file adds: its llama.cpp architecture, the ggml type of each tensor group, how the experts
+    reach the kernels (as stored, or converted with the measured error) and the plan."""
+    from collections import Counter
+
+    reader = gguf.reader
+    groups: dict[str, Counter] = {}
+    for name, src in reader.sources.items():
+        leaf = src.tensor.name.split(".")[-2] if src.tensor.name.startswith("blk.") else src.tensor.name.split(".")[0]
+        group = ("experts " + leaf.removeprefix("ffn_").removesuffix("_exps") if leaf.endswith("_exps") else
+                 "attention" if leaf.startswith("attn_") and not leaf.endswith("norm") else
+                 "norms" if leaf.endswith("norm") else
+                 "router" if leaf.startswith("ffn_gate_inp") else
+                 "shared experts" if leaf.endswith("_shexp") else
+                 "dense mlp" if leaf.startswith("ffn_") else leaf)
+        groups.setdefault(group, Counter())[src.tensor.type_name] += 1 if src.expert in (None, 0) else 0
+    formats = {g: ", ".join(f"{t}×{n}" for t, n in sorted(c.items()) if n) for g, c in sorted(groups.items())}
+    conversions = []
+    for c in gguf.measure_conversion():
+        conversions.append(f"layer {c.layer} {c.part}: {c.stored} → {c.runs_as.upper()}"
+                           + (" as stored (no conversion)" if c.rel_rms_error is None else
+                              f" requantized, relative RMS error {100 * c.rel_rms_error:.2f}% "
+                              f"(measured on {c.experts_measured} experts)"))
+    plan_layers = gguf.expert_plan()
+    run = sorted({f or "float" for _, f in plan_layers})
+    return {
+        "format": f"GGUF ({len(gguf.file.parts)} file{'s' if len(gguf.file.parts) > 1 else ''}, llama.cpp "
+                  f"architecture {gguf.architecture})",
+        "tensor_formats": formats,
+        "expert_conversion": conversions or ["experts are float: loaded as stored (--quant q8/q4 quantizes them)"],
+        "plan": (f"memory-map the file; dense weights ({dense_bytes / 2**20:.1f} MiB stored) dequantized to the compute "
+                 f"dtype; routed experts ({expert_bytes / 2**20:.1f} MiB stored) run as {' + '.join(run).upper()} "
+                 "on the CPU kernels (Q8_0/Q4_0 as stored, other block types converted at load)"),
+        "tokenizer": str(gguf.file.metadata.get("tokenizer.ggml.model", "none"))
+        + (f" (pre-tokenizer {gguf.file.metadata['tokenizer.ggml.pre']})" if "tokenizer.ggml.pre" in gguf.file.metadata
+           else ""),
+        "chat_template": "yes" if gguf.file.metadata.get("tokenizer.chat_template") else "no",
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
             continue
         if isinstance(value, int) and not isinstance(value, bool) and (key.startswith(("params", "bytes"))):
             value = f"{value:,}"
+        if isinstance(value, dict):
+            value = "\n".join(f"{k}: {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = "\n".join(str(v) for v in value)
         table.add_row(key.replace("_", " "), str(value))
     Console().print(table)
     return 0
