@@ -21,6 +21,7 @@ from freetoken_agent.runtime.checkpoint.reader import load_config
 from freetoken_agent.runtime.errors import FreeTokenError, OptionError, TokenizerError
 from freetoken_agent.runtime.generation.prompt import as_token_ids
 from freetoken_agent.runtime.generation.sampling import SamplingParams
+from freetoken_agent.runtime.generation.speculative import SpeculationConfig
 from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.compressed import cached_width
 from freetoken_agent.runtime.model.decoder import Decoder
@@ -159,6 +160,16 @@ class Engine:
     def decode_torch_threads(self, n: int | None) -> None:
         self.runner.decode_torch_threads = n
 
+    @property
+    def speculation(self) -> SpeculationConfig:
+        """Speculative decoding settings (``runtime/generation/speculative.py``); assign a bool, a number of draft
+        tokens or a ``SpeculationConfig`` to change them (running sequences follow at their next step)."""
+        return self.scheduler.speculation
+
+    @speculation.setter
+    def speculation(self, value: bool | int | SpeculationConfig) -> None:
+        self.scheduler.speculation = SpeculationConfig.of(value)
+
     # ------------------------------------------------------------------------------------------------ loading
 
     @classmethod
@@ -176,6 +187,7 @@ class Engine:
         dense_quant: str = "none",
         deterministic: bool = False,
         kv_dtype: str | torch.dtype = "auto",
+        speculate: bool | int | SpeculationConfig = True,
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
@@ -195,10 +207,16 @@ class Engine:
         the positions in the same KV budget, and decode attention reads it as is), or ``auto`` (what
         ``runtime.kv.pool.resolve_kv_dtype`` picks for this device and ``dtype``). Recurrent states stay in ``dtype``.
 
+        ``speculate``: speculative decoding from the sequences' own context (``runtime/generation/speculative.py``):
+        ``True`` (default: drafts only where they pay, per sequence and phase), ``False``, the most draft tokens per
+        step, or a ``SpeculationConfig``. Greedy output is the same tokens as without it (bit for bit with
+        ``deterministic``), sampled output the same distribution.
+
         ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
         """
         path = Path(path)
+        speculation = SpeculationConfig.of(speculate)
         from freetoken_agent.runtime.kernels.apply import check_quant, quantize_experts
         from freetoken_agent.runtime.kernels.dense import quantize_dense
         from freetoken_agent.runtime.kernels.mapped import load_quantized
@@ -263,6 +281,7 @@ class Engine:
         engine = cls(spec, Decoder(spec, weights, device), tokenizer, template, path, gen_cfg)
         engine.threads = n_threads
         engine.kv_dtype = resolved_kv
+        engine.speculation = speculation
         engine.dense_quant = dense_report
         from freetoken_agent.runtime.kernels import build, hugepages, ops
 
@@ -527,4 +546,5 @@ class Engine:
             "scheduler": {**self.scheduler.snapshot(), "phase_mix": self.scheduler.phase_mix()},
             "kv": self._kv.snapshot() if self._kv is not None else None,
             "residency": self.residency.stats() if self.residency is not None else None,
+            "speculation": self.scheduler.speculation_snapshot(),
         }

@@ -19,7 +19,7 @@ from freetoken_agent.runtime.kernels.ops import torch_heavy
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.decoder import Decoder
 
-Want = Literal["none", "last", "all"]
+Want = Literal["none", "last", "all", "draft"]
 
 
 class Row(NamedTuple):
@@ -30,9 +30,12 @@ class Row(NamedTuple):
     tokens: torch.Tensor
     """[T_b] int64 new tokens."""
     want: Want
-    """Logits wanted: ``none`` (prefill of a prompt's middle), ``last`` (the next token), ``all`` (verification)."""
+    """Logits wanted: ``none`` (prefill of a prompt's middle), ``last`` (the next token), ``all`` (verification),
+    ``draft`` (speculative decoding: the last ``draft`` + 1 positions: the last real token's and each draft's)."""
     rope_length: int | None = None
     """The sequence's whole known length (length-dependent rotary embeddings turn a chunked prefill by it)."""
+    draft: int = 0
+    """Draft tokens at the row's end (speculative decoding): a row of one real token and drafts is a decode row."""
 
 
 class ModelRunner:
@@ -49,8 +52,9 @@ class ModelRunner:
         """Forwards run so far."""
 
     def run(self, rows: list[Row]) -> list[torch.Tensor | None]:
-        """One forward over ``rows`` → per row its logits: [1, V] (``last``), [T_b, V] (``all``) or None; fp32."""
-        prefill = any(int(r.tokens.shape[0]) > 1 for r in rows)
+        """One forward over ``rows`` → per row its logits: [1, V] (``last``), [T_b, V] (``all``), [draft + 1, V]
+        (``draft``) or None; fp32."""
+        prefill = any(int(r.tokens.shape[0]) - r.draft > 1 for r in rows)
         self._threads(decode=not prefill)
         # prefill: torch's threads carry it, so the kernels' idle workers sleep soon instead of polling in their way
         with torch_heavy() if prefill else nullcontext():
@@ -63,13 +67,15 @@ class ModelRunner:
                     picks.append(hidden[start + n - 1 : start + n])
                 elif r.want == "all":
                     picks.append(hidden[start : start + n])
+                elif r.want == "draft":
+                    picks.append(hidden[start + n - r.draft - 1 : start + n])
                 start += n
             logits = self.decoder.logits(torch.cat(picks) if len(picks) > 1 else picks[0]) if picks else None
         self.steps += 1
         out: list[torch.Tensor | None] = []
         at = 0
         for r in rows:
-            n = {"none": 0, "last": 1, "all": int(r.tokens.shape[0])}[r.want]
+            n = {"none": 0, "last": 1, "all": int(r.tokens.shape[0]), "draft": r.draft + 1}[r.want]
             out.append(logits[at : at + n] if n else None)  # type: ignore[index]
             at += n
         return out

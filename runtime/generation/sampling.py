@@ -93,12 +93,20 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V] by the request's temperature, top-k, top-p and seed."""
+        probs = self.distribution(logits)
+        if probs is None:
+            return int(torch.argmax(logits).item())
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The probabilities [V] (fp32, CPU) ``pick`` draws from: temperature, top-k and top-p applied to
+        ``logits`` [V]; None when greedy (the pick is the argmax)."""
         p = self.params
         if torch.isnan(logits).any():  # argmax would pick the NaN, multinomial would raise: say why instead
             raise NumericalError("the model produced NaN logits: a weight holds NaN/infinity (was the checkpoint "
                                  "loaded with FREETOKEN_CHECK_WEIGHTS=0?) or float16 overflowed (try bfloat16)")
         if p.temperature == 0.0:
-            return int(torch.argmax(logits).item())
+            return None
         # shifted so the largest is 0: a tiny temperature then gives -inf for the rest, never inf - inf = NaN
         logits = (logits.float() - logits.max().float()) / p.temperature
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
@@ -110,8 +118,38 @@ class Sampler:
             # drop a token when the mass before it already reaches top_p (always keeps the first)
             drop = probs.cumsum(-1) - probs >= p.top_p
             logits = logits.scatter(0, order[drop], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+        return torch.softmax(logits, dim=-1).cpu()
+
+    def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
+        """Speculative decoding: the token at a position where ``draft`` was proposed, and whether it is the draft.
+
+        Greedy: the argmax (the draft is accepted when it is the argmax). Sampled (the rule of speculative sampling
+        for a draft that proposes one token with certainty): the draft is accepted with probability p(draft) under
+        the request's processed distribution p; else a token is drawn from p without the draft, renormalized. Either
+        way the token is distributed exactly as ``self(logits)``'s. The request's processor sees the logits and
+        learns the token, as in ``__call__``."""
+        processor = self.params.processor
+        if processor is not None:
+            logits = processor(logits)
+        probs = self.distribution(logits)
+        if probs is None:
+            token = int(torch.argmax(logits).item())
+        else:
+            p_draft = float(probs[draft]) if 0 <= draft < probs.shape[-1] else 0.0
+            u = float(torch.rand(1, generator=self.generator).item())
+            if u < p_draft:
+                token = draft
+            else:
+                residual = probs.clone()
+                if 0 <= draft < residual.shape[-1]:
+                    residual[draft] = 0.0
+                if not float(residual.sum()) > 0.0:  # p(draft) = 1 in floating point: nothing else can be drawn
+                    token = draft
+                else:
+                    token = int(torch.multinomial(residual, 1, generator=self.generator).item())
+        if processor is not None:
+            processor.accept(token)
+        return token, token == draft
 
 
 class StopChecker:

@@ -1,0 +1,255 @@
+"""Speculative decoding without a second model: drafts from the sequence's own context, verified in the batch.
+
+A coding agent's turns repeat what its context holds — an edit re-emits the lines it replaces, a command re-uses
+paths from the last tool result, a test names the module it tests. ``PromptLookup`` finds the longest recent match
+of the sequence's last tokens in its own context (prompt and generated tokens) and proposes the tokens that followed
+it. The scheduler (``runtime/scheduler.py``) feeds a decoding sequence's last token plus its k draft tokens as one
+row of the normal batched step, takes the logits of all k + 1 positions and keeps the longest prefix the model
+agrees with plus the model's own next token (``Sampler.verify``: exact match when greedy, the speculative-sampling
+rule when sampled), so the output is distributed exactly as without speculation.
+
+How many tokens to draft is decided per sequence and step by ``DraftPolicy``: the acceptance of a draft token is
+modelled as a coin with probability a (drafts of k tokens then give 1 + a + ... + a^k tokens per step), estimated
+from the sequence's own recent verifications, pulled toward the acceptance measured in its phase (``code`` turns
+copy more than ``plan`` turns); a verified row of k + 1 tokens is priced at 1 + ``verify_cost`` · k decode rows
+(measured: ``evals/perf/bench_speculative.py``). The policy picks the k with the most tokens per unit of cost, and
+k = 0 — plain decode, nothing drafted, nothing verified — when no draft pays. A sequence that stops speculating
+forgets its failures slowly (``idle_decay`` per step), so it tries again later.
+
+Dimensions: L = the sequence's tokens so far, k = draft tokens of one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from freetoken_agent.runtime.errors import OptionError
+
+
+class Drafter(Protocol):
+    """Proposes the tokens likely to follow a sequence (one instance per sequence; it may index incrementally)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``tokens`` (the sequence's tokens so far; it only ever grows)."""
+        ...
+
+
+class PromptLookup:
+    """N-gram lookup in the sequence's own tokens (prompt lookup decoding).
+
+    Every position is indexed by the ``key`` tokens before it (incrementally, as the sequence grows). A proposal
+    takes the sequence's last ``key`` tokens, looks at their ``candidates`` most recent earlier occurrences, picks the
+    one whose match extends furthest to the left (up to ``max_match`` tokens; ties to the most recent) and copies what
+    followed it. A continuation that runs into the end of the sequence repeats with the match's period (a loop the
+    model is in)."""
+
+    def __init__(self, key: int = 2, candidates: int = 8, max_match: int = 32) -> None:
+        if key < 1:
+            raise OptionError(f"the lookup key needs at least one token, got {key}")
+        self.key, self.candidates, self.max_match = key, candidates, max_match
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        """Key (``key`` tokens) → the positions that followed an occurrence of it, ascending."""
+        self._indexed = 0
+        self.match = 0
+        """Tokens the last proposal's match covered (0: none found)."""
+
+    def _update(self, tokens: list[int]) -> None:
+        g, index = self.key, self._index
+        for i in range(max(self._indexed, g), len(tokens)):
+            key = tuple(tokens[i - g : i])
+            found = index.get(key)
+            if found is None:
+                index[key] = [i]
+            else:
+                found.append(i)
+        self._indexed = max(self._indexed, len(tokens))
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        self.match = 0
+        n, g = len(tokens), self.key
+        if k <= 0 or n <= g:
+            return []
+        self._update(tokens)
+        found = self._index.get(tuple(tokens[n - g :]))
+        if not found:
+            return []
+        best, best_len = -1, -1
+        for start in reversed(found[-self.candidates :]):  # `start` follows an occurrence of the key
+            length = g
+            while (length < self.max_match and start - length - 1 >= 0
+                   and tokens[start - length - 1] == tokens[n - length - 1]):
+                length += 1
+            if length > best_len:
+                best, best_len = start, length
+        self.match = best_len
+        draft: list[int] = []
+        for t in range(k):
+            pos = best + t
+            draft.append(tokens[pos] if pos < n else draft[pos - n])
+        return draft
+
+
+PHASE_PRIOR = {"code": 0.6, "plan": 0.25, "tool": 0.3}
+"""Acceptance assumed for a phase before any of its drafts were verified (measured on the recorded trajectories'
+turns: ``evals/perf/bench_speculative.py``); other or no phase: ``SpeculationConfig.prior``."""
+
+
+@dataclass
+class SpeculationConfig:
+    """The engine's speculation settings (``Engine.from_pretrained(speculate=...)``, ``engine.speculation``)."""
+
+    enabled: bool = True
+    max_draft: int = 8
+    """Draft tokens per step at most (k_max)."""
+    verify_cost: float = 0.1
+    """Cost of each verified draft row beyond the first, in decode rows (1 + verify_cost · k for a row of k + 1)."""
+    key: int = 2
+    """Tokens of the n-gram looked up in the context."""
+    prior: float = 0.35
+    """Acceptance assumed for a sequence with no history, in a phase with none."""
+    phase_prior: dict[str, float] = field(default_factory=lambda: dict(PHASE_PRIOR))
+    prior_weight: float = 3.0
+    """How many verified tokens the phase's acceptance counts for against the sequence's own."""
+    decay: float = 0.85
+    """Weight kept by a sequence's past verifications at each new one (recent acceptance counts most)."""
+    idle_decay: float = 0.97
+    """Weight kept per step in which the sequence does not speculate (it tries again once its failures fade)."""
+    drafter: Callable[[], Drafter] | None = field(default=None, compare=False)
+    """Builds each sequence's drafter (None: ``PromptLookup(key)``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or not 0 <= self.max_draft <= 64:
+            raise OptionError(f"max_draft must be an integer in 0..64, got {self.max_draft!r}")
+        if not 0 <= self.verify_cost:
+            raise OptionError(f"verify_cost must be ≥ 0, got {self.verify_cost!r}")
+        for name in ("prior", "decay", "idle_decay"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise OptionError(f"{name} must be in 0..1, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, value: bool | int | SpeculationConfig | None) -> SpeculationConfig:
+        """``True``/``False`` (on with defaults / off), an integer (on, that many draft tokens at most; 0: off), or a
+        config."""
+        if isinstance(value, SpeculationConfig):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls(enabled=value is not False)
+        if isinstance(value, int):
+            return cls(enabled=value > 0, max_draft=max(value, 0))
+        raise OptionError(f"speculate takes true/false, a number of draft tokens or a SpeculationConfig, "
+                          f"got {value!r:.60}")
+
+
+def expected_tokens(accept: float, k: int) -> float:
+    """Tokens a step yields with ``k`` draft tokens when each is accepted with probability ``accept`` (in order)."""
+    if accept >= 1.0:
+        return float(k + 1)
+    return (1.0 - accept ** (k + 1)) / (1.0 - accept)
+
+
+def best_draft_length(accept: float, max_draft: int, verify_cost: float) -> int:
+    """The k in 0..``max_draft`` with the most tokens per unit of step cost (0 when no draft pays)."""
+    best_k, best = 0, 1.0
+    for k in range(1, max_draft + 1):
+        gain = expected_tokens(accept, k) / (1.0 + verify_cost * k)
+        if gain > best + 1e-9:
+            best_k, best = k, gain
+    return best_k
+
+
+class PhaseAcceptance:
+    """Acceptance per phase across all sequences (decayed counts), the prior of each sequence's own estimate."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        self.config = config
+        self._counts: dict[str | None, list[float]] = {}  # phase → [accepted, rejected]
+
+    def estimate(self, phase: str | None) -> float:
+        prior = self.config.phase_prior.get(phase, self.config.prior) if phase is not None else self.config.prior
+        a, r = self._counts.get(phase, (0.0, 0.0))
+        w = 8.0  # the configured prior counts for this many tokens against what the phase measured
+        return (a + w * prior) / (a + r + w)
+
+    def observe(self, phase: str | None, accepted: int, rejected: int) -> None:
+        counts = self._counts.setdefault(phase, [0.0, 0.0])
+        counts[0] = counts[0] * 0.99 + accepted
+        counts[1] = counts[1] * 0.99 + rejected
+
+
+class DraftPolicy:
+    """One sequence's drafter and its running acceptance (see the module docstring)."""
+
+    def __init__(self, config: SpeculationConfig, phases: PhaseAcceptance, drafter: Drafter | None = None) -> None:
+        self.config, self.phases = config, phases
+        if drafter is None:
+            drafter = config.drafter() if config.drafter is not None else PromptLookup(config.key)
+        self.drafter: Drafter = drafter
+        self.accepted = 0.0
+        self.rejected = 0.0
+        """Decayed counts of this sequence's verified draft tokens: accepted, and rejections (one per step that
+        rejected one; the tokens after a rejection were never judged)."""
+
+    def acceptance(self, phase: str | None) -> float:
+        w = self.config.prior_weight
+        return (self.accepted + w * self.phases.estimate(phase)) / (self.accepted + self.rejected + w)
+
+    def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
+        """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
+        k = min(limit, best_draft_length(self.acceptance(phase), self.config.max_draft, self.config.verify_cost))
+        if k <= 0:
+            d = self.config.idle_decay
+            self.accepted, self.rejected = self.accepted * d, self.rejected * d
+            return []
+        return self.drafter.propose(tokens, k)
+
+    def observe(self, phase: str | None, drafted: int, accepted: int) -> None:
+        """A verification: ``accepted`` of ``drafted`` draft tokens were kept (a prefix of them)."""
+        d = self.config.decay
+        rejected = 1 if accepted < drafted else 0
+        self.accepted = self.accepted * d + accepted
+        self.rejected = self.rejected * d + rejected
+        self.phases.observe(phase, accepted, rejected)
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did (``Engine.stats()["speculation"]``)."""
+
+    verify_rows: int = 0
+    """Rows that carried draft tokens."""
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    """Tokens those rows produced (accepted drafts + the model's own token; fewer when a stop came first)."""
+    replayed: int = 0
+    """Positions fed again after a partial rejection (hybrid models: recurrent states rewound to the row's start)."""
+    rolled_back: int = 0
+    """Positions of rejected drafts dropped from the KV."""
+    k_hist: dict[int, int] = field(default_factory=dict)
+    """Draft length → rows."""
+    by_phase: dict[str, list[int]] = field(default_factory=dict)
+    """Phase (``none`` when unannounced) → [drafted, accepted]."""
+
+    def record(self, phase: str | None, drafted: int, accepted: int, emitted: int) -> None:
+        self.verify_rows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        self.k_hist[drafted] = self.k_hist.get(drafted, 0) + 1
+        counts = self.by_phase.setdefault(phase or "none", [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
+
+    def snapshot(self) -> dict:
+        rate = round(self.accepted / self.drafted, 4) if self.drafted else None
+        return {
+            "verify_rows": self.verify_rows, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": rate, "emitted": self.emitted,
+            "tokens_per_row": round(self.emitted / self.verify_rows, 3) if self.verify_rows else None,
+            "replayed": self.replayed, "rolled_back": self.rolled_back,
+            "k_hist": dict(sorted(self.k_hist.items())),
+            "by_phase": {p: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 4) if d else None}
+                         for p, (d, a) in sorted(self.by_phase.items())},
+        }

@@ -1,0 +1,297 @@
+"""Speculative decoding (drafts from the context, verified as one row of the batched step): greedy output equals
+greedy output without it for three families (GQA, MLA, hybrid Gated DeltaNet) alone and under concurrency, with
+drafts that are really accepted and really rejected; stateful processors see exactly the kept tokens; sampled
+output follows the model's distribution; rejected drafts' pages go back to the pool; the option and the stats."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.engine import Engine, Request
+from freetoken_agent.runtime.errors import OptionError
+from freetoken_agent.runtime.generation.processors import Chain, LogprobRecorder, Penalties, RepetitionPenalty
+from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams
+from freetoken_agent.runtime.generation.speculative import (
+    PromptLookup,
+    SpeculationConfig,
+    best_draft_length,
+    expected_tokens,
+)
+from freetoken_agent.runtime.kernels import ops
+from freetoken_agent.runtime.kv import KVConfig
+
+pytest.importorskip("transformers")
+from tests.runtime.arch_configs import save_checkpoint  # noqa: E402
+
+FAMILIES = ["qwen3_moe", "deepseek_v3", "qwen3_next"]  # GQA, MLA, hybrid (Gated DeltaNet + attention)
+
+
+@pytest.fixture(autouse=True)
+def batch_invariant():
+    """Bit-level equality across row shapes needs the batch-invariant kernels (``--deterministic``)."""
+    before = ops.deterministic()
+    ops.set_deterministic(True)
+    yield
+    ops.set_deterministic(before)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    folder = tmp_path_factory.mktemp(request.param)
+    save_checkpoint(request.param, folder)
+    eng = Engine.from_pretrained(folder)
+    eng.kv_manager(KVConfig(page_size=4, device_pages=1024))
+    yield eng
+    eng.close()
+
+
+def repeating_prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:
+    """Prompts of different lengths that repeat their own content (what an agent's context looks like)."""
+    g = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [g.randrange(vocab) for _ in range(g.randint(4, 14))]
+        out.append(base + [g.randrange(vocab) for _ in range(g.randint(0, 6))] + base + base[: g.randint(1, 4)])
+    return out
+
+
+def greedy(n: int, processor=None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, stop_token_ids=(), processor=processor)
+
+
+class Oracle:
+    """A drafter that knows each prompt's greedy continuation and gets every third draft token wrong: drafts that
+    are accepted, then rejected, whatever the random weights do."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.references, self.vocab = references, vocab
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for prompt, ref in self.references.items():
+            if tuple(tokens[: len(prompt)]) == prompt and tokens[len(prompt):] == ref[: len(tokens) - len(prompt)]:
+                done = len(tokens) - len(prompt)
+                draft = list(ref[done : done + k])
+                for i in range(len(draft)):
+                    if (done + i) % 3 == 2:
+                        draft[i] = (draft[i] + 1) % self.vocab
+                return draft
+        return []
+
+
+def run_concurrently(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    handles = [engine.submit(Request(p, q)) for p, q in zip(prompts, params)]  # all queued before the first step
+    return [h.result(timeout=300).token_ids for h in handles]
+
+
+def test_greedy_output_is_identical_with_speculation(engine: Engine) -> None:
+    ps = repeating_prompts(6, seed=1)
+    lengths = [24, 9, 31, 16, 20, 12]
+    engine.speculation = False
+    alone = [engine.generate(p, greedy(n)).token_ids for p, n in zip(ps, lengths)]
+    assert engine.stats()["speculation"]["verify_rows"] == 0
+
+    # prompt lookup, several requests of different lengths in one batch
+    engine.speculation = True
+    before = engine.scheduler.stats.max_batch
+    assert run_concurrently(engine, ps, [greedy(n) for n in lengths]) == alone
+    assert engine.scheduler.stats.max_batch >= 4 or before >= 4
+
+    # drafts that are accepted and rejected in turn, always drafted (cost 0), alone and batched
+    references = {tuple(p): a for p, a in zip(ps, alone)}
+    vocab = engine.spec.vocab_size
+    engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=5, drafter=lambda: Oracle(references, vocab))
+    s0 = engine.scheduler.speculation_snapshot()
+    assert [engine.generate(p, greedy(n)).token_ids for p, n in zip(ps[:2], lengths)] == alone[:2]
+    assert run_concurrently(engine, ps, [greedy(n) for n in lengths]) == alone
+    s1 = engine.scheduler.speculation_snapshot()
+    assert s1["accepted"] - s0["accepted"] > 20  # verification really kept drafts...
+    assert s1["rolled_back"] > s0["rolled_back"]  # ...and really threw some away
+    assert s1["emitted"] - s0["emitted"] > s1["verify_rows"] - s0["verify_rows"]  # more than a token per row
+    if engine.kv_manager().stateful:  # hybrid: partial rejections rewound the recurrent states and replayed
+        assert s1["replayed"] > s0["replayed"]
+    # and a session's second turn (cache reuse) speculating from its first
+    session = engine.session()
+    assert session.generate(ps[0], greedy(lengths[0])).token_ids == alone[0]
+    turn2 = ps[0] + alone[0] + ps[0][:5]
+    engine.speculation = False
+    want = engine.generate(turn2, greedy(12)).token_ids
+    engine.speculation = True
+    assert session.generate(turn2, greedy(12)).token_ids == want
+    session.close()
+    engine.speculation = True
+
+
+def test_stateful_processors_see_exactly_the_kept_tokens(tmp_path: Path) -> None:
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path)
+    ps = repeating_prompts(3, seed=4)
+
+    def params(p: list[int]) -> tuple[SamplingParams, LogprobRecorder]:
+        recorder = LogprobRecorder(top=3)
+        chain = Chain([RepetitionPenalty(1.2, p), Penalties(0.3, 0.1), recorder])
+        return greedy(20, chain), recorder
+
+    results = {}
+    for mode in (False, True):
+        engine.speculation = SpeculationConfig(enabled=mode, verify_cost=0.0, max_draft=4)
+        runs = [params(p) for p in ps]
+        out = run_concurrently(engine, ps, [q for q, _ in runs])
+        results[mode] = (out, [r.entries for _, r in runs])
+    assert results[True][0] == results[False][0]
+    for spec_entries, plain_entries, tokens in zip(results[True][1], results[False][1], results[True][0]):
+        assert [e.token for e in spec_entries] == tokens  # one entry per kept token, in order
+        assert spec_entries == plain_entries
+    assert engine.stats()["speculation"]["drafted"] > 0
+    engine.close()
+
+
+def exact_first_tokens(engine: Engine, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple, float]:
+    """The exact distribution of the first ``n`` sampled tokens (every continuation's logits, processed)."""
+    sampler = Sampler(params)
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, p: float) -> None:
+        if len(prefix) == n:
+            out[prefix] = p
+            return
+        probs = sampler.distribution(engine.logits(prompt + list(prefix))[-1])
+        for t in torch.nonzero(probs > 0).flatten().tolist():
+            walk(prefix + (t,), p * float(probs[t]))
+
+    walk((), 1.0)
+    return out
+
+
+def test_sampled_output_follows_the_model_distribution(tmp_path: Path) -> None:
+    ops.set_deterministic(False)  # a distribution, not bits: the fast kernels
+    vocab = 6
+    save_checkpoint("qwen3_moe", tmp_path, vocab_size=vocab)
+    engine = Engine.from_pretrained(tmp_path)
+    engine.kv_manager(KVConfig(page_size=2, device_pages=4096))
+    engine.scheduler.max_running = 64
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3]  # odd: a cached prefix leaves one token, so the first pick is drafted too
+    params = SamplingParams(max_new_tokens=3, temperature=0.9, top_p=0.95, stop_token_ids=())
+    exact = exact_first_tokens(engine, prompt, params, 3)
+
+    class Likely:  # proposes the most likely completion of what was generated so far: often kept, often not
+        def propose(self, tokens: list[int], k: int) -> list[int]:
+            done = tuple(tokens[len(prompt):])
+            best = max((c for c in exact if c[: len(done)] == done), key=exact.get, default=None)
+            return [] if best is None else list(best[len(done) : len(done) + k])
+
+    engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=3, drafter=Likely)
+    engine.generate(prompt, params)  # publishes the prompt's pages: the others reuse all but its last token
+    n = 1600
+    handles = [engine.submit(Request(prompt, SamplingParams(max_new_tokens=3, temperature=0.9, top_p=0.95,
+                                                            stop_token_ids=(), seed=s))) for s in range(n)]
+    counts: dict[tuple, int] = {}
+    for h in handles:
+        key = tuple(h.result(timeout=300).token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    st = engine.stats()["speculation"]
+    assert st["accepted"] > 800 and st["drafted"] - st["accepted"] > 800  # both branches ran many times
+    assert st["k_hist"].get(2, 0) > 1000  # the first pick was drafted with the second (a cached prefix)
+    assert set(counts) <= set(exact)  # nothing the processed distribution forbids (top-p)
+    # chi-square over cells with an expected count ≥ 5 (the rest pooled)
+    big = [c for c in exact if exact[c] * n >= 5]
+    observed = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    expected = [exact[c] * n for c in big] + [n * (1 - sum(exact[c] for c in big))]
+    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    # p < 1e-4 threshold from the Wilson-Hilferty approximation of the chi-square quantile
+    z = 3.72
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit, dof)
+    for i in range(3):  # and each pick's marginal within sampling noise (total variation)
+        marginal: dict[int, float] = {}
+        for c, p in exact.items():
+            marginal[c[i]] = marginal.get(c[i], 0.0) - p
+        for c, m in counts.items():
+            marginal[c[i]] = marginal.get(c[i], 0.0) + m / n
+        assert 0.5 * sum(abs(v) for v in marginal.values()) < 0.05
+    engine.close()
+
+
+def test_rolled_back_pages_return_to_the_pool(tmp_path: Path) -> None:
+    for family in ("qwen3_moe", "qwen3_next"):
+        folder = tmp_path / family
+        save_checkpoint(family, folder)
+        engine = Engine.from_pretrained(folder)
+        manager = engine.kv_manager(KVConfig(page_size=2, device_pages=512))
+        ps = repeating_prompts(4, seed=5)
+        engine.speculation = False
+        refs = {tuple(p): engine.submit(Request(p, greedy(18), reuse=False)).result().token_ids for p in ps}
+        free = manager.pool.num_free
+        engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=6,
+                                               drafter=lambda: Oracle(refs, engine.spec.vocab_size))
+        handles = [engine.submit(Request(p, greedy(18), reuse=False)) for p in ps]
+        assert [h.result(timeout=300).token_ids for h in handles] == [refs[tuple(p)] for p in ps]
+        st = engine.stats()["speculation"]
+        assert st["rolled_back"] > 0 and st["accepted"] > 0
+        assert manager.pool.num_free == free  # every page a rejected draft took is back
+        # a session keeps exactly the pages its kept tokens need
+        session = engine.session()
+        session.generate(ps[0], greedy(18))
+        assert len(session.cache.pages) == -(-session.cache.length // manager.pool.page_size)
+        session.close()
+        manager.radix.evict(manager.pool.num_pages)
+        assert manager.pool.num_used == 0
+        engine.close()
+
+
+def test_a_sequence_that_never_accepts_stops_drafting(tmp_path: Path) -> None:
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, speculate=SpeculationConfig(drafter=lambda: Wrong()))
+
+    class Wrong:  # a draft the greedy model never picks: the token it just produced (a random model rarely repeats)
+        def propose(self, tokens: list[int], k: int) -> list[int]:
+            return [511 - tokens[-1]] * k
+
+    out = engine.generate(repeating_prompts(1, seed=6)[0], greedy(120))
+    st = engine.stats()["speculation"]
+    assert len(out.token_ids) == 120
+    assert st["accepted"] <= st["drafted"] // 4
+    assert st["verify_rows"] < 40  # drafting stopped after the first failures, with rare retries
+    engine.close()
+
+
+def test_option_stats_and_bad_values(tmp_path: Path) -> None:
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, speculate=False)
+    assert not engine.speculation.enabled
+    engine.generate(repeating_prompts(1, seed=7)[0], greedy(20))
+    assert engine.stats()["speculation"]["verify_rows"] == 0
+    engine.speculation = 3
+    assert engine.speculation.enabled and engine.speculation.max_draft == 3
+    keys = {"enabled", "max_draft", "drafted", "accepted", "acceptance_rate", "k_hist", "by_phase", "emitted"}
+    assert keys <= set(engine.stats()["speculation"])
+    with pytest.raises(OptionError, match="max_draft"):
+        SpeculationConfig(max_draft=-1)
+    with pytest.raises(OptionError, match="speculate"):
+        SpeculationConfig.of("fast")
+    engine.close()
+    with pytest.raises(OptionError):
+        Engine.from_pretrained(tmp_path, speculate="sometimes")
+
+
+def test_prompt_lookup_and_draft_length() -> None:
+    lookup = PromptLookup(key=2)
+    ctx = [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 0, 5, 6, 7]
+    # "6 7" occurs twice before; the match that extends further left ("5 6 7") wins: it was followed by 8 9
+    assert lookup.propose(ctx, 3) == [8, 9, 1]
+    assert lookup.match == 3
+    assert lookup.propose(ctx + [3], 2) == [4, 0]  # the index grows with the sequence
+    assert lookup.propose([1, 2, 3], 4) == []  # nothing matches
+    # a loop continues with its period past the end of the context
+    assert PromptLookup(key=2).propose([4, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert best_draft_length(0.0, 8, 0.1) == 0  # nothing is ever accepted: plain decode
+    assert best_draft_length(0.95, 8, 0.1) == 8
+    assert 0 < best_draft_length(0.5, 8, 0.1) < 8
