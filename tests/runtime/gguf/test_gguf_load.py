@@ -1,0 +1,188 @@
+"""GGUF files written in the test (llama.cpp's conventions, ``writer.py``) from tiny random transformers checkpoints.
+
+- F32 files of every mapped architecture: logits within 1e-4 of transformers on the same weights;
+- Q8_0 / Q4_0 experts: loaded as stored (no conversion), logits within 1e-3 of an engine over an F32 GGUF holding
+  the same tensors dequantized by the ``gguf`` package (an independent decoder of the blocks);
+- K-quant (Q4_K) and MXFP4 experts: converted at load; the engine equals plain torch over what it runs (≤ 1e-3), the
+  reported conversion error equals the error measured here, and ``quant="q8_0"`` converts with less error;
+- a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.errors import ConfigError
+from freetoken_agent.runtime.kernels.apply import dequantized_reference, set_expert_mode
+from freetoken_agent.runtime.models import resolve_model
+
+from tests.runtime.checkpoints import save_checkpoint
+from tests.runtime.gguf.writer import write_gguf
+
+ARCHS = {  # overrides: llama.cpp's qwen2moe has an MoE FFN in every layer
+    "qwen3_moe": {}, "qwen2_moe": {"mlp_only_layers": []}, "mixtral": {}, "olmoe": {}, "granitemoe": {},
+}
+PROMPT = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(5)).tolist()  # < Mixtral's window 16
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """``src`` with every tensor dequantized to F32 by the ``gguf`` package (metadata copied as is)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        w.add_tensor(t.name, gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    out = {}
+    for arch, overrides in ARCHS.items():
+        folder = tmp_path_factory.mktemp(arch)
+        out[arch] = (folder, save_checkpoint(arch, folder, seed=1, **overrides))
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_f32_gguf_matches_transformers(arch: str, checkpoints: dict, tmp_path: Path) -> None:
+    folder, model = checkpoints[arch]
+    engine = Engine.from_pretrained(write_gguf(folder, tmp_path / "m.gguf"))
+    assert engine.spec.model_type == arch
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0]
+    assert float((engine.logits(PROMPT) - ref).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_block_experts_load_as_stored(arch: str, kind: str, checkpoints: dict, tmp_path: Path) -> None:
+    folder, _ = checkpoints[arch]
+    file = write_gguf(folder, tmp_path / "q.gguf", experts=kind, dense="Q8_0")
+    engine = Engine.from_pretrained(file)
+    assert engine.quant is not None and engine.quant.fmt == kind.lower()
+    set_expert_mode(engine.decoder, "exact")
+    ref = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))
+    assert ref.quant is None  # float experts: plain torch
+    assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
+
+
+def _kquant_case(tmp_path: Path, kind: str) -> tuple[Path, Path]:
+    folder = tmp_path / "hf"
+    save_checkpoint("qwen3_moe", folder, seed=2, hidden_size=256, moe_intermediate_size=256, head_dim=64)
+    return folder, write_gguf(folder, tmp_path / f"{kind}.gguf", experts=kind)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "MXFP4", "Q5_0"])
+def test_converted_experts(kind: str, tmp_path: Path) -> None:
+    from freetoken_agent.runtime.gguf.model import GGUFModel
+    from freetoken_agent.runtime.gguf.reader import dequantize
+    from freetoken_agent.runtime.quant.blocks import dequantize as dequantize_blocks
+    from freetoken_agent.runtime.quant.blocks import quantize
+
+    _, file = _kquant_case(tmp_path, kind)
+    expected_fmt = "q8_0" if kind == "Q5_0" else "q4_0"
+    engine = Engine.from_pretrained(file)
+    assert engine.quant.fmt == expected_fmt
+    set_expert_mode(engine.decoder, "exact")
+    ours = engine.logits(PROMPT)
+    ref = Engine.from_pretrained(file)
+    dequantized_reference(ref.decoder)  # plain torch over the weights the engine runs
+    assert float((ours - ref.logits(PROMPT)).abs().max()) <= 1e-3
+    # the reported conversion error is the one measured here (gguf's dequantizer, then our block quantizer)
+    model = GGUFModel(file)
+    report = {(c.part, c.layer): c for c in model.measure_conversion(max_experts=2)}
+    c = report[("gate", 0)]
+    t = model.file.tensors["blk.0.ffn_gate_exps.weight"]
+    err = tot = 0.0
+    for e in range(2):
+        w = dequantize(t, e)
+        back = dequantize_blocks(quantize(w, expected_fmt))
+        err += float((w - back).pow(2).sum())
+        tot += float(w.pow(2).sum())
+    assert c.stored == kind and c.runs_as == expected_fmt and c.rel_rms_error == pytest.approx((err / tot) ** 0.5,
+                                                                                              rel=1e-3)
+    # against the stored values themselves (an F32 file of the dequantized experts): off by the conversion only,
+    # and less so when converted to the wider Q8_0
+    exact = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf")).logits(PROMPT)
+    rel = float((ours - exact).norm() / exact.norm())
+    print(f"{kind}: logits relative error vs the stored values {rel:.4f}, conversion error {c.rel_rms_error:.4f}")
+    assert rel < 0.5
+    if expected_fmt == "q4_0":
+        wide = {(c.part, c.layer): c for c in model.measure_conversion("q8_0", max_experts=2)}
+        assert wide[("gate", 0)].rel_rms_error < c.rel_rms_error / 4
+        q8 = Engine.from_pretrained(file, quant="q8_0")
+        assert q8.quant.fmt == "q8_0"
+        set_expert_mode(q8.decoder, "exact")
+        rel8 = float((q8.logits(PROMPT) - exact).norm() / exact.norm())
+        print(f"{kind} loaded as q8_0: logits relative error {rel8:.4f}")
+        assert rel8 < rel / 4
+
+
+def test_mixed_layer_runs_in_the_wider_format(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    save_checkpoint("qwen3_moe", folder, seed=3)
+    file = write_gguf(folder, tmp_path / "mix.gguf", experts="Q4_0", down="Q8_0")  # a Q4_K_M-like mix
+    engine = Engine.from_pretrained(file)
+    assert engine.quant.fmt == "q8_0"
+    set_expert_mode(engine.decoder, "exact")
+    ref = Engine.from_pretrained(file)
+    dequantized_reference(ref.decoder)
+    assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
+
+
+def test_split_file_loads_from_first_part_and_folder(checkpoints: dict, tmp_path: Path) -> None:
+    folder, _ = checkpoints["qwen3_moe"]
+    whole = Engine.from_pretrained(write_gguf(folder, tmp_path / "whole.gguf", experts="Q8_0"))
+    split_dir = tmp_path / "split"
+    split_dir.mkdir()
+    write_gguf(folder, split_dir / "m.gguf", experts="Q8_0", split_max_tensors=12)
+    parts = sorted(split_dir.glob("*.gguf"))
+    assert len(parts) > 2 and parts[0].name.endswith("-00001-of-" + f"{len(parts):05d}.gguf")
+    expected = whole.logits(PROMPT)
+    for target in (parts[0], split_dir):
+        engine = Engine.from_pretrained(resolve_model(str(target)))
+        assert torch.equal(engine.logits(PROMPT), expected)
+    assert resolve_model(str(split_dir)) == parts[0]
+    with pytest.raises(ConfigError, match="part 2 of a split GGUF file; give the first part"):
+        resolve_model(str(parts[1]))
+    parts[-1].unlink()
+    from freetoken_agent.runtime.gguf import GGUFError
+
+    with pytest.raises(GGUFError, match="part\\(s\\) missing"):
+        Engine.from_pretrained(parts[0])
+
+
+def test_resolve_model_file_and_folder(checkpoints: dict, tmp_path: Path) -> None:
+    folder, _ = checkpoints["olmoe"]
+    file = write_gguf(folder, tmp_path / "o.gguf")
+    assert resolve_model(str(file)) == file
+    assert resolve_model(str(tmp_path)) == file
+    (tmp_path / "mmproj-o.gguf").write_bytes(b"GGUF")  # a vision projector next to it is not a second model
+    assert resolve_model(str(tmp_path)) == file
+    write_gguf(folder, tmp_path / "other.gguf")
+    with pytest.raises(ConfigError, match="holds 2 GGUF models"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ConfigError, match="model file not found"):
+        resolve_model(str(tmp_path / "nope.gguf"))
