@@ -164,11 +164,22 @@ def chat_template_from_metadata(meta: dict[str, Any], tokenizer: Tokenizer | Non
     return ChatTemplate(str(source), special)
 
 
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<|end▁of▁sentence|>", "<|return|>", "<|call|>",
+                     "<end_of_utterance>")
+"""Control-token texts llama.cpp treats as end of generation whatever the metadata says (``llama-vocab.cpp``)."""
+
+
 def stop_token_ids(meta: dict[str, Any]) -> list[int]:
-    """End-of-sequence ids llama.cpp stops on: eos, plus end-of-turn and end-of-message when the file names them."""
+    """Ids llama.cpp stops on: eos, end-of-turn and end-of-message when the file names them, and control tokens
+    whose text marks an end of generation (``END_OF_GENERATION``)."""
     ids = []
     for key in ("eos", "eot", "eom"):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and int(i) not in ids:
             ids.append(int(i))
+    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type")
+    for i, tok in enumerate(tokens):
+        if tok in END_OF_GENERATION and (types is None or types[i] == CONTROL) and i not in ids:
+            ids.append(i)
     return ids
