@@ -1,0 +1,306 @@
+"""Speculative decoding on recorded agent turns: decode tok/s with and without it, oracle acceptance, verify cost.
+
+Three measurements (the recorded mini-swe-agent trajectories, rendered through the built-in model's chat template
+and labelled per token by phase as ``phase_trace`` does: ``plan`` text, ``code`` = the tool call, ``tool`` output):
+
+1. **Built-in model, real decode.** For each assistant span of a phase (``code``: the tool call; ``plan``: the
+   thought before it), the prompt is the ``--window`` tokens before the span; the model decodes ``--max-new`` tokens
+   greedily with speculation off and on (defaults of ``SpeculationConfig``). Decode tok/s = generated tokens after
+   the first / seconds after the first (``RequestResult.decode_s``), summed over the turns; the outputs with and
+   without are compared token for token.
+2. **Oracle acceptance** (model-free; what a model that writes exactly the recorded reply would accept): at each
+   position of a phase's spans, ``PromptLookup`` over the whole session so far proposes k tokens; the longest prefix
+   equal to the recorded next tokens is kept plus one token, and decoding moves on. Reported per phase: tokens per
+   verification step (fixed k, and the adaptive ``DraftPolicy``), acceptance rate.
+3. **Verify cost** on a random-weight synthetic MoE at q4: seconds of one step with a row of k + 1 tokens vs 1 token
+   after a ``--cost-context``-token prompt (the engine's own runner and paged KV; rows rolled back between runs).
+   With (2) it gives the **projected** speedup for a trained model of that size: tokens per step / (cost of the
+   step relative to a 1-token step). A random model accepts nothing of its own, so this is a projection.
+
+    nice -n 10 python -m freetoken_agent.evals.perf.bench_speculative [--trajectories DIR] [--sessions N]
+        [--turns N] [--window N] [--max-new N] [--moe DIR] [--json]
+
+``--moe``: a ``qwen3_moe`` folder (default: the 7.5B of ``bench_concurrent`` when it exists, else a 4-layer
+synthetic of the same block, 1.26B parameters, written under ``--scratch`` once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_TRAJECTORIES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "agent-trajectories"
+DEFAULT_MOE = Path("/tmp/freetoken-bench-concurrent/qwen3_moe-7b")
+SCRATCH = Path("/tmp/freetoken-bench-speculative")
+
+
+# ------------------------------------------------------------------------------------------------ sessions
+
+
+def labelled_sessions(folder: Path, limit: int) -> list[tuple[str, list[int], list[str | None]]]:
+    """(name, token ids, phase label per token) of up to ``limit`` trajectories, rendered as the built-in model
+    was trained on them."""
+    from freetoken_agent.evals.builtin.data import render_session
+    from freetoken_agent.evals.perf.routing_report import token_phases
+    from freetoken_agent.runtime.builtin import builtin_model_dir
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
+    out = []
+    for path in sorted(folder.glob("*.traj.json"))[:limit]:
+        text = render_session(path)
+        enc = tokenizer.encode(text)
+        out.append((path.name.removesuffix(".traj.json"), list(enc.ids), token_phases(text, enc.offsets)))
+    return out
+
+
+def spans(labels: list[str | None], phase: str) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of ``phase`` labels."""
+    out, start = [], None
+    for i, label in enumerate([*labels, None]):
+        if label == phase and start is None:
+            start = i
+        elif label != phase and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ oracle
+
+
+def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phase: str) -> dict[str, float]:
+    """Speculation with the recorded tokens as the model's output over ``span_list``: k fixed, or None for the
+    adaptive policy (``DraftPolicy`` with the default config, its phase's prior)."""
+    from freetoken_agent.runtime.generation.speculative import (
+        DraftPolicy,
+        PhaseAcceptance,
+        PromptLookup,
+        SpeculationConfig,
+    )
+
+    config = SpeculationConfig()
+    phases = PhaseAcceptance(config)
+    steps = tokens = drafted = accepted = 0
+    lookup = PromptLookup(config.key)  # the session's tokens only grow: one index for all its spans
+    for start, end in span_list:
+        policy = DraftPolicy(config, phases, lookup)
+        i = start
+        while i < end:
+            limit = end - i - 1
+            context = ids[:i]
+            if k is None:
+                draft = policy.draft(context, phase, limit)
+            else:
+                draft = lookup.propose(context, min(k, limit)) if limit > 0 else []
+            kept = 0
+            while kept < len(draft) and draft[kept] == ids[i + kept]:
+                kept += 1
+            if draft and k is None:
+                policy.observe(phase, min(kept + 1, len(draft)), kept)
+            steps += 1
+            tokens += kept + 1
+            drafted += len(draft)
+            accepted += kept
+            i += kept + 1
+    return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 3) if steps else 0.0,
+            "drafted": drafted, "accepted": accepted,
+            "acceptance": round(accepted / drafted, 3) if drafted else 0.0}
+
+
+# ------------------------------------------------------------------------------------------------ built-in model
+
+
+def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new: int) -> dict[str, Any]:
+    """Greedy decode of each span's turn with speculation off, then on (see the module docstring)."""
+    from freetoken_agent.runtime.builtin import builtin_model_dir
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.generation.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(builtin_model_dir())
+    params = SamplingParams(max_new_tokens=max_new)
+    prompts = []
+    for _, ids, labels in sessions:
+        for start, _end in spans(labels, phase)[:turns]:
+            if start >= 16:
+                prompts.append(ids[max(0, start - window) : start])
+    out: dict[str, Any] = {"turns": len(prompts)}
+    results: dict[str, list] = {"off": [], "on": []}
+    totals = {mode: [0, 0.0] for mode in results}  # generated tokens after the first, seconds
+    engine.generate(prompts[0][-64:], SamplingParams(max_new_tokens=8))  # warm-up (kernels, allocator)
+    s0 = engine.scheduler.speculation_snapshot()
+    for i, p in enumerate(prompts):  # modes interleaved per turn (and their order alternated): the same load
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            engine.speculation = mode == "on"
+            r = engine.generate(p, params)
+            results[mode].append(r.token_ids)
+            if len(r.token_ids) > 1:
+                totals[mode][0] += len(r.token_ids) - 1
+                totals[mode][1] += r.decode_s
+    s1 = engine.scheduler.speculation_snapshot()
+    for mode, (toks, secs) in totals.items():
+        out[mode] = {"decode_tok_s": round(toks / secs, 1) if secs else None, "tokens": toks,
+                     "seconds": round(secs, 3)}
+    drafted, acc = s1["drafted"] - s0["drafted"], s1["accepted"] - s0["accepted"]
+    out["on"].update(drafted=drafted, accepted=acc, acceptance=round(acc / drafted, 3) if drafted else None,
+                     verify_rows=s1["verify_rows"] - s0["verify_rows"], k_hist=s1["k_hist"])
+    same = sum(a == b for a, b in zip(results["off"], results["on"]))
+    out["identical_turns"] = f"{same}/{len(prompts)}"
+    if out["off"]["decode_tok_s"] and out["on"]["decode_tok_s"]:
+        out["speedup"] = round(out["on"]["decode_tok_s"] / out["off"]["decode_tok_s"], 3)
+    engine.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ verify cost
+
+
+def synthetic_moe(folder: Path) -> Path:
+    from freetoken_agent.evals.perf.bench_gguf_decode import CONFIG, write_checkpoint
+
+    return write_checkpoint(folder, config={**CONFIG, "eos_token_id": 2})
+
+
+def verify_cost(model: Path, quant: str, context: int, ks: list[int], repeats: int) -> dict[str, Any]:
+    """Seconds per step for a row of k + 1 tokens (k in ``ks``, 0 = plain decode) after ``context`` tokens."""
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.kv import KVConfig
+    from freetoken_agent.runtime.kv.paged import PagedKVCache
+    from freetoken_agent.runtime.runner import Row
+
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(model, quant=quant)
+    load_s = time.perf_counter() - t0
+    manager = engine.kv_manager(KVConfig(page_size=16, device_pages=max(64, (context + 64) // 16 + 8)))
+    cache = PagedKVCache(manager.pool, manager.alloc)
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.spec.vocab_size
+    prompt = torch.randint(0, vocab, (context,), generator=g)
+    with engine.lock:
+        for i in range(0, context, 256):
+            chunk = prompt[i : i + 256]
+            cache.reserve(int(chunk.shape[0]))
+            engine.runner.run([Row(cache, chunk, "none")])
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for r in range(repeats + 1):
+            for k in ks:
+                row = torch.randint(0, vocab, (k + 1,), generator=g)
+                cache.reserve(k + 1)
+                t = time.perf_counter()
+                engine.runner.run([Row(cache, row, "draft" if k else "last", None, k)])
+                dt = time.perf_counter() - t
+                cache.truncate(context)
+                if r:  # the first round warms up
+                    times[k].append(dt)
+        engine.runner.idle()
+    cache.release()
+    engine.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": str(model), "quant": quant, "layers": engine.spec.num_layers, "load_s": round(load_s, 1),
+            "context": context, "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
+            "relative": {k: round(v / med[0], 3) for k, v in med.items()}}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trajectories", type=Path, default=DEFAULT_TRAJECTORIES)
+    ap.add_argument("--sessions", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=6, help="spans per session and phase decoded on the built-in model")
+    ap.add_argument("--window", type=int, default=1536, help="prompt tokens before each decoded span")
+    ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--phases", default="code,plan")
+    ap.add_argument("--moe", type=Path, default=None, help="the synthetic MoE for the verify cost (see above)")
+    ap.add_argument("--quant", default="q4", choices=["none", "q8", "q4"])
+    ap.add_argument("--cost-context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-builtin", action="store_true")
+    ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.trajectories.is_dir():
+        ap.error(f"no trajectories at {args.trajectories} (pass --trajectories DIR)")
+    sessions = labelled_sessions(args.trajectories, args.sessions)
+    phases = [p for p in args.phases.split(",") if p]
+    report: dict[str, Any] = {"sessions": len(sessions), "tokens": sum(len(ids) for _, ids, _ in sessions)}
+
+    report["oracle"] = {}
+    for phase in phases:
+        per_k = {}
+        for k in (2, 4, 8, None):
+            agg = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
+            for _, ids, labels in sessions:
+                r = oracle(ids, spans(labels, phase), k, phase)
+                for key in agg:
+                    agg[key] += r[key]
+            agg["tokens_per_step"] = round(agg["tokens"] / agg["steps"], 3) if agg["steps"] else 0.0
+            agg["acceptance"] = round(agg["accepted"] / agg["drafted"], 3) if agg["drafted"] else 0.0
+            per_k["adaptive" if k is None else str(k)] = agg
+        report["oracle"][phase] = per_k
+
+    if not args.skip_builtin:
+        report["builtin"] = {p: builtin_decode(sessions, p, args.turns, args.window, args.max_new) for p in phases}
+
+    if not args.skip_cost:
+        model, note = args.moe, ""
+        if model is None:
+            if (DEFAULT_MOE / "config.json").is_file():
+                model = DEFAULT_MOE
+            else:
+                model = synthetic_moe(SCRATCH / "qwen3_moe-4L")
+                note = (f"{DEFAULT_MOE} absent: a 4-layer synthetic of its block (hidden 2048, 64 experts top-8, "
+                        "1.26B parameters)")
+        cost = verify_cost(model, args.quant, args.cost_context, [0, 1, 2, 4, 8], args.repeats)
+        cost["note"] = note
+        rel = cost["relative"]
+        proj = {}
+        for phase in phases:
+            for k in (2, 4, 8):
+                o = report["oracle"][phase][str(k)]
+                proj[f"{phase} k={k}"] = round(o["tokens_per_step"] / rel[k], 3)
+        cost["projected_speedup"] = proj
+        report["verify_cost"] = cost
+
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"{r['sessions']} sessions, {r['tokens']} tokens", "",
+             "Oracle (recorded reply as the model's output; prompt lookup over the whole session so far):",
+             "| phase | k | tokens/step | acceptance |", "|---|---|---|---|"]
+    for phase, per_k in r["oracle"].items():
+        for k, o in per_k.items():
+            lines.append(f"| {phase} | {k} | {o['tokens_per_step']} | {o['acceptance']} |")
+    if "builtin" in r:
+        lines += ["", "Built-in model, greedy decode of the recorded turns (speculation off → on):",
+                  "| phase | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for phase, b in r["builtin"].items():
+            lines.append(f"| {phase} | {b['turns']} | {b['off']['decode_tok_s']} | {b['on']['decode_tok_s']} | "
+                         f"{b.get('speedup')} | {b['on'].get('acceptance')} | {b['identical_turns']} |")
+    if "verify_cost" in r:
+        c = r["verify_cost"]
+        lines += ["", f"Verify cost on {c['model']} ({c['layers']} layers, {c['quant']}, context {c['context']})"
+                  + (f" — {c['note']}" if c["note"] else "") + ":",
+                  "| k | step ms | vs 1 token |", "|---|---|---|"]
+        for k, ms in c["step_ms"].items():
+            lines.append(f"| {k} | {ms} | {c['relative'][k]} |")
+        lines += ["", "Projected speedup there (oracle tokens/step ÷ relative step cost; a projection):"]
+        lines += [f"  {name}: {v}x" for name, v in c["projected_speedup"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
