@@ -1,5 +1,5 @@
 """Flags shared by every command that loads a model: ``--quant``, ``--quant-dense``, ``--kv-dtype``,
-``--device-memory``, ``--host-memory``, ``--residency-policy``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword
+``--device-memory``, ``--host-memory``, ``--residency-policy``, ``--speculate``. ``engine_kwargs(args)`` turns them into ``Engine.from_pretrained`` keyword
 arguments (empty when no flag was given, so the unbudgeted load path is unchanged).
 """
 
@@ -28,12 +28,27 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a greedy request gives the same tokens whatever shares its batch "
                         "and whether its prefix came from the cache (slower prefill; see the README)")
+    g.add_argument("--speculate", default="on", type=speculate_flag, metavar="on|off|K",
+                   help="speculative decoding from the context (drafts where they pay, verified in the batch; same "
+                        "greedy tokens, same sampled distribution): on (default), off, or at most K draft tokens")
     g.add_argument("--residency-policy", default=None, choices=["lru", "heat", "phase"],
                    help="which expert leaves a full slot pool (default: lru; phase for run/acp under a budget)")
 
 
+def speculate_flag(value: str) -> bool | int:
+    """``--speculate``: on → True, off → False, K → at most K draft tokens per step (0: off)."""
+    low = value.strip().lower()
+    if low in ("on", "true", "yes"):
+        return True
+    if low in ("off", "false", "no"):
+        return False
+    if low.isdigit() and int(low) <= 64:
+        return int(low)
+    raise argparse.ArgumentTypeError(f"expected on, off or a number of draft tokens 0..64, got {value!r}")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if getattr(args, "quant_dense", "none") != "none":
@@ -42,6 +57,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quant["deterministic"] = True
     if getattr(args, "kv_dtype", "auto") != "auto":
         quant["kv_dtype"] = args.kv_dtype
+    if getattr(args, "speculate", True) is not True:
+        quant["speculate"] = args.speculate
     if device is None and host is None and policy is None:
         return quant
     from freetoken_agent.runtime.experts.setup import ResidencyConfig

@@ -89,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         stats = engine.stats()
         sys.stdout.write("\n")
+        spec = stats["speculation"]
+        kept = f"; speculation kept {spec['accepted']} of {spec['drafted']} drafts" if spec["drafted"] else ""
         print(f"[{len(out_ids)} tokens, {reason}; prefill {stats['prefill_tok_s']} tok/s, "
-              f"decode {stats['decode_tok_s']} tok/s]", file=sys.stderr)
+              f"decode {stats['decode_tok_s']} tok/s{kept}]", file=sys.stderr)
         if args.stats:
             for line in ([json.dumps(stats)] if stats["residency"] is None else format_residency(stats["residency"])):
                 print(line, file=sys.stderr)
