@@ -106,9 +106,10 @@ def _common(f: GGUFFile) -> Config:
     )
     if f.arch_get("attention.key_length", None) is not None:
         cfg["head_dim"] = _int(f, "attention.key_length")
-        if f.arch_get("attention.value_length", None) is not None and _int(f, "attention.value_length") != cfg["head_dim"]:
-            raise GGUFMetadataError(f"{f.path.name}: key_length {cfg['head_dim']} != value_length "
-                                    f"{_int(f, 'attention.value_length')} is not supported for {f.architecture}")
+        value = _int(f, "attention.value_length", cfg["head_dim"])
+        if value != cfg["head_dim"]:
+            raise GGUFMetadataError(f"{f.path.name}: key_length {cfg['head_dim']} != value_length {value} is not "
+                                    f"supported for {f.architecture}")
     rot = f.arch_get("rope.dimension_count", None)
     head_dim = cfg.get("head_dim", hidden // heads)
     if rot is not None and int(rot) != head_dim:

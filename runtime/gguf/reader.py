@@ -113,7 +113,8 @@ class GGUFCheckpointReader(CheckpointReader):
             self._place(t, expected)
         missing = [n for n in expected if n not in self.infos]
         if missing:
-            raise MissingTensorError(f"{file.path.name}: no tensor for {missing[0]} (shape {list(expected[missing[0]])})"
+            first = missing[0]
+            raise MissingTensorError(f"{file.path.name}: no tensor for {first} (shape {list(expected[first])})"
                                      + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                                      + f" of the {spec.model_type} model")
 

@@ -30,8 +30,10 @@ _LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
            r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 _QWEN2 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
           r"""\s+(?!\S)|\s+""")
-_GPT4O = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
-          r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
+_GPT4O = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+          r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
+          r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+          r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
           r"""\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
@@ -46,7 +48,7 @@ def _added(tokens: list[str], types: list[int] | None) -> tuple[list[Any], list[
     from tokenizers import AddedToken
 
     special, user = [], []
-    for i, (tok, kind) in enumerate(zip(tokens, types or [NORMAL] * len(tokens))):
+    for tok, kind in zip(tokens, types or [NORMAL] * len(tokens)):
         if kind == CONTROL:
             special.append(AddedToken(tok, special=True, normalized=False))
         elif kind == USER_DEFINED:

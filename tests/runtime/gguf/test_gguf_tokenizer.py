@@ -34,8 +34,6 @@ def builtin_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bpe_tokenizer_from_file_matches_hf(builtin_gguf: Path) -> None:
-    import gguf as gguf_pkg
-
     from freetoken_agent.runtime.gguf.file import GGUFFile
 
     ours = tokenizer_from_metadata(GGUFFile(builtin_gguf).metadata)
@@ -44,7 +42,6 @@ def test_bpe_tokenizer_from_file_matches_hf(builtin_gguf: Path) -> None:
     assert ours.decode(ours.encode(MIXED)) == MIXED
     assert ours.eos_token == hf.eos_token and ours.eos_token_ids == hf.eos_token_ids
     assert ours.special_tokens["<|im_start|>"] == hf.special_tokens["<|im_start|>"]
-    assert gguf_pkg is not None
 
 
 def test_engine_from_gguf_has_tokenizer_template_and_stops(builtin_gguf: Path) -> None:
@@ -66,8 +63,8 @@ def _sentencepiece_hf(tmp_path: Path) -> tuple[Path, list[str], list[float], lis
     from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as HF
 
-    words = ["▁the", "▁quick", "▁brown", "▁fox", "▁jumps", "▁over", "▁lazy", "▁dog", "▁hello", "▁world", "ing", "ed",
-             "▁a", "▁is", "er", "▁th", "▁he", "ll", "▁w", "or", "ld", "▁c", "af", "é", "▁2", "02", "4"]
+    words = ["▁the", "▁quick", "▁brown", "▁fox", "▁jumps", "▁over", "▁lazy", "▁dog", "▁hello", "▁world", "ing",
+             "ed", "▁a", "▁is", "er", "▁th", "▁he", "ll", "▁w", "or", "ld", "▁c", "af", "é", "▁2", "02", "4"]
     pieces: list[str] = []
     for w in words:  # every prefix of every word is a piece too (so merges can reach the word)
         for cut in range(1, len(w) + 1):

@@ -66,8 +66,8 @@ def _stack_experts(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     for i in range(n_layers):
         for prefix in (f"model.layers.{i}.mlp", f"model.layers.{i}.block_sparse_moe"):
             for style in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
-                keys = sorted((k for k in sd if re.fullmatch(rf"{re.escape(prefix)}\.experts\.\d+\.{style[0]}\.weight", k)),
-                              key=lambda k: int(k.split(".experts.")[1].split(".")[0]))
+                pattern = rf"{re.escape(prefix)}\.experts\.\d+\.{style[0]}\.weight"
+                keys = [k for k in sd if re.fullmatch(pattern, k)]
                 if not keys:
                     continue
                 for leaf in style:
@@ -125,8 +125,8 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
         w.add_logit_scale(cfg["logits_scaling"])
     if tokenizer is not None:
         add_tokenizer(w, tokenizer)
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch).name],
-                                    n_layers)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    tmap = gguf.get_tensor_name_map(arch_id, n_layers)
     sd = _stack_experts(_load(folder), n_layers)
     for name, t in sd.items():
         new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
