@@ -84,7 +84,8 @@ def test_harness_end_to_end_on_the_builtin_model(tmp_path: Path, capsys) -> None
         # prefill steps)
         e = r["engine"]
         assert e["prompt_tokens"] > 0 and e["prefill_s"] > 0 and 0 < e["prefill_share"] <= 1
-        assert e["decode_s"] == 0 or 1 <= e["rows"] <= n
+        assert e["decode_s"] == 0 or e["rows"] >= 1  # one-token rows per decode-only step (a prompt's last token
+        # after a prefix hit, or a background KV warm's, also makes a one-token row: not bounded by n)
         assert e["idle_s"] >= 0 and e["prefill_s"] + e["decode_s"] <= r["wall_s"] + 0.5
     assert rows[("ours", 1)]["vs_n1"] == 1.0
     assert report["meta"]["sessions"] == ["s0", "s1"]
