@@ -34,7 +34,8 @@ the row's starting states are snapshotted, and after a partial rejection the seq
 row's start and the kept tokens are fed again in the next step (a "replay" row, drafted on no further), which
 recomputes exactly the states after the last kept token. Length-dependent rotary embeddings (dynamic NTK, longrope)
 turn a row by its whole length, so they speculate only within their original context, where a row of k + 1 turns as
-k + 1 single steps would.
+k + 1 single steps would; a model whose forward of several tokens is not the same as single steps (``unsupported``:
+Doge's product-key router) never speculates.
 
 Control is integers (ids, positions, page counts); tensors appear only in the rows handed to the runner.
 """
@@ -63,6 +64,7 @@ from freetoken_agent.runtime.generation.speculative import (
     PhaseAcceptance,
     SpeculationConfig,
     SpeculationStats,
+    unsupported,
 )
 from freetoken_agent.runtime.kv.pool import OutOfPages
 from freetoken_agent.runtime.runner import ModelRunner, Row
@@ -361,6 +363,9 @@ class Scheduler:
         self.spec_stats = SpeculationStats()
         self._phase_acceptance = PhaseAcceptance(self.speculation)
         self._rope_limit = _rope_limit(runner)
+        decoder = getattr(runner, "decoder", None)
+        self.speculation_unsupported = unsupported(decoder.spec) if decoder is not None else None
+        """Why this model never speculates (None: it does where it pays)."""
         self._step_drafts: dict[int, tuple[list[int], Any, int]] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -546,7 +551,8 @@ class Scheduler:
         for seq in [s for s in self.running if s.decoding]:  # decode first
             if budget > 0 and seq in self.running:
                 take(seq, seq.remaining)
-        drafts = self._drafts(plan, budget) if self.speculation.enabled else {}
+        speculate = self.speculation.enabled and self.speculation_unsupported is None
+        drafts = self._drafts(plan, budget) if speculate else {}
         budget -= sum(len(d) for d in drafts.values())
         order = sorted((s for s in self.running if s.remaining > 1 and not s.decoding), key=self._priority)
         for seq in order:
@@ -566,7 +572,7 @@ class Scheduler:
             n = min(seq.remaining, budget)
             if not take(seq, n):
                 break
-        if self.speculation.enabled and budget > 0:  # sequences admitted with one token left (a cached prompt)
+        if speculate and budget > 0:  # sequences admitted with one token left (a cached prompt)
             admitted = [(s, n) for s, n in plan if s.id not in drafts and s.decoding and n == s.remaining]
             drafts.update(self._drafts(admitted, budget))
         # a sequence preempted after it was planned gives its row back
@@ -884,7 +890,8 @@ class Scheduler:
     def speculation_snapshot(self) -> dict[str, Any]:
         """What speculative decoding did so far (``Engine.stats()["speculation"]``)."""
         cfg = self.speculation
-        return {"enabled": cfg.enabled, "max_draft": cfg.max_draft, "verify_cost": cfg.verify_cost,
+        return {"enabled": cfg.enabled and self.speculation_unsupported is None,
+                "unsupported": self.speculation_unsupported, "max_draft": cfg.max_draft, "verify_cost": cfg.verify_cost,
                 **self.spec_stats.snapshot()}
 
     def snapshot(self) -> dict[str, Any]:

@@ -142,6 +142,16 @@ class SpeculationConfig:
                           f"got {value!r:.60}")
 
 
+def unsupported(spec: object) -> str | None:
+    """Why a model cannot verify drafts as one row (its forward of k + 1 tokens is not k + 1 single-token steps),
+    or None. ``spec``: a ``ModelSpec``."""
+    for layer in getattr(spec, "layers", ()):
+        moe = getattr(layer, "moe", None)
+        if moe is not None and moe.kind == "product_key":
+            return "product-key MoE (Doge): its router's reference views the logits across a row's tokens"
+    return None
+
+
 def expected_tokens(accept: float, k: int) -> float:
     """Tokens a step yields with ``k`` draft tokens when each is accepted with probability ``accept`` (in order)."""
     if accept >= 1.0:
