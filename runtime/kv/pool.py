@@ -27,7 +27,9 @@ DEFAULT_CPU_KV_DTYPE = torch.float16
 """What ``auto`` stores on the CPU for an fp32 model. fp16 over bf16: 3 more mantissa bits (logits ~10x closer to an
 fp32 cache on the oracle checkpoints: tests/runtime/kv/test_kv16.py) and F16C widens it faster than bf16's shift;
 its range (±65504, writes saturate) holds keys and values of the models we run. Over fp32: half the KV memory and
-bytes read per decode step; measured on an AVX2 EPYC, the decode kernel is 1.15-1.45x faster at 1k-8k keys.
+bytes read per decode step; measured on a loaded 2-vCPU AVX2 EPYC (one pool thread): the decode kernel 1.1-1.4x
+faster at 1k-8k keys (32/4 heads of 128), decode of a 24-layer synthetic MoE at q4 after 4,096 tokens 1.33x
+(``evals/perf/bench_kv_dtype.py``).
 ``$FREETOKEN_KV_DTYPE`` (auto/fp32/bf16/fp16) overrides what ``auto`` means (the test suite pins fp32: its oracle
 comparisons are at fp32 precision)."""
 KV_DTYPE_ENV = "FREETOKEN_KV_DTYPE"
