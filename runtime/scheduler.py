@@ -64,6 +64,7 @@ from freetoken_agent.runtime.generation.speculative import (
     PhaseAcceptance,
     SpeculationConfig,
     SpeculationStats,
+    StepCost,
     unsupported,
 )
 from freetoken_agent.runtime.kv.pool import OutOfPages
@@ -362,6 +363,8 @@ class Scheduler:
         step)."""
         self.spec_stats = SpeculationStats()
         self._phase_acceptance = PhaseAcceptance(self.speculation)
+        self.step_cost = StepCost()
+        """Decode steps' seconds against their tokens: what a draft token costs on this machine and model."""
         self._rope_limit = _rope_limit(runner)
         decoder = getattr(runner, "decoder", None)
         self.speculation_unsupported = unsupported(decoder.spec) if decoder is not None else None
@@ -526,6 +529,8 @@ class Scheduler:
             if seq.id in decode:
                 generated += seq.generated - before
         self._step_drafts.clear()
+        if not prefill:  # a decode step's seconds against its tokens (rows and drafts)
+            self.step_cost.observe(sum(int(r.tokens.shape[0]) for r in rows), seconds)
         if self.on_step is not None:
             self.on_step(self, seconds, prefill, generated)
         return True
@@ -610,7 +615,7 @@ class Scheduler:
             if limit <= 0:
                 continue
             if seq.spec is None or seq.spec.config is not config:
-                seq.spec = DraftPolicy(config, self._phase_acceptance)
+                seq.spec = DraftPolicy(config, self._phase_acceptance, cost=self.step_cost)
             draft = list(seq.spec.draft(seq.tokens, self._phase(seq), limit))[:limit]
             bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # a drafter's token outside the vocabulary: the draft ends before it
@@ -891,7 +896,8 @@ class Scheduler:
         """What speculative decoding did so far (``Engine.stats()["speculation"]``)."""
         cfg = self.speculation
         return {"enabled": cfg.enabled and self.speculation_unsupported is None,
-                "unsupported": self.speculation_unsupported, "max_draft": cfg.max_draft, "verify_cost": cfg.verify_cost,
+                "unsupported": self.speculation_unsupported, "max_draft": cfg.max_draft,
+                "verify_cost": cfg.verify_cost if cfg.verify_cost is not None else round(self.step_cost.estimate(), 4),
                 **self.spec_stats.snapshot()}
 
     def snapshot(self) -> dict[str, Any]:

@@ -11,8 +11,9 @@ rule when sampled), so the output is distributed exactly as without speculation.
 How many tokens to draft is decided per sequence and step by ``DraftPolicy``: the acceptance of a draft token is
 modelled as a coin with probability a (drafts of k tokens then give 1 + a + ... + a^k tokens per step), estimated
 from the sequence's own recent verifications, pulled toward the acceptance measured in its phase (``code`` turns
-copy more than ``plan`` turns); a verified row of k + 1 tokens is priced at 1 + ``verify_cost`` · k decode rows
-(measured: ``evals/perf/bench_speculative.py``). The policy picks the k with the most tokens per unit of cost, and
+copy more than ``plan`` turns); a verified row of k + 1 tokens is priced at 1 + ``verify_cost`` · k decode steps,
+``verify_cost`` measured while decoding (``StepCost``: step seconds fitted against step tokens; on a q4 MoE a draft
+token costs ~0.2 of a step, on the built-in model ~0.1: ``evals/perf/bench_speculative.py``). The policy picks the k with the most tokens per unit of cost, and
 k = 0 — plain decode, nothing drafted, nothing verified — when no draft pays. A sequence that stops speculating
 forgets its failures slowly (``idle_decay`` per step), so it tries again later.
 
@@ -101,10 +102,13 @@ class SpeculationConfig:
     """The engine's speculation settings (``Engine.from_pretrained(speculate=...)``, ``engine.speculation``)."""
 
     enabled: bool = True
-    max_draft: int = 8
-    """Draft tokens per step at most (k_max)."""
-    verify_cost: float = 0.1
-    """Cost of each verified draft row beyond the first, in decode rows (1 + verify_cost · k for a row of k + 1)."""
+    max_draft: int = 7
+    """Draft tokens per step at most (k_max). 7: a row of 8 tokens, the most the CPU kernels' GEMV path takes at
+    once (``GEMV_MAX_M``); a ninth token moves a step onto the GEMM path (measured: 1.8x → 3.0x a 1-token step on a
+    q4 MoE, ``evals/perf/bench_speculative.py``)."""
+    verify_cost: float | None = None
+    """Cost of each draft token of a row, in 1-token decode steps (1 + verify_cost · k for a row of k + 1); None:
+    measured on this machine and model while decoding (``StepCost``), 0.1 until enough steps were seen."""
     key: int = 2
     """Tokens of the n-gram looked up in the context."""
     prior: float = 0.35
@@ -122,7 +126,7 @@ class SpeculationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or not 0 <= self.max_draft <= 64:
             raise OptionError(f"max_draft must be an integer in 0..64, got {self.max_draft!r}")
-        if not 0 <= self.verify_cost:
+        if self.verify_cost is not None and not 0 <= self.verify_cost:
             raise OptionError(f"verify_cost must be ≥ 0, got {self.verify_cost!r}")
         for name in ("prior", "decay", "idle_decay"):
             if not 0 <= getattr(self, name) <= 1:
@@ -169,6 +173,31 @@ def best_draft_length(accept: float, max_draft: int, verify_cost: float) -> int:
     return best_k
 
 
+class StepCost:
+    """The measured cost of a draft token: a decode step's seconds fitted as a + b · T over its T tokens
+    (least squares over exponentially decayed sums), so a row of k + 1 costs 1 + k · b / (a + b) one-token steps."""
+
+    def __init__(self, decay: float = 0.98, default: float = 0.1) -> None:
+        self.decay, self.default = decay, default
+        self._sums = [0.0] * 5  # n, Σt, Σs, Σt², Σts
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            self._sums[i] = self._sums[i] * d + v
+
+    def estimate(self) -> float:
+        n, st, ss, stt, sts = self._sums
+        var = n * stt - st * st
+        if n < 8 or var <= 1e-9 * max(n * stt, 1.0):  # too few steps, or all of one size: nothing to fit
+            return self.default
+        b = (n * sts - st * ss) / var
+        a = (ss - b * st) / n
+        if a + b <= 0:
+            return self.default
+        return min(max(b / (a + b), 0.03), 4.0)  # a floor: timing noise never makes drafts look free
+
+
 class PhaseAcceptance:
     """Acceptance per phase across all sequences (decayed counts), the prior of each sequence's own estimate."""
 
@@ -191,8 +220,10 @@ class PhaseAcceptance:
 class DraftPolicy:
     """One sequence's drafter and its running acceptance (see the module docstring)."""
 
-    def __init__(self, config: SpeculationConfig, phases: PhaseAcceptance, drafter: Drafter | None = None) -> None:
+    def __init__(self, config: SpeculationConfig, phases: PhaseAcceptance, drafter: Drafter | None = None,
+                 cost: StepCost | None = None) -> None:
         self.config, self.phases = config, phases
+        self.cost = cost if cost is not None else StepCost()
         if drafter is None:
             drafter = config.drafter() if config.drafter is not None else PromptLookup(config.key)
         self.drafter: Drafter = drafter
@@ -207,7 +238,8 @@ class DraftPolicy:
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
-        k = min(limit, best_draft_length(self.acceptance(phase), self.config.max_draft, self.config.verify_cost))
+        cost = self.config.verify_cost if self.config.verify_cost is not None else self.cost.estimate()
+        k = min(limit, best_draft_length(self.acceptance(phase), self.config.max_draft, cost))
         if k <= 0:
             d = self.config.idle_decay
             self.accepted, self.rejected = self.accepted * d, self.rejected * d

@@ -20,6 +20,7 @@ from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams
 from freetoken_agent.runtime.generation.speculative import (
     PromptLookup,
     SpeculationConfig,
+    StepCost,
     best_draft_length,
     expected_tokens,
 )
@@ -248,7 +249,8 @@ def test_rolled_back_pages_return_to_the_pool(tmp_path: Path) -> None:
 
 def test_a_sequence_that_never_accepts_stops_drafting(tmp_path: Path) -> None:
     save_checkpoint("qwen3_moe", tmp_path)
-    engine = Engine.from_pretrained(tmp_path, speculate=SpeculationConfig(drafter=lambda: Wrong()))
+    # the cost pinned at its default: the measured one follows this machine's load, which the test does not control
+    engine = Engine.from_pretrained(tmp_path, speculate=SpeculationConfig(verify_cost=0.1, drafter=lambda: Wrong()))
 
     class Wrong:  # a draft the greedy model never picks: the token it just produced (a random model rarely repeats)
         def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -295,3 +297,15 @@ def test_prompt_lookup_and_draft_length() -> None:
     assert best_draft_length(0.0, 8, 0.1) == 0  # nothing is ever accepted: plain decode
     assert best_draft_length(0.95, 8, 0.1) == 8
     assert 0 < best_draft_length(0.5, 8, 0.1) < 8
+
+
+def test_step_cost_is_fitted_from_decode_steps() -> None:
+    cost = StepCost()
+    assert cost.estimate() == cost.default  # nothing seen yet
+    for t in [1, 2, 5, 1, 8, 3, 1, 4, 6, 1, 2, 7]:
+        cost.observe(t, 0.010 + 0.002 * t)  # a = 10 ms, b = 2 ms per token
+    assert abs(cost.estimate() - 0.002 / 0.012) < 1e-6
+    flat = StepCost()
+    for _ in range(20):
+        flat.observe(1, 0.01)  # one size only: nothing to fit
+    assert flat.estimate() == flat.default
