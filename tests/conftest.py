@@ -12,8 +12,3 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# The engine's default KV cache on the CPU is fp16 (runtime/kv/pool.py); the suite's oracle comparisons (logits
-# within 1e-4 of transformers, exact greedy decodes) are fp32 properties, so ``auto`` means fp32 here. 16-bit
-# caches are tested by passing ``kv_dtype`` explicitly (tests/runtime/kv/test_kv16.py, kernels/test_attn_kv16.py).
-os.environ.setdefault("FREETOKEN_KV_DTYPE", "fp32")

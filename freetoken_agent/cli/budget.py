@@ -18,8 +18,8 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                         "~2.5x faster decode on CPU, slightly less accurate)")
     g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="KV cache storage: 16 bits hold twice the context in the same memory and decode attention "
-                        "reads them as is (auto: fp16 on the CPU for an fp32 model, else the model's dtype; "
-                        "$FREETOKEN_KV_DTYPE overrides it)")
+                        "reads them as is; fp16 is ~1.3x faster decode after a 4k prompt, logits within ~2e-2 of fp32 "
+                        "(auto: the model's dtype; $FREETOKEN_KV_DTYPE overrides it)")
     g.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="hard limit on accelerator memory, e.g. 8GB (experts beyond it live in host slots)")
     g.add_argument("--host-memory", default=None, metavar="SIZE",

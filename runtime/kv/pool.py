@@ -23,15 +23,17 @@ KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16"
 """``kv_dtype`` option values → the pool's storage type (None: the model's compute dtype, as written)."""
 _KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
-DEFAULT_CPU_KV_DTYPE = torch.float16
-"""What ``auto`` stores on the CPU for an fp32 model. fp16 over bf16: 3 more mantissa bits (logits ~10x closer to an
-fp32 cache on the oracle checkpoints: tests/runtime/kv/test_kv16.py) and F16C widens it faster than bf16's shift;
-its range (±65504, writes saturate) holds keys and values of the models we run. Over fp32: half the KV memory and
-bytes read per decode step; measured on a loaded 2-vCPU AVX2 EPYC (one pool thread): the decode kernel 1.1-1.4x
-faster at 1k-8k keys (32/4 heads of 128), decode of a 24-layer synthetic MoE at q4 after 4,096 tokens 1.33x
-(``evals/perf/bench_kv_dtype.py``).
-``$FREETOKEN_KV_DTYPE`` (auto/fp32/bf16/fp16) overrides what ``auto`` means (the test suite pins fp32: its oracle
-comparisons are at fp32 precision)."""
+DEFAULT_KV_DTYPE: torch.dtype | None = None
+"""What ``auto`` stores: the model's compute dtype (None). 16 bits are opt-in (``--kv-dtype fp16``): half the KV memory
+and bytes read per decode step (measured on a loaded 2-vCPU AVX2 EPYC, one pool thread: the decode kernel 1.1-1.4x
+faster at 1k-8k keys with 32/4 heads of 128; decode of a 24-layer synthetic MoE at q4 after 4,096 tokens 1.33x,
+``evals/perf/bench_kv_dtype.py``), and fp16 is the 16-bit type to pick (3 more mantissa bits than bf16: logits ~10x
+closer to an fp32 cache on the oracle checkpoints, tests/runtime/kv/test_kv16.py; F16C widens it faster). It is not
+the default because an fp32 model then no longer matches transformers to 1e-4, and a prefix reused from the cache
+matches one computed again only to ~1e-3 in the logits (the rounding to 16 bits turns last-bit differences of
+chunked prefill into visible steps), where an fp32 cache keeps them within 1e-4: reproducible greedy output across
+cache hits is worth more by default than the long-context speed-up.
+``$FREETOKEN_KV_DTYPE`` (auto/fp32/bf16/fp16) overrides what ``auto`` means."""
 KV_DTYPE_ENV = "FREETOKEN_KV_DTYPE"
 
 
@@ -51,8 +53,7 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, device: torch.device | 
                      compute_dtype: torch.dtype) -> torch.dtype | None:
     """The storage dtype for a ``kv_dtype`` option (``auto``/``fp32``/``bf16``/``fp16``; torch dtypes too); None
     means "as written" (the compute dtype). ``auto``: ``$FREETOKEN_KV_DTYPE`` when set, else
-    ``DEFAULT_CPU_KV_DTYPE`` for an fp32 model on the CPU, else the compute dtype. Raises ``OptionError`` for
-    anything else."""
+    ``DEFAULT_KV_DTYPE`` (the compute dtype). Raises ``OptionError`` for anything else."""
     import os
 
     name = _parse_kv_dtype(kv_dtype)
@@ -64,9 +65,7 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, device: torch.device | 
             except OptionError as exc:
                 raise OptionError(f"${KV_DTYPE_ENV}: {exc}") from None
     if name == "auto":
-        if torch.device(device).type == "cpu" and compute_dtype == torch.float32:
-            return DEFAULT_CPU_KV_DTYPE
-        return None
+        return DEFAULT_KV_DTYPE
     return KV_DTYPES[name]
 
 

@@ -155,9 +155,9 @@ def test_hybrid_model_keeps_recurrent_states_in_fp32(tmp_path: Path) -> None:
 
 
 def test_kv_dtype_option_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FREETOKEN_KV_DTYPE", raising=False)  # the suite pins ``auto`` to fp32 (tests/conftest.py)
-    assert resolve_kv_dtype("auto", "cpu", torch.float32) == torch.float16  # the CPU default for an fp32 model
-    assert resolve_kv_dtype("auto", "meta", torch.float32) is None  # other devices: the compute dtype
+    monkeypatch.delenv("FREETOKEN_KV_DTYPE", raising=False)
+    assert resolve_kv_dtype("auto", "cpu", torch.float32) is None  # the default: the compute dtype (fp32 here)
+    assert resolve_kv_dtype("auto", "meta", torch.float32) is None
     monkeypatch.setenv("FREETOKEN_KV_DTYPE", "bf16")
     assert resolve_kv_dtype("auto", "cpu", torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("fp32", "cpu", torch.float32) == torch.float32  # an explicit choice wins
