@@ -178,7 +178,8 @@ def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -
     """Where the engine's time went during a replay, from its counters before and after (``/stats``).
 
     ``decode_tok_s`` is the aggregate decode throughput proper: tokens of decode-only steps (every running sequence
-    adds one token) over those steps' seconds, with ``rows`` the mean sequences per such step. Steps that prefill
+    adds one token, or more with speculative decoding) over those steps' seconds, with ``rows`` the mean tokens per
+    such step. Steps that prefill
     (a chunk of a new prompt, maybe with decode rows beside it) count as ``prefill_s``; ``idle_s`` is the wall time
     the engine had nothing to run (every session in a tool pause or between requests).
     """
@@ -240,7 +241,7 @@ def engine_table(rows: list[dict[str, Any]]) -> Any:
         return "-" if v is None else format(v, fmt)
 
     t = Table(title="engine time during the replay (ours, from /stats): decode-only steps vs steps that prefill")
-    for col in ("N", "decode tok/s", "vs N=1", "rows/decode step", "prefill tok/s", "prompt tokens", "prefill s",
+    for col in ("N", "decode tok/s", "vs N=1", "tokens/decode step", "prefill tok/s", "prompt tokens", "prefill s",
                 "decode s", "idle s", "prefill share of busy", "tok/s vs N=1 bound"):
         t.add_column(col, justify="right")
     for r in sorted((r for r in rows if r.get("engine")), key=lambda r: r["n"]):
