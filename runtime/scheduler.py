@@ -374,6 +374,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._inbox: list[Sequence] = []
+        self._live: dict[int, Sequence] = {}
+        """Every sequence submitted and not yet finished or failed, by id (under ``_wake``): what ``phase_mix`` reads,
+        since a sequence moving from ``waiting`` to ``running`` on the engine thread is briefly in neither."""
         self._cancels: list[RequestHandle] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -409,6 +412,7 @@ class Scheduler:
                            Sampler(p) if request.kind == "generate" else None, stops, StopChecker(p.stop), text,
                            self.stats.steps, prompt_len=len(prompt))
             self._inbox.append(seq)
+            self._live[seq.id] = seq
             self._start()
             self._wake.notify_all()
         return handle
@@ -843,6 +847,8 @@ class Scheduler:
             torch.cat(seq.logits) if seq.logits else None,
         )
         self.stats.finished += 1
+        with self._wake:
+            self._live.pop(seq.id, None)
         seq.handle._finish(result)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
@@ -853,6 +859,8 @@ class Scheduler:
         self._busy_sessions.discard(seq.session.id if seq.session is not None else -1)
         if not isinstance(exc, RequestCancelled):
             self.stats.failed += 1
+        with self._wake:
+            self._live.pop(seq.id, None)
         seq.handle._finish(None, exc)
 
     def _release(self, seq: Sequence, publish: bool) -> None:
@@ -883,8 +891,8 @@ class Scheduler:
         ``exclude`` and those whose session never announced one (a server's plain requests)."""
         mix: dict[str, int] = {}
         with self._wake:
-            queued = list(self._inbox)
-        for seq in [*self.running, *self.waiting, *queued]:
+            live = list(self._live.values())
+        for seq in live:
             if exclude is not None and seq.session is exclude:
                 continue
             phase = seq.request.phase or (seq.session.phase if seq.session is not None else None)

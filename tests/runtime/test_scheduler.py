@@ -13,32 +13,11 @@ import torch
 
 from freetoken_agent.runtime.engine import ContextLengthError, Engine, Request, RequestCancelled
 from freetoken_agent.runtime.generation.sampling import SamplingParams
-from freetoken_agent.runtime.kernels import ops
 from freetoken_agent.runtime.kv import KVConfig
 
 pytest.importorskip("transformers")
 from tests.runtime.arch_configs import save_checkpoint  # noqa: E402
-
-FAMILIES = ["qwen3_moe", "deepseek_v3", "qwen3_next"]  # GQA, MLA, hybrid (Gated DeltaNet + attention)
-
-
-@pytest.fixture(autouse=True)
-def batch_invariant():
-    """Bit-level equality across batch shapes needs the batch-invariant kernels (``--deterministic``)."""
-    before = ops.deterministic()
-    ops.set_deterministic(True)
-    yield
-    ops.set_deterministic(before)
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    folder = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(request.param, folder)
-    eng = Engine.from_pretrained(folder)
-    eng.kv_manager(KVConfig(page_size=4, device_pages=1024))
-    yield eng
-    eng.close()
+from tests.runtime.batched_engines import batch_invariant, engine  # noqa: E402,F401 (fixtures)
 
 
 def prompts(n: int, seed: int, vocab: int = 512, lo: int = 3, hi: int = 40) -> list[list[int]]:
