@@ -140,10 +140,15 @@ class KVManager:
         paid = e.reservation.nbytes // e.bytes_per_page - self.pool.active
         if paid <= 0:
             ledger = e.reservation.budget
-            if "experts" not in ledger.reservations:
+            need = e.grow_pages * e.bytes_per_page
+            if ledger.limit is None:  # an unlimited tier: grow, no expert pays (under a limit the expert pool
+                # holds what the KV does not, and pays for every KV page)
+                e.reservation.grow(need)
+                e.grown_bytes += need
+            elif "experts" in ledger.reservations:
+                e.grown_bytes += ledger.move("experts", e.reservation.name, need)
+            else:
                 return False
-            moved = ledger.move("experts", e.reservation.name, e.grow_pages * e.bytes_per_page)
-            e.grown_bytes += moved
             paid = e.reservation.nbytes // e.bytes_per_page - self.pool.active
         return self.pool.grow(max(paid, 0)) > 0
 

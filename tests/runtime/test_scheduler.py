@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +174,16 @@ def test_cancel_frees_pages_and_idle_tool_sessions_yield_first(tmp_path: Path) -
     engine.close()
 
 
+def outcome(handle: Any) -> str:
+    """What became of a request (for assertion messages): running, or its finish reason or error."""
+    if not handle.done:
+        return "running"
+    try:
+        return handle.result().finish_reason
+    except Exception as exc:  # noqa: BLE001 - reported, not handled
+        return f"{type(exc).__name__}: {exc}"
+
+
 def test_residency_follows_the_phases_of_the_batch(tmp_path: Path) -> None:
     from freetoken_agent.runtime.experts.setup import ResidencyConfig
     from freetoken_agent.runtime.memory import Budget
@@ -190,7 +201,8 @@ def test_residency_follows_the_phases_of_the_batch(tmp_path: Path) -> None:
         handles.append(s.submit(Request(p, greedy(4000))))
     assert policy.phase == "code"
     planner.hint("plan")  # one planner against two coders in flight: residency stays with the batch
-    assert policy.phase == "code" and planner.phase == "plan"
+    assert policy.phase == "code" and planner.phase == "plan", (
+        [outcome(h) for h in handles], engine.scheduler.phase_mix(), engine.stats()["scheduler"])
     planner.hint("tool")  # an agent waiting on a tool runs nothing: no switch either
     assert policy.phase == "code"
     for h in handles:

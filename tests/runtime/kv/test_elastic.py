@@ -56,3 +56,22 @@ def test_long_session_on_a_fixed_budget(tmp_path: Path, monkeypatch: pytest.Monk
     assert ledger.peak <= limit
     assert engine.generate(conv, max_new_tokens=4, stop_token_ids=[]).token_ids == \
         reference.generate(conv, max_new_tokens=4, stop_token_ids=[]).token_ids
+
+
+def test_an_unlimited_budget_never_caps_the_kv_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no limit on the tier, the elastic pool grows without taking bytes from the experts' reservation: a
+    context far larger than the expert pool runs (it was refused as "KV pool is full" once the experts' bytes were
+    all moved over, so a long request's fate depended on how many expert slots the store had chosen)."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
+    save_checkpoint("qwen3_moe", tmp_path / "m", seed=3, max_position_embeddings=4096)
+    engine = Engine.from_pretrained(tmp_path / "m", budget=Budget(), residency=ResidencyConfig(policy="lru"))
+    manager = engine.kv_manager()
+    ledger = engine.residency.ledgers["host"]
+    experts_before = ledger.reservations["experts"].nbytes
+    prompt = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    n = 3000
+    out = engine.generate(prompt, max_new_tokens=n, stop_token_ids=[])
+    assert len(out.token_ids) == n
+    assert manager.pool.active * manager.elastic.bytes_per_page > experts_before  # more KV than the experts held
+    assert ledger.reservations["experts"].nbytes == experts_before  # and none of it taken from them
+    engine.close()
