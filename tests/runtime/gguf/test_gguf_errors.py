@@ -70,26 +70,26 @@ def test_wrong_magic(tmp_path: Path) -> None:
         Engine.from_pretrained(bad)
 
 
-def test_unknown_tensor_type(good: Path, tmp_path: Path) -> None:
+def with_tensor_type(good: Path, out: Path, tensor: str, type_id: int) -> Path:
+    """A copy of ``good`` whose ``tensor`` says it is of ggml type ``type_id`` (its data unchanged)."""
     data = bytearray(good.read_bytes())
-    name = b"token_embd.weight"
+    name = tensor.encode()
     at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
     (n_dims,) = struct.unpack_from("<I", data, at)
-    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 250)  # no ggml type has this id
-    bad = tmp_path / "type.gguf"
-    bad.write_bytes(bytes(data))
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_id)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_unknown_tensor_type(good: Path, tmp_path: Path) -> None:
+    bad = with_tensor_type(good, tmp_path / "type.gguf", "token_embd.weight", 250)  # no ggml type has this id
     with pytest.raises(GGUFTensorTypeError, match="unknown ggml type"):
         Engine.from_pretrained(bad)
 
 
 def test_unsupported_tensor_type(good: Path, tmp_path: Path) -> None:
-    data = bytearray(good.read_bytes())
-    name = b"blk.0.ffn_gate_inp.weight"
-    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
-    (n_dims,) = struct.unpack_from("<I", data, at)
-    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 26)  # I32: a valid type, not a weight type (same size)
-    bad = tmp_path / "i32.gguf"
-    bad.write_bytes(bytes(data))
+    # I32: a valid type, not a weight type (same size)
+    bad = with_tensor_type(good, tmp_path / "i32.gguf", "blk.0.ffn_gate_inp.weight", 26)
     with pytest.raises(GGUFTensorTypeError, match="blk.0.ffn_gate_inp.weight has ggml type I32"):
         Engine.from_pretrained(bad)
 
