@@ -160,18 +160,12 @@ class _DenseOnly(TensorLoader):
         return TorchExperts(m, empty, empty)
 
 
-def _quantizer() -> Any:
-    from freetoken_agent.runtime.kernels import build, ops
-    from freetoken_agent.runtime.quant.blocks import quantize
-
-    return ops.quantize if build.load() is not None else quantize
-
-
 def _requantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` fp32 → (blocks ``[N, nb, P]``, their dequantized values)."""
+    from freetoken_agent.runtime.kernels.ops import quantize_blocks
     from freetoken_agent.runtime.quant.blocks import dequantize as dequantize_blocks
 
-    q = _quantizer()(w, fmt)
+    q = quantize_blocks(w, fmt)
     return q.blocks, dequantize_blocks(q)
 
 

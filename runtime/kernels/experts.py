@@ -172,7 +172,7 @@ class QuantizedExperts:
         p = BLOCK_BYTES[canonical_format(fmt)]
         # a few experts at a time: the quantizer's temporaries stay a few times one chunk, not the whole layer
         step = max(1, (64 << 20) // max(1, two_i * d * 4))
-        quant = ops.quantize if build.load() is not None else quantize  # the C twin is ~10x faster
+        quant = ops.quantize_blocks
         q13 = torch.cat([quant(gate_up[a : a + step].reshape(-1, d), fmt).blocks for a in range(0, e, step)])
         q2 = torch.cat([quant(down[a : a + step].reshape(-1, i), fmt).blocks for a in range(0, e, step)])
         return cls.from_blocks(q13.reshape(e, two_i, -1, p), q2.reshape(e, d, -1, p), fmt, d, i, use_kernels)

@@ -383,6 +383,16 @@ def quantize(w: torch.Tensor, fmt: str, refine: bool = True) -> BlockQuantized:
     return BlockQuantized(fmt, (n, k), out)
 
 
+def quantize_blocks(w: torch.Tensor, fmt: str) -> BlockQuantized:
+    """GGUF blocks of ``w [N, K]`` by the C quantizer when the kernels load (~10x faster), else by the plain-torch
+    one (``runtime.quant.quantize``: the same rules, the same bytes)."""
+    if build.load() is not None:
+        return quantize(w, fmt)
+    from ..quant.blocks import quantize as torch_quantize
+
+    return torch_quantize(w, fmt)
+
+
 def read_bandwidth_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
     """Streaming read bandwidth with the kernels' current thread count (GB/s, best of ``reps``)."""
     buf = torch.ones(nbytes, dtype=torch.uint8)
