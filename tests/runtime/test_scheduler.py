@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,24 @@ def prompts(n: int, seed: int, vocab: int = 512, lo: int = 3, hi: int = 40) -> l
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, stop_token_ids=())
+
+
+class Slow:
+    """A logits processor that takes 10 ms per pick: n tokens take at least n × 10 ms however fast the machine decodes
+    (and speculation accepts), so requests of that length stay in flight while a test looks at them. (It cannot block
+    outright: a step holds the engine's lock, which hints take.)"""
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.01)
+        return logits
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+def slow(n: int) -> SamplingParams:
+    """Greedy ``n`` tokens that stay in flight for at least n × 10 ms (see ``Slow``)."""
+    return SamplingParams(max_new_tokens=n, stop_token_ids=(), processor=Slow())
 
 
 def test_concurrent_requests_match_alone(engine: Engine) -> None:
@@ -154,7 +173,7 @@ def test_cancel_frees_pages_and_idle_tool_sessions_yield_first(tmp_path: Path) -
     save_checkpoint("qwen3_moe", tmp_path)
     engine = Engine.from_pretrained(tmp_path)
     manager = engine.kv_manager(KVConfig(page_size=4, device_pages=40))
-    h = engine.submit(Request(prompts(1, seed=11)[0], greedy(400)))
+    h = engine.submit(Request(prompts(1, seed=11)[0], slow(400)))
     for _, _ in zip(range(3), h):
         pass
     h.cancel()
@@ -198,7 +217,7 @@ def test_residency_follows_the_phases_of_the_batch(tmp_path: Path) -> None:
     handles = []
     for s, p in zip(coders, prompts(2, seed=15)):
         s.hint("code")
-        handles.append(s.submit(Request(p, greedy(4000))))
+        handles.append(s.submit(Request(p, slow(4000))))
     assert policy.phase == "code"
     planner.hint("plan")  # one planner against two coders in flight: residency stays with the batch
     assert policy.phase == "code" and planner.phase == "plan", (
