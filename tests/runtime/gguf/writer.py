@@ -152,7 +152,7 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
 
 
 def add_tokenizer(w: Any, folder: Path) -> None:
-    """A byte-level BPE ``tokenizer.json`` as llama.cpp's ``_set_vocab_gpt2`` writes it (pre type ``gpt2``: the
+    """A byte-level BPE ``tokenizer.json`` as llama.cpp's ``_set_vocab_gpt2`` writes it (pre type ``gpt-2``: the
     plain GPT-2 split)."""
     tj = json.loads((folder / "tokenizer.json").read_text())
     vocab: dict[str, int] = dict(tj["model"]["vocab"])
@@ -167,7 +167,7 @@ def add_tokenizer(w: Any, folder: Path) -> None:
         types[i] = (3 if added[tok].get("special") else 4) if tok in added else 1
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
