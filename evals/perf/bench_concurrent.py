@@ -13,6 +13,7 @@ token ids that same tokenizer produced (its GGUF vocabulary is a filler list of 
 Ours stops at its end-of-sequence token; tok/s counts the tokens each server reports.
 
     python -m freetoken_agent.evals.perf.bench_concurrent build-peer          # llama-server, 15-40 min
+    python -m freetoken_agent.evals.perf.bench_concurrent build-peer --python # + tools, llama-cpp-python on it
     python -m freetoken_agent.evals.perf.bench_concurrent prepare             # the 7.5B model + GGUF, once
     python -m freetoken_agent.evals.perf.bench_concurrent show REPORT.json      # the table of a --json run
     python -m freetoken_agent.evals.perf.bench_concurrent run [--n 1,2,4,8] [--servers ours,llama.cpp]
@@ -342,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--cache", default=str(llama_server.DEFAULT_CACHE))
     b.add_argument("--version", default=llama_server.DEFAULT_VERSION, help="llama-cpp-python sdist version")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    b.add_argument("--python", action="store_true",
+                   help="also llama-quantize, llama-bench and llama-cpp-python bound to this build (see llama_server)")
     p = sub.add_parser("prepare", help="write the 7.5B checkpoint, its GGUF and our expert cache file")
     sh = sub.add_parser("show", help="print the table of a saved --json report (or DIR/last-run.json)")
     sh.add_argument("report", type=Path)
@@ -371,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "build-peer":
         print(llama_server.build_peer(Path(args.cache), args.version, args.jobs))
+        if args.python:
+            print(llama_server.install_binding(Path(args.cache), args.version, args.jobs))
         return 0
     if args.cmd == "show":
         try:

@@ -6,7 +6,9 @@ target with CMake (Release, ``GGML_NATIVE``, no curl, no OpenSSL, no web UI down
 
     python -m freetoken_agent.evals.perf.bench_concurrent build-peer [--cache DIR] [--version 0.3.36] [--jobs 2]
 
-Takes 15-40 minutes on two cores; a finished build is reused. ``find_peer`` returns the binary or None with the
+Takes 15-40 minutes on two cores; a finished build is reused. ``--python`` also builds ``llama-quantize`` and
+``llama-bench`` and installs ``llama-cpp-python`` (the same sdist) bound to this build's shared libraries instead of
+compiling llama.cpp a second time (``install_binding``: under a minute), which the GGUF comparisons and ``suite`` use. ``find_peer`` returns the binary or None with the
 reason in ``why_missing`` (``$FREETOKEN_LLAMA_SERVER`` names a binary of your own).
 """
 
@@ -106,3 +108,32 @@ def build_peer(cache: Path = DEFAULT_CACHE, version: str = DEFAULT_VERSION, jobs
     if not binary.is_file():
         raise RuntimeError(f"the build finished without {binary}; see {log}")
     return binary
+
+
+TOOLS = ("llama-quantize", "llama-bench")
+
+
+def install_binding(cache: Path = DEFAULT_CACHE, version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
+    """Build ``TOOLS`` beside the server and install ``llama-cpp-python`` ``version`` without its own copy of
+    llama.cpp (``-DLLAMA_BUILD=OFF``), its ``lib/`` filled with this build's shared libraries; returns that folder."""
+    import importlib.util
+
+    build_peer(cache, version, jobs)
+    log = cache / "build-peer.log"
+    _run(["cmake", "--build", str(cache / "build"), "--target", *TOOLS, f"-j{jobs}"], log)
+    sdist = cache / f"llama_cpp_python-{version}.tar.gz"
+    env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF"}
+    _run([sys.executable, "-m", "pip", "install", str(sdist)], log, env)
+    spec = importlib.util.find_spec("llama_cpp")  # not imported: without its libraries the import raises
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"pip installed llama-cpp-python but it is not importable here; see {log}")
+    lib = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    lib.mkdir(exist_ok=True)
+    libs = sorted((cache / "build" / "bin").glob("lib*.so*"))
+    if not any(p.name.startswith("libllama.so") for p in libs):
+        raise RuntimeError(f"no libllama.so in {cache / 'build' / 'bin'} (a static build?); see {log}")
+    for so in libs:
+        target = lib / so.name
+        target.unlink(missing_ok=True)
+        shutil.copy2(so, target, follow_symlinks=False)
+    return lib
