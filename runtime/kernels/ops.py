@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,53 @@ def _lib() -> ctypes.CDLL:
         raise FreeTokenError(f"the CPU kernels are unavailable ({build.status().reason})")
     _loaded.append(lib)
     return lib
+
+
+class KernelClock:
+    """Seconds and calls spent inside the C kernels, per entry point (``timed_kernels``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+class _TimedLibrary:
+    """Stands in for the loaded library while ``timed_kernels`` runs: every ``ft_*`` call is timed."""
+
+    def __init__(self, lib: ctypes.CDLL, clock: KernelClock) -> None:
+        self._lib_, self._clock = lib, clock
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self._lib_, name)
+        seconds, calls, now = self._clock.seconds, self._clock.calls, time.perf_counter
+
+        def timed(*args: object) -> object:
+            t0 = now()
+            try:
+                return fn(*args)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + now() - t0
+                calls[name] = calls.get(name, 0) + 1
+
+        self.__dict__[name] = timed  # looked up once per entry point
+        return timed
+
+
+@contextmanager
+def timed_kernels() -> Iterator[KernelClock]:
+    """Time every C kernel call made through this module while the block runs (a profiling switch: outside it
+    calls go straight to the library). Loads the kernels; raises ``FreeTokenError`` where they cannot load."""
+    real = _lib()
+    clock = KernelClock()
+    _loaded[0] = _TimedLibrary(real, clock)  # type: ignore[call-overload]
+    try:
+        yield clock
+    finally:
+        _loaded[0] = real
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
