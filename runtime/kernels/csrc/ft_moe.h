@@ -85,6 +85,41 @@ static void moe_combine_item(void *p, int64_t t) {
     }
 }
 
+/* Scratch of the calling thread, kept between calls (a decode step makes one ft_moe call per layer, and its routing
+ * tables and activations are a few KB): grown when a call needs more, up to FT_MOE_KEEP bytes; a bigger need (a long
+ * prefill) is allocated for that call and freed. Two arenas: the routing tables are sized before the slot count S
+ * is known, the work buffers after. */
+#define FT_MOE_KEEP ((size_t)16 << 20)
+
+typedef struct {
+    uint8_t *buf;
+    size_t cap;
+} moe_arena;
+
+static _Thread_local moe_arena tl_moe_index, tl_moe_work;
+
+static size_t moe_lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* `bytes` of 64-byte aligned scratch; *owned is set when the caller must free it. NULL when out of memory. */
+static uint8_t *moe_scratch(moe_arena *a, size_t bytes, uint8_t **owned) {
+    *owned = NULL;
+    bytes = moe_lines(bytes ? bytes : 64);
+    if (bytes > FT_MOE_KEEP) return *owned = (uint8_t *)aligned_alloc(64, bytes);
+    if (bytes > a->cap) {
+        free(a->buf);
+        a->buf = (uint8_t *)aligned_alloc(64, bytes);
+        a->cap = a->buf ? bytes : 0;
+    }
+    return a->buf;
+}
+
+/* the next `bytes` of a scratch buffer, in whole cache lines (no two buffers share a line workers write) */
+static void *moe_carve(uint8_t **at, size_t bytes) {
+    void *p = *at;
+    *at += moe_lines(bytes);
+    return p;
+}
+
 /* out[T, D] = sum_k wts[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; ids < 0 are skipped.
  * Expert e's repacked gate|up weight [2I, D] starts at w13 + e * w13_stride, its down weight [D, I] at
  * w2 + e * w2_stride. Returns 0, -1 on allocation failure, -2 on an expert id >= E. */
@@ -94,13 +129,18 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     moe_ctx c;
     memset(&c, 0, sizeof c);
     memset(out, 0, sizeof(float) * (size_t)(T * D));
-    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
-    int64_t *g_expert = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
-    int64_t *g_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 2));
-    int64_t *s_token = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T * KT + 1));
-    float *s_weight = (float *)malloc(sizeof(float) * (size_t)(T * KT + 1));
+    const size_t TK = (size_t)(T * KT + 1);
+    uint8_t *own_index = NULL, *own_work = NULL;
+    uint8_t *at = moe_scratch(&tl_moe_index, moe_lines(8 * ((size_t)E + 1)) * 2 + moe_lines(8 * ((size_t)E + 2)) +
+                              moe_lines(8 * TK) + moe_lines(4 * TK), &own_index);
     int rc = 0;
-    if (!count || !g_expert || !g_start || !s_token || !s_weight ) { rc = -1; goto done; }
+    if (!at) return -1;
+    int64_t *count = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
+    int64_t *g_expert = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
+    int64_t *g_start = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 2));
+    int64_t *s_token = (int64_t *)moe_carve(&at, 8 * TK);
+    float *s_weight = (float *)moe_carve(&at, 4 * TK);
+    memset(count, 0, 8 * ((size_t)E + 1));
     for (int64_t i = 0; i < T * KT; i++) {
         if (ids[i] < 0) continue;
         if (ids[i] >= E) { rc = -2; goto done; }
@@ -135,21 +175,33 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     c.nD = (D + TR - 1) / TR * TR;
     c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     c.n_slots = S;
-    c.t_start = (int64_t *)calloc((size_t)T + 1, sizeof(int64_t));
-    c.t_slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S + 1));
-    if (!c.t_start || !c.t_slots) { rc = -1; goto done; }
-    for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
-    for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
     {
-        int64_t *cursor = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1));
-        if (!cursor) { rc = -1; goto done; }
-        memcpy(cursor, c.t_start, sizeof(int64_t) * (size_t)(T + 1));
+        const size_t t1 = 8 * ((size_t)T + 1), s1 = 8 * ((size_t)S + 1);
+        const size_t hq = 4 * (size_t)(S * c.n13), yq = 4 * (size_t)(S * c.nD);
+        const size_t xq = (size_t)(T * c.nbD * QK), xb = 4 * (size_t)(T * c.nbD + 1);
+        const size_t aq = (size_t)(S * c.nbI * QK), ab = 4 * (size_t)(S * c.nbI + 1);
+        uint8_t *w = moe_scratch(&tl_moe_work, 2 * moe_lines(t1) + moe_lines(s1) + moe_lines(hq) + moe_lines(yq) +
+                                 moe_lines(xq) + 2 * moe_lines(xb) + moe_lines(aq) + 2 * moe_lines(ab), &own_work);
+        if (!w) { rc = -1; goto done; }
+        c.t_start = (int64_t *)moe_carve(&w, t1);
+        int64_t *cursor = (int64_t *)moe_carve(&w, t1);
+        c.t_slots = (int64_t *)moe_carve(&w, s1);
+        c.h = (float *)moe_carve(&w, hq);
+        c.y = (float *)moe_carve(&w, yq);
+        c.qx.nb = c.nbD;
+        c.qx.q = (int8_t *)moe_carve(&w, xq);
+        c.qx.d = (float *)moe_carve(&w, xb);
+        c.qx.s = (float *)moe_carve(&w, xb);
+        c.qa.nb = c.nbI;
+        c.qa.q = (int8_t *)moe_carve(&w, aq);
+        c.qa.d = (float *)moe_carve(&w, ab);
+        c.qa.s = (float *)moe_carve(&w, ab);
+        memset(c.t_start, 0, t1);
+        for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
+        for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
+        memcpy(cursor, c.t_start, t1);
         for (int64_t s = 0; s < S; s++) c.t_slots[cursor[s_token[s]]++] = s;
-        free(cursor);
     }
-    c.h = (float *)malloc(sizeof(float) * (size_t)(S * c.n13));
-    c.y = (float *)malloc(sizeof(float) * (size_t)(S * c.nD));
-    if (!c.h || !c.y || !qact_alloc(&c.qx, T, D) || !qact_alloc(&c.qa, S, I)) { rc = -1; goto done; }
     for (int64_t t = 0; t < T; t++)
         quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
     ft_parallel_for(moe_gate_up_item, &c, G * c.chunks13);
@@ -159,8 +211,8 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
     else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
 done:
-    free(c.h); free(c.y); free(c.t_start); free(c.t_slots); qact_free(&c.qx); qact_free(&c.qa);
-    free(count); free(g_expert); free(g_start); free(s_token); free(s_weight);
+    free(own_index);
+    free(own_work);
     return rc;
 }
 
