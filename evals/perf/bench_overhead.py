@@ -73,10 +73,16 @@ def decode(engine: Any, n: int) -> Any:
 
 
 class OpClock:
-    """Seconds inside wrapped calls (torch's product and attention ops; the runner's forward) and their count."""
+    """Wall and CPU seconds (of the calling thread) inside wrapped calls — torch's product and attention ops, the
+    scheduler's step, the runner's forward — and their count."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.seconds = self.cpu_seconds = 0.0
         self.calls = 0
 
 
@@ -85,12 +91,15 @@ TORCH_OPS = (("torch.nn.functional", "linear"), ("torch.nn.functional", "scaled_
 
 
 def _timed(fn: Callable[..., Any], clock: OpClock) -> Callable[..., Any]:
+    now, cpu = time.perf_counter, time.thread_time
+
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = now(), cpu()
         try:
             return fn(*args, **kwargs)
         finally:
-            clock.seconds += time.perf_counter() - t0
+            clock.seconds += now() - t0
+            clock.cpu_seconds += cpu() - c0
             clock.calls += 1
 
     return timed
@@ -119,7 +128,8 @@ def timed_torch_ops() -> Iterator[OpClock]:
 
 
 def measure_time(name: str, quant: str, threads: int, tokens: int, rounds: int) -> dict[str, Any]:
-    """Per-token wall, kernel and torch-op seconds (medians of the N+1 vs 1 token differences)."""
+    """Per-token wall, kernel and torch-op seconds (medians of the N+1 vs 1 token differences); the same split in CPU
+    seconds of the engine thread, which a busy machine disturbs less (time waiting for a core is not counted)."""
     from freetoken_agent.runtime.kernels import build, ops
 
     engine = load(name, quant, threads)
@@ -127,38 +137,50 @@ def measure_time(name: str, quant: str, threads: int, tokens: int, rounds: int) 
         decode(engine, 4)  # warm-up: kernels built, pages allocated, the prompt cached
         rows: list[dict[str, float]] = []
         kernels_on = build.load() is not None
-        runner_clock = OpClock()
-        engine.runner.run = _timed(engine.runner.run, runner_clock)  # the step's forward, for the split
+        step, forward = OpClock(), OpClock()
+        engine.scheduler.step = _timed(engine.scheduler.step, step)  # everything the engine thread does per step
+        engine.runner.run = _timed(engine.runner.run, forward)  # the forward, for the split
         for _ in range(rounds):
-            one: dict[str, float] = {}
+            one: dict[str, float] = defaultdict(float)
             for n in (1, tokens + 1):
                 with (ops.timed_kernels() if kernels_on else _no_clock()) as kc, timed_torch_ops() as tc:
-                    runner_clock.seconds, t0 = 0.0, time.perf_counter()
+                    step.reset()
+                    forward.reset()
+                    t0 = time.perf_counter()
                     decode(engine, n)
                     wall = time.perf_counter() - t0
                 sign = 1.0 if n > 1 else -1.0
-                one["wall"] = one.get("wall", 0.0) + sign * wall
-                one["step"] = one.get("step", 0.0) + sign * runner_clock.seconds
-                one["kernels"] = one.get("kernels", 0.0) + sign * (kc.total if kc is not None else 0.0)
-                one["torch_ops"] = one.get("torch_ops", 0.0) + sign * tc.seconds
-                one["calls"] = one.get("calls", 0.0) + sign * (sum(kc.calls.values()) if kc else 0) + sign * tc.calls
+                values = {
+                    "wall": wall, "step": step.seconds, "forward": forward.seconds,
+                    "kernels": kc.total if kc is not None else 0.0, "torch_ops": tc.seconds,
+                    "cpu_step": step.cpu_seconds, "cpu_compute": (kc.cpu_total if kc is not None else 0.0) +
+                    tc.cpu_seconds, "calls": (sum(kc.calls.values()) if kc is not None else 0) + tc.calls,
+                }
+                for key, v in values.items():
+                    one[key] += sign * v
             rows.append({k: v / tokens for k, v in one.items()})
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         compute = med["kernels"] + med["torch_ops"]
         outside = med["wall"] - compute
+        cpu_outside = med["cpu_step"] - med["cpu_compute"]
+        ms = lambda v: round(v * 1e3, 3)  # noqa: E731
         return {
             "model": name, "quant": quant, "threads": threads, "tokens": tokens, "rounds": rounds,
             "layers": engine.spec.num_layers,
-            "ms_per_token": round(med["wall"] * 1e3, 3),
-            "ms_in_kernels": round(med["kernels"] * 1e3, 3),
-            "ms_in_torch_ops": round(med["torch_ops"] * 1e3, 3),
-            "ms_outside": round(outside * 1e3, 3),
+            "ms_per_token": ms(med["wall"]),
+            "ms_in_kernels": ms(med["kernels"]),
+            "ms_in_torch_ops": ms(med["torch_ops"]),
+            "ms_outside": ms(outside),
             "outside_share": round(outside / med["wall"], 4) if med["wall"] > 0 else None,
-            "ms_outside_runner": round((med["wall"] - med["step"]) * 1e3, 3),
-            "ms_outside_in_runner": round((med["step"] - compute) * 1e3, 3),
+            "ms_outside_in_forward": ms(med["forward"] - compute),
+            "ms_outside_in_step": ms(med["step"] - med["forward"]),
+            "ms_outside_steps": ms(med["wall"] - med["step"]),
+            "cpu_ms_outside": ms(cpu_outside),
+            "cpu_ms_step": ms(med["cpu_step"]),
             "timed_calls_per_token": round(med["calls"], 1),
-            "rounds_ms_per_token": [round(r["wall"] * 1e3, 3) for r in rows],
-            "rounds_ms_outside": [round((r["wall"] - r["kernels"] - r["torch_ops"]) * 1e3, 3) for r in rows],
+            "rounds_ms_per_token": [ms(r["wall"]) for r in rows],
+            "rounds_ms_outside": [ms(r["wall"] - r["kernels"] - r["torch_ops"]) for r in rows],
+            "rounds_cpu_ms_outside": [ms(r["cpu_step"] - r["cpu_compute"]) for r in rows],
         }
     finally:
         engine.close()
@@ -260,7 +282,8 @@ def measure_callgrind(name: str, quant: str, tokens: int) -> dict[str, Any]:
         parts[part] += v
         if part == "outside":
             by_object[os.path.basename(ob)] += v
-            outside_fns[f"{fn} [{os.path.basename(ob)}]"] += v
+            short = fn if len(fn) <= 100 else fn[:97] + "..."  # C++ template names run to kilobytes
+            outside_fns[f"{short} [{os.path.basename(ob)}]"] += v
     total = sum(parts.values())
     top = sorted(outside_fns.items(), key=lambda kv: -kv[1])[:15]
     return {
@@ -292,10 +315,11 @@ def show(r: dict[str, Any]) -> None:
     head = f"{r['model']} quant={r['quant']} threads={r['threads']}"
     if "ms_per_token" in r:
         print(f"{head}: {r['ms_per_token']:.3f} ms/token = kernels {r['ms_in_kernels']:.3f} + torch ops "
-              f"{r['ms_in_torch_ops']:.3f} + outside {r['ms_outside']:.3f} ms ({100 * r['outside_share']:.1f}%; "
-              f"{r['ms_outside_in_runner']:.3f} ms in the runner's forward, {r['ms_outside_runner']:.3f} ms "
-              f"in the scheduler), {r['timed_calls_per_token']:.0f} "
-              f"timed calls/token; rounds {r['rounds_ms_per_token']}")
+              f"{r['ms_in_torch_ops']:.3f} + outside {r['ms_outside']:.3f} ms ({100 * r['outside_share']:.1f}%: "
+              f"{r['ms_outside_in_forward']:.3f} in the forward, {r['ms_outside_in_step']:.3f} in the rest of the "
+              f"step, {r['ms_outside_steps']:.3f} between steps); engine-thread CPU outside the compute "
+              f"{r['cpu_ms_outside']:.3f} ms of {r['cpu_ms_step']:.3f}; {r['timed_calls_per_token']:.0f} timed "
+              f"calls/token; rounds {r['rounds_ms_per_token']}")
     else:
         print(f"{head}: {r['instr_per_token']:,} instr/token = kernels {r['instr_in_kernels']:,} + BLAS "
               f"{r['instr_in_blas']:,} + outside {r['instr_outside']:,} ({100 * r['outside_share']:.1f}%)")
