@@ -40,15 +40,21 @@ def _lib() -> ctypes.CDLL:
 
 
 class KernelClock:
-    """Seconds and calls spent inside the C kernels, per entry point (``timed_kernels``)."""
+    """Time spent inside the C kernels per entry point (``timed_kernels``): wall seconds, CPU seconds of the calling
+    thread (the pool's workers not counted: the caller takes a share of every call and waits for the rest), calls."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
+
+    @property
+    def cpu_total(self) -> float:
+        return sum(self.cpu_seconds.values())
 
 
 class _TimedLibrary:
@@ -59,15 +65,16 @@ class _TimedLibrary:
 
     def __getattr__(self, name: str) -> object:
         fn = getattr(self._lib_, name)
-        seconds, calls, now = self._clock.seconds, self._clock.calls, time.perf_counter
+        clock, now, cpu = self._clock, time.perf_counter, time.thread_time
 
         def timed(*args: object) -> object:
-            t0 = now()
+            t0, c0 = now(), cpu()
             try:
                 return fn(*args)
             finally:
-                seconds[name] = seconds.get(name, 0.0) + now() - t0
-                calls[name] = calls.get(name, 0) + 1
+                clock.seconds[name] = clock.seconds.get(name, 0.0) + now() - t0
+                clock.cpu_seconds[name] = clock.cpu_seconds.get(name, 0.0) + cpu() - c0
+                clock.calls[name] = clock.calls.get(name, 0) + 1
 
         self.__dict__[name] = timed  # looked up once per entry point
         return timed
@@ -86,8 +93,11 @@ def timed_kernels() -> Iterator[KernelClock]:
         _loaded[0] = real
 
 
+F32, BF16 = torch.float32, torch.bfloat16  # dtypes are singletons: `is` is the cheapest check on a hot path
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
+    return t if t.dtype is F32 and t.is_contiguous() else t.to(F32).contiguous()
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -216,9 +226,9 @@ def linear(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     """``x [M, K] fp32 → x @ W^T [M, N]`` with int8-quantized activations."""
     if x.dim() != 2 or x.shape[1] != w.k:
         raise FreeTokenError(f"linear: x must be [M, {w.k}], got {tuple(x.shape)}")
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.to(torch.float32).contiguous()
-    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    if x.dtype is not F32 or not x.is_contiguous():
+        x = x.to(F32).contiguous()
+    y = torch.empty(x.shape[0], w.n, dtype=F32)
     if (_loaded[0] if _loaded else _lib()).ft_linear(w.code, w.ptr, w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()):
         raise MemoryError("ft_linear: out of memory")
     return y
@@ -239,18 +249,22 @@ def linear_f32(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None 
     same whatever M is (one fixed reduction order per row: ``ft_dense.h``). Everything contiguous on the CPU.
     """
     n, k = weight.shape
-    ok = x.dim() == 2 and x.shape[1] == k and (bias is None or bias.shape == (n,))
-    ok = ok and weight.dtype in (torch.float32, torch.bfloat16) and x.dtype == torch.float32
-    ok = ok and (bias is None or bias.dtype == torch.float32)
-    tensors = (weight, x) if bias is None else (weight, x, bias)
-    if not ok or any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+    m, kx = x.shape if x.dim() == 2 else (0, -1)
+    fp32 = weight.dtype is F32
+    # one short-circuit chain: a decode step makes ~5 of these calls per layer, each check a few hundred ns
+    if not (
+        kx == k and (fp32 or weight.dtype is BF16) and x.dtype is F32 and weight.is_contiguous()
+        and x.is_contiguous() and weight.is_cpu and x.is_cpu
+        and (bias is None or (bias.dtype is F32 and bias.is_contiguous() and bias.is_cpu and bias.shape == (n,)))
+    ):  # fmt: skip
         raise FreeTokenError("linear_f32: want contiguous fp32/bf16 weight [N, K], fp32 x [M, K] and bias [N]")
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 0:
+    y = torch.empty(m, n, dtype=F32)  # never the default dtype: the kernel writes fp32
+    if m == 0:
         return y
-    fp32 = weight.dtype == torch.float32
-    if _lib().ft_gemm_f32(weight.data_ptr() if fp32 else None, None if fp32 else weight.data_ptr(), n, k,
-                          x.data_ptr(), x.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr()):
+    if (_loaded[0] if _loaded else _lib()).ft_gemm_f32(
+        weight.data_ptr() if fp32 else None, None if fp32 else weight.data_ptr(), n, k, x.data_ptr(), m,
+        None if bias is None else bias.data_ptr(), y.data_ptr(),
+    ):  # fmt: skip
         raise MemoryError("ft_gemm_f32: out of memory")
     return y
 
@@ -259,14 +273,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, fp32; each row reduced in one fixed order
     (batch invariant), on the calling thread for small inputs and on the pool for large ones."""
     dim = x.shape[-1]
-    tensors = (x,) if weight is None else (x, weight)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors) or (
-        weight is not None and weight.shape != (dim,)
-    ):
+    if not (
+        x.dtype is F32 and x.is_contiguous() and x.is_cpu
+        and (weight is None or (weight.dtype is F32 and weight.is_contiguous() and weight.is_cpu
+                                and weight.shape == (dim,)))
+    ):  # fmt: skip
         raise FreeTokenError("rms_norm: want contiguous fp32 x [..., D] and weight [D]")
     out = torch.empty_like(x)
-    _lib().ft_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), x.numel() // max(1, dim), dim,
-                       eps, out.data_ptr())
+    (_loaded[0] if _loaded else _lib()).ft_rms_norm(
+        x.data_ptr(), None if weight is None else weight.data_ptr(), x.numel() // max(1, dim), dim, eps,
+        out.data_ptr(),
+    )  # fmt: skip
     return out
 
 
@@ -275,14 +292,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     each head rotate: pairs ``(i, i + R/2)`` when ``half``, else ``(2i, 2i + 1)``), fp32, on the calling thread."""
     t, h, dh = x.shape
     r2 = rotary_dim // 2
-    tensors = (x, cos, sin)
     if (
         rotary_dim % 2 or rotary_dim > dh or cos.shape != (t, r2) or sin.shape != (t, r2)
-        or any(z.dtype != torch.float32 or not z.is_contiguous() or z.device.type != "cpu" for z in tensors)
+        or not (x.dtype is F32 and cos.dtype is F32 and sin.dtype is F32)
+        or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+        or not (x.is_cpu and cos.is_cpu and sin.is_cpu)
     ):  # fmt: skip
         raise FreeTokenError(f"rope: want contiguous fp32 x [T, H, Dh], cos/sin [T, R/2], got {tuple(x.shape)}")
     out = torch.empty_like(x)
-    _lib().ft_rope(x.data_ptr(), t, h, dh, rotary_dim, cos.data_ptr(), sin.data_ptr(), int(half), out.data_ptr())
+    (_loaded[0] if _loaded else _lib()).ft_rope(x.data_ptr(), t, h, dh, rotary_dim, cos.data_ptr(), sin.data_ptr(),
+                                                int(half), out.data_ptr())
     return out
 
 
@@ -292,7 +311,7 @@ KV_TYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _kv_type(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
     """The kernels' code for k and v's element type (both the same one of ``KV_TYPE_CODE``, q fp32), else None."""
-    if q.dtype != torch.float32 or k.dtype != v.dtype:
+    if q.dtype is not F32 or k.dtype is not v.dtype:
         return None
     return KV_TYPE_CODE.get(k.dtype)
 
@@ -310,12 +329,13 @@ def attn_decode(
     """
     h, dh = q.shape
     s, hkv, dk = k.shape
-    dv = v.shape[2]
+    _, hv, dv = v.shape
     kv_type = _kv_type(q, k, v)
+    ks, vs = k.stride(), v.stride()
     ok = (
-        kv_type is not None and dk == dh and v.shape[:2] == (s, hkv) and s >= 1 and h % hkv == 0
-        and q.is_contiguous() and k.stride()[1:] == (dh, 1) and v.stride()[1:] == (dv, 1)
-        and all(t.device.type == "cpu" for t in (q, k, v))
+        kv_type is not None and dk == dh and v.shape[0] == s and hv == hkv and s >= 1 and h % hkv == 0
+        and q.is_contiguous() and ks[1] == dh and ks[2] == 1 and vs[1] == dv and vs[2] == 1
+        and q.is_cpu and k.is_cpu and v.is_cpu
     )  # fmt: skip
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
@@ -325,9 +345,11 @@ def attn_decode(
             f"attn_decode: want fp32 q [H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] (fp32, or both fp16 or both bf16) with "
             f"contiguous heads, got {tuple(q.shape)}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
         )
-    out = torch.empty(h, dv, dtype=torch.float32)
-    if _lib().ft_attn_decode_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_type, s, h, hkv, dh, dv, k.stride(0),
-                                v.stride(0), scale, None if sinks is None else sinks.data_ptr(), out.data_ptr()):
+    out = torch.empty(h, dv, dtype=F32)
+    if (_loaded[0] if _loaded else _lib()).ft_attn_decode_kv(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_type, s, h, hkv, dh, dv, ks[0], vs[0], scale,
+        None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+    ):  # fmt: skip
         raise MemoryError("ft_attn_decode: out of memory")
     return out
 
@@ -402,12 +424,13 @@ def moe(
             f"{tuple(topk_weights.shape)}"
         )
     x = _f32(x)
-    ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else topk_ids.long().contiguous()
+    ids = topk_ids if topk_ids.dtype is torch.int64 and topk_ids.is_contiguous() else topk_ids.long().contiguous()
     wts = _f32(topk_weights)
-    out = torch.empty(x.shape[0], d, dtype=torch.float32)
-    rc = _lib().ft_moe(
-        FMT_CODE[fmt], _ptr(w13), w13.stride(0), _ptr(w2), w2.stride(0), e, d, i,
-        _ptr(x), x.shape[0], _ptr(ids), _ptr(wts), ids.shape[1], _ptr(out),
+    t = x.shape[0]
+    out = torch.empty(t, d, dtype=F32)
+    rc = (_loaded[0] if _loaded else _lib()).ft_moe(
+        FMT_CODE[fmt], w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0), e, d, i,
+        x.data_ptr(), t, ids.data_ptr(), wts.data_ptr(), ids.shape[1], out.data_ptr(),
     )  # fmt: skip
     if rc == -2:
         raise FreeTokenError(f"moe: an expert id is >= the number of experts ({e})")

@@ -29,6 +29,7 @@ from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
 Weights = dict[str, torch.Tensor]
+F32 = torch.float32
 
 
 
@@ -41,8 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     mostly dispatch overhead: six ops 41 us, ``F.rms_norm`` 11-15 us, the C kernel 5 us), 2-3x faster than
     ``F.rms_norm`` on a 512-token prefill too (rows on the pool), and each row reduced in one fixed order (batch
     invariant by default). Deterministic mode: the C kernel for every dtype and layout too."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == x.shape[-1:]:
-        if x.is_contiguous() and x.device.type == "cpu" and kops.fast() is not None:
+    if x.dtype is F32 and weight.dtype is F32 and weight.shape == x.shape[-1:]:
+        if x.is_contiguous() and x.is_cpu and kops.fast() is not None:
             return kops.rms_norm(x, weight, eps)
         if not kops.deterministic():
             return F.rms_norm(x, weight.shape, weight, eps)
@@ -78,12 +79,12 @@ def dense_linear(
     those products are batch invariant by default. Deterministic mode: that kernel for every product."""
     det = kops.deterministic()
     if (
-        x.dim() == 2
+        x.dtype is F32
+        and weight.dtype is F32
+        and x.dim() == 2
         and (det or weight.shape[0] >= min_rows or x.shape[0] > kops.GEMV_MAX_M)
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
-        and weight.device.type == "cpu"
+        and (bias is None or bias.dtype is F32)
+        and weight.is_cpu
         and weight.numel() > 0  # a zero-width MLP (shared size 0) is torch's: the C GEMM wants a real matrix
         and weight.is_contiguous()
         and x.is_contiguous()
@@ -468,15 +469,17 @@ def gqa_attention(
     outs = []
     for sp in spans if spans is not None else [Span(0, t, cache, positions)]:  # type: ignore[list-item]
         a, b = sp.start, sp.end
+        whole = a == 0 and b == t  # one sequence: its rows are all of them (no slicing: a view costs µs per op)
+        qs, ks, vs = (q, k, v) if whole else (q[a:b], k[a:b], v[a:b])
         key_bias = keep = None
         if dt is not None:
-            k_all, v_all, key_bias = sp.cache.append(layer, k[a:b], v[a:b], dt[a:b])
+            k_all, v_all, key_bias = sp.cache.append(layer, ks, vs, dt[a:b])
         elif iq is not None:
-            k_all, v_all, ik_all = sp.cache.append(layer, k[a:b], v[a:b], ik[a:b])
+            k_all, v_all, ik_all = sp.cache.append(layer, ks, vs, ik[a:b])
             keep = block_keep(iq[a:b], ik_all, spec.block_indexer, sp.positions)
         else:  # a 16-bit KV pool's pages as they are: attention_scores reads them (decode: the C kernel)
-            k_all, v_all = sp.cache.append(layer, k[a:b], v[a:b], stored=True)
-        outs.append(attention_scores(q[a:b], k_all, v_all, sp.positions, spec, w.get("sinks"), keep=keep,
+            k_all, v_all = sp.cache.append(layer, ks, vs, stored=True)
+        outs.append(attention_scores(qs, k_all, v_all, sp.positions, spec, w.get("sinks"), keep=keep,
                                      key_bias=key_bias))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if gate is not None:
