@@ -11,6 +11,12 @@ what llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way in is 
   ``{moe}.experts.{e}.{gate,up,down}_proj.weight``; a fused ``ffn_gate_up_exps`` ``[E, 2I, D]`` is split by rows.
 - Behaviour llama.cpp hard-codes per architecture (whether top-k weights are renormalized) becomes the config field
   transformers reads, unless the file says otherwise (``expert_weights_norm``).
+- ``glm4moe`` (GLM-4.5): NeoX rope over part of the head (``rope.dimension_count``); ``post_attention_norm`` is the
+  FFN's input norm; multi-token-prediction layers are stored as extra blocks after the decoder's
+  (``nextn_predict_layers``) and are not read.
+- ``gpt-oss``: gate/up experts were split out of the interleaved ``gate_up_proj`` and transposed, with their biases;
+  the reader serves them back as transformers' fused tensors (``expert_layout="gpt_oss"``); the sliding-window
+  layers follow llama.cpp's pattern (every other layer, from the first) unless the file lists them.
 
 Architectures llama.cpp writes that are not mapped here (dense ones, and MoE ones not done yet) are refused by name.
 """
@@ -35,6 +41,12 @@ class ArchMap:
     config: Callable[[GGUFFile], Config]
     rope_permuted: bool = False
     """llama.cpp permuted ``attn_q`` / ``attn_k`` rows for its interleaved rope (undone on read)."""
+    renames: tuple[tuple[str, str], ...] = ()
+    """GGUF leaf (after ``blk.N.``) → the leaf ``block_names`` knows it as, for names whose role is per architecture
+    (``post_attention_norm`` is the FFN's input norm in GLM-4.5 and GPT-OSS)."""
+    expert_layout: str = "stacked"
+    """``stacked``: per-expert tensors cut out of ``ffn_*_exps``; ``gpt_oss``: served as transformers' fused GPT-OSS
+    tensors (gate/up interleaved and transposed, down transposed, with biases)."""
 
 
 def _int(f: GGUFFile, key: str, default: Any = None) -> int:
@@ -84,16 +96,26 @@ def _token_id(f: GGUFFile, key: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def _common(f: GGUFFile) -> Config:
-    """The fields every decoder has; ``vocab_size`` from the embedding table (authoritative for the weights)."""
+def mtp_layers(f: GGUFFile) -> int:
+    """How many multi-token-prediction layers follow the decoder's blocks (``blk.{n..n+k-1}``; not run here)."""
+    return _int(f, "nextn_predict_layers", 0)
+
+
+def _common(f: GGUFFile, partial_rotary: bool = False) -> Config:
+    """The fields every decoder has; ``vocab_size`` from the embedding table (authoritative for the weights).
+    ``partial_rotary``: the architecture rotates only ``rope.dimension_count`` channels of each head (NeoX style)."""
     if "token_embd.weight" not in f.tensors:
         raise GGUFMetadataError(f"{f.path.name}: no token_embd.weight tensor (not a language model?)")
     heads = _int(f, "attention.head_count")
     hidden = _int(f, "embedding_length")
+    blocks, mtp = _int(f, "block_count"), mtp_layers(f)
+    if not 0 <= mtp < blocks:
+        raise GGUFMetadataError(f"{f.path.name}: {f.architecture}.nextn_predict_layers={mtp} leaves no decoder layer "
+                                f"of {blocks} blocks (a multi-token-prediction draft file is not a model to run)")
     cfg: Config = dict(
         vocab_size=f.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        num_hidden_layers=_int(f, "block_count"),
+        num_hidden_layers=blocks - mtp,
         num_attention_heads=heads,
         num_key_value_heads=_int(f, "attention.head_count_kv", heads),
         max_position_embeddings=_int(f, "context_length", 4096),
@@ -110,9 +132,13 @@ def _common(f: GGUFFile) -> Config:
         if value != cfg["head_dim"]:
             raise GGUFMetadataError(f"{f.path.name}: key_length {cfg['head_dim']} != value_length {value} is not "
                                     f"supported for {f.architecture}")
+    if mtp:
+        cfg["num_nextn_predict_layers"] = mtp
     rot = f.arch_get("rope.dimension_count", None)
     head_dim = cfg.get("head_dim", hidden // heads)
-    if rot is not None and int(rot) != head_dim:
+    if partial_rotary and rot is not None and 0 < int(rot) <= head_dim and int(rot) % 2 == 0:
+        cfg["rope_parameters"]["partial_rotary_factor"] = int(rot) / head_dim
+    elif rot is not None and int(rot) != head_dim:
         raise GGUFMetadataError(f"{f.path.name}: partial rotary ({f.architecture}.rope.dimension_count={int(rot)} of "
                                 f"head_dim {head_dim}) is not supported for {f.architecture}")
     return cfg
@@ -204,19 +230,90 @@ def granitemoe(f: GGUFFile) -> Config:
     return cfg
 
 
+GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+"""llama.cpp's ``expert_gating_func`` values."""
+
+
+def _gating(f: GGUFFile, default: str) -> str:
+    value = f.arch_get("expert_gating_func", None)
+    if value is None:
+        return default
+    if int(value) not in GATING:
+        raise GGUFMetadataError(f"{f.path.name}: {f.architecture}.expert_gating_func={int(value)} is not a gating "
+                                f"function this engine knows ({', '.join(f'{k}={v}' for k, v in GATING.items())})")
+    return GATING[int(value)]
+
+
+def glm4moe(f: GGUFFile) -> Config:
+    """GLM-4.5 / 4.6 / 4.7 (``Glm4MoeForCausalLM``): sigmoid router with a correction bias, shared experts, dense
+    leading layers, partial NeoX rope."""
+    cfg = _common(f, partial_rotary=True)
+    n, k = _experts(f)
+    gating = _gating(f, "sigmoid")  # llama.cpp's default for glm4moe
+    if gating != "sigmoid":
+        raise GGUFMetadataError(f"{f.path.name}: glm4moe with {gating} expert gating (expert_gating_func) is not "
+                                "GLM-4.5's router (sigmoid); not supported")
+    expert_ffn = _expert_ffn(f)
+    cfg.update(
+        model_type="glm4_moe", n_routed_experts=n, num_experts_per_tok=k, moe_intermediate_size=expert_ffn,
+        intermediate_size=_int(f, "feed_forward_length", expert_ffn),
+        n_shared_experts=_int(f, "expert_shared_count", 0),
+        first_k_dense_replace=_int(f, "leading_dense_block_count", 0),
+        n_group=_int(f, "expert_group_count", 1), topk_group=_int(f, "expert_group_used_count", 1),
+        # llama.cpp: no key means no renormalization, and a scale of 0 (absent) means 1
+        norm_topk_prob=bool(f.arch_get("expert_weights_norm", False)),
+        routed_scaling_factor=_float(f, "expert_weights_scale", 1.0) or 1.0,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+    )
+    return cfg
+
+
+def gpt_oss(f: GGUFFile) -> Config:
+    """GPT-OSS: softmax over the top-k router logits (with a bias), SwiGLU-OAI experts with biases, attention sinks,
+    sliding-window attention on every other layer."""
+    cfg = _common(f)
+    n, k = _experts(f)
+    if "blk.0.ffn_gate_inp.bias" not in f.tensors or "blk.0.attn_sinks.weight" not in f.tensors:
+        raise GGUFMetadataError(f"{f.path.name}: gpt-oss file without router biases or attention sinks (blk.0."
+                                "ffn_gate_inp.bias / blk.0.attn_sinks.weight)")
+    layers = cfg["num_hidden_layers"]
+    pattern = f.arch_get("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        if len(pattern) < layers:
+            raise GGUFMetadataError(f"{f.path.name}: gpt-oss.attention.sliding_window_pattern lists {len(pattern)} "
+                                    f"layers, the model has {layers}")
+        sliding = [bool(v) for v in pattern[:layers]]
+    else:  # llama.cpp's set_swa_pattern(n): layer i slides unless it is the last of each group of n
+        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    params = cfg["rope_parameters"]
+    if params["rope_type"] == "yarn":
+        params["truncate"] = False  # transformers' GPT-OSS yarn (what the checkpoint was trained with)
+    cfg.update(
+        model_type="gpt_oss", num_local_experts=n, num_experts_per_tok=k, intermediate_size=_expert_ffn(f),
+        sliding_window=_int(f, "attention.sliding_window"),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        # llama.cpp hard-codes GPT-OSS's SwiGLU constants too
+        swiglu_alpha=1.702, swiglu_limit=7.0,
+    )
+    return cfg
+
+
 ARCHITECTURES: dict[str, ArchMap] = {
     "qwen3moe": ArchMap("qwen3_moe", lambda f: qwen_moe(f, True)),
     "qwen2moe": ArchMap("qwen2_moe", lambda f: qwen_moe(f, False)),
     "llama": ArchMap("mixtral", llama_moe, rope_permuted=True),
     "olmoe": ArchMap("olmoe", olmoe),
     "granitemoe": ArchMap("granitemoe", granitemoe, rope_permuted=True),
+    "glm4moe": ArchMap("glm4_moe", glm4moe, renames=(("post_attention_norm.weight", "ffn_norm.weight"),)),
+    "gpt-oss": ArchMap("gpt_oss", gpt_oss, renames=(("post_attention_norm.weight", "ffn_norm.weight"),),
+                       expert_layout="gpt_oss"),
 }
 """llama.cpp architecture → how it maps (the GGUF loader's supported list)."""
 
 NOT_YET = {
     "deepseek2": "DeepSeek-V2/V3 (MLA with llama.cpp's split attn_k_b/attn_v_b)",
-    "gpt-oss": "GPT-OSS (attention sinks, MXFP4 experts with biases)",
-    "glm4moe": "GLM-4.5 (partial rotary, expert groups)",
     "qwen3next": "Qwen3-Next (gated delta-net layers)",
     "qwen35moe": "Qwen3.5 MoE (gated delta-net layers)",
     "deepseek": "DeepSeek-V1 MoE",
@@ -279,6 +376,9 @@ def block_names(spec: ModelSpec, layer: int) -> dict[str, str]:
         out[f"ffn_{leaf}.weight"] = f"{p}.{n.mlp}.{leaf}_proj.weight"
     moe = f"{p}.{n.moe_prefix}"
     out["ffn_gate_inp.weight"] = f"{moe}.{n.router}.weight"
+    out["ffn_gate_inp.bias"] = f"{moe}.{n.router}.bias"
+    out["exp_probs_b.bias"] = f"{p if n.correction_at_layer else moe}.{n.correction_bias}"
+    out["attn_sinks.weight"] = f"{at}.{n.sinks}"
     shared = f"{p if n.shared_at_layer else moe}.{n.shared}"
     for leaf in ("gate", "up", "down"):
         out[f"ffn_{leaf}_shexp.weight"] = f"{shared}.{leaf}_proj.weight"

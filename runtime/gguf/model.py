@@ -232,6 +232,10 @@ class GGUFExpertLoad:
             qe = QuantizedExperts.from_blocks(w13, parts["down"], fmt, spec.hidden_size, moe.intermediate)
             if moe.activation != "silu" or moe.glu_clamp:
                 qe.activation = te.activation()
+            if group.down_bias is not None:  # GPT-OSS: gate/up biases in the kernels' row order (gate, then up)
+                assert group.gate_bias is not None and group.up_bias is not None
+                qe.gate_up_bias = torch.cat([dequantize(group.gate_bias), dequantize(group.up_bias)], dim=1)
+                qe.down_bias = dequantize(group.down_bias)
             decoder.experts[i] = TypedExperts(qe)
             quant_bytes += qe.nbytes
             formats.add(fmt)

@@ -6,8 +6,12 @@ tensor, optionally a row range of it (a fused gate/up), optionally with llama.cp
 Reading a source dequantizes it with the ``gguf`` package (``gguf.quants.dequantize``: every ggml type llama.cpp
 writes), one expert at a time for stacked tensors; nothing is read before it is asked for (the file stays mapped).
 
-The raw stacked expert tensors stay reachable (``expert_tensors``) so Q8_0 / Q4_0 experts can go to the kernels
-without being dequantized (``runtime/gguf/experts.py``).
+The raw stacked expert tensors stay reachable (``experts``) so Q8_0 / Q4_0 experts can go to the kernels without
+being dequantized (``runtime/gguf/model.py``). GPT-OSS experts (``expert_layout="gpt_oss"``) are served as
+transformers' fused tensors instead (``experts.gate_up_proj`` [E, D, 2I] with gate/up interleaved by column,
+``experts.down_proj`` [E, I, D], their ``_bias`` tensors), composed from the split GGUF tensors one expert at a time:
+the only per-expert layout the weight loader reads expert biases from. Multi-token-prediction blocks after the
+decoder's (``nextn_predict_layers``) are left unread.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from freetoken_agent.runtime.gguf.arch import (
     block_names,
     expert_prefix,
     global_name,
+    mtp_layers,
 )
 from freetoken_agent.runtime.gguf.file import GGUFFile, GGUFTensor, GGUFTensorTypeError
 from freetoken_agent.runtime.model.spec import ModelSpec
@@ -38,6 +43,9 @@ QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "
 """ggml types read as weights: the float types as they are, the block types dequantized by the ``gguf`` package."""
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_EXPERT_KIND = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+                "ffn_gate_up_exps.weight": "gate_up", "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias",
+                "ffn_down_exps.bias": "down_bias"}
 
 
 def dequantize(t: GGUFTensor, expert: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -69,6 +77,10 @@ class Source:
     rows: tuple[int, int] | None = None
     heads: int = 0
     """> 0: undo llama.cpp's rope permutation with this many heads."""
+    compose: str = ""
+    """Not one stored tensor but one composed per expert from ``parts`` (``gpt_oss_gate_up``, ``gpt_oss_down``,
+    ``gpt_oss_gate_up_bias``, ``gpt_oss_down_bias``)."""
+    parts: tuple[GGUFTensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,8 +92,13 @@ class ExpertTensorsGGUF:
     gate: GGUFTensor | None = None
     up: GGUFTensor | None = None
     gate_up: GGUFTensor | None = None
+    gate_bias: GGUFTensor | None = None
+    """GPT-OSS: the experts' biases, gate and up ``[E, I]``, down ``[E, D]``."""
+    up_bias: GGUFTensor | None = None
+    down_bias: GGUFTensor | None = None
 
     def parts(self) -> list[tuple[str, GGUFTensor]]:
+        """The weight tensors (not the biases), by part name."""
         named = (("gate", self.gate), ("up", self.up), ("gate_up", self.gate_up), ("down", self.down))
         return [(k, t) for k, t in named if t is not None]
 
@@ -108,10 +125,24 @@ class GGUFCheckpointReader(CheckpointReader):
             if t.type_name not in FLOAT_TYPES + QUANT_TYPES:
                 raise GGUFTensorTypeError(f"{file.path.name}: tensor {t.name} has ggml type {t.type_name}, which is "
                                           "not a weight type this engine reads")
+        self.renames = dict(arch.renames)
+        self.fused: set[str] = set()
+        """MoE prefixes whose experts are served as fused tensors (their per-expert names are not expected)."""
+        self.skipped: list[str] = []
+        """GGUF tensors left unread: the multi-token-prediction blocks."""
+        mtp = mtp_layers(file)
         expected = expected_tensors(spec)
         for t in file.tensors.values():
+            m = _BLOCK.match(t.name)
+            if m and spec.num_layers <= int(m[1]) < spec.num_layers + mtp:
+                self.skipped.append(t.name)
+                continue
             self._place(t, expected)
-        missing = [n for n in expected if n not in self.infos]
+        if arch.expert_layout == "gpt_oss":
+            for layer in sorted(self.experts):
+                self._fuse_gpt_oss(layer, expected)
+        missing = [n for n in expected if n not in self.infos
+                   and not any(n.startswith(f"{p}.experts.") for p in self.fused)]
         if missing:
             first = missing[0]
             raise MissingTensorError(f"{file.path.name}: no tensor for {first} (shape {list(expected[first])})"
@@ -122,6 +153,11 @@ class GGUFCheckpointReader(CheckpointReader):
 
     def _add(self, name: str, src: Source, shape: tuple[int, ...], expected: dict[str, tuple[int, ...]]) -> None:
         t = src.tensor
+        if src.compose:  # a composed tensor: the shape is the one it is served in
+            self.sources[name] = src
+            self.infos[name] = TensorInfo(name, t.file, t.type_name, shape, (t.offset, t.offset + t.nbytes))
+            self.gguf_names[name] = t.name
+            return
         if name not in expected:
             raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {t.name} ({name}) is not used by the "
                                         f"{self.spec.model_type} architecture")
@@ -145,8 +181,8 @@ class GGUFCheckpointReader(CheckpointReader):
         if not m or int(m[1]) >= spec.num_layers:
             raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {t.name} is not used by the "
                                         f"{spec.model_type} architecture")
-        layer, leaf = int(m[1]), m[2]
-        if leaf in EXPERT_LEAVES or leaf == "ffn_gate_up_exps.weight":
+        layer, leaf = int(m[1]), self.renames.get(m[2], m[2])
+        if leaf in _EXPERT_KIND:
             self._place_experts(t, layer, leaf, expected)
             return
         name = block_names(spec, layer).get(leaf)
@@ -161,16 +197,21 @@ class GGUFCheckpointReader(CheckpointReader):
 
     def _place_experts(self, t: GGUFTensor, layer: int, leaf: str, expected: dict[str, tuple[int, ...]]) -> None:
         moe = self.spec.layers[layer].moe
-        if moe is None or len(t.shape) != 3 or t.shape[0] != moe.num_experts:
+        kind = _EXPERT_KIND[leaf]
+        bias = kind.endswith("_bias")
+        if moe is None or len(t.shape) != (2 if bias else 3) or t.shape[0] != moe.num_experts:
             raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {t.name} (shape {list(t.shape)}) does not fit "
                                         f"layer {layer} of the {self.spec.model_type} model")
+        if bias and self.arch.expert_layout != "gpt_oss":
+            raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {t.name}: expert biases are not used by the "
+                                        f"{self.spec.model_type} architecture")
         prefix = expert_prefix(self.spec, layer)
         group = self.experts.get(layer)
-        kind = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
-                "ffn_gate_up_exps.weight": "gate_up"}[leaf]
         fields = dict(group.__dict__) if group else {"down": None}
         fields[kind] = t
         self.experts[layer] = ExpertTensorsGGUF(**fields)
+        if self.arch.expert_layout == "gpt_oss":  # served fused once the layer's tensors are all seen
+            return
         e, rows, cols = t.shape
         if kind == "gate_up":
             i = rows // 2
@@ -181,17 +222,61 @@ class GGUFCheckpointReader(CheckpointReader):
         for k in range(e):
             self._add(f"{prefix}.experts.{k}.{EXPERT_LEAVES[leaf]}.weight", Source(t, k), (rows, cols), expected)
 
+    def _fuse_gpt_oss(self, layer: int, expected: dict[str, tuple[int, ...]]) -> None:
+        """Serve one layer's split GPT-OSS experts as transformers' fused tensors (see the module docstring)."""
+        g, moe = self.experts[layer], self.spec.layers[layer].moe
+        assert moe is not None
+        e, i, d = moe.num_experts, moe.intermediate, self.spec.hidden_size
+        need = {"ffn_gate_exps.weight": (g.gate, (e, i, d)), "ffn_up_exps.weight": (g.up, (e, i, d)),
+                "ffn_down_exps.weight": (g.down, (e, d, i)), "ffn_gate_exps.bias": (g.gate_bias, (e, i)),
+                "ffn_up_exps.bias": (g.up_bias, (e, i)), "ffn_down_exps.bias": (g.down_bias, (e, d))}
+        for leaf, (t, shape) in need.items():
+            if t is None:
+                raise MissingTensorError(f"{self.path.name}: no tensor blk.{layer}.{leaf} (shape {list(shape)}) of the "
+                                         f"{self.spec.model_type} model")
+            if tuple(t.shape) != shape:
+                raise ShapeMismatchError(f"{self.path.name}: GGUF tensor {t.name} has shape {list(t.shape)}, expected "
+                                         f"{list(shape)}")
+        assert g.gate and g.up and g.gate_bias and g.up_bias and g.down_bias
+        prefix = expert_prefix(self.spec, layer)
+        self.fused.add(prefix)
+        for name, compose, parts, shape in (
+            ("experts.gate_up_proj", "gpt_oss_gate_up", (g.gate, g.up), (e, d, 2 * i)),
+            ("experts.down_proj", "gpt_oss_down", (g.down,), (e, i, d)),
+            ("experts.gate_up_proj_bias", "gpt_oss_gate_up_bias", (g.gate_bias, g.up_bias), (e, 2 * i)),
+            ("experts.down_proj_bias", "gpt_oss_down_bias", (g.down_bias,), (e, d)),
+        ):
+            self._add(f"{prefix}.{name}", Source(parts[0], compose=compose, parts=parts), shape, expected)
+
+    def _composed(self, src: Source, k: int) -> torch.Tensor:
+        """Expert ``k`` of a composed tensor, in the layout transformers stores it."""
+        if src.compose == "gpt_oss_gate_up":  # [D, 2I], columns gate_0, up_0, gate_1, ...
+            gate, up = (dequantize(t, k) for t in src.parts)
+            return torch.stack([gate.T, up.T], dim=-1).reshape(gate.shape[1], -1)
+        if src.compose == "gpt_oss_gate_up_bias":  # [2I], gate_0, up_0, gate_1, ...
+            gate, up = (dequantize(t, k) for t in src.parts)
+            return torch.stack([gate, up], dim=-1).reshape(-1)
+        if src.compose == "gpt_oss_down":  # [I, D]
+            return dequantize(src.parts[0], k).T.contiguous()
+        return dequantize(src.parts[0], k)  # gpt_oss_down_bias [D]
+
     # ------------------------------------------------------------------------------------------------ reading
 
     def read(self, name: str) -> torch.Tensor:
         src = self.sources[name]
         self.used.add(name)
+        if src.compose:
+            return torch.stack([self._composed(src, k) for k in range(self.infos[name].shape[0])])
         out = dequantize(src.tensor, src.expert, src.rows).reshape(self.infos[name].shape)
         if src.heads:
             out = unpermute_rope(out, src.heads)
         return out
 
     def read_row(self, name: str, index: int) -> torch.Tensor:
+        src = self.sources[name]
+        if src.compose:
+            self.used.add(name)
+            return self._composed(src, index)
         return self.read(name)[index]
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:

@@ -109,6 +109,17 @@ def test_non_moe_architectures(good: Path, tmp_path: Path) -> None:
         Engine.from_pretrained(copy_gguf(good, tmp_path / "ds.gguf", arch="deepseek2"))
 
 
+def test_glm4moe_metadata_it_cannot_run(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    save_checkpoint("glm4_moe", folder, seed=4)
+    good = write_gguf(folder, tmp_path / "glm.gguf")  # 3 decoder blocks + 1 multi-token-prediction block
+    Engine.from_pretrained(copy_gguf(good, tmp_path / "same.gguf"))
+    with pytest.raises(GGUFMetadataError, match="glm4moe with softmax expert gating .* not supported"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "softmax.gguf", values={"glm4moe.expert_gating_func": 1}))
+    with pytest.raises(GGUFMetadataError, match="nextn_predict_layers=4 leaves no decoder layer of 4 blocks"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "mtp.gguf", values={"glm4moe.nextn_predict_layers": 4}))
+
+
 def test_roundtrip_copy_still_loads(good: Path, tmp_path: Path) -> None:
     """The copy helper itself changes nothing else (so the failures above are the edits')."""
     Engine.from_pretrained(copy_gguf(good, tmp_path / "same.gguf"))

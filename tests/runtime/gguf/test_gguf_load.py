@@ -5,7 +5,9 @@
   the same tensors dequantized by the ``gguf`` package (an independent decoder of the blocks);
 - K-quant (Q4_K) and MXFP4 experts: converted at load; the engine equals plain torch over what it runs (≤ 1e-3), the
   reported conversion error equals the error measured here, and ``quant="q8_0"`` converts with less error;
-- a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file.
+- a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file;
+- GLM-4.5's multi-token-prediction layer (an extra block in the file) is left unread; GPT-OSS's MXFP4 experts (the
+  format its GGUF files ship in) run converted, with their biases.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from freetoken_agent.runtime.kernels.apply import dequantized_reference, set_exp
 from freetoken_agent.runtime.models import resolve_model
 
 from tests.runtime.checkpoints import save_checkpoint
+from tests.runtime.gguf.models import varied_checkpoint
 from tests.runtime.gguf.writer import write_gguf
 
 ARCHS = {  # overrides: llama.cpp's qwen2moe has an MoE FFN in every layer
     "qwen3_moe": {}, "qwen2_moe": {"mlp_only_layers": []}, "mixtral": {}, "olmoe": {}, "granitemoe": {},
+    "glm4_moe": {}, "gpt_oss": {},
 }
 PROMPT = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(5)).tolist()  # < Mixtral's window 16
 
@@ -61,7 +65,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     out = {}
     for arch, overrides in ARCHS.items():
         folder = tmp_path_factory.mktemp(arch)
-        out[arch] = (folder, save_checkpoint(arch, folder, seed=1, **overrides))
+        out[arch] = (folder, varied_checkpoint(arch, folder, seed=1, **overrides))
     return out
 
 
@@ -75,7 +79,7 @@ def test_f32_gguf_matches_transformers(arch: str, checkpoints: dict, tmp_path: P
     assert float((engine.logits(PROMPT) - ref).abs().max()) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
 def test_block_experts_load_as_stored(arch: str, kind: str, checkpoints: dict, tmp_path: Path) -> None:
     folder, _ = checkpoints[arch]
@@ -138,6 +142,63 @@ def test_converted_experts(kind: str, tmp_path: Path) -> None:
         rel8 = float((q8.logits(PROMPT) - exact).norm() / exact.norm())
         print(f"{kind} loaded as q8_0: logits relative error {rel8:.4f}")
         assert rel8 < rel / 4
+
+
+def with_mtp_layer(src: Path, dst: Path) -> Path:
+    """A copy of the GLM-4.5 folder ``src`` with a multi-token-prediction layer after the decoder's, as GLM-4.5
+    checkpoints hold it (``model.layers.{n}``: a decoder layer plus ``eh_proj``, ``enorm``, ``hnorm``,
+    ``shared_head.norm``)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    sd = load_file(str(src / "model.safetensors"))
+    last = f"model.layers.{n - 1}."
+    gen = torch.Generator().manual_seed(9)
+    mtp = {f"model.layers.{n}." + k[len(last):]: torch.randn(v.shape, generator=gen) for k, v in sd.items()
+           if k.startswith(last)}
+    d = sd["model.norm.weight"].shape[0]
+    for leaf, shape in (("eh_proj.weight", (d, 2 * d)), ("enorm.weight", (d,)), ("hnorm.weight", (d,)),
+                        ("shared_head.norm.weight", (d,))):
+        mtp[f"model.layers.{n}.{leaf}"] = torch.randn(shape, generator=gen)
+    save_file(mtp, str(dst / "mtp.safetensors"))
+    return dst
+
+
+def test_glm4_mtp_layer_is_not_read(checkpoints: dict, tmp_path: Path) -> None:
+    from freetoken_agent.runtime.gguf.model import GGUFModel
+
+    folder, _ = checkpoints["glm4_moe"]
+    plain = write_gguf(folder, tmp_path / "plain.gguf", experts="Q8_0")
+    file = write_gguf(with_mtp_layer(folder, tmp_path / "mtp"), tmp_path / "mtp.gguf", experts="Q8_0")
+    model = GGUFModel(file)
+    assert model.file.arch_get("block_count") == 4 and model.config["num_hidden_layers"] == 3
+    assert "blk.3.nextn.eh_proj.weight" in model.reader.skipped and "blk.3.ffn_gate_exps.weight" in model.reader.skipped
+    assert torch.equal(Engine.from_pretrained(file).logits(PROMPT), Engine.from_pretrained(plain).logits(PROMPT))
+
+
+def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
+    folder, _ = checkpoints["gpt_oss"]
+    file = write_gguf(folder, tmp_path / "mxfp4.gguf", experts="MXFP4")
+    engine = Engine.from_pretrained(file)
+    assert engine.quant is not None and engine.quant.fmt == "q4_0"
+    set_expert_mode(engine.decoder, "exact")
+    ref = Engine.from_pretrained(file)
+    dequantized_reference(ref.decoder)  # plain torch over the weights (and biases) the engine runs
+    ours, ref_logits = engine.logits(PROMPT), ref.logits(PROMPT)
+    assert float((ours - ref_logits).abs().max()) <= 1e-3
+    # against the file's own values (dequantized by the gguf package): off by the conversion only — far less when
+    # converted to the wider Q8_0
+    exact = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf")).logits(PROMPT)
+    rel = float((ours - exact).norm() / exact.norm())
+    q8 = Engine.from_pretrained(file, quant="q8_0")
+    set_expert_mode(q8.decoder, "exact")
+    rel8 = float((q8.logits(PROMPT) - exact).norm() / exact.norm())
+    print(f"gpt-oss MXFP4 experts: logits relative error vs the stored values {rel:.4f} as q4_0, {rel8:.4f} as q8_0")
+    assert rel8 < rel / 4 and rel8 < 0.05
 
 
 def test_mixed_layer_runs_in_the_wider_format(tmp_path: Path) -> None:

@@ -3,7 +3,15 @@
 Tensor names come from the ``gguf`` package's own ``TensorNameMap`` (llama.cpp's table, not ours); experts are
 stacked into ``blk.N.ffn_{gate,up,down}_exps`` ``[E, I, D]`` / ``[E, D, I]``; ``llama`` / ``granitemoe`` Q and K rows
 are permuted for llama.cpp's interleaved rope (its ``LlamaModel.permute``); metadata keys as its ``TextModel`` and
-the per-architecture classes write them. Block types: F32/F16/BF16, and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 via
+the per-architecture classes write them.
+
+- ``glm4_moe`` (``Glm4MoeModel``): multi-token-prediction layers become extra blocks (``block_count`` = layers +
+  ``num_nextn_predict_layers``); the correction bias becomes ``exp_probs_b.bias``;
+- ``gpt_oss`` (``GptOssModel``, float source): ``gate_up_proj`` [E, D, 2I] transposed and split into gate (even
+  columns) and up (odd columns), ``down_proj`` transposed, their biases split the same way; ``sinks`` →
+  ``attn_sinks.weight``.
+
+Block types: F32/F16/BF16, and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 via
 ``gguf.quants.quantize``; Q4_K via our own byte-exact ggml quantizer (``runtime/quant/q4k.py``; the ``gguf`` package
 cannot write K-quants).
 """
@@ -19,7 +27,7 @@ import numpy as np
 import torch
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-        "granitemoe": "granitemoe"}
+        "granitemoe": "granitemoe", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
 PERMUTED = {"llama", "granitemoe"}
 
 
@@ -33,7 +41,7 @@ def _encode(w: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
     import gguf
 
     T = gguf.GGMLQuantizationType
-    x = w.float().numpy()
+    x = w.float().contiguous().numpy()
     if kind not in ("F32", "F16") and w.shape[-1] % gguf.GGML_QUANT_SIZES[T[kind]][0]:
         kind = "F16"  # rows that are no whole number of blocks: llama.cpp's quantizer falls back too
     if kind == "F32":
@@ -81,38 +89,33 @@ def _stack_experts(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     return out
 
 
-def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32", split_max_tensors: int = 0,
-               tokenizer: Path | None = None, down: str | None = None) -> Path:
-    """Write ``folder`` (config.json + safetensors) as GGUF at ``out``; ``experts`` / ``dense`` are ggml type
-    names for the routed experts and the 2-D dense weights (norms and the router stay F32, as llama.cpp keeps
-    them); ``down`` overrides the type of ``ffn_down_exps`` (a Q4_K_M-style mix). ``tokenizer``: a folder whose
-    ``tokenizer.json`` (byte-level BPE) and chat template go into the metadata."""
+def _modify(arch: str, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The converter's per-architecture ``filter_tensors`` / ``modify_tensors``: Hugging Face (name, tensor) →
+    the (name, tensor) pairs it maps to GGUF names."""
+    if name.endswith("e_score_correction_bias"):  # ModelBase.filter_tensors
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    if arch != "gpt-oss":
+        return [(name, t)]
+    if "sinks" in name:  # GptOssModel.filter_tensors
+        return [(name + ".weight", t)]
+    if "down_proj" in name and ".experts." in name:  # GptOssModel.modify_tensors, float (not MXFP4) source
+        if name.endswith("_bias"):
+            return [(name.replace("down_proj_bias", "down_proj.bias"), t)]
+        return [(name.replace("down_proj", "down_proj.weight"), t.transpose(-1, -2))]
+    if "gate_up_proj" in name:
+        if name.endswith("_bias"):
+            return [(name.replace("gate_up_proj_bias", "gate_proj.bias"), t[..., ::2]),
+                    (name.replace("gate_up_proj_bias", "up_proj.bias"), t[..., 1::2])]
+        t = t.transpose(-1, -2)
+        return [(name.replace("gate_up_proj", "gate_proj.weight"), t[:, ::2, :]),
+                (name.replace("gate_up_proj", "up_proj.weight"), t[:, 1::2, :])]
+    return [(name, t)]
+
+
+def _arch_metadata(w: Any, arch: str, cfg: dict[str, Any], heads: int) -> None:
+    """What the converter's per-architecture ``set_gguf_parameters`` adds to ``TextModel``'s keys."""
     import gguf
 
-    cfg = json.loads((folder / "config.json").read_text())
-    arch = ARCH[cfg["model_type"]]
-    n_layers = cfg["num_hidden_layers"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
-    w.add_block_count(n_layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
-    w.add_expert_count(n_exp)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if cfg.get("head_dim"):
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    if cfg.get("moe_intermediate_size"):
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if cfg.get("shared_expert_intermediate_size"):
-        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "llama":
         w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         w.add_vocab_size(cfg["vocab_size"])
@@ -123,12 +126,93 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    if arch == "glm4moe":  # Glm4MoeModel
+        rope = cfg.get("rope_parameters") or {}
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        if cfg.get("num_nextn_predict_layers") is not None:
+            w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+    if arch == "gpt-oss":  # GptOssModel
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+
+
+def _rope_scaling(w: Any, cfg: dict[str, Any]) -> None:
+    """``TextModel.set_gguf_parameters``' rope scaling keys (linear, yarn)."""
+    import gguf
+
+    rope = cfg.get("rope_parameters") or {}
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind == "linear" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32", split_max_tensors: int = 0,
+               tokenizer: Path | None = None, down: str | None = None, no_vocab: bool = False) -> Path:
+    """Write ``folder`` (config.json + safetensors) as GGUF at ``out``; ``experts`` / ``dense`` are ggml type
+    names for the routed experts and the 2-D dense weights (norms and the router stay F32, as llama.cpp keeps
+    them); ``down`` overrides the type of ``ffn_down_exps`` (a Q4_K_M-style mix). ``tokenizer``: a folder whose
+    ``tokenizer.json`` (byte-level BPE) and chat template go into the metadata; ``no_vocab``: tokenizer model
+    ``none`` with ``vocab_size`` instead (what llama.cpp loads a vocabulary-less model with, for comparisons on token
+    ids)."""
+    import gguf
+
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = ARCH[cfg["model_type"]]
+    n_layers = cfg["num_hidden_layers"]
+    if arch == "glm4moe":  # Glm4MoeModel exports the multi-token-prediction layers as extra blocks
+        n_layers += cfg.get("num_nextn_predict_layers") or 0
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    rope = cfg.get("rope_parameters") or {}
+    _rope_scaling(w, cfg)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("n_group") is not None:
+        w.add_expert_group_count(cfg["n_group"])
+    if cfg.get("topk_group") is not None:
+        w.add_expert_group_used_count(cfg["topk_group"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    _arch_metadata(w, arch, cfg, heads)
     if tokenizer is not None:
         add_tokenizer(w, tokenizer)
+    elif no_vocab:
+        w.add_tokenizer_model("none")
+        if arch != "llama":
+            w.add_vocab_size(cfg["vocab_size"])
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     tmap = gguf.get_tensor_name_map(arch_id, n_layers)
     sd = _stack_experts(_load(folder), n_layers)
-    for name, t in sd.items():
+    for name, t in ((n2, t2) for n, t in sd.items() for n2, t2 in _modify(arch, n, t)):
         new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"no GGUF name for {name}")
@@ -138,7 +222,7 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
             t = _permute(t, kv_heads)
         if new.endswith("_exps.weight"):
             kind = down if (down and "ffn_down_exps" in new) else experts
-        elif t.dim() == 2 and "gate_inp" not in new:  # routers stay F32, as llama.cpp's quantizer keeps them
+        elif t.dim() == 2 and new.endswith(".weight") and "gate_inp" not in new:  # routers, biases stay F32
             kind = dense
         else:
             kind = "F32"
