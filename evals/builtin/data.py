@@ -80,9 +80,33 @@ def session_messages(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def render_session(path: Path) -> str:
-    """One session as training text: the chat template with the ``bash`` tool, ending in ``<|endoftext|>``."""
-    return render(session_messages(path), tools=[BASH_TOOL]) + "<|endoftext|>"
+_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/", re.MULTILINE)
+
+
+def closing_turn(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A short final text answer for a session that ends with its submit command's output (the diff), naming the
+    files the diff changes; None when the session ends otherwise (mini-swe-agent stops at the submit, so the
+    sessions never show the turn a chat client expects after the last tool result)."""
+    if len(messages) < 2 or messages[-1]["role"] != "tool":
+        return None
+    calls = messages[-2].get("tool_calls") or []
+    if not calls or "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" not in str(calls[0]["function"]["arguments"]):
+        return None
+    files = list(dict.fromkeys(_DIFF_FILE.findall(messages[-1]["content"])))
+    if not files:
+        return {"role": "assistant", "content": "I submitted the task; the diff is empty."}
+    listed = ", ".join(f"`{f}`" for f in files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+    return {"role": "assistant", "content": f"Submitted. The fix changes {listed}."}
+
+
+def render_session(path: Path, closing: bool = False) -> str:
+    """One session as training text: the chat template with the ``bash`` tool, ending in ``<|endoftext|>``.
+
+    ``closing`` adds :func:`closing_turn` after a submitted session (training text only; the held-out text is
+    rendered without it, so perplexities stay comparable across runs)."""
+    messages = session_messages(path)
+    final = closing_turn(messages) if closing else None
+    return render(messages + ([final] if final else []), tools=[BASH_TOOL]) + "<|endoftext|>"
 
 
 def stdlib_sources(max_chars: int) -> Iterator[str]:

@@ -77,3 +77,17 @@ def build_model(size: ModelSize, seed: int, aux_loss_coef: float = 0.01):  # -> 
 def describe(size: ModelSize) -> dict[str, Any]:
     """The size as a plain dict (logged with every checkpoint)."""
     return asdict(size)
+
+
+def load_model(folder, aux_loss_coef: float = 0.01):  # -> tuple[Qwen3MoeForCausalLM, ModelSize]
+    """A shipped (or any exported) folder's model in fp32, to continue training it, and its :class:`ModelSize`."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).float()
+    model.config.router_aux_loss_coef = aux_loss_coef
+    c = model.config
+    size = ModelSize(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                     kv_heads=c.num_key_value_heads, experts=c.num_experts, top_k=c.num_experts_per_tok,
+                     expert_hidden=c.moe_intermediate_size, vocab=c.vocab_size, max_positions=c.max_position_embeddings)
+    return model, size

@@ -8,6 +8,7 @@ and consecutive tool results grouped in one ``user`` turn as ``<tool_response>..
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -74,13 +75,17 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-           add_generation_prompt: bool = False) -> str:
-    """Render ``messages`` with :data:`CHAT_TEMPLATE` the way ``transformers``' ``apply_chat_template`` does."""
+@functools.cache
+def _compiled():  # -> jinja2.Template; compiled once (rendering thousands of training conversations)
     import json
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise
-    template = env.from_string(CHAT_TEMPLATE)
-    return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    return env.from_string(CHAT_TEMPLATE)
+
+
+def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+           add_generation_prompt: bool = False) -> str:
+    """Render ``messages`` with :data:`CHAT_TEMPLATE` the way ``transformers``' ``apply_chat_template`` does."""
+    return _compiled().render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
