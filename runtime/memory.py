@@ -8,11 +8,22 @@ free the bytes first (the expert pool evicts slots), so the limit holds at every
 
 ``Budget`` bundles the two tiers; it is built from user flags (``--device-memory 8GB --host-memory 16GB``) via
 ``Budget.from_strings`` or from the hardware probe. ``None`` limits mean "unlimited" (still accounted).
+
+What the host budget does not cover is the process itself: the interpreter, torch, the runtime's modules and C
+kernels, a tokenizer, and the working memory of a step (activations, logits). ``PROCESS_FLOOR_MB`` is that floor as
+measured (``evals/perf/load_memory.py``: peak resident memory of a process that imported all of it and loaded a
+tokenizer); a whole budgeted process — first load, later loads, prefill and decode — fits in the host budget plus
+it (``tests/runtime/test_memory_cap.py`` runs one under a hard cap of exactly that plus a stated margin). A budget
+below what a model needs to run at all (``runtime.experts.setup.minimum_memory``) is refused before anything is
+loaded (``BudgetTooSmallError``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import re
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +34,47 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+PROCESS_FLOOR_MB = 260
+"""Host memory a budgeted process takes beyond its budget: measured 230-250 MiB peak RSS with Python 3.11, torch
+2.13 (CPU), the runtime and its C kernels and a tokenizer loaded (``python -m freetoken_agent.evals.perf.load_memory``
+prints it as ``floor``); a generation's activations add a few MB on small models."""
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+HEAP_RETURN_BYTES = 256 * 2**10
+"""Blocks this big or bigger come from the OS and go back to it when freed, once ``bound_heap`` ran."""
+
+
+def bound_heap() -> bool:
+    """Make freed memory go back to the OS: blocks of ``HEAP_RETURN_BYTES`` or more are mapped and unmapped one by
+    one (a fixed ``M_MMAP_THRESHOLD``), and the heap's free memory is given back now (``malloc_trim``).
+
+    glibc raises its threshold after every large free (up to 32 MiB), so the float tensors a load makes and drops —
+    one layer's dense weights before they are quantized, one expert on its way to the cache file — land in the heap
+    afterwards and stay there, fragmented between the buffers that live on: measured, a warm budgeted load held 83 MiB
+    of anonymous memory beyond its 80 MB budget, and a second load in the same process stacked on the first's. With
+    the threshold fixed, 1 MiB more. Process-wide and one-way (a budgeted load calls it); a few microseconds more per
+    large allocation. Returns False where the C library is not glibc (nothing is changed there).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, HEAP_RETURN_BYTES))
+    trim(0)
+    return ok
+
+
 class BudgetExceededError(FreeTokenError):
     """A claim would take a tier past its limit (a bug in the caller's sizing, or a budget too small)."""
+
+
+class BudgetTooSmallError(BudgetExceededError):
+    """The budget is below what the model needs to run at all (dense weights, one MoE step's expert slots, the KV
+    reserve): raised before loading, with the size that would do."""
 
 
 def parse_bytes(text: str | int) -> int:

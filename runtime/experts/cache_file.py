@@ -8,7 +8,9 @@ from before the trailer existed read fine and only fail ``verify``).
 
 It is written once per (checkpoint, format) from ``ExpertSource`` one expert at a time — the checkpoint is never
 materialized — into a temp file, flushed to disk (fsync) and renamed into place, so a crash never leaves a
-half-written cache behind. Reads are
+half-written cache behind. Every ``WRITE_CHUNK`` bytes the written part goes to disk and leaves the page cache, so
+writing a file of any size holds at most that much dirty cache (a cgroup counts it; a cgroup v1 limit can kill a
+writer whose dirty pages outrun the disk). Reads are
 plain ``pread`` into a slot row; ``drop_cache=True`` also tells the OS to drop the pages it just read, so the cache
 file costs no page-cache memory beyond the budget (and "disk" reads really come from the disk).
 """
@@ -24,6 +26,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
@@ -36,6 +39,8 @@ VERSION = 1
 TRAILER_MAGIC = b"FTXCRC32"
 TRAILER = struct.Struct("<8sQI")
 """magic, data bytes, CRC-32 of the data region (after the last blob)."""
+WRITE_CHUNK = 32 * 2**20
+"""Bytes written between two syncs that also drop the written pages from the page cache."""
 
 
 def _round(n: int, to: int) -> int:
@@ -167,12 +172,15 @@ def write_cache_file(
             fh.write(b"\0" * (data_start - fh.tell()))
             pad = b"\0" * (stride - layout.blob_bytes)
             crc = 0
+            synced = 0
             for layer in layers:
                 for e in range(num_experts):
                     blob = encode(load(layer, e)).numpy().tobytes()
                     fh.write(blob)
                     fh.write(pad)
                     crc = zlib.crc32(pad, zlib.crc32(blob, crc))
+                    if fh.tell() - synced >= WRITE_CHUNK:
+                        synced = _sync_and_drop(fh, synced)
                     if on_expert is not None:
                         on_expert()
             fh.write(TRAILER.pack(TRAILER_MAGIC, len(layers) * num_experts * stride, crc))
@@ -183,6 +191,15 @@ def write_cache_file(
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _sync_and_drop(fh: Any, start: int) -> int:
+    """Write out what ``fh`` holds past ``start`` and drop those pages from the page cache; returns the new start."""
+    fh.flush()
+    end = fh.tell()
+    os.fdatasync(fh.fileno())
+    os.posix_fadvise(fh.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+    return end
 
 
 def open_or_write(
@@ -215,7 +232,8 @@ def open_or_write(
         from rich.progress import Progress
 
         with Progress(transient=True) as bar:
-            task = bar.add_task(f"writing expert cache {path.name}", total=total)
+            what = f"quantizing experts to {layout.fmt}" if layout.fmt.startswith("q") else "writing experts"
+            task = bar.add_task(f"{what} into {path.name}", total=total)
             write_cache_file(path, layout, layers, num_experts, load, lambda: bar.advance(task), encode)
     else:
         write_cache_file(path, layout, layers, num_experts, load, encode=encode)

@@ -17,7 +17,12 @@ from typing import Any
 import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
-from freetoken_agent.runtime.errors import FreeTokenError, UnexpectedTensorError
+from freetoken_agent.runtime.errors import (
+    FreeTokenError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner
 from freetoken_agent.runtime.experts.backend import ManagedExperts
@@ -31,11 +36,21 @@ from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.experts.store import ExpertStore
-from freetoken_agent.runtime.kernels.dense import QuantLinear, quantize_dense
+from freetoken_agent.runtime.kernels import ops
+from freetoken_agent.runtime.kernels.dense import (
+    ATTENTION_LEAVES,
+    MLP_LEAVES,
+    DenseQuantReport,
+    QuantLinear,
+    quantize_dense,
+)
+from freetoken_agent.runtime.kernels.apply import check_quant
 from freetoken_agent.runtime.memory import (
+    PROCESS_FLOOR_MB,
     Budget,
-    BudgetExceededError,
+    BudgetTooSmallError,
     MemoryBudget,
+    bound_heap,
     format_bytes,
 )
 from freetoken_agent.runtime.model import weights as weights_mod
@@ -75,11 +90,35 @@ class ResidencyConfig:
 
 
 class _DenseLoader(weights_mod.TensorLoader):
-    """The strict loader, except routed experts: it records each MoE layer's ``ExpertSource`` instead."""
+    """The strict loader, except routed experts: it records each MoE layer's ``ExpertSource`` instead.
 
-    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
+    With ``dense_quant`` it quantizes each layer's dense weights as soon as the layer is read (``on_layer``), so a
+    load never holds more than one layer of them in float. With ``meta`` it reads no tensor data at all (every
+    tensor is a ``meta`` tensor of the right shape, and quantized weights only their packed size): the pre-flight
+    pass that sizes a model before any of it is loaded.
+    """
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str,
+                 dense_quant: str = "none", meta: bool = False) -> None:  # fmt: skip
         super().__init__(reader, dtype, device)
         self.sources: dict[int, ExpertSource] = {}
+        self.dense_quant, self.meta = dense_quant, meta
+        self._pending: list[tuple[dict[str, Any], tuple[str, ...]]] = []
+        self.quantized = [0, 0, 0]
+        """Weights converted layer by layer: count, float bytes, packed bytes."""
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not self.meta:
+            return super().take(name, shape, dtype)
+        if name not in self.reader:
+            raise MissingTensorError(f"missing tensor {name} (expected shape {list(shape)})")
+        if self.reader.shape(name) != shape:
+            raise ShapeMismatchError(f"tensor {name} has shape {list(self.reader.shape(name))}, expected {list(shape)}")
+        self.mark_used(name)
+        return torch.empty(shape, dtype=dtype or self.dtype, device="meta")
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        return self.reader.dtype(name) if name in self.reader else None
 
     def share_layer(self, layer: int, base: int) -> None:
         if base in self.sources:  # a repeated layer (a loop's later pass) reads the same experts
@@ -97,14 +136,55 @@ class _DenseLoader(weights_mod.TensorLoader):
         empty = torch.empty(0, dtype=self.dtype)
         return TorchExperts(m, empty, empty)
 
+    # the tables ``quantize_dense`` converts: GQA/MLA attention, dense MLPs, shared experts (every ``mlp`` call)
+    def attention(self, prefix: str, a: Any, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
+        w = super().attention(prefix, a, d, names)
+        if a.kind in ("gqa", "mla"):
+            self._pending.append((w, ATTENTION_LEAVES))
+        return w
+
+    def mlp(self, prefix: str, spec: Any, d: int) -> dict[str, torch.Tensor]:
+        w = super().mlp(prefix, spec, d)
+        self._pending.append((w, MLP_LEAVES))
+        return w
+
+    def on_layer(self, layer: int) -> None:
+        """Quantize the dense weights of the layer just read (``walk_weights``'s per-layer callback)."""
+        pending, self._pending = self._pending, []
+        if self.dense_quant == "none":
+            return
+        for table, leaves in pending:
+            for leaf in leaves:
+                w = table.get(f"{leaf}.weight")
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
+                    q: Any = _Packed(self.dense_quant, *w.shape) if self.meta else QuantLinear(w, self.dense_quant)
+                    table[f"{leaf}.weight"] = q
+                    self.quantized[0] += 1
+                    self.quantized[1] += w.numel() * w.element_size()
+                    self.quantized[2] += q.nbytes
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A dense weight the pre-flight pass counts at its packed size (nothing is quantized there)."""
+
+    fmt: str
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return ops.packed_bytes(self.fmt, self.n, self.k)
+
 
 def _tensor_bytes(obj: Any, seen: set[int]) -> int:
     if isinstance(obj, torch.Tensor):
-        if obj.numel() == 0 or obj.data_ptr() in seen:
+        key = id(obj) if obj.is_meta else obj.data_ptr()  # meta tensors have no storage to tell copies apart
+        if obj.numel() == 0 or key in seen:
             return 0
-        seen.add(obj.data_ptr())
+        seen.add(key)
         return obj.numel() * obj.element_size()
-    if isinstance(obj, QuantLinear):
+    if isinstance(obj, (QuantLinear, _Packed)):
         return obj.nbytes
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v, seen) for v in obj.values())
@@ -164,19 +244,121 @@ def _storage_format(quant: str, dtype: torch.dtype) -> tuple[str, bool]:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], False
 
 
+def _expert_layout(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: torch.dtype) -> ExpertLayout:
+    first = spec.layers[moe_layers[0]].moe
+    assert first is not None
+    shapes = {(spec.layers[i].moe.intermediate, spec.layers[i].moe.num_experts, spec.layers[i].moe.expert_bias)  # type: ignore[union-attr]
+              for i in moe_layers}
+    if len(shapes) != 1:
+        raise FreeTokenError("expert residency needs every MoE layer to have the same expert shape and count")
+    fmt, packed = _storage_format(quant, dtype)
+    return ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, packed)
+
+
+@dataclass(frozen=True)
+class Minimum:
+    """The least memory a budgeted load of one model can run in: its dense weights (in their tier), the KV
+    reserve, and the expert slots of one MoE step (``top_k`` plus pins) in each slot tier."""
+
+    dense_tier: str
+    dense_bytes: int
+    kv_reserve: int
+    slots: int
+    slot_bytes: int
+    slot_tiers: tuple[str, ...]
+
+    def need(self, tier: str) -> int:
+        """Bytes ``tier`` must hold at least."""
+        return (self.dense_bytes * (tier == self.dense_tier) + self.kv_reserve * (tier == "host")
+                + self.slots * self.slot_bytes * (tier in self.slot_tiers))
+
+    def check(self, budget: Budget) -> None:
+        """Raise ``BudgetTooSmallError`` (one line: what is needed, and why) when ``budget`` is below the need."""
+        for tier, limit in (("host", budget.host), ("device", budget.device)):
+            need = self.need(tier)
+            if limit is None or limit >= need:
+                continue
+            parts = [f"dense weights {format_bytes(self.dense_bytes)}"] if tier == self.dense_tier else []
+            if tier in self.slot_tiers:
+                parts.append(f"{self.slots} expert slots of {format_bytes(self.slot_bytes)} for one MoE step")
+            if tier == "host" and self.kv_reserve:
+                parts.append(f"KV reserve {format_bytes(self.kv_reserve)}")
+            dense_only = tier == self.dense_tier and self.dense_bytes + self.kv_reserve * (tier == "host") > limit
+            why = (f": the dense weights alone (attention, embeddings, routers, shared experts) take "
+                   f"{format_bytes(self.dense_bytes)}" if dense_only else " for this model")
+            raise BudgetTooSmallError(
+                f"{tier} memory budget {format_bytes(limit)} is too small{why}; it needs at least {format_bytes(need)} "
+                f"({', '.join(parts)}): raise --{tier}-memory to {-(-need // 10**6)}MB or more"
+                + (f" (the process itself takes about {PROCESS_FLOOR_MB} MB beyond it)" if tier == "host" else ""))
+
+
+def minimum_memory(
+    spec: ModelSpec, reader: CheckpointReader, dtype: torch.dtype, device: str, quant: str,
+    config: ResidencyConfig | None = None, dense_quant: str = "none",
+) -> Minimum | None:  # fmt: skip
+    """What a budgeted load of this checkpoint needs at least, found without reading its weights (a ``meta`` walk
+    of the same loader; one expert is read to learn the experts' layout). ``None`` for an architecture whose
+    loader computes with tensor values (it cannot run on ``meta`` tensors); the load then checks after the dense
+    weights are read."""
+    config = config or ResidencyConfig()
+    used = set(reader.used)
+    loader = _DenseLoader(reader, dtype, device, check_quant(dense_quant), meta=True)
+    try:
+        weights = weights_mod.walk_weights(spec, loader, loader.on_layer)
+    except (NotImplementedError, RuntimeError):  # torch refuses a data-dependent op on meta tensors
+        return None
+    finally:
+        reader.used = used
+    if not loader.sources:
+        return None
+    head = weights.lm_head
+    if loader.dense_quant != "none" and isinstance(head, torch.Tensor):  # quantize_dense converts it too
+        weights.lm_head = _Packed(loader.dense_quant, *head.shape)  # type: ignore[assignment]
+    moe_layers = sorted(loader.sources)
+    layout = _expert_layout(spec, moe_layers, quant, dtype)
+    top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
+    on_gpu = torch.device(device).type != "cpu"
+    slot_tiers = ("host", "device") if config.simulate_device or (on_gpu and config.device_tier) else ("host",)
+    return Minimum("device" if on_gpu else "host", _tensor_bytes(weights, set()), config.kv_reserve,
+                   top_k + len(config.pin), layout.stride, slot_tiers)
+
+
+def _report(fmt: str, layers: list[int], rest: DenseQuantReport | None) -> DenseQuantReport | None:
+    """One report for the dense weights quantized layer by layer (``layers``: count, bytes) and the rest."""
+    if fmt == "none":
+        return None
+    count, before, after = layers
+    if rest is not None:
+        count, before, after = count + rest.weights, before + rest.float_bytes, after + rest.quant_bytes
+    return DenseQuantReport(fmt, count, before, after)
+
+
 def load_managed(
     spec: ModelSpec, reader: CheckpointReader, path: Path, dtype: torch.dtype, device: str, quant: str,
     budget: Budget | None, config: ResidencyConfig | None = None, dense_quant: str = "none",
 ) -> Managed:  # fmt: skip
-    """Dense weights + expert tiers sized from ``budget`` (see the module docstring)."""
+    """Dense weights + expert tiers sized from ``budget`` (see the module docstring).
+
+    Under a limit the model's ``minimum_memory`` is checked first (``BudgetTooSmallError`` before anything is
+    loaded); dense weights are quantized layer by layer as they are read; writing the expert cache file reads the
+    checkpoint one expert at a time and drops the pages it read.
+    """
     config = config or ResidencyConfig()
     budget = budget or Budget()
     ledgers = budget.ledgers()
     policy_name = config.policy
     make_policy(policy_name)  # validate the name before any work
-    loader = _DenseLoader(reader, dtype, device)
-    weights = weights_mod.walk_weights(spec, loader, None)
-    dense_report = quantize_dense(spec, weights, dense_quant)  # before the dense bytes are claimed
+    dense_quant = check_quant(dense_quant)
+    if budget.host is not None:
+        bound_heap()  # the float copies the load drops go back to the OS instead of staying in the heap
+    if budget.limited:
+        minimum = minimum_memory(spec, reader, dtype, device, quant, config, dense_quant)
+        if minimum is not None:
+            minimum.check(budget)
+    loader = _DenseLoader(reader, dtype, device, dense_quant)
+    weights = weights_mod.walk_weights(spec, loader, loader.on_layer)
+    # the lm_head (the layers are done): before the dense bytes are claimed
+    dense_report = _report(dense_quant, loader.quantized, quantize_dense(spec, weights, dense_quant))
     ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
     unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
     if unexpected:
@@ -189,21 +371,15 @@ def load_managed(
     limit = ledgers[dense_tier].limit
     if limit is not None and dense_bytes + config.kv_reserve * (dense_tier == "host") > limit:
         flag = "--host-memory" if dense_tier == "host" else "--device-memory"
-        raise BudgetExceededError(
+        raise BudgetTooSmallError(
             f"{dense_tier} memory budget {format_bytes(limit)} is too small: the dense weights alone (attention, "
             f"embeddings, routers, shared experts) take {format_bytes(dense_bytes)}; raise {flag}"
         )
     ledgers[dense_tier].reserve("dense", dense_bytes)
     ledgers["host"].reserve("kv", config.kv_reserve)
 
-    first = spec.layers[moe_layers[0]].moe
-    assert first is not None
-    shapes = {(spec.layers[i].moe.intermediate, spec.layers[i].moe.num_experts, spec.layers[i].moe.expert_bias)  # type: ignore[union-attr]
-              for i in moe_layers}
-    if len(shapes) != 1:
-        raise FreeTokenError("expert residency needs every MoE layer to have the same expert shape and count")
-    fmt, packed = _storage_format(quant, dtype)
-    layout = ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, packed)
+    layout = _expert_layout(spec, moe_layers, quant, dtype)
+    num_experts = spec.layers[moe_layers[0]].moe.num_experts  # type: ignore[union-attr]
 
     def load(layer: int, e: int) -> Any:
         t = loader.sources[layer].load(e)
@@ -212,14 +388,21 @@ def load_managed(
 
     file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
     encode = None
-    if packed:  # the C quantizer writes the file (~3x faster than the torch one; same rules)
+    if layout.packed:  # the C quantizer writes the file (~3x faster than the torch one; same rules)
         from freetoken_agent.runtime.kernels.mapped import encoder
 
         encode = encoder(layout)
-    disk, written = open_or_write(file_path, layout, moe_layers, first.num_experts, load, config.drop_page_cache,
-                                  encode=encode)
+    # each expert is read once: under a host limit its pages leave the page cache (a cgroup counts them)
+    reader.drop_cache = budget.host is not None
+    try:
+        disk, written = open_or_write(file_path, layout, moe_layers, num_experts, load, config.drop_page_cache,
+                                      encode=encode)
+    finally:
+        reader.drop_cache = False
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
     store, planner = build_store(disk, ledgers, top_k, device, config)
+    if budget.host is not None:
+        bound_heap()  # what the heap holds free after the load goes back too
     return Managed(weights, store, planner, ledgers, spec, dense_bytes, written, exact=config.exact,
                    dense_quant=dense_report)
 
@@ -237,7 +420,7 @@ def build_store(
         n = min(total, ledger.free // layout.stride)  # type: ignore[operator]
         need = top_k + len(config.pin)
         if n < need:
-            raise BudgetExceededError(
+            raise BudgetTooSmallError(
                 f"{label} budget {format_bytes(ledger.limit)} is too small: after {format_bytes(ledger.used)} of "
                 f"dense weights/KV, {n} expert slots of {format_bytes(layout.stride)} fit; one MoE step needs {need}"
             )

@@ -1,0 +1,161 @@
+"""A budgeted process under a real memory cap: ``--host-memory X`` fits in X plus the stated floor.
+
+A child process (``sys.executable -c``) loads a synthetic MoE — first load (the expert cache file is written from the
+bf16 checkpoint), a greedy generation, the engine closed, a second (warm) load and a generation — under a hard cap of
+``budget + PROCESS_FLOOR_MB``, and must finish with the tokens of an unbudgeted engine. The model is shaped like the
+case that was killed before (a 7.8B model, ``--host-memory 0.8GB --quant-dense q4``: 1.56 GB of anonymous memory at a
+1.5 GB cap): its experts are ~2x the budget, and its dense weights in fp32 (168 MB) are more than the budget plus the
+floor's slack, quantized (q8: ~48 MB) well inside it — so the load must quantize them layer by layer as it reads them.
+
+The cap, in order of preference:
+
+- a cgroup memory limit (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) where this machine lets the test make
+  one. It counts what the kernel's OOM killer acts on: resident anonymous memory *and* page cache (the checkpoint and
+  cache-file pages the load reads or writes), so it is the real thing. Cap = budget + floor, no extra margin.
+- else ``RLIMIT_DATA`` (a process cannot lower a cgroup it does not own). It counts private writable address space,
+  not resident memory: every thread's 8 MiB stack and glibc's per-thread malloc arenas are counted in full although
+  little of them is touched. Measured here (``evals/perf/load_memory.py``): peak ``VmData`` runs ~190 MiB above peak
+  ``RssAnon`` (456 vs 264 MiB for a 100 MB budget), so the limit is budget + floor + ``DATA_MARGIN`` (256 MiB).
+  ``RLIMIT_AS`` is no use: torch's shared libraries alone map ~700 MiB of address space before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from freetoken_agent.evals.perf.load_memory import write_bf16_checkpoint
+from freetoken_agent.runtime.checkpoint.reader import CheckpointReader, load_config
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.experts.setup import ResidencyConfig, minimum_memory
+from freetoken_agent.runtime.kernels import build
+from freetoken_agent.runtime.memory import PROCESS_FLOOR_MB, Budget, BudgetTooSmallError
+from freetoken_agent.runtime.model.adapters import spec_from_config
+
+BUDGET = 80 * 10**6
+DATA_MARGIN = 256 * 2**20
+PROMPT = list(range(3, 40))
+NEW = 16
+pytestmark = pytest.mark.skipif(build.load() is None, reason="quantized experts and dense weights need the C kernels")
+QUANT = "q8"
+
+CHILD = r"""
+import gc, json, sys
+from pathlib import Path
+model, cache, budget, quant, prompt, new = json.loads(sys.argv[1])
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.experts.setup import ResidencyConfig
+from freetoken_agent.runtime.memory import Budget
+runs = []
+for phase in ("cold", "warm"):
+    engine = Engine.from_pretrained(model, quant=quant, dense_quant=quant, budget=Budget(host=budget),
+                                    residency=ResidencyConfig(cache_path=Path(cache)))
+    tokens = engine.generate(prompt, max_new_tokens=new, stop_token_ids=()).token_ids
+    runs.append({"phase": phase, "written": Path(cache).is_file(), "tokens": tokens,
+                 "peak": engine.residency.ledgers["host"].peak})
+    engine.close()
+    del engine
+    gc.collect()
+print("RESULT " + json.dumps(runs))
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~290 MB of bf16: 16 layers of 16-head attention (42M parameters: 168 MB in fp32) and 32 experts of
+    3 x 1024 x 64 each (100M parameters: ~107 MB of Q8_0 experts for an 80 MB budget)."""
+    return write_bf16_checkpoint(tmp_path_factory.mktemp("capped"), experts=32, layers=16, hidden=1024, inter=64,
+                                 num_attention_heads=16, num_key_value_heads=4)
+
+
+def _cgroup(cap: int, tmp: Path) -> Path | None:
+    """A fresh cgroup limited to ``cap`` bytes, or None where none can be made here."""
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+    for root, limit in ((v2, "memory.max"), (v1, "memory.limit_in_bytes")):
+        if not (root / limit).exists() and not (root / "cgroup.procs").exists():
+            continue
+        group = root / f"freetoken-test-{os.getpid()}-{tmp.name}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            (group / limit).write_text(str(cap))
+            (group / "cgroup.procs").stat()
+            return group
+        except OSError:
+            group.rmdir()
+    return None
+
+
+def _run_capped(model: Path, cache: Path, cap: int, tmp: Path) -> tuple[list[dict], str]:
+    group = _cgroup(cap, tmp)
+    if group is not None:
+        enter = f"open({str(group / 'cgroup.procs')!r}, 'w').write(str(__import__('os').getpid()))\n"
+        how = f"cgroup {group}"
+    else:
+        limit = cap + DATA_MARGIN
+        enter = f"import resource; resource.setrlimit(resource.RLIMIT_DATA, ({limit}, {limit}))\n"
+        how = "RLIMIT_DATA"
+    payload = json.dumps([str(model), str(cache), BUDGET, QUANT, PROMPT, NEW])
+    try:
+        proc = subprocess.run([sys.executable, "-c", enter + CHILD, payload], capture_output=True, text=True,
+                              timeout=600)
+    finally:
+        if group is not None:
+            group.rmdir()
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, (
+        f"the capped child ({how}, cap {cap / 2**20:.0f} MiB) failed with exit status {proc.returncode} "
+        f"(-9: killed for memory): {proc.stderr[-2000:]}")
+    return json.loads(line[7:]), how
+
+
+def test_budgeted_loads_and_generation_fit_under_a_hard_cap(model: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ftcache"))
+    size = (model / "model.safetensors").stat().st_size
+    assert size > 3 * BUDGET  # the checkpoint is far bigger than the budget
+    cache = tmp_path / "experts.ftx"
+    runs, how = _run_capped(model, cache, BUDGET + PROCESS_FLOOR_MB * 10**6, tmp_path)
+    reference = Engine.from_pretrained(model, quant=QUANT, dense_quant=QUANT).generate(
+        PROMPT, max_new_tokens=NEW, stop_token_ids=()).token_ids
+    assert [r["phase"] for r in runs] == ["cold", "warm"] and all(r["written"] for r in runs)
+    assert cache.stat().st_size > BUDGET  # the experts did not fit: they streamed from the cache file
+    for r in runs:
+        assert r["tokens"] == reference, f"{r['phase']} load under {how} generated other tokens"
+        assert r["peak"] <= BUDGET
+
+
+def test_budget_below_the_minimum_is_refused_before_loading(model: Path, tmp_path: Path) -> None:
+    spec = spec_from_config(load_config(model))
+    reader = CheckpointReader(model)
+    minimum = minimum_memory(spec, reader, torch.float32, "cpu", "q8_0")
+    assert minimum is not None
+    need = minimum.need("host")
+    cache = tmp_path / "experts.ftx"
+    with pytest.raises(BudgetTooSmallError, match=rf"too small for this model; it needs at least .*--host-memory"):
+        Engine.from_pretrained(model, quant=QUANT, budget=Budget(host=need - 1),
+                               residency=ResidencyConfig(cache_path=cache))
+    assert not cache.exists()  # refused before the expert cache file was written
+    with pytest.raises(BudgetTooSmallError, match="dense weights alone"):
+        Engine.from_pretrained(model, quant=QUANT, budget=Budget(host=minimum.dense_bytes // 2))
+    # at the minimum the load goes through, and the dense weights it counted are what the load claims
+    engine = Engine.from_pretrained(model, quant=QUANT, budget=Budget(host=need),
+                                    residency=ResidencyConfig(cache_path=cache))
+    assert engine.residency.ledgers["host"].reservations["dense"].nbytes == minimum.dense_bytes
+    assert engine.stats()["residency"]["tiers"]["host"]["slots"] == minimum.slots
+
+
+def test_minimum_counts_dense_weights_quantized_at_load(model: Path) -> None:
+    spec = spec_from_config(load_config(model))
+    minimum = minimum_memory(spec, CheckpointReader(model), torch.float32, "cpu", "q8_0", dense_quant="q8")
+    assert minimum is not None
+    engine = Engine.from_pretrained(model, quant="q8", dense_quant="q8", budget=Budget(host=10**9))
+    assert engine.residency.ledgers["host"].reservations["dense"].nbytes == minimum.dense_bytes
+    assert engine.dense_quant is not None and engine.dense_quant.weights == 16 * 4 + 1  # q, k, v, o per layer + head
