@@ -48,7 +48,8 @@ class _TypedExperts:
         self.inner = inner
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        out = self.inner.forward(x, topk_ids, topk_weights.float())
+        w = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
+        out = self.inner.forward(x, topk_ids, w)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

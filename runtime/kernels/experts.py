@@ -256,7 +256,8 @@ class QuantizedExperts:
                 f"experts forward: want x [T, {self.hidden}] and ids/weights [T, K], got {tuple(x.shape)}, "
                 f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
             )
-        x = x.to(torch.float32)
+        if x.dtype is not torch.float32:
+            x = x.to(torch.float32)
         threshold = 1 if self.exact or not self.packed else self.dequant_threshold
         if self.fused and topk_ids.numel() < threshold:  # decode: no expert can reach the threshold
             return ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, topk_ids, topk_weights)

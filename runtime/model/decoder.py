@@ -377,7 +377,7 @@ class Decoder:
             out = dense_linear(hidden, head, w.lm_head_bias)
         else:
             out = head(hidden, w.lm_head_bias)
-        out = out.float()
+        out = out if out.dtype is torch.float32 else out.float()
         if self.spec.logits_divisor != 1.0:
             out = out / self.spec.logits_divisor
         if self.spec.final_logit_softcap > 0:
