@@ -269,6 +269,39 @@ def linear_f32(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None 
     return y
 
 
+def linear_f32_parts(
+    weights: tuple[torch.Tensor, ...], x: torch.Tensor, biases: tuple[torch.Tensor | None, ...]
+) -> list[torch.Tensor]:
+    """``[linear_f32(w, x, b) for w, b in zip(weights, biases)]`` (bitwise) in one call, one hand-out to the pool:
+    a decode step's q, k and v projections. Up to 4 fp32 weights ``[N_p, K]``, checked as ``linear_f32`` checks."""
+    if not 1 <= len(weights) <= 4 or len(biases) != len(weights):
+        raise FreeTokenError("linear_f32_parts: want 1 to 4 weights, one bias (or None) each")
+    k = weights[0].shape[1]
+    m, kx = x.shape if x.dim() == 2 else (0, -1)
+    if not (kx == k and x.dtype is F32 and x.is_contiguous() and x.is_cpu):
+        raise FreeTokenError("linear_f32_parts: want fp32 x [M, K] on the CPU")
+    outs = []
+    for w, b in zip(weights, biases):
+        n = w.shape[0]
+        if not (
+            w.dim() == 2 and w.shape[1] == k and w.dtype is F32 and w.is_contiguous() and w.is_cpu and n > 0
+            and (b is None or (b.dtype is F32 and b.is_contiguous() and b.is_cpu and b.shape == (n,)))
+        ):  # fmt: skip
+            raise FreeTokenError("linear_f32_parts: want contiguous fp32 weights [N, K] (N > 0) and biases [N]")
+        outs.append(torch.empty(m, n, dtype=F32))
+    if m == 0:
+        return outs
+    p = len(weights)
+    vp, i64 = ctypes.c_void_p * p, ctypes.c_int64 * p
+    rc = (_loaded[0] if _loaded else _lib()).ft_gemm_f32_parts(
+        p, vp(*[w.data_ptr() for w in weights]), i64(*[w.shape[0] for w in weights]), k, x.data_ptr(), m,
+        vp(*[None if b is None else b.data_ptr() for b in biases]), vp(*[y.data_ptr() for y in outs]),
+    )  # fmt: skip
+    if rc:
+        raise FreeTokenError("ft_gemm_f32_parts: bad arguments")
+    return outs
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, fp32; each row reduced in one fixed order
     (batch invariant), on the calling thread for small inputs and on the pool for large ones."""

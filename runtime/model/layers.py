@@ -77,23 +77,42 @@ def dense_linear(
     on every pool thread, where torch's GEMV often uses one; in prefill it beats torch's GEMM (0.45-0.8x its time
     on a Zen 4, 9-512 rows, 1 and 2 threads: evals/perf/RESULTS.md). It reduces each row in one fixed order, so
     those products are batch invariant by default. Deterministic mode: that kernel for every product."""
-    det = kops.deterministic()
-    if (
+    if on_kernels(x, weight, bias, min_rows):
+        return kops.linear_f32(weight, x, bias)
+    if kops.deterministic():
+        return invariant.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def on_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               min_rows: int = GEMV_MIN_ROWS) -> bool:
+    """Whether ``dense_linear`` runs this product on the kernels' fp32 linear (see there)."""
+    return (
         x.dtype is F32
         and weight.dtype is F32
         and x.dim() == 2
-        and (det or weight.shape[0] >= min_rows or x.shape[0] > kops.GEMV_MAX_M)
+        and (weight.shape[0] >= min_rows or x.shape[0] > kops.GEMV_MAX_M or kops.deterministic())
         and (bias is None or bias.dtype is F32)
         and weight.is_cpu
         and weight.numel() > 0  # a zero-width MLP (shared size 0) is torch's: the C GEMM wants a real matrix
         and weight.is_contiguous()
         and x.is_contiguous()
         and kops.fast() is not None
+    )
+
+
+def projections(x: torch.Tensor, w: Weights, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """``[linear(x, w, name) for name in names]``; when every one of them would run on the kernels' fp32 linear,
+    they run as one call (``ops.linear_f32_parts``: one hand-out to the pool instead of one per weight, the same
+    bits)."""
+    weights = [w[f"{name}.weight"] for name in names]
+    biases = [w.get(f"{name}.bias") for name in names]
+    if len(names) <= 4 and all(
+        isinstance(wt, torch.Tensor) and (b is None or isinstance(b, torch.Tensor)) and on_kernels(x, wt, b)
+        for wt, b in zip(weights, biases)
     ):
-        return kops.linear_f32(weight, x, bias)
-    if det:
-        return invariant.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return kops.linear_f32_parts(tuple(weights), x, tuple(biases))
+    return [linear(x, w, name) for name in names]
 
 
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -434,8 +453,11 @@ def gqa_attention(
     projections, norms and RoPE run once over all T rows — each weight read once per step — and only the cache append
     and the attention itself run per sequence; without, the rows are one sequence in ``cache``."""
     t = x.shape[0]
-    q, k = linear(x, w, "q_proj"), linear(x, w, "k_proj")
-    v = k if spec.k_eq_v else linear(x, w, "v_proj")  # Gemma 4 full layers: the raw keys are the values
+    if spec.k_eq_v:  # Gemma 4 full layers: the raw keys are the values
+        q, k = projections(x, w, ("q_proj", "k_proj"))
+        v = k
+    else:
+        q, k, v = projections(x, w, ("q_proj", "k_proj", "v_proj"))
     gate = None
     if spec.q_gate:  # per head [query | gate]
         q, gate = q.view(t, spec.num_heads, 2 * spec.head_dim).chunk(2, dim=-1)

@@ -297,6 +297,25 @@ def test_linear_f32_matches_torch_linear(shape: tuple[int, int, int], bias: bool
         ops.linear_f32(w.half(), x)
 
 
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_linear_f32_parts_is_bitwise_separate_calls(m: int, isas: list[str]) -> None:
+    # q, k, v of a decode step in one call: each output the same bits as its own linear_f32, on every path
+    k = 200
+    ws = (torch.randn(256, k), torch.randn(40, k), torch.randn(17, k))  # 17, 40: rows that end mid-item
+    bs = (torch.randn(256), None, torch.randn(17))
+    x = torch.randn(m, k)
+    with every_path(isas) as paths:
+        for _ in paths:
+            got = ops.linear_f32_parts(ws, x, bs)
+            for g, w, b in zip(got, ws, bs):
+                assert torch.equal(g, ops.linear_f32(w, x, b))
+    assert [t.shape for t in ops.linear_f32_parts(ws, x[:0], bs)] == [(0, 256), (0, 40), (0, 17)]
+    with pytest.raises(FreeTokenError):
+        ops.linear_f32_parts((ws[0], ws[1].t().contiguous()), x, (None, None))  # wrong K
+    with pytest.raises(FreeTokenError):
+        ops.linear_f32_parts(ws * 2, x, bs * 2)  # more than 4
+
+
 @pytest.mark.parametrize("shape", [(1, 2048), (16, 128), (2, 4, 128), (3, 100), (1, 7), (40, 2050)])  # last: pool
 def test_rms_norm_matches_torch(shape: tuple[int, ...], isas: list[str]) -> None:
     x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
