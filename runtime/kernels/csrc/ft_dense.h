@@ -6,7 +6,8 @@
  *   (two 8-lane accumulators, or one 16-lane one on AVX-512), added half to half, a fixed horizontal tree, then the
  *   K mod 16 tail in order — whatever M, the row's place among them, the thread count or the tiling: row i's bits
  *   never depend on the other rows (batch invariance). The AVX-512 path tiles 4 weight rows x 4 activation rows and
- *   gives the AVX2 path's bits; the portable path has its own fixed order (8 lanes, pairwise).
+ *   the AVX2 path 3 x 4 from 9 rows up (GEMV_MAX_M), both with the row-at-a-time kernel's bits; the portable path
+ *   has its own fixed order (8 lanes, pairwise).
  *   torch's CPU fp32 GEMV runs on one thread at M = 1 and its GEMM changes algorithm with M.
  * - ft_rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows on the pool when there are many: at one token
  *   torch's F.rms_norm costs ~11 us of dispatch for a microsecond of work, and a decode step runs ~4 per layer.
@@ -82,6 +83,16 @@ FT_AVX2 static void rms_scale_avx2(const float *x, float inv, const float *w, in
     for (; i < k; i++) o[i] = w ? x[i] * inv * w[i] : x[i] * inv;
 }
 
+/* The end of one (weight row, activation row) dot product on the AVX2 paths: the two 8-lane accumulators (lanes
+ * k mod 16 below 8, and from 8) added half to half, the fixed horizontal tree, then the K mod 16 tail from `i` in
+ * order. Every AVX2 kernel ends its pairs here, so they agree bit for bit. */
+FT_AVX2 static inline float finish_f32_avx2(__m256 a0, __m256 a1, const float *w, const float *x,
+                                                                int64_t i, int64_t k) {
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (int64_t t = i; t < k; t++) s += w[t] * x[t];
+    return s;
+}
+
 /* one weight row against m <= GEMV_MAX_M activation rows (row j at x + j * k): the row is read once */
 FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int64_t m, float *out) {
     __m256 acc[GEMV_MAX_M][2];
@@ -94,11 +105,7 @@ FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int
             acc[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + j * k + i + 8), acc[j][1]);
         }
     }
-    for (int64_t j = 0; j < m; j++) {
-        float s = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
-        for (int64_t t = i; t < k; t++) s += w[t] * x[j * k + t];
-        out[j] = s;
-    }
+    for (int64_t j = 0; j < m; j++) out[j] = finish_f32_avx2(acc[j][0], acc[j][1], w, x + j * k, i, k);
 }
 
 /* 8 bf16 weights widened to fp32 (exact: the 16 bits become the top of an fp32) */
@@ -108,6 +115,13 @@ FT_AVX2 static inline __m256 load_bf16x8(const uint16_t *p) {
 
 /* gemv_row_avx2 over a bf16 weight row, widened in registers (decode: the row streams at 2 bytes a value);
  * the same products and sums, so the same bits as widening the row first */
+FT_AVX2 static inline float finish_bf16_avx2(__m256 a0, __m256 a1, const uint16_t *w,
+                                                                 const float *x, int64_t i, int64_t k) {
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (int64_t t = i; t < k; t++) s += bf16_to_f32(w[t]) * x[t];
+    return s;
+}
+
 FT_AVX2 static void gemv_row_bf16_avx2(const uint16_t *w, const float *x, int64_t k, int64_t m, float *out) {
     __m256 acc[GEMV_MAX_M][2];
     for (int64_t j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
@@ -119,11 +133,66 @@ FT_AVX2 static void gemv_row_bf16_avx2(const uint16_t *w, const float *x, int64_
             acc[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + j * k + i + 8), acc[j][1]);
         }
     }
-    for (int64_t j = 0; j < m; j++) {
-        float s = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
-        for (int64_t t = i; t < k; t++) s += bf16_to_f32(w[t]) * x[j * k + t];
-        out[j] = s;
+    for (int64_t j = 0; j < m; j++) out[j] = finish_bf16_avx2(acc[j][0], acc[j][1], w, x + j * k, i, k);
+}
+
+/* 3 weight rows (row r at w + r * k) x 4 activation rows on AVX2, over K values [k0, k1) (multiples of 16): the
+ * tile's accumulators st[half][j][r] carry on from the previous K chunk. Each pair's two 8-lane accumulators (lanes
+ * k mod 16 below 8, and from 8) are independent chains over K, so they run in two passes: 12 accumulators, 3 weight
+ * vectors and 1 activation vector fill the 16 ymm registers, each weight load meets 4 rows and each activation
+ * load 3 (12 FMAs per 7 loads, where the row-at-a-time kernel does 8 per 10). Chained over the chunks in order, a
+ * pair gets exactly gemv_row_avx2's sums. One body for fp32 weights and for bf16 ones widened in registers. */
+#define FT_TILE3X4_AVX2(NAME, WT, LOAD8)                                                                       \
+    FT_AVX2 static void NAME(const WT *w, const float *x, int64_t k, int64_t k0, int64_t k1, __m256 st[2][4][3]) { \
+        for (int half = 0; half < 2; half++) {                                                                 \
+            __m256 acc[4][3];                                                                                  \
+            memcpy(acc, st[half], sizeof(acc));                                                                \
+            for (int64_t i = k0 + 8 * half; i < k1; i += 16) {                                                 \
+                const __m256 w0 = LOAD8(w + i), w1 = LOAD8(w + k + i), w2 = LOAD8(w + 2 * k + i);              \
+                for (int j = 0; j < 4; j++) {                                                                  \
+                    const __m256 xv = _mm256_loadu_ps(x + j * k + i);                                          \
+                    acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);                                            \
+                    acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);                                            \
+                    acc[j][2] = _mm256_fmadd_ps(w2, xv, acc[j][2]);                                            \
+                }                                                                                              \
+            }                                                                                                  \
+            memcpy(st[half], acc, sizeof(acc));                                                                \
+        }                                                                                                      \
     }
+
+FT_TILE3X4_AVX2(tile3x4_avx2, float, _mm256_loadu_ps)
+FT_TILE3X4_AVX2(tile3x4_bf16_avx2, uint16_t, load_bf16x8)
+
+#define GEMM_KC 512 /* K values per chunk: a tile's 3 weight rows and 4 activation rows of a chunk (14 KiB) stay in L1 */
+
+/* Prefill on AVX2: weight rows [0, 3 * (nr / 3)) (fp32 w, or bf16 wb with w NULL) in tiles of 3 against 4 activation
+ * rows x, K in L1-sized chunks (every tile of a chunk reuses the activation rows' chunk); y[j * ldy + row]. Returns
+ * the rows done (the rest go row at a time). Everything that holds a __m256 lives in AVX2 code. */
+FT_AVX2 static int64_t gemm_tiles_avx2(const float *w, const uint16_t *wb, const float *x, int64_t k, int64_t nr,
+                                       float *y, int64_t ldy) {
+    const int64_t tiles = nr / 3 < GEMV_ROWS_PER_ITEM / 3 ? nr / 3 : GEMV_ROWS_PER_ITEM / 3, kfull = k & ~(int64_t)15;
+    __m256 st[GEMV_ROWS_PER_ITEM / 3][2][4][3];
+    for (int64_t t = 0; t < tiles; t++)
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int u = 0; u < 3; u++) st[t][h][j][u] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < kfull; k0 += GEMM_KC) {
+        const int64_t k1 = k0 + GEMM_KC < kfull ? k0 + GEMM_KC : kfull;
+        for (int64_t t = 0; t < tiles; t++) {
+            if (w)
+                tile3x4_avx2(w + 3 * t * k, x, k, k0, k1, st[t]);
+            else
+                tile3x4_bf16_avx2(wb + 3 * t * k, x, k, k0, k1, st[t]);
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t j = 0; j < 4; j++)
+            for (int u = 0; u < 3; u++) {
+                const int64_t row = 3 * t + u;
+                y[j * ldy + row] = w ? finish_f32_avx2(st[t][0][j][u], st[t][1][j][u], w + row * k, x + j * k, kfull, k)
+                                     : finish_bf16_avx2(st[t][0][j][u], st[t][1][j][u], wb + row * k, x + j * k, kfull, k);
+            }
+    return 3 * tiles;
 }
 
 /* 4 weight rows (row r at w + r * k) x 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
@@ -179,6 +248,7 @@ static void gemv_block(const gemv_ctx *c, const float *w, const uint16_t *wb, in
             for (int64_t j = 0; j < 4; j++)
                 for (int u = 0; u < 4; u++) c->y[(j0 + j) * n + r0 + r + u] = out[j * 4 + u];
         }
+    if (g_isa == FT_ISA_AVX2 && j1 - j0 == 4) r = gemm_tiles_avx2(w, wb, c->x + j0 * k, k, nr, c->y + j0 * n + r0, n);
 #endif
     for (; r < nr; r++) {
 #ifdef FT_X86
