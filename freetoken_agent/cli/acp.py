@@ -109,10 +109,6 @@ def _backend_factory(args: argparse.Namespace) -> Any:
         from freetoken_agent.backends.local import LocalEngine
         from freetoken_agent.runtime.models import resolve_model
 
-        if args.threads is not None:
-            import torch
-
-            torch.set_num_threads(args.threads)
         from freetoken_agent.cli.run import agent_engine_kwargs
         backend = LocalEngine.from_pretrained(resolve_model(name), device=args.device, dtype=args.dtype,
                                                **agent_engine_kwargs(args))

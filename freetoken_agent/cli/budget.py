@@ -48,7 +48,7 @@ def speculate_flag(value: str) -> bool | int:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=``/``threads=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if getattr(args, "quant_dense", "none") != "none":
@@ -59,6 +59,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quant["kv_dtype"] = args.kv_dtype
     if getattr(args, "speculate", True) is not True:
         quant["speculate"] = args.speculate
+    if getattr(args, "threads", None) is not None:  # torch's threads and the kernels' pool (Engine.from_pretrained)
+        quant["threads"] = args.threads
     if device is None and host is None and policy is None:
         return quant
     from freetoken_agent.runtime.experts.setup import ResidencyConfig

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if is_synthetic(path):
         print(f"note: {path.name} is a synthetic checkpoint with RANDOM weights: expect gibberish", file=sys.stderr)
     engine = Engine.from_pretrained(path, dtype=args.dtype, require_tokenizer=args.prompt_ids is None,
-                                    threads=args.threads, **engine_kwargs(args))
+                                    **engine_kwargs(args))
     ids = _prompt_ids(args, engine)
     events = engine.iter_generate(
         ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=sampling("seed"), default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine (default: torch's)")
+    p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine (default: $FREETOKEN_THREADS, else the free cores)")
     p.add_argument("--trajectory", default=None, help="append the run to this JSONL file (or folder)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines instead of the live view")
     p.add_argument("--sandbox", choices=["read-only", "workspace-write", "full-access"], default="workspace-write",
@@ -51,18 +51,6 @@ def _limits_ok(args: argparse.Namespace) -> None:
         raise CLIError("--max-wall must be positive")
     if not Path(args.workspace).is_dir():
         raise CLIError(f"workspace {args.workspace!r} is not a folder")
-
-
-def set_threads(count: int | None) -> None:
-    """Pin torch to ``count`` threads (None: leave it); fewer than 1 is a usage error."""
-    from freetoken_agent.cli import CLIError
-
-    if count is not None:
-        if count < 1:
-            raise CLIError("--threads must be at least 1")
-        import torch
-
-        torch.set_num_threads(count)
 
 
 def agent_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
         from freetoken_agent.backends.local import LocalEngine
         from freetoken_agent.runtime.models import resolve_model
 
-        set_threads(args.threads)
         folder = resolve_model(args.model)
         with console.status(f"loading {folder.name}"):
             backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype,

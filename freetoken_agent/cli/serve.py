@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="model id clients use (default: the folder name)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine (default: torch's)")
+    p.add_argument("--threads", type=count(), default=None, help="CPU threads for the engine (default: $FREETOKEN_THREADS, else the free cores)")
     p.add_argument("--default-max-tokens", type=count(), default=1024,
                    help="completion length when a request gives none (default: 1024)")
     p.add_argument("--api-key", default=None,
@@ -78,10 +78,8 @@ def load_backend(args: argparse.Namespace) -> tuple[Any, str]:
         return ScriptedBackend(turns), args.name or "scripted"
     from freetoken_agent.backends.local import LocalEngine
     from freetoken_agent.cli.budget import engine_kwargs
-    from freetoken_agent.cli.run import set_threads
     from freetoken_agent.runtime.models import resolve_model
 
-    set_threads(args.threads)
     folder = resolve_model(args.model)
     backend = LocalEngine.from_pretrained(folder, device=args.device, dtype=args.dtype, **engine_kwargs(args))
     return backend, args.name or folder.resolve().name
