@@ -17,6 +17,11 @@ what llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way in is 
 - ``gpt-oss``: gate/up experts were split out of the interleaved ``gate_up_proj`` and transposed, with their biases;
   the reader serves them back as transformers' fused tensors (``expert_layout="gpt_oss"``); the sliding-window
   layers follow llama.cpp's pattern (every other layer, from the first) unless the file lists them.
+- ``deepseek2`` (DeepSeek-V2/V2.5/V3, Kimi-K2 and others converted as it): llama.cpp writes MLA as MQA (one KV head,
+  ``key_length`` = kv_lora_rank + rope dim) with the real head sizes in ``key_length_mla`` / ``value_length_mla``, and
+  splits ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``; the reader joins them back. Sigmoid
+  gating maps to ``deepseek_v3``, softmax to ``deepseek_v2`` (whose expert groups transformers scores by their best
+  expert; llama.cpp by the sum of the best two). Its rope is interleaved (llama.cpp's normal rope, unpermuted).
 
 Architectures llama.cpp writes that are not mapped here (dense ones, and MoE ones not done yet) are refused by name.
 """
@@ -101,9 +106,10 @@ def mtp_layers(f: GGUFFile) -> int:
     return _int(f, "nextn_predict_layers", 0)
 
 
-def _common(f: GGUFFile, partial_rotary: bool = False) -> Config:
+def _common(f: GGUFFile, partial_rotary: bool = False, mla: bool = False) -> Config:
     """The fields every decoder has; ``vocab_size`` from the embedding table (authoritative for the weights).
-    ``partial_rotary``: the architecture rotates only ``rope.dimension_count`` channels of each head (NeoX style)."""
+    ``partial_rotary``: the architecture rotates only ``rope.dimension_count`` channels of each head (NeoX style);
+    ``mla``: head sizes and rope dimension are the MLA adapter's to read (``deepseek2``)."""
     if "token_embd.weight" not in f.tensors:
         raise GGUFMetadataError(f"{f.path.name}: no token_embd.weight tensor (not a language model?)")
     heads = _int(f, "attention.head_count")
@@ -126,6 +132,8 @@ def _common(f: GGUFFile, partial_rotary: bool = False) -> Config:
         bos_token_id=_token_id(f, "bos_token_id"),
         eos_token_id=_token_id(f, "eos_token_id"),
     )
+    if mla:
+        return cfg
     if f.arch_get("attention.key_length", None) is not None:
         cfg["head_dim"] = _int(f, "attention.key_length")
         value = _int(f, "attention.value_length", cfg["head_dim"])
@@ -300,6 +308,61 @@ def gpt_oss(f: GGUFFile) -> Config:
     return cfg
 
 
+def deepseek2(f: GGUFFile) -> Config:
+    """DeepSeek-V2/V3 (MLA, shared experts, dense leading layers): ``deepseek_v3`` for sigmoid gating, else
+    ``deepseek_v2``."""
+    if f.arch_get("attention.key_length_mla", None) is None:
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 file without attention.key_length_mla (written before "
+                                "llama.cpp split attn_kv_b into attn_k_b / attn_v_b); convert it again with a current "
+                                "llama.cpp")
+    cfg = _common(f, mla=True)
+    n, k = _experts(f)
+    rope_dim = _int(f, "rope.dimension_count")
+    qk, v = _int(f, "attention.key_length_mla"), _int(f, "attention.value_length_mla")
+    kv_rank = _int(f, "attention.kv_lora_rank")
+    if _int(f, "attention.key_length") != kv_rank + rope_dim or not 0 < rope_dim < qk:
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 head sizes do not fit MLA (key_length "
+                                f"{_int(f, 'attention.key_length')}, kv_lora_rank {kv_rank}, rope {rope_dim}, "
+                                f"key_length_mla {qk})")
+    gating = _gating(f, "softmax")  # llama.cpp's default for files without the key (DeepSeek-V2/V2.5)
+    if gating not in ("softmax", "sigmoid"):
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 with {gating} expert gating is not supported")
+    v3 = gating == "sigmoid"
+    has_bias = any(name.endswith(".exp_probs_b.bias") for name in f.tensors)
+    if v3 and not has_bias:
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 with sigmoid gating but no exp_probs_b.bias (correction "
+                                "bias) is not supported")
+    norm = bool(f.arch_get("expert_weights_norm", False))
+    if not v3 and norm:
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 with softmax gating and renormalized top-k weights "
+                                "(expert_weights_norm) is not a DeepSeek-V2 router; not supported")
+    groups = _int(f, "expert_group_count", 1)
+    q_rank = f.arch_get("attention.q_lora_rank", None)
+    params = cfg["rope_parameters"]
+    log_mul = f.arch_get("rope.scaling.yarn_log_multiplier", None)
+    if params["rope_type"] == "yarn" and log_mul is not None:  # the converter wrote 0.1 * mscale_all_dim
+        params["mscale_all_dim"] = params["mscale"] = float(f"{float(log_mul) / 0.1:.6g}")
+    expert_ffn = _expert_ffn(f)
+    cfg.update(
+        model_type="deepseek_v3" if v3 else "deepseek_v2",
+        n_routed_experts=n, num_experts_per_tok=k, moe_intermediate_size=expert_ffn,
+        intermediate_size=_int(f, "feed_forward_length", expert_ffn),
+        n_shared_experts=_int(f, "expert_shared_count", 0),
+        first_k_dense_replace=_int(f, "leading_dense_block_count", 0),
+        n_group=groups, topk_group=_int(f, "expert_group_used_count", 1),
+        routed_scaling_factor=_float(f, "expert_weights_scale", 1.0) or 1.0,
+        num_key_value_heads=cfg["num_attention_heads"],  # MLA runs as MHA after the up-projection
+        q_lora_rank=int(q_rank) if q_rank is not None else None, kv_lora_rank=kv_rank,
+        qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk - rope_dim, v_head_dim=v, head_dim=rope_dim,
+        rope_interleave=True, attention_bias=False,
+    )
+    if v3:
+        cfg.update(norm_topk_prob=norm, scoring_func="sigmoid", topk_method="noaux_tc")
+    else:
+        cfg.update(topk_method="group_limited_greedy" if groups > 1 else "greedy", mlp_bias=False)
+    return cfg
+
+
 ARCHITECTURES: dict[str, ArchMap] = {
     "qwen3moe": ArchMap("qwen3_moe", lambda f: qwen_moe(f, True)),
     "qwen2moe": ArchMap("qwen2_moe", lambda f: qwen_moe(f, False)),
@@ -309,11 +372,11 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "glm4moe": ArchMap("glm4_moe", glm4moe, renames=(("post_attention_norm.weight", "ffn_norm.weight"),)),
     "gpt-oss": ArchMap("gpt_oss", gpt_oss, renames=(("post_attention_norm.weight", "ffn_norm.weight"),),
                        expert_layout="gpt_oss"),
+    "deepseek2": ArchMap("deepseek_v3", deepseek2),
 }
 """llama.cpp architecture → how it maps (the GGUF loader's supported list)."""
 
 NOT_YET = {
-    "deepseek2": "DeepSeek-V2/V3 (MLA with llama.cpp's split attn_k_b/attn_v_b)",
     "qwen3next": "Qwen3-Next (gated delta-net layers)",
     "qwen35moe": "Qwen3.5 MoE (gated delta-net layers)",
     "deepseek": "DeepSeek-V1 MoE",
@@ -370,6 +433,9 @@ def block_names(spec: ModelSpec, layer: int) -> dict[str, str]:
     for theirs, ours in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", n.o_proj)):
         for kind in ("weight", "bias"):
             out[f"{theirs}.{kind}"] = f"{at}.{ours}.{kind}"
+    for theirs, ours in (("attn_q_a", "q_a_proj"), ("attn_q_a_norm", "q_a_layernorm"), ("attn_q_b", "q_b_proj"),
+                         ("attn_kv_a_mqa", "kv_a_proj_with_mqa"), ("attn_kv_a_norm", "kv_a_layernorm")):  # MLA
+        out[f"{theirs}.weight"] = f"{at}.{ours}.weight"
     out["attn_q_norm.weight"] = f"{at}.{n.q_norm}.weight"
     out["attn_k_norm.weight"] = f"{at}.{n.k_norm}.weight"
     for leaf in ("gate", "up", "down"):

@@ -10,8 +10,9 @@ The raw stacked expert tensors stay reachable (``experts``) so Q8_0 / Q4_0 exper
 being dequantized (``runtime/gguf/model.py``). GPT-OSS experts (``expert_layout="gpt_oss"``) are served as
 transformers' fused tensors instead (``experts.gate_up_proj`` [E, D, 2I] with gate/up interleaved by column,
 ``experts.down_proj`` [E, I, D], their ``_bias`` tensors), composed from the split GGUF tensors one expert at a time:
-the only per-expert layout the weight loader reads expert biases from. Multi-token-prediction blocks after the
-decoder's (``nextn_predict_layers``) are left unread.
+the only per-expert layout the weight loader reads expert biases from. DeepSeek's MLA up-projection ``kv_b_proj``
+is joined back from llama.cpp's per-head split ``attn_k_b`` (transposed) / ``attn_v_b``. Multi-token-prediction
+blocks after the decoder's (``nextn_predict_layers``) are left unread.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class Source:
     """> 0: undo llama.cpp's rope permutation with this many heads."""
     compose: str = ""
     """Not one stored tensor but one composed per expert from ``parts`` (``gpt_oss_gate_up``, ``gpt_oss_down``,
-    ``gpt_oss_gate_up_bias``, ``gpt_oss_down_bias``)."""
+    ``gpt_oss_gate_up_bias``, ``gpt_oss_down_bias``), or from a split one (``mla_kv_b``)."""
     parts: tuple[GGUFTensor, ...] = ()
 
 
@@ -130,6 +131,8 @@ class GGUFCheckpointReader(CheckpointReader):
         """MoE prefixes whose experts are served as fused tensors (their per-expert names are not expected)."""
         self.skipped: list[str] = []
         """GGUF tensors left unread: the multi-token-prediction blocks."""
+        self.kv_b: dict[int, dict[str, GGUFTensor]] = {}
+        """MLA layer → its ``attn_k_b`` / ``attn_v_b`` (joined into ``kv_b_proj`` once both are seen)."""
         mtp = mtp_layers(file)
         expected = expected_tensors(spec)
         for t in file.tensors.values():
@@ -141,6 +144,8 @@ class GGUFCheckpointReader(CheckpointReader):
         if arch.expert_layout == "gpt_oss":
             for layer in sorted(self.experts):
                 self._fuse_gpt_oss(layer, expected)
+        for layer in sorted(self.kv_b):
+            self._join_kv_b(layer, expected)
         missing = [n for n in expected if n not in self.infos
                    and not any(n.startswith(f"{p}.experts.") for p in self.fused)]
         if missing:
@@ -184,6 +189,9 @@ class GGUFCheckpointReader(CheckpointReader):
         layer, leaf = int(m[1]), self.renames.get(m[2], m[2])
         if leaf in _EXPERT_KIND:
             self._place_experts(t, layer, leaf, expected)
+            return
+        if leaf in ("attn_k_b.weight", "attn_v_b.weight"):
+            self.kv_b.setdefault(layer, {})[leaf] = t
             return
         name = block_names(spec, layer).get(leaf)
         if name is None:
@@ -248,6 +256,27 @@ class GGUFCheckpointReader(CheckpointReader):
         ):
             self._add(f"{prefix}.{name}", Source(parts[0], compose=compose, parts=parts), shape, expected)
 
+    def _join_kv_b(self, layer: int, expected: dict[str, tuple[int, ...]]) -> None:
+        """``kv_b_proj`` [H·(nope + v), R] of one MLA layer from ``attn_k_b`` [H, R, nope] and ``attn_v_b``
+        [H, v, R] (the converter's ``DeepseekV2Model.modify_tensors``, undone)."""
+        parts, attn = self.kv_b[layer], self.spec.layers[layer].attention
+        if attn is None or attn.kind != "mla" or set(parts) != {"attn_k_b.weight", "attn_v_b.weight"}:
+            got = ", ".join(f"blk.{layer}.{leaf}" for leaf in sorted(parts))
+            raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor(s) {got} do not make an MLA kv_b_proj of "
+                                        f"layer {layer} of the {self.spec.model_type} model")
+        k_b, v_b = parts["attn_k_b.weight"], parts["attn_v_b.weight"]
+        h, r, nope, v = attn.num_heads, attn.kv_lora_rank, attn.qk_nope_dim, attn.v_head_dim
+        for t, shape in ((k_b, (h, r, nope)), (v_b, (h, v, r))):
+            if tuple(t.shape) != shape:
+                raise ShapeMismatchError(f"{self.path.name}: GGUF tensor {t.name} has shape {list(t.shape)}, expected "
+                                         f"{list(shape)}")
+        names = self.spec.layers[layer].names or self.spec.names
+        name = f"{self.spec.layers[layer].prefix or f'{names.layers}.{layer}'}.{names.attn}.kv_b_proj.weight"
+        if name not in expected:
+            raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {k_b.name} ({name}) is not used by the "
+                                        f"{self.spec.model_type} architecture")
+        self._add(name, Source(k_b, compose="mla_kv_b", parts=(k_b, v_b)), (h * (nope + v), r), expected)
+
     def _composed(self, src: Source, k: int) -> torch.Tensor:
         """Expert ``k`` of a composed tensor, in the layout transformers stores it."""
         if src.compose == "gpt_oss_gate_up":  # [D, 2I], columns gate_0, up_0, gate_1, ...
@@ -265,6 +294,9 @@ class GGUFCheckpointReader(CheckpointReader):
     def read(self, name: str) -> torch.Tensor:
         src = self.sources[name]
         self.used.add(name)
+        if src.compose == "mla_kv_b":  # per head: k_b transposed back, then v_b
+            k_b, v_b = (dequantize(t) for t in src.parts)  # [H, R, nope], [H, v, R]
+            return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.infos[name].shape)
         if src.compose:
             return torch.stack([self._composed(src, k) for k in range(self.infos[name].shape[0])])
         out = dequantize(src.tensor, src.expert, src.rows).reshape(self.infos[name].shape)
@@ -274,7 +306,7 @@ class GGUFCheckpointReader(CheckpointReader):
 
     def read_row(self, name: str, index: int) -> torch.Tensor:
         src = self.sources[name]
-        if src.compose:
+        if src.compose.startswith("gpt_oss"):
             self.used.add(name)
             return self._composed(src, index)
         return self.read(name)[index]

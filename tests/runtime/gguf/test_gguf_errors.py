@@ -105,8 +105,8 @@ def test_non_moe_architectures(good: Path, tmp_path: Path) -> None:
         Engine.from_pretrained(copy_gguf(good, tmp_path / "dense.gguf", arch="qwen3"))
     with pytest.raises(GGUFArchitectureError, match="without experts .* is a dense model"):
         Engine.from_pretrained(copy_gguf(good, tmp_path / "llama.gguf", arch="llama", values={"llama.expert_count": 0}))
-    with pytest.raises(GGUFArchitectureError, match="'deepseek2' .* is not supported from GGUF yet"):
-        Engine.from_pretrained(copy_gguf(good, tmp_path / "ds.gguf", arch="deepseek2"))
+    with pytest.raises(GGUFArchitectureError, match="'qwen3next' .* is not supported from GGUF yet"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "q3n.gguf", arch="qwen3next"))
 
 
 def test_glm4moe_metadata_it_cannot_run(tmp_path: Path) -> None:
@@ -118,6 +118,19 @@ def test_glm4moe_metadata_it_cannot_run(tmp_path: Path) -> None:
         Engine.from_pretrained(copy_gguf(good, tmp_path / "softmax.gguf", values={"glm4moe.expert_gating_func": 1}))
     with pytest.raises(GGUFMetadataError, match="nextn_predict_layers=4 leaves no decoder layer of 4 blocks"):
         Engine.from_pretrained(copy_gguf(good, tmp_path / "mtp.gguf", values={"glm4moe.nextn_predict_layers": 4}))
+
+
+def test_deepseek2_metadata_it_cannot_run(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    save_checkpoint("deepseek_v2", folder, seed=4, scoring_func="softmax")
+    good = write_gguf(folder, tmp_path / "ds.gguf")
+    Engine.from_pretrained(copy_gguf(good, tmp_path / "same.gguf"))
+    with pytest.raises(GGUFMetadataError, match="without attention.key_length_mla .* convert it again"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "old.gguf", drop=("deepseek2.attention.key_length_mla",)))
+    with pytest.raises(GGUFMetadataError, match="softmax gating and renormalized top-k weights"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "norm.gguf", values={"deepseek2.expert_weights_norm": 1}))
+    with pytest.raises(GGUFMetadataError, match="sigmoid gating but no exp_probs_b.bias"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "sig.gguf", values={"deepseek2.expert_gating_func": 2}))
 
 
 def test_roundtrip_copy_still_loads(good: Path, tmp_path: Path) -> None:

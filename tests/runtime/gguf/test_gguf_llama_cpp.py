@@ -18,6 +18,9 @@ from freetoken_agent.runtime.engine import Engine
 from tests.runtime.gguf.models import varied_checkpoint
 from tests.runtime.gguf.writer import write_gguf
 
+OVERRIDES = {"deepseek_v2": {"scoring_func": "softmax", "q_lora_rank": 20}, "deepseek_v3": {"scoring_func": "sigmoid"}}
+"""DeepSeek: the router config.json names (the tiny configs leave it out; the converter writes it as the gating key);
+V2 with a query LoRA: llama.cpp takes a DeepSeek-V2 without one for V2-Lite only by its layer count (26 or 27)."""
 SKIP = "llama-cpp-python is not installed: the comparison with llama.cpp on the same GGUF file is skipped"
 
 TEXT = ("def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] <= b[0] else b.pop(0))\n"
@@ -43,14 +46,14 @@ def test_top1_agreement_with_llama_cpp(kind: str, tmp_path: Path) -> None:
     assert agree >= 0.95
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("kind", ["F32", "Q8_0"])
 def test_tiny_top1_agreement_with_llama_cpp(arch: str, kind: str, tmp_path: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason=SKIP)
     import numpy as np
     import torch
 
-    varied_checkpoint(arch, tmp_path / "hf", seed=1)
+    varied_checkpoint(arch, tmp_path / "hf", seed=1, **OVERRIDES.get(arch, {}))
     file = write_gguf(tmp_path / "hf", tmp_path / f"{arch}.gguf", experts=kind, no_vocab=True)
     ids = torch.randint(0, 512, (128,), generator=torch.Generator().manual_seed(7)).tolist()
     mine = Engine.from_pretrained(file).logits(ids).argmax(-1).tolist()

@@ -7,7 +7,8 @@
   reported conversion error equals the error measured here, and ``quant="q8_0"`` converts with less error;
 - a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file;
 - GLM-4.5's multi-token-prediction layer (an extra block in the file) is left unread; GPT-OSS's MXFP4 experts (the
-  format its GGUF files ship in) run converted, with their biases.
+  format its GGUF files ship in) run converted, with their biases; DeepSeek's split ``attn_k_b`` / ``attn_v_b`` join
+  back into ``kv_b_proj`` from block types too.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from tests.runtime.checkpoints import save_checkpoint
 from tests.runtime.gguf.models import varied_checkpoint
 from tests.runtime.gguf.writer import write_gguf
 
-ARCHS = {  # overrides: llama.cpp's qwen2moe has an MoE FFN in every layer
+ARCHS = {  # overrides: llama.cpp's qwen2moe has an MoE FFN in every layer; DeepSeek's config.json names its router
     "qwen3_moe": {}, "qwen2_moe": {"mlp_only_layers": []}, "mixtral": {}, "olmoe": {}, "granitemoe": {},
-    "glm4_moe": {}, "gpt_oss": {},
+    "glm4_moe": {}, "gpt_oss": {}, "deepseek_v2": {"scoring_func": "softmax"},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
 }
 PROMPT = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(5)).tolist()  # < Mixtral's window 16
 
@@ -79,7 +81,8 @@ def test_f32_gguf_matches_transformers(arch: str, checkpoints: dict, tmp_path: P
     assert float((engine.logits(PROMPT) - ref).abs().max()) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v2",
+                                  "deepseek_v3"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
 def test_block_experts_load_as_stored(arch: str, kind: str, checkpoints: dict, tmp_path: Path) -> None:
     folder, _ = checkpoints[arch]
@@ -199,6 +202,29 @@ def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
     rel8 = float((q8.logits(PROMPT) - exact).norm() / exact.norm())
     print(f"gpt-oss MXFP4 experts: logits relative error vs the stored values {rel:.4f} as q4_0, {rel8:.4f} as q8_0")
     assert rel8 < rel / 4 and rel8 < 0.05
+
+
+def test_deepseek_split_kv_b_in_block_types(tmp_path: Path) -> None:
+    import gguf
+
+    from freetoken_agent.runtime.gguf.model import GGUFModel
+
+    folder = tmp_path / "hf"  # head sizes that are whole Q8_0 blocks, so attn_k_b / attn_v_b are stored quantized
+    varied_checkpoint("deepseek_v3", folder, seed=2, scoring_func="sigmoid", qk_nope_head_dim=32, kv_lora_rank=32,
+                      v_head_dim=32)
+    file = write_gguf(folder, tmp_path / "q.gguf", experts="Q8_0", dense="Q8_0")
+    model = GGUFModel(file)
+    assert {model.file.tensors[f"blk.1.attn_{x}_b.weight"].type_name for x in "kv"} == {"Q8_0"}
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    k_b, v_b = (torch.from_numpy(gguf.quants.dequantize(np.asarray(model.file.tensors[f"blk.1.attn_{x}_b.weight"].data),
+                                                        gguf.GGMLQuantizationType.Q8_0)) for x in "kv")
+    heads = model.spec.layers[1].attention.num_heads
+    expected = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(heads * 64, 32)
+    assert torch.equal(model.reader.read(name), expected)
+    engine = Engine.from_pretrained(file)
+    set_expert_mode(engine.decoder, "exact")
+    ref = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))
+    assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
 
 
 def test_mixed_layer_runs_in_the_wider_format(tmp_path: Path) -> None:

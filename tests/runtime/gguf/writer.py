@@ -9,7 +9,11 @@ the per-architecture classes write them.
   ``num_nextn_predict_layers``); the correction bias becomes ``exp_probs_b.bias``;
 - ``gpt_oss`` (``GptOssModel``, float source): ``gate_up_proj`` [E, D, 2I] transposed and split into gate (even
   columns) and up (odd columns), ``down_proj`` transposed, their biases split the same way; ``sinks`` →
-  ``attn_sinks.weight``.
+  ``attn_sinks.weight``;
+- ``deepseek_v2`` / ``deepseek_v3`` (``DeepseekV2Model``): MLA written as MQA (one KV head, ``key_length`` =
+  kv_lora_rank + rope dim, the real sizes in ``key_length_mla`` / ``value_length_mla``), ``kv_b_proj`` split per head
+  into ``attn_k_b`` (transposed to [H, R, nope]) and ``attn_v_b`` [H, v, R]; layers after ``num_hidden_layers``
+  (multi-token prediction) dropped.
 
 Block types: F32/F16/BF16, and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 via
 ``gguf.quants.quantize``; Q4_K via our own byte-exact ggml quantizer (``runtime/quant/q4k.py``; the ``gguf`` package
@@ -27,7 +31,8 @@ import numpy as np
 import torch
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-        "granitemoe": "granitemoe", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
+        "granitemoe": "granitemoe", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
+        "deepseek_v3": "deepseek2"}
 PERMUTED = {"llama", "granitemoe"}
 
 
@@ -89,11 +94,21 @@ def _stack_experts(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torc
     return out
 
 
-def _modify(arch: str, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def _modify(arch: str, name: str, t: torch.Tensor, cfg: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The converter's per-architecture ``filter_tensors`` / ``modify_tensors``: Hugging Face (name, tensor) →
     the (name, tensor) pairs it maps to GGUF names."""
     if name.endswith("e_score_correction_bias"):  # ModelBase.filter_tensors
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    if arch == "deepseek2":  # DeepseekV2Model.modify_tensors
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m[1]) >= cfg["num_hidden_layers"]:  # multi-token prediction: skipped
+            return []
+        if name.endswith("kv_b_proj.weight"):
+            heads, v, nope = cfg["num_key_value_heads"], cfg["v_head_dim"], cfg["qk_nope_head_dim"]
+            kv_b = t.view(heads, v + nope, t.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, v], dim=1)
+            return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)),
+                    (name.replace("kv_b_proj", "v_b_proj"), v_b)]
     if arch != "gpt-oss":
         return [(name, t)]
     if "sinks" in name:  # GptOssModel.filter_tensors
@@ -140,6 +155,23 @@ def _arch_metadata(w: Any, arch: str, cfg: dict[str, Any], heads: int) -> None:
     if arch == "gpt-oss":  # GptOssModel
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if arch == "deepseek2":  # DeepseekV2Model (key/value lengths: see write_gguf)
+        w.add_leading_dense_block_count(cfg.get("first_k_dense_replace") or 0)
+        w.add_vocab_size(cfg["vocab_size"])
+        if cfg.get("q_lora_rank") is not None:
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(cfg["kv_lora_rank"])
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
+        if cfg.get("routed_scaling_factor") is not None:
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _rope_scaling(w: Any, cfg: dict[str, Any]) -> None:
@@ -174,6 +206,7 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
     cfg = json.loads((folder / "config.json").read_text())
     arch = ARCH[cfg["model_type"]]
     n_layers = cfg["num_hidden_layers"]
+    mla = arch == "deepseek2"
     if arch == "glm4moe":  # Glm4MoeModel exports the multi-token-prediction layers as extra blocks
         n_layers += cfg.get("num_nextn_predict_layers") or 0
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -183,7 +216,7 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count_kv(1 if mla else kv_heads)  # DeepseekV2Model: MLA as MQA
     rope = cfg.get("rope_parameters") or {}
     _rope_scaling(w, cfg)
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
@@ -195,7 +228,14 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
         w.add_expert_group_count(cfg["n_group"])
     if cfg.get("topk_group") is not None:
         w.add_expert_group_used_count(cfg["topk_group"])
-    if cfg.get("head_dim"):
+    score = cfg.get("scoring_func")
+    if score is not None:
+        w.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID,
+                                  "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[score])
+    if mla:  # DeepseekV2Model's values (they replace TextModel's head_dim ones)
+        w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        w.add_value_length(cfg["kv_lora_rank"])
+    elif cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if cfg.get("moe_intermediate_size"):
@@ -207,12 +247,14 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
         add_tokenizer(w, tokenizer)
     elif no_vocab:
         w.add_tokenizer_model("none")
-        if arch != "llama":
+        if arch not in ("llama", "deepseek2"):  # (their converters write it already)
             w.add_vocab_size(cfg["vocab_size"])
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     tmap = gguf.get_tensor_name_map(arch_id, n_layers)
     sd = _stack_experts(_load(folder), n_layers)
-    for name, t in ((n2, t2) for n, t in sd.items() for n2, t2 in _modify(arch, n, t)):
+    if mla and cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    for name, t in ((n2, t2) for n, t in sd.items() for n2, t2 in _modify(arch, n, t, cfg)):
         new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"no GGUF name for {name}")
@@ -222,7 +264,7 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
             t = _permute(t, kv_heads)
         if new.endswith("_exps.weight"):
             kind = down if (down and "ffn_down_exps" in new) else experts
-        elif t.dim() == 2 and new.endswith(".weight") and "gate_inp" not in new:  # routers, biases stay F32
+        elif t.dim() >= 2 and new.endswith(".weight") and "gate_inp" not in new:  # routers, biases stay F32
             kind = dense
         else:
             kind = "F32"
