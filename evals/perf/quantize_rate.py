@@ -1,0 +1,110 @@
+"""Load-time quantization rate: our expert-cache writer against llama.cpp's ``llama-quantize`` on the same model.
+
+One synthetic bf16 ``qwen3_moe`` checkpoint (``load_memory.write_bf16_checkpoint``). Ours: the first budgeted load's
+expert cache file (every routed expert read from the checkpoint, quantized by the C quantizer on the kernels' thread
+pool, written) — timed around ``open_or_write`` in a fresh process. llama.cpp: the same checkpoint as a BF16 GGUF
+(written like ``convert_hf_to_gguf.py`` by ``tests/runtime/gguf/writer.py``), then ``llama-quantize --pure`` to the
+same format with the same thread count (every tensor, dense ones included: it quantizes ~2% more parameters here).
+Reports wall and CPU seconds and parameters per second for both.
+
+    PYTHONPATH=. python -m freetoken_agent.evals.perf.quantize_rate --quant q4 --threads 2 \\
+        --llama-quantize /tmp/freetoken-llama-server/build/bin/llama-quantize
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from freetoken_agent.evals.perf.load_memory import write_bf16_checkpoint
+
+CHILD = r"""
+import json, resource, sys, time
+from pathlib import Path
+model, cache, quant, threads = json.loads(sys.argv[1])
+from freetoken_agent.runtime.kernels import ops
+import freetoken_agent.runtime.experts.setup as setup
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.memory import Budget
+ops.set_threads(threads)
+timing = {}
+write = setup.open_or_write
+def timed(*args, **kwargs):
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    out = write(*args, **kwargs)
+    c1 = resource.getrusage(resource.RUSAGE_SELF)
+    timing.update(wall_s=time.perf_counter() - t0, cpu_s=c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime,
+                  threads=ops.get_threads())
+    return out
+setup.open_or_write = timed
+Engine.from_pretrained(model, quant=quant, threads=threads, budget=Budget(host=10**12),
+                       residency=setup.ResidencyConfig(cache_path=Path(cache)))
+print("RESULT " + json.dumps(timing))
+"""
+
+
+def ours(model: Path, quant: str, threads: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        payload = json.dumps([str(model), str(Path(tmp) / "experts.ftx"), quant, threads])
+        proc = subprocess.run([sys.executable, "-c", CHILD, payload], capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"our load failed: {proc.stderr[-1500:]}")
+    return json.loads(line[7:])
+
+
+def llama(binary: Path, model: Path, quant: str, threads: int) -> dict[str, float]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ lives beside the package
+    from tests.runtime.gguf.writer import write_gguf
+
+    src = model / "model-bf16.gguf"
+    if not src.is_file():
+        write_gguf(model, src, experts="BF16", dense="BF16")
+    with tempfile.TemporaryDirectory() as tmp:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(binary), "--pure", str(src), str(Path(tmp) / "out.gguf"),
+                               {"q4": "Q4_0", "q8": "Q8_0"}[quant], str(threads)], capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-quantize failed: {proc.stderr[-1500:]}")
+    return {"wall_s": wall, "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+            "threads": threads}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--inter", type=int, default=256)
+    p.add_argument("--quant", default="q4", choices=["q4", "q8"])
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--llama-quantize", default="/tmp/freetoken-llama-server/build/bin/llama-quantize")
+    p.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "ft-load-memory"))
+    args = p.parse_args()
+    name = f"qwen3_moe-e{args.experts}-l{args.layers}-h{args.hidden}-i{args.inter}-a4-2"
+    model = write_bf16_checkpoint(Path(args.folder) / name, args.experts, args.layers, args.hidden, args.inter)
+    params = 3 * args.hidden * args.inter * args.experts * args.layers
+    rows = {"ours (expert cache write)": ours(model, args.quant, args.threads)}
+    binary = Path(args.llama_quantize)
+    if binary.is_file():
+        rows["llama-quantize --pure"] = llama(binary, model, args.quant, args.threads)
+    print(f"{model.name}: {params / 1e6:.0f}M expert parameters, {args.quant}, {args.threads} threads")
+    print("| quantizer | wall s | CPU s | M params/s (wall) | M params/CPU-s |")
+    print("|---|---|---|---|---|")
+    for label, r in rows.items():
+        print(f"| {label} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {params / r['wall_s'] / 1e6:.1f} | "
+              f"{params / r['cpu_s'] / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
