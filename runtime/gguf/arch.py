@@ -22,6 +22,10 @@ what llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way in is 
   splits ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``; the reader joins them back. Sigmoid
   gating maps to ``deepseek_v3``, softmax to ``deepseek_v2`` (whose expert groups transformers scores by their best
   expert; llama.cpp by the sum of the best two). Its rope is interleaved (llama.cpp's normal rope, unpermuted).
+- ``qwen3next`` (Qwen3-Next): the converter stored every (1 + w) RMSNorm weight as w + 1 (undone: − 1), ``A_log`` as
+  −exp(A_log) (undone: log(−A)), and regrouped the Gated DeltaNet input projection ``in_proj_qkvz`` (per key head:
+  q, k, v, z) into ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z); the reader joins it back. Linear- and
+  full-attention layers from ``attention.recurrent_layers`` (else every ``full_attention_interval``-th is full).
 
 Architectures llama.cpp writes that are not mapped here (dense ones, and MoE ones not done yet) are refused by name.
 """
@@ -49,6 +53,8 @@ class ArchMap:
     renames: tuple[tuple[str, str], ...] = ()
     """GGUF leaf (after ``blk.N.``) → the leaf ``block_names`` knows it as, for names whose role is per architecture
     (``post_attention_norm`` is the FFN's input norm in GLM-4.5 and GPT-OSS)."""
+    norms_plus_one: bool = False
+    """The converter added 1 to the RMSNorm weights (transformers' (1 + w) norms, Qwen3-Next); subtracted on read."""
     expert_layout: str = "stacked"
     """``stacked``: per-expert tensors cut out of ``ffn_*_exps``; ``gpt_oss``: served as transformers' fused GPT-OSS
     tensors (gate/up interleaved and transposed, down transposed, with biases)."""
@@ -363,6 +369,43 @@ def deepseek2(f: GGUFFile) -> Config:
     return cfg
 
 
+def qwen3next(f: GGUFFile) -> Config:
+    """Qwen3-Next: Gated DeltaNet layers interleaved with gated full attention (partial NeoX rope), MoE with a gated
+    shared expert in every layer."""
+    cfg = _common(f, partial_rotary=True)
+    n, k = _experts(f)
+    layers = cfg["num_hidden_layers"]
+    recurrent = f.arch_get("attention.recurrent_layers", None)
+    if isinstance(recurrent, list):
+        if len(recurrent) < layers:
+            raise GGUFMetadataError(f"{f.path.name}: qwen3next.attention.recurrent_layers lists {len(recurrent)} "
+                                    f"layers, the model has {layers}")
+        linear = [bool(v) for v in recurrent[:layers]]
+    else:  # llama.cpp's default: every interval-th layer is full attention
+        interval = _int(f, "full_attention_interval", 4)
+        linear = [(i + 1) % interval != 0 for i in range(layers)]
+    v_heads = _int(f, "ssm.time_step_rank")
+    inner = _int(f, "ssm.inner_size")
+    if inner % v_heads:
+        raise GGUFMetadataError(f"{f.path.name}: qwen3next.ssm.inner_size {inner} is not a multiple of its "
+                                f"{v_heads} value heads (ssm.time_step_rank)")
+    expert_ffn = _expert_ffn(f)
+    shared = f.arch_get("expert_shared_feed_forward_length", None)
+    cfg.update(
+        model_type="qwen3_next", num_experts=n, num_experts_per_tok=k, moe_intermediate_size=expert_ffn,
+        intermediate_size=_int(f, "feed_forward_length", expert_ffn),
+        shared_expert_intermediate_size=int(shared) if shared is not None else 0,
+        norm_topk_prob=True,  # llama.cpp hard-codes the renormalization for qwen3next
+        decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if i not in _moe_layers(f, layers)],
+        layer_types=["linear_attention" if x else "full_attention" for x in linear],
+        linear_conv_kernel_dim=_int(f, "ssm.conv_kernel"), linear_key_head_dim=_int(f, "ssm.state_size"),
+        linear_num_key_heads=_int(f, "ssm.group_count"), linear_num_value_heads=v_heads,
+        linear_value_head_dim=inner // v_heads,
+        attention_bias=any(name.endswith(".attn_q.bias") for name in f.tensors),  # (layer 0 is linear attention)
+    )
+    return cfg
+
+
 ARCHITECTURES: dict[str, ArchMap] = {
     "qwen3moe": ArchMap("qwen3_moe", lambda f: qwen_moe(f, True)),
     "qwen2moe": ArchMap("qwen2_moe", lambda f: qwen_moe(f, False)),
@@ -373,11 +416,12 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "gpt-oss": ArchMap("gpt_oss", gpt_oss, renames=(("post_attention_norm.weight", "ffn_norm.weight"),),
                        expert_layout="gpt_oss"),
     "deepseek2": ArchMap("deepseek_v3", deepseek2),
+    "qwen3next": ArchMap("qwen3_next", qwen3next, renames=(("post_attention_norm.weight", "ffn_norm.weight"),),
+                         norms_plus_one=True),
 }
 """llama.cpp architecture → how it maps (the GGUF loader's supported list)."""
 
 NOT_YET = {
-    "qwen3next": "Qwen3-Next (gated delta-net layers)",
     "qwen35moe": "Qwen3.5 MoE (gated delta-net layers)",
     "deepseek": "DeepSeek-V1 MoE",
     "dots1": "dots.llm1",
@@ -436,6 +480,12 @@ def block_names(spec: ModelSpec, layer: int) -> dict[str, str]:
     for theirs, ours in (("attn_q_a", "q_a_proj"), ("attn_q_a_norm", "q_a_layernorm"), ("attn_q_b", "q_b_proj"),
                          ("attn_kv_a_mqa", "kv_a_proj_with_mqa"), ("attn_kv_a_norm", "kv_a_layernorm")):  # MLA
         out[f"{theirs}.weight"] = f"{at}.{ours}.weight"
+    rec = f"{p}.{n.recurrent}"  # Gated DeltaNet (attn_qkv + attn_gate: joined by the reader)
+    r = lay.recurrent
+    for theirs, ours in (("ssm_ba.weight", "in_proj_ba.weight"), ("ssm_conv1d.weight", "conv1d.weight"),
+                         ("ssm_dt.bias", "dt_bias"), ("ssm_a", "A_log"), ("ssm_out.weight", "out_proj.weight"),
+                         ("ssm_norm.weight", f"{r.norm if r else 'norm'}.weight")):
+        out[theirs] = f"{rec}.{ours}"
     out["attn_q_norm.weight"] = f"{at}.{n.q_norm}.weight"
     out["attn_k_norm.weight"] = f"{at}.{n.k_norm}.weight"
     for leaf in ("gate", "up", "down"):

@@ -80,8 +80,11 @@ class Source:
     """> 0: undo llama.cpp's rope permutation with this many heads."""
     compose: str = ""
     """Not one stored tensor but one composed per expert from ``parts`` (``gpt_oss_gate_up``, ``gpt_oss_down``,
-    ``gpt_oss_gate_up_bias``, ``gpt_oss_down_bias``), or from a split one (``mla_kv_b``)."""
+    ``gpt_oss_gate_up_bias``, ``gpt_oss_down_bias``), or from a split one (``mla_kv_b``, ``qwen3next_qkvz``)."""
     parts: tuple[GGUFTensor, ...] = ()
+    undo: str = ""
+    """A value change of the converter to undo: ``minus_one`` (norm weights stored + 1), ``log_neg`` (``A_log``
+    stored as −exp(A_log))."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class GGUFCheckpointReader(CheckpointReader):
         """GGUF tensors left unread: the multi-token-prediction blocks."""
         self.kv_b: dict[int, dict[str, GGUFTensor]] = {}
         """MLA layer → its ``attn_k_b`` / ``attn_v_b`` (joined into ``kv_b_proj`` once both are seen)."""
+        self.qkvz: dict[int, dict[str, GGUFTensor]] = {}
+        """Gated DeltaNet layer → its ``attn_qkv`` / ``attn_gate`` (joined into ``in_proj_qkvz``)."""
         mtp = mtp_layers(file)
         expected = expected_tensors(spec)
         for t in file.tensors.values():
@@ -146,6 +151,8 @@ class GGUFCheckpointReader(CheckpointReader):
                 self._fuse_gpt_oss(layer, expected)
         for layer in sorted(self.kv_b):
             self._join_kv_b(layer, expected)
+        for layer in sorted(self.qkvz):
+            self._join_qkvz(layer, expected)
         missing = [n for n in expected if n not in self.infos
                    and not any(n.startswith(f"{p}.experts.") for p in self.fused)]
         if missing:
@@ -180,7 +187,8 @@ class GGUFCheckpointReader(CheckpointReader):
         spec = self.spec
         name = global_name(spec, t.name)
         if name is not None:
-            self._add(name, Source(t), t.shape, expected)
+            undo = "minus_one" if self.arch.norms_plus_one and t.name == "output_norm.weight" else ""
+            self._add(name, Source(t, undo=undo), t.shape, expected)
             return
         m = _BLOCK.match(t.name)
         if not m or int(m[1]) >= spec.num_layers:
@@ -193,6 +201,9 @@ class GGUFCheckpointReader(CheckpointReader):
         if leaf in ("attn_k_b.weight", "attn_v_b.weight"):
             self.kv_b.setdefault(layer, {})[leaf] = t
             return
+        if spec.layers[layer].recurrent is not None and leaf in ("attn_qkv.weight", "attn_gate.weight"):
+            self.qkvz.setdefault(layer, {})[leaf] = t
+            return
         name = block_names(spec, layer).get(leaf)
         if name is None:
             raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {t.name} is not used by the "
@@ -201,7 +212,12 @@ class GGUFCheckpointReader(CheckpointReader):
         attn = spec.layers[layer].attention
         if self.arch.rope_permuted and attn is not None and leaf.split(".")[0] in ("attn_q", "attn_k"):
             heads = attn.num_heads if leaf.startswith("attn_q") else attn.num_kv_heads
-        self._add(name, Source(t, heads=heads), t.shape, expected)
+        undo = ""
+        if self.arch.norms_plus_one and leaf.endswith("norm.weight") and leaf != "ssm_norm.weight":
+            undo = "minus_one"  # every RMSNorm but the DeltaNet's gated output norm (the converter's rule)
+        elif self.arch.norms_plus_one and leaf == "ssm_a":
+            undo = "log_neg"
+        self._add(name, Source(t, heads=heads, undo=undo), t.shape, expected)
 
     def _place_experts(self, t: GGUFTensor, layer: int, leaf: str, expected: dict[str, tuple[int, ...]]) -> None:
         moe = self.spec.layers[layer].moe
@@ -277,6 +293,40 @@ class GGUFCheckpointReader(CheckpointReader):
                                         f"{self.spec.model_type} architecture")
         self._add(name, Source(k_b, compose="mla_kv_b", parts=(k_b, v_b)), (h * (nope + v), r), expected)
 
+    def _join_qkvz(self, layer: int, expected: dict[str, tuple[int, ...]]) -> None:
+        """``in_proj_qkvz`` [Hk·(2dk + 2r·dv), D] (per key head: q, k, v, z; r value heads per key head) of one Gated
+        DeltaNet layer from ``attn_qkv`` [Hk·dk (q) + Hk·dk (k) + Hv·dv (v), D] and ``attn_gate`` [Hv·dv, D]
+        (the converter's ``Qwen3NextModel.modify_tensors``, undone)."""
+        parts, r = self.qkvz[layer], self.spec.layers[layer].recurrent
+        assert r is not None
+        if set(parts) != {"attn_qkv.weight", "attn_gate.weight"} or r.layout != "grouped":
+            got = ", ".join(f"blk.{layer}.{leaf}" for leaf in sorted(parts))
+            raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor(s) {got} do not make a Gated DeltaNet "
+                                        f"in_proj_qkvz of layer {layer} of the {self.spec.model_type} model")
+        qkv, z = parts["attn_qkv.weight"], parts["attn_gate.weight"]
+        d, hk, hv = self.spec.hidden_size, r.num_k_heads, r.num_v_heads
+        for t, shape in ((qkv, (2 * hk * r.head_k_dim + hv * r.head_v_dim, d)), (z, (hv * r.head_v_dim, d))):
+            if tuple(t.shape) != shape:
+                raise ShapeMismatchError(f"{self.path.name}: GGUF tensor {t.name} has shape {list(t.shape)}, expected "
+                                         f"{list(shape)}")
+        names = self.spec.layers[layer].names or self.spec.names
+        name = f"{self.spec.layers[layer].prefix or f'{names.layers}.{layer}'}.{names.recurrent}.in_proj_qkvz.weight"
+        if name not in expected:
+            raise UnexpectedTensorError(f"{self.path.name}: GGUF tensor {qkv.name} ({name}) is not used by the "
+                                        f"{self.spec.model_type} architecture")
+        self._add(name, Source(qkv, compose="qwen3next_qkvz", parts=(qkv, z)), expected[name], expected)
+
+    def _qkvz(self, src: Source) -> torch.Tensor:
+        qkv, z = (dequantize(t) for t in src.parts)
+        layer = int(_BLOCK.match(src.tensor.name)[1])  # type: ignore[index]
+        r = self.spec.layers[layer].recurrent
+        assert r is not None
+        hk, dk, vdim = r.num_k_heads, r.head_k_dim, r.num_v_heads // r.num_k_heads * r.head_v_dim
+        d = qkv.shape[-1]
+        q, k, v = qkv.split([hk * dk, hk * dk, hk * vdim])
+        groups = [q.reshape(hk, dk, d), k.reshape(hk, dk, d), v.reshape(hk, vdim, d), z.reshape(hk, vdim, d)]
+        return torch.cat(groups, dim=1).reshape(-1, d)
+
     def _composed(self, src: Source, k: int) -> torch.Tensor:
         """Expert ``k`` of a composed tensor, in the layout transformers stores it."""
         if src.compose == "gpt_oss_gate_up":  # [D, 2I], columns gate_0, up_0, gate_1, ...
@@ -294,6 +344,8 @@ class GGUFCheckpointReader(CheckpointReader):
     def read(self, name: str) -> torch.Tensor:
         src = self.sources[name]
         self.used.add(name)
+        if src.compose == "qwen3next_qkvz":
+            return self._qkvz(src)
         if src.compose == "mla_kv_b":  # per head: k_b transposed back, then v_b
             k_b, v_b = (dequantize(t) for t in src.parts)  # [H, R, nope], [H, v, R]
             return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.infos[name].shape)
@@ -302,6 +354,10 @@ class GGUFCheckpointReader(CheckpointReader):
         out = dequantize(src.tensor, src.expert, src.rows).reshape(self.infos[name].shape)
         if src.heads:
             out = unpermute_rope(out, src.heads)
+        if src.undo == "minus_one":
+            out = out - 1.0
+        elif src.undo == "log_neg":
+            out = torch.log(-out)
         return out
 
     def read_row(self, name: str, index: int) -> torch.Tensor:

@@ -105,8 +105,8 @@ def test_non_moe_architectures(good: Path, tmp_path: Path) -> None:
         Engine.from_pretrained(copy_gguf(good, tmp_path / "dense.gguf", arch="qwen3"))
     with pytest.raises(GGUFArchitectureError, match="without experts .* is a dense model"):
         Engine.from_pretrained(copy_gguf(good, tmp_path / "llama.gguf", arch="llama", values={"llama.expert_count": 0}))
-    with pytest.raises(GGUFArchitectureError, match="'qwen3next' .* is not supported from GGUF yet"):
-        Engine.from_pretrained(copy_gguf(good, tmp_path / "q3n.gguf", arch="qwen3next"))
+    with pytest.raises(GGUFArchitectureError, match="'qwen35moe' .* is not supported from GGUF yet"):
+        Engine.from_pretrained(copy_gguf(good, tmp_path / "q35.gguf", arch="qwen35moe"))
 
 
 def test_glm4moe_metadata_it_cannot_run(tmp_path: Path) -> None:

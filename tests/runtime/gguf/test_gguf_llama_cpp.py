@@ -46,7 +46,7 @@ def test_top1_agreement_with_llama_cpp(kind: str, tmp_path: Path) -> None:
     assert agree >= 0.95
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen3_next"])
 @pytest.mark.parametrize("kind", ["F32", "Q8_0"])
 def test_tiny_top1_agreement_with_llama_cpp(arch: str, kind: str, tmp_path: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason=SKIP)

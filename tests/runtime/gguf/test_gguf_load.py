@@ -31,7 +31,7 @@ from tests.runtime.gguf.writer import write_gguf
 ARCHS = {  # overrides: llama.cpp's qwen2moe has an MoE FFN in every layer; DeepSeek's config.json names its router
     "qwen3_moe": {}, "qwen2_moe": {"mlp_only_layers": []}, "mixtral": {}, "olmoe": {}, "granitemoe": {},
     "glm4_moe": {}, "gpt_oss": {}, "deepseek_v2": {"scoring_func": "softmax"},
-    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, "qwen3_next": {},
 }
 PROMPT = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(5)).tolist()  # < Mixtral's window 16
 
@@ -82,7 +82,7 @@ def test_f32_gguf_matches_transformers(arch: str, checkpoints: dict, tmp_path: P
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v2",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "qwen3_next"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
 def test_block_experts_load_as_stored(arch: str, kind: str, checkpoints: dict, tmp_path: Path) -> None:
     folder, _ = checkpoints[arch]

@@ -13,7 +13,10 @@ the per-architecture classes write them.
 - ``deepseek_v2`` / ``deepseek_v3`` (``DeepseekV2Model``): MLA written as MQA (one KV head, ``key_length`` =
   kv_lora_rank + rope dim, the real sizes in ``key_length_mla`` / ``value_length_mla``), ``kv_b_proj`` split per head
   into ``attn_k_b`` (transposed to [H, R, nope]) and ``attn_v_b`` [H, v, R]; layers after ``num_hidden_layers``
-  (multi-token prediction) dropped.
+  (multi-token prediction) dropped;
+- ``qwen3_next`` (``Qwen3NextModel``; no multi-token-prediction tensors, as ``--no-mtp`` writes it): RMSNorm weights
+  stored + 1 (not the DeltaNet's output norm), ``A_log`` as −exp(A_log), ``dt_bias`` → ``ssm_dt.bias``, the conv
+  squeezed to [C, K], ``in_proj_qkvz`` regrouped into ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z).
 
 Block types: F32/F16/BF16, and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 via
 ``gguf.quants.quantize``; Q4_K via our own byte-exact ggml quantizer (``runtime/quant/q4k.py``; the ``gguf`` package
@@ -32,7 +35,7 @@ import torch
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
         "granitemoe": "granitemoe", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
-        "deepseek_v3": "deepseek2"}
+        "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next"}
 PERMUTED = {"llama", "granitemoe"}
 
 
@@ -109,6 +112,25 @@ def _modify(arch: str, name: str, t: torch.Tensor, cfg: dict[str, Any]) -> list[
             k_b, v_b = torch.split(kv_b, [nope, v], dim=1)
             return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)),
                     (name.replace("kv_b_proj", "v_b_proj"), v_b)]
+    if arch == "qwen3next":  # Qwen3NextModel.modify_tensors
+        if name.endswith(".A_log"):
+            t = -torch.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if "in_proj_qkvz.weight" in name:
+            dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+            hk, hv, d = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["hidden_size"]
+            split = [dk, dk, hv // hk * dv, hv // hk * dv]
+            q, k, v, z = torch.split(t.permute(1, 0).contiguous().view(-1, hk, sum(split)), split, dim=-1)
+            q, k, v, z = (x.contiguous().view(d, -1) for x in (q, k, v, z))
+            bid = int(name.split(".")[2])
+            return [(f"gguf:blk.{bid}.attn_qkv.weight", torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous()),
+                    (f"gguf:blk.{bid}.attn_gate.weight", z.permute(1, 0).contiguous())]
+        return [(name, t)]
     if arch != "gpt-oss":
         return [(name, t)]
     if "sinks" in name:  # GptOssModel.filter_tensors
@@ -155,6 +177,18 @@ def _arch_metadata(w: Any, arch: str, cfg: dict[str, Any], heads: int) -> None:
     if arch == "gpt-oss":  # GptOssModel
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if arch == "qwen3next":  # Qwen3NextModel (Qwen2MoeModel's expert lengths are written for every arch above)
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        if cfg.get("layer_types") is not None:  # GGUFWriter.add_recurrent_layers (newer gguf than installed)
+            w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        rope = cfg.get("rope_parameters") or {}
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
     if arch == "deepseek2":  # DeepseekV2Model (key/value lengths: see write_gguf)
         w.add_leading_dense_block_count(cfg.get("first_k_dense_replace") or 0)
         w.add_vocab_size(cfg["vocab_size"])
@@ -255,7 +289,8 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
     if mla and cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
     for name, t in ((n2, t2) for n, t in sd.items() for n2, t2 in _modify(arch, n, t, cfg)):
-        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        new = name.removeprefix("gguf:") if name.startswith("gguf:") else tmap.get_name(name, try_suffixes=(".weight",
+                                                                                                             ".bias"))
         if new is None:
             raise ValueError(f"no GGUF name for {name}")
         if arch in PERMUTED and ".self_attn.q_proj." in name:
