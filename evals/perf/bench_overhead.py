@@ -158,11 +158,14 @@ def measure_time(name: str, quant: str, threads: int, tokens: int, rounds: int) 
                 }
                 for key, v in values.items():
                     one[key] += sign * v
-            rows.append({k: v / tokens for k, v in one.items()})
+            r = {k: v / tokens for k, v in one.items()}
+            compute = r["kernels"] + r["torch_ops"]
+            r.update(outside=r["wall"] - compute, in_forward=r["forward"] - compute, in_step=r["step"] - r["forward"],
+                     between=r["wall"] - r["step"], cpu_outside=r["cpu_step"] - r["cpu_compute"])
+            rows.append(r)
+        # medians of each quantity over rounds, every derived one computed within its round first (on a busy
+        # machine the rounds differ by more than the parts, so medians of the parts would not add up)
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        compute = med["kernels"] + med["torch_ops"]
-        outside = med["wall"] - compute
-        cpu_outside = med["cpu_step"] - med["cpu_compute"]
         ms = lambda v: round(v * 1e3, 3)  # noqa: E731
         return {
             "model": name, "quant": quant, "threads": threads, "tokens": tokens, "rounds": rounds,
@@ -170,17 +173,17 @@ def measure_time(name: str, quant: str, threads: int, tokens: int, rounds: int) 
             "ms_per_token": ms(med["wall"]),
             "ms_in_kernels": ms(med["kernels"]),
             "ms_in_torch_ops": ms(med["torch_ops"]),
-            "ms_outside": ms(outside),
-            "outside_share": round(outside / med["wall"], 4) if med["wall"] > 0 else None,
-            "ms_outside_in_forward": ms(med["forward"] - compute),
-            "ms_outside_in_step": ms(med["step"] - med["forward"]),
-            "ms_outside_steps": ms(med["wall"] - med["step"]),
-            "cpu_ms_outside": ms(cpu_outside),
+            "ms_outside": ms(med["outside"]),
+            "outside_share": round(statistics.median(r["outside"] / r["wall"] for r in rows), 4),
+            "ms_outside_in_forward": ms(med["in_forward"]),
+            "ms_outside_in_step": ms(med["in_step"]),
+            "ms_outside_steps": ms(med["between"]),
+            "cpu_ms_outside": ms(med["cpu_outside"]),
             "cpu_ms_step": ms(med["cpu_step"]),
             "timed_calls_per_token": round(med["calls"], 1),
             "rounds_ms_per_token": [ms(r["wall"]) for r in rows],
-            "rounds_ms_outside": [ms(r["wall"] - r["kernels"] - r["torch_ops"]) for r in rows],
-            "rounds_cpu_ms_outside": [ms(r["cpu_step"] - r["cpu_compute"]) for r in rows],
+            "rounds_ms_outside": [ms(r["outside"]) for r in rows],
+            "rounds_cpu_ms_outside": [ms(r["cpu_outside"]) for r in rows],
         }
     finally:
         engine.close()
