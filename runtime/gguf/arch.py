@@ -19,7 +19,8 @@ what llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way in is 
   layers follow llama.cpp's pattern (every other layer, from the first) unless the file lists them.
 - ``deepseek2`` (DeepSeek-V2/V2.5/V3, Kimi-K2 and others converted as it): llama.cpp writes MLA as MQA (one KV head,
   ``key_length`` = kv_lora_rank + rope dim) with the real head sizes in ``key_length_mla`` / ``value_length_mla``, and
-  splits ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``; the reader joins them back. Sigmoid
+  splits ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``; the reader joins them back (files
+  written before that form hold ``attn_kv_b`` and MHA head sizes: read as they are). Sigmoid
   gating maps to ``deepseek_v3``, softmax to ``deepseek_v2`` (whose expert groups transformers scores by their best
   expert; llama.cpp by the sum of the best two). Its rope is interleaved (llama.cpp's normal rope, unpermuted).
 - ``qwen3next`` (Qwen3-Next): the converter stored every (1 + w) RMSNorm weight as w + 1 (undone: − 1), ``A_log`` as
@@ -317,19 +318,23 @@ def gpt_oss(f: GGUFFile) -> Config:
 def deepseek2(f: GGUFFile) -> Config:
     """DeepSeek-V2/V3 (MLA, shared experts, dense leading layers): ``deepseek_v3`` for sigmoid gating, else
     ``deepseek_v2``."""
-    if f.arch_get("attention.key_length_mla", None) is None:
-        raise GGUFMetadataError(f"{f.path.name}: deepseek2 file without attention.key_length_mla (written before "
-                                "llama.cpp split attn_kv_b into attn_k_b / attn_v_b); convert it again with a current "
-                                "llama.cpp")
     cfg = _common(f, mla=True)
     n, k = _experts(f)
     rope_dim = _int(f, "rope.dimension_count")
-    qk, v = _int(f, "attention.key_length_mla"), _int(f, "attention.value_length_mla")
     kv_rank = _int(f, "attention.kv_lora_rank")
-    if _int(f, "attention.key_length") != kv_rank + rope_dim or not 0 < rope_dim < qk:
-        raise GGUFMetadataError(f"{f.path.name}: deepseek2 head sizes do not fit MLA (key_length "
-                                f"{_int(f, 'attention.key_length')}, kv_lora_rank {kv_rank}, rope {rope_dim}, "
-                                f"key_length_mla {qk})")
+    if f.arch_get("attention.key_length_mla", None) is not None:  # MLA as MQA, attn_k_b / attn_v_b
+        qk, v = _int(f, "attention.key_length_mla"), _int(f, "attention.value_length_mla")
+        if _int(f, "attention.key_length") != kv_rank + rope_dim:
+            raise GGUFMetadataError(f"{f.path.name}: deepseek2 key_length {_int(f, 'attention.key_length')} is not "
+                                    f"kv_lora_rank {kv_rank} + rope dimension {rope_dim} (MLA written as MQA)")
+    elif any(name.endswith(".attn_kv_b.weight") for name in f.tensors):  # files from before that form: MHA sizes
+        qk, v = _int(f, "attention.key_length"), _int(f, "attention.value_length")
+    else:
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 file with neither attention.key_length_mla nor "
+                                "attn_kv_b tensors: its MLA head sizes are unknown")
+    if not 0 < rope_dim < qk:
+        raise GGUFMetadataError(f"{f.path.name}: deepseek2 rope dimension {rope_dim} does not fit its query/key head "
+                                f"size {qk}")
     gating = _gating(f, "softmax")  # llama.cpp's default for files without the key (DeepSeek-V2/V2.5)
     if gating not in ("softmax", "sigmoid"):
         raise GGUFMetadataError(f"{f.path.name}: deepseek2 with {gating} expert gating is not supported")
@@ -478,7 +483,8 @@ def block_names(spec: ModelSpec, layer: int) -> dict[str, str]:
         for kind in ("weight", "bias"):
             out[f"{theirs}.{kind}"] = f"{at}.{ours}.{kind}"
     for theirs, ours in (("attn_q_a", "q_a_proj"), ("attn_q_a_norm", "q_a_layernorm"), ("attn_q_b", "q_b_proj"),
-                         ("attn_kv_a_mqa", "kv_a_proj_with_mqa"), ("attn_kv_a_norm", "kv_a_layernorm")):  # MLA
+                         ("attn_kv_a_mqa", "kv_a_proj_with_mqa"), ("attn_kv_a_norm", "kv_a_layernorm"),
+                         ("attn_kv_b", "kv_b_proj")):  # MLA
         out[f"{theirs}.weight"] = f"{at}.{ours}.weight"
     rec = f"{p}.{n.recurrent}"  # Gated DeltaNet (attn_qkv + attn_gate: joined by the reader)
     r = lay.recurrent

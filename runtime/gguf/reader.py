@@ -150,6 +150,9 @@ class GGUFCheckpointReader(CheckpointReader):
             for layer in sorted(self.experts):
                 self._fuse_gpt_oss(layer, expected)
         for layer in sorted(self.kv_b):
+            if f"blk.{layer}.attn_kv_b.weight" in file.tensors:  # both forms (early 2025 files): the unsplit one read
+                self.skipped += [t.name for t in self.kv_b[layer].values()]
+                continue
             self._join_kv_b(layer, expected)
         for layer in sorted(self.qkvz):
             self._join_qkvz(layer, expected)

@@ -125,7 +125,7 @@ def test_deepseek2_metadata_it_cannot_run(tmp_path: Path) -> None:
     save_checkpoint("deepseek_v2", folder, seed=4, scoring_func="softmax")
     good = write_gguf(folder, tmp_path / "ds.gguf")
     Engine.from_pretrained(copy_gguf(good, tmp_path / "same.gguf"))
-    with pytest.raises(GGUFMetadataError, match="without attention.key_length_mla .* convert it again"):
+    with pytest.raises(GGUFMetadataError, match="neither attention.key_length_mla nor attn_kv_b .* head sizes are"):
         Engine.from_pretrained(copy_gguf(good, tmp_path / "old.gguf", drop=("deepseek2.attention.key_length_mla",)))
     with pytest.raises(GGUFMetadataError, match="softmax gating and renormalized top-k weights"):
         Engine.from_pretrained(copy_gguf(good, tmp_path / "norm.gguf", values={"deepseek2.expert_weights_norm": 1}))

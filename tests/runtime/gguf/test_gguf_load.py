@@ -8,7 +8,7 @@
 - a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file;
 - GLM-4.5's multi-token-prediction layer (an extra block in the file) is left unread; GPT-OSS's MXFP4 experts (the
   format its GGUF files ship in) run converted, with their biases; DeepSeek's split ``attn_k_b`` / ``attn_v_b`` join
-  back into ``kv_b_proj`` from block types too.
+  back into ``kv_b_proj`` from block types too, and files from before that split (``attn_kv_b``) load as well.
 """
 
 from __future__ import annotations
@@ -225,6 +225,60 @@ def test_deepseek_split_kv_b_in_block_types(tmp_path: Path) -> None:
     set_expert_mode(engine.decoder, "exact")
     ref = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))
     assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
+
+
+def legacy_deepseek_copy(src: Path, dst: Path, keep_split: bool) -> Path:
+    """``src`` (deepseek2, as the converter writes it now) as converters before the MLA-as-MQA form wrote it: MHA head
+    sizes (``head_count_kv`` = heads, ``key_length`` = nope + rope, ``value_length`` = v, no ``*_mla`` keys) and the
+    unsplit ``attn_kv_b``; ``keep_split``: ``attn_k_b`` / ``attn_v_b`` kept beside it (files of early 2025)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    value = lambda key: r.fields[f"deepseek2.{key}"].contents()  # noqa: E731
+    heads, qk, v = value("attention.head_count"), value("attention.key_length_mla"), value("attention.value_length_mla")
+    legacy = {"attention.head_count_kv": heads, "attention.key_length": qk, "attention.value_length": v}
+    w = gguf.GGUFWriter(str(dst), "deepseek2")
+    for key, field in r.fields.items():
+        short = key.removeprefix("deepseek2.")
+        if key.startswith("GGUF.") or key == "general.architecture" or short.endswith("_mla") or short in legacy:
+            continue
+        vtype = field.types[0]
+        w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY
+                        else None)
+    for short, n in legacy.items():
+        w.add_uint32(f"deepseek2.{short}", n)
+    tensors = {t.name: t for t in r.tensors}
+    for t in r.tensors:
+        deq = lambda x: gguf.quants.dequantize(np.asarray(x.data), x.tensor_type)  # noqa: E731
+        if t.name.endswith("attn_k_b.weight"):  # [H, R, nope] + [H, v, R] → [H·(nope + v), R]
+            k_b, v_b = deq(t), deq(tensors[t.name.replace("attn_k_b", "attn_v_b")])
+            kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+            w.add_tensor(t.name.replace("attn_k_b", "attn_kv_b"), kv_b.astype(np.float32))
+            if not keep_split:
+                continue
+        elif t.name.endswith("attn_v_b.weight") and not keep_split:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w.add_tensor(t.name, deq(t).reshape(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("keep_split", [False, True])
+def test_deepseek_files_from_before_mla_as_mqa(keep_split: bool, checkpoints: dict, tmp_path: Path) -> None:
+    from freetoken_agent.runtime.gguf.model import GGUFModel
+
+    folder, model = checkpoints["deepseek_v3"]
+    file = legacy_deepseek_copy(write_gguf(folder, tmp_path / "now.gguf"), tmp_path / "old.gguf", keep_split)
+    old = GGUFModel(file)
+    assert old.file.arch_get("attention.head_count_kv") == old.config["num_attention_heads"]
+    assert ("blk.1.attn_k_b.weight" in old.reader.skipped) == keep_split
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0]
+    assert float((Engine.from_pretrained(file).logits(PROMPT) - ref).abs().max()) <= 1e-4
 
 
 def test_mixed_layer_runs_in_the_wider_format(tmp_path: Path) -> None:
