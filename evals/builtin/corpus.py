@@ -12,10 +12,11 @@ from freetoken_agent.evals.builtin.chat import assistant_mask_spans, chat_conver
 from freetoken_agent.evals.builtin.data import (
     render_session,
     session_files,
+    session_messages,
     split_sessions,
     stdlib_sources,
 )
-from freetoken_agent.evals.builtin.template import render
+from freetoken_agent.evals.builtin.template import BASH_TOOL, render
 from freetoken_agent.evals.builtin.tokenizer import train_tokenizer
 from tokenizers import Tokenizer
 
@@ -46,11 +47,25 @@ class Corpus:
     chat_held_out: ChatDocs
 
 
-def chat_docs(tok: Tokenizer, count: int, seed: int) -> ChatDocs:
-    """``count`` conversations from :func:`chat_conversation` (seeded), tokenized, assistant turns labelled, sorted
-    by length (so that :func:`chat_batch` draws neighbours and pads little)."""
+def session_openings(sessions: list[Path], turns: int = 1) -> list[str]:
+    """Each session's start as a whole document: system prompt, task and the first ``turns`` assistant turns (with
+    the tool results between them). Random windows of the stream rarely begin at a task, so without these the chat
+    conversations would teach that every first answer is plain text; these keep the agent's first step."""
+    texts = []
+    for path in sessions:
+        messages = session_messages(path)
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if assistant:
+            texts.append(render(messages[: assistant[min(turns, len(assistant)) - 1] + 1], tools=[BASH_TOOL])
+                         + "<|endoftext|>")
+    return texts
+
+
+def chat_docs(tok: Tokenizer, count: int, seed: int, openings: list[str] = ()) -> ChatDocs:
+    """``count`` conversations from :func:`chat_conversation` (seeded) plus ``openings`` (as they are), tokenized,
+    assistant turns labelled, sorted by length (so that :func:`chat_batch` draws neighbours and pads little)."""
     rng = random.Random(seed)
-    texts = [render(*chat_conversation(rng)) + "<|endoftext|>" for _ in range(count)]
+    texts = [render(*chat_conversation(rng)) + "<|endoftext|>" for _ in range(count)] + list(openings)
     texts.sort(key=len)
     ids, labels = [], []
     for text, enc in zip(texts, tok.encode_batch(texts)):
@@ -86,8 +101,11 @@ def build_corpus(data_dir: Path, work_dir: Path, vocab: int, stdlib_chars: int, 
         ids = [i for enc in tok.encode_batch(docs) for i in enc.ids]
         return torch.tensor(ids, dtype=torch.int64)
 
+    # each training session's opening, repeated so that about a third of the chat documents are agent first steps
+    openings = session_openings(split.train) * max(1, chat_count // (2 * max(len(split.train), 1)))
     corpus = Corpus(tok, stream(train_docs), stream(held_docs), [p.name for p in split.held_out],
-                    chat_docs(tok, chat_count, seed=1), chat_docs(tok, min(chat_count // 4, CHAT_HELD_OUT), seed=2))
+                    chat_docs(tok, chat_count, seed=1, openings=openings if chat_count else []),
+                    chat_docs(tok, min(chat_count // 4, CHAT_HELD_OUT), seed=2))
     tok.save(str(tok_path))
     torch.save({"train": corpus.train, "held_out": corpus.held_out, "names": corpus.held_out_sessions,
                 "chat": (corpus.chat.ids, corpus.chat.labels),

@@ -68,3 +68,13 @@ def test_a_submitted_session_gets_a_closing_answer_only_when_asked(tmp_path: Pat
     assert "Submitted." not in render_session(path)
     unfinished = write_session(tmp_path, "demo__demo-3", turns=[("THOUGHT: look.", "ls", "a.py")])
     assert closing_turn(session_messages(unfinished)) is None
+
+
+def test_session_openings_end_after_the_first_agent_step(tmp_path: Path) -> None:
+    from freetoken_agent.evals.builtin.corpus import session_openings
+
+    path = write_session(tmp_path, "demo__demo-4", turns=[("THOUGHT: look.", "ls", "a.py"), ("THOUGHT: read.", "cat a.py", "x")])
+    (opening,) = session_openings([path])
+    assert opening.endswith('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>\n'
+                            "<|endoftext|>")
+    assert "<tool_response>" not in opening and opening.count("<|im_start|>assistant") == 1
