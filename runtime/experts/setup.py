@@ -381,17 +381,19 @@ def load_managed(
     layout = _expert_layout(spec, moe_layers, quant, dtype)
     num_experts = spec.layers[moe_layers[0]].moe.num_experts  # type: ignore[union-attr]
 
-    def load(layer: int, e: int) -> Any:
-        t = loader.sources[layer].load(e)
-        cast = lambda v: None if v is None else v.to(dtype)
-        return type(t)(cast(t.gate_up), cast(t.down), cast(t.gate_up_bias), cast(t.down_bias))
-
     file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
     encode = None
     if layout.packed:  # the C quantizer writes the file (~3x faster than the torch one; same rules)
         from freetoken_agent.runtime.kernels.mapped import encoder
 
         encode = encoder(layout)
+    # the C quantizer widens bf16/fp16 to fp32 itself, exactly as .to(float32) does: no fp32 copy of each expert
+    as_read = (torch.float32, torch.bfloat16, torch.float16) if encode is not None and dtype == torch.float32 else ()
+
+    def load(layer: int, e: int) -> Any:
+        t = loader.sources[layer].load(e)
+        cast = lambda v: None if v is None else v if v.dtype in as_read else v.to(dtype)
+        return type(t)(cast(t.gate_up), cast(t.down), cast(t.gate_up_bias), cast(t.down_bias))
     # each expert is read once: under a host limit its pages leave the page cache (a cgroup counts them)
     reader.drop_cache = budget.host is not None
     try:

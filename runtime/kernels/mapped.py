@@ -55,7 +55,7 @@ def encoder(layout: ExpertLayout) -> Any:
             return layout.encode(t)
         parts: dict[str, torch.Tensor] = {}
         for name, w in (("gate_up", t.gate_up), ("down", t.down)):
-            blocks = c_quantize(w.float(), layout.fmt).blocks  # [N, nb, P]
+            blocks = c_quantize(w, layout.fmt).blocks  # [N, nb, P]; bf16/fp16 read as they are
             parts[name] = pack_blocks(blocks) if layout.packed else blocks
         if layout.bias:
             assert t.gate_up_bias is not None and t.down_bias is not None

@@ -472,18 +472,27 @@ def moe(
     return out
 
 
+QUANT_INPUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read as is (widened per block in C)
+
+
 def quantize(w: torch.Tensor, fmt: str, refine: bool = True) -> BlockQuantized:
-    """C twin of ``runtime.quant.quantize`` (same rules, multi-threaded): ``w [N, K]`` → GGUF blocks."""
+    """C twin of ``runtime.quant.quantize`` (same rules, multi-threaded): ``w [N, K]`` → GGUF blocks.
+
+    fp32, bf16 and fp16 weights are read in place (no fp32 copy); other dtypes are converted first. Raises
+    ``FreeTokenError`` when ``w`` holds inf or nan (the C quantizer checks every value it reads)."""
     fmt = canonical_format(fmt)
     if w.dim() != 2:
         raise FreeTokenError(f"quantize expects a 2-D weight, got shape {tuple(w.shape)}")
-    w = _f32(w)
-    if not torch.isfinite(w).all():
-        raise FreeTokenError("cannot quantize a weight that holds inf or nan")
+    if w.device.type != "cpu":
+        w = w.cpu()
+    if w.dtype not in QUANT_INPUT:
+        w = w.float()
+    w = w.contiguous()
     n, k = w.shape
     nb = -(-k // BLOCK)
     out = torch.empty(n, nb, BLOCK_BYTES[fmt], dtype=torch.uint8)
-    _lib().ft_quantize(FMT_CODE[fmt], w.data_ptr(), n, k, out.data_ptr(), int(refine))
+    if _lib().ft_quantize(FMT_CODE[fmt], QUANT_INPUT[w.dtype], w.data_ptr(), n, k, out.data_ptr(), int(refine)):
+        raise FreeTokenError("cannot quantize a weight that holds inf or nan")
     return BlockQuantized(fmt, (n, k), out)
 
 

@@ -326,30 +326,27 @@ double ft_read_bandwidth(const uint8_t *buf, int64_t bytes, int reps) {
 
 /* ---------------------------------------------------------------- public: load-time quantization */
 
-typedef struct {
-    int fmt, refine;
-    const float *w;
-    int64_t n, k, nb;
-    uint8_t *out;
-} quant_ctx;
-
 #define QUANT_ROWS_PER_ITEM 32
 
 static void quant_item(void *p, int64_t item) {
-    const quant_ctx *c = (const quant_ctx *)p;
-    const int64_t bb = c->fmt == FT_Q4 ? 18 : 34;
-    float x[QK];
-    for (int64_t r = item * QUANT_ROWS_PER_ITEM; r < c->n && r < (item + 1) * QUANT_ROWS_PER_ITEM; r++)
-        for (int64_t b = 0; b < c->nb; b++) {
-            int64_t j0 = b * QK, len = j0 + QK <= c->k ? QK : c->k - j0;
-            memcpy(x, c->w + r * c->k + j0, sizeof(float) * (size_t)len);
-            for (int64_t j = len; j < QK; j++) x[j] = 0.f;
-            quantize_block(c->fmt, x, c->refine, c->out + (r * c->nb + b) * bb);
-        }
+    quant_ctx *c = (quant_ctx *)p;
+    int64_t r0 = item * QUANT_ROWS_PER_ITEM, r1 = r0 + QUANT_ROWS_PER_ITEM < c->n ? r0 + QUANT_ROWS_PER_ITEM : c->n;
+    int bad;
+#ifdef FT_X86
+    if (g_isa >= FT_ISA_AVX2)
+        bad = quant_blocks_avx2(c, r0 * c->nb, r1 * c->nb);
+    else
+#endif
+        bad = quant_blocks_c(c, r0 * c->nb, r1 * c->nb);
+    if (bad) atomic_store_explicit(&c->bad, 1, memory_order_relaxed);
 }
 
-/* GGUF blocks out[N, nb, 34|18] for w[N, K] fp32 (K padded with zeros to whole blocks). */
-void ft_quantize(int fmt, const float *w, int64_t n, int64_t k, uint8_t *out, int refine) {
-    quant_ctx c = {fmt, refine, w, n, k, (k + QK - 1) / QK, out};
-    ft_parallel_for(quant_item, &c, (n + QUANT_ROWS_PER_ITEM - 1) / QUANT_ROWS_PER_ITEM);
+/* GGUF blocks out[N, nb, 34|18] for w[N, K] (dt: 0 fp32, 1 bf16, 2 fp16; K padded with zeros to whole blocks).
+ * Returns 1 if w holds inf or nan (out is then meaningless), else 0. The workers sleep after the job: the caller
+ * goes on with torch work (packing, copying), and a polling worker would only take turns with torch's threads. */
+int ft_quantize(int fmt, int dt, const void *w, int64_t n, int64_t k, uint8_t *out, int refine) {
+    if (g_isa < 0) g_isa = detect_isa();
+    quant_ctx c = {fmt, refine, dt, (const uint8_t *)w, n, k, (k + QK - 1) / QK, out, 0};
+    ft_parallel_run(quant_item, &c, (n + QUANT_ROWS_PER_ITEM - 1) / QUANT_ROWS_PER_ITEM, 1);
+    return atomic_load(&c.bad);
 }

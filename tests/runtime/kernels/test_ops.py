@@ -117,14 +117,61 @@ def test_read_bandwidth_is_measured(isas: list[str]) -> None:
 def test_c_quantizer_matches_the_torch_reference(fmt: str, refine: bool, isas: list[str]) -> None:
     from freetoken_agent.runtime.quant import quantize as reference
 
-    for shape in [(300, 256), (7, 100)]:
-        w = torch.randn(*shape) * 3
-        ours, ref = ops.quantize(w, fmt, refine), reference(w, fmt, refine)
-        # sums run in another order than torch's: an exact tie between two candidate scales may flip
-        assert float((ours.blocks == ref.blocks).all(-1).float().mean()) >= 0.999
-        assert abs(_rel(ours.dequantize(), w) - _rel(ref.dequantize(), w)) < 1e-4
-    with pytest.raises(FreeTokenError, match="inf or nan"):
-        ops.quantize(torch.tensor([[float("inf")] * 32]), fmt)
+    for isa in isas:
+        ops.set_isa(isa)
+        for shape in [(300, 256), (7, 100)]:
+            w = torch.randn(*shape) * 3
+            ours, ref = ops.quantize(w, fmt, refine), reference(w, fmt, refine)
+            # sums run in another order than torch's: an exact tie between two candidate scales may flip
+            assert float((ours.blocks == ref.blocks).all(-1).float().mean()) >= 0.999
+            assert abs(_rel(ours.dequantize(), w) - _rel(ref.dequantize(), w)) < 1e-4
+    ops.set_isa("best")
+
+
+def _awkward_weight(n: int, k: int) -> torch.Tensor:
+    """Random rows at many scales, plus blocks that stress the q4 rule's comparisons: a zero block, integers (ties
+    between candidate scales), +x and -x as the largest magnitude, values near fp16's subnormal scales."""
+    w = torch.randn(n, k) * 10.0 ** torch.randint(-5, 4, (n, 1)).float()
+    w[0] = 0.0
+    w[1] = torch.randint(-8, 8, (k,)).float()
+    w[2, 0], w[2, 1] = 3.0, -3.0
+    w[3] = torch.randn(k) * 1e-6
+    w[4] = torch.randn(k).round() * 0.5
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("refine", [False, True])
+def test_every_isa_and_input_dtype_give_the_portable_bytes(fmt: str, refine: bool, isas: list[str]) -> None:
+    # the expert cache files and the GGUF checks depend on these bytes: the AVX2 quantizer (eight q4 blocks per
+    # vector, one per lane) must equal the portable C loop bit for bit, and bf16/fp16 read in place must equal
+    # quantizing their fp32 widening; shapes with partial blocks and with a last group of fewer than 8 blocks
+    for n, k in [(300, 256), (37, 100), (9, 31), (64, 1000)]:
+        w = _awkward_weight(n, k)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = w.to(dtype)
+            ops.set_isa("portable")
+            expected = ops.quantize(x.float(), fmt, refine).blocks
+            with every_path(isas, threads=(1, 2)) as paths:
+                for isa, threads in paths:
+                    got = ops.quantize(x, fmt, refine).blocks
+                    assert torch.equal(got, expected), (n, k, dtype, isa, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantizer_rejects_inf_and_nan_on_every_path(dtype: torch.dtype, isas: list[str]) -> None:
+    # the C quantizer checks every value it reads (the caller no longer scans the weight first)
+    with every_path(isas, threads=(1, 2)) as paths:
+        for isa, _ in paths:
+            for fmt in ("q8", "q4"):
+                for bad in (float("inf"), float("-inf"), float("nan")):
+                    for r, c in [(0, 0), (150, 77), (299, 99)]:  # a full block, mid-tensor, the partial tail block
+                        w = torch.randn(300, 100, dtype=dtype)
+                        w[r, c] = bad
+                        with pytest.raises(FreeTokenError, match="inf or nan"):
+                            ops.quantize(w, fmt)
+                ok = ops.quantize(torch.randn(300, 100, dtype=dtype), fmt)  # finite: quantizes
+                assert ok.blocks.shape == (300, 4, 18 if fmt == "q4" else 34), isa
 
 
 def test_concurrent_calls_from_python_threads(isas: list[str]) -> None:
@@ -234,7 +281,7 @@ def _state(tid: int) -> str:
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="needs /proc")
-def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(pool_worker: int) -> None:
+def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize_or_quantize(pool_worker: int) -> None:
     # a dequantized weight goes to torch.mm next: the pool's workers must not poll into torch's threads
     import time
 
@@ -254,6 +301,13 @@ def test_workers_poll_after_a_linear_and_sleep_after_a_dequantize(pool_worker: i
         assert settle("R") == "R"  # polling for the next call (10 s)
         ops.dequantize(w)
         assert settle("S") == "S"  # asleep at once
+        # the load-time quantizer too: torch packs and copies its blocks next (a polling worker tripled the CPU
+        # time of a 2-thread expert cache write)
+        for _ in range(50):
+            ops.linear(w, x)
+        assert settle("R") == "R"
+        ops.quantize(torch.randn(512, 256, dtype=torch.bfloat16), "q4")
+        assert settle("S") == "S"
     finally:
         ops.set_spin_us(before_spin)
 

@@ -17,7 +17,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_round_trip_error_bounds(shape: tuple[int, int]) -> None:
     w = torch.randn(*shape)
     assert _rel(quantize(w, "q8").dequantize(), w) < 0.01
-    assert _rel(quantize(w, "q4").dequantize(), w) < 0.11
+    # q4's error over a single block is a noisy statistic (1, 33): 2% of draws passed 0.11, the worst of 3000 0.136
+    assert _rel(quantize(w, "q4").dequantize(), w) < (0.11 if w.numel() >= 1024 else 0.15)
     assert quantize(w, "q4").dequantize().shape == w.shape
 
 
