@@ -98,7 +98,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_set_spin_us": (i32, [i32]),
         "ft_linear": (i32, [i32, p, i64, i64, p, i64, p]),
         "ft_dequant": (None, [i32, p, i64, i64, p]),
-        "ft_quantize": (i32, [i32, i32, p, i64, i64, p, i32]),
+        "ft_quantize": (i32, [i32, i32, p, i64, i64, p, i32, i32]),
         "ft_read_bandwidth": (f64, [p, i64, i32]),
         "ft_moe": (i32, [i32, p, i64, p, i64, i64, i64, i64, p, i64, p, p, i64, p]),
         "ft_gemm_f32": (i32, [p, p, i64, i64, p, i64, p, p]),

@@ -29,7 +29,6 @@ from ..model.spec import ModelSpec
 from . import build, hugepages, ops
 from .apply import QuantReport, _TypedExperts
 from .experts import QuantizedExperts
-from .layout import pack_blocks
 
 QUANTIZED_EXPERTS = [0]
 """Experts quantized by this process (a counter; tests use it to prove a cached load quantized nothing)."""
@@ -54,9 +53,8 @@ def encoder(layout: ExpertLayout) -> Any:
         if c_quantize is None:
             return layout.encode(t)
         parts: dict[str, torch.Tensor] = {}
-        for name, w in (("gate_up", t.gate_up), ("down", t.down)):
-            blocks = c_quantize(w, layout.fmt).blocks  # [N, nb, P]; bf16/fp16 read as they are
-            parts[name] = pack_blocks(blocks) if layout.packed else blocks
+        for name, w in (("gate_up", t.gate_up), ("down", t.down)):  # bf16/fp16 read as they are
+            parts[name] = ops.quantize_packed(w, layout.fmt) if layout.packed else c_quantize(w, layout.fmt).blocks
         if layout.bias:
             assert t.gate_up_bias is not None and t.down_bias is not None
             parts["gate_up_bias"], parts["down_bias"] = t.gate_up_bias.float(), t.down_bias.float()

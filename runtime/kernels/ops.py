@@ -475,25 +475,47 @@ def moe(
 QUANT_INPUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read as is (widened per block in C)
 
 
-def quantize(w: torch.Tensor, fmt: str, refine: bool = True) -> BlockQuantized:
-    """C twin of ``runtime.quant.quantize`` (same rules, multi-threaded): ``w [N, K]`` → GGUF blocks.
-
-    fp32, bf16 and fp16 weights are read in place (no fp32 copy); other dtypes are converted first. Raises
-    ``FreeTokenError`` when ``w`` holds inf or nan (the C quantizer checks every value it reads)."""
-    fmt = canonical_format(fmt)
+def _quant_shape(w: torch.Tensor) -> tuple[int, int]:
     if w.dim() != 2:
         raise FreeTokenError(f"quantize expects a 2-D weight, got shape {tuple(w.shape)}")
+    return w.shape[0], w.shape[1]
+
+
+def _quantize_into(w: torch.Tensor, fmt: str, refine: bool, out: torch.Tensor, packed: bool) -> None:
     if w.device.type != "cpu":
         w = w.cpu()
     if w.dtype not in QUANT_INPUT:
         w = w.float()
     w = w.contiguous()
     n, k = w.shape
-    nb = -(-k // BLOCK)
-    out = torch.empty(n, nb, BLOCK_BYTES[fmt], dtype=torch.uint8)
-    if _lib().ft_quantize(FMT_CODE[fmt], QUANT_INPUT[w.dtype], w.data_ptr(), n, k, out.data_ptr(), int(refine)):
+    rc = _lib().ft_quantize(FMT_CODE[fmt], QUANT_INPUT[w.dtype], w.data_ptr(), n, k, out.data_ptr(), int(refine),
+                            int(packed))
+    if rc & 2:
+        raise MemoryError("ft_quantize: out of memory")
+    if rc & 1:
         raise FreeTokenError("cannot quantize a weight that holds inf or nan")
+
+
+def quantize(w: torch.Tensor, fmt: str, refine: bool = True) -> BlockQuantized:
+    """C twin of ``runtime.quant.quantize`` (same rules, multi-threaded): ``w [N, K]`` → GGUF blocks.
+
+    fp32, bf16 and fp16 weights are read in place (no fp32 copy); other dtypes are converted first. Raises
+    ``FreeTokenError`` when ``w`` holds inf or nan (the C quantizer checks every value it reads)."""
+    fmt = canonical_format(fmt)
+    n, k = _quant_shape(w)
+    out = torch.empty(n, -(-k // BLOCK), BLOCK_BYTES[fmt], dtype=torch.uint8)
+    _quantize_into(w, fmt, refine, out, packed=False)
     return BlockQuantized(fmt, (n, k), out)
+
+
+def quantize_packed(w: torch.Tensor, fmt: str, refine: bool = True) -> torch.Tensor:
+    """``w [N, K]`` → the kernels' tile layout, flat uint8 (``packed_bytes(fmt, N, K)``): the bytes of
+    ``layout.pack_blocks(quantize(w, fmt, refine).blocks)``, written by the quantizer directly (no torch repack)."""
+    fmt = canonical_format(fmt)
+    n, k = _quant_shape(w)
+    out = torch.empty(packed_bytes(fmt, n, k), dtype=torch.uint8)
+    _quantize_into(w, fmt, refine, out, packed=True)
+    return out
 
 
 def quantize_blocks(w: torch.Tensor, fmt: str) -> BlockQuantized:

@@ -328,25 +328,45 @@ double ft_read_bandwidth(const uint8_t *buf, int64_t bytes, int reps) {
 
 #define QUANT_ROWS_PER_ITEM 32
 
+static int quant_run(const quant_ctx *c, int64_t t0, int64_t t1, uint8_t *out) {
+#ifdef FT_X86
+    if (g_isa >= FT_ISA_AVX2) return quant_blocks_avx2(c, t0, t1, out);
+#endif
+    return quant_blocks_c(c, t0, t1, out);
+}
+
 static void quant_item(void *p, int64_t item) {
     quant_ctx *c = (quant_ctx *)p;
     int64_t r0 = item * QUANT_ROWS_PER_ITEM, r1 = r0 + QUANT_ROWS_PER_ITEM < c->n ? r0 + QUANT_ROWS_PER_ITEM : c->n;
-    int bad;
-#ifdef FT_X86
-    if (g_isa >= FT_ISA_AVX2)
-        bad = quant_blocks_avx2(c, r0 * c->nb, r1 * c->nb);
-    else
-#endif
-        bad = quant_blocks_c(c, r0 * c->nb, r1 * c->nb);
-    if (bad) atomic_store_explicit(&c->bad, 1, memory_order_relaxed);
+    const int64_t bb = c->fmt == FT_Q4 ? 18 : 34;
+    int bad = 0;
+    if (!c->packed) {
+        bad = quant_run(c, r0 * c->nb, r1 * c->nb, c->out + r0 * c->nb * bb);
+    } else { /* one tile's GGUF blocks at a time (a few KiB), then reordered into the tile */
+        uint8_t *g = (uint8_t *)malloc((size_t)(TR * c->nb * bb));
+        if (!g) {
+            atomic_fetch_or(&c->bad, 2);
+            return;
+        }
+        for (int64_t r = r0; r < r1; r += TR) {
+            int64_t rows = r1 - r < TR ? r1 - r : TR;
+            bad |= quant_run(c, r * c->nb, (r + rows) * c->nb, g);
+            memset(g + rows * c->nb * bb, 0, (size_t)((TR - rows) * c->nb * bb)); /* padding rows: zero blocks */
+            pack_tile(c->fmt, g, c->nb, c->out + (r / TR) * c->nb * tile_block_bytes(c->fmt));
+        }
+        free(g);
+    }
+    if (bad) atomic_fetch_or(&c->bad, 1);
 }
 
-/* GGUF blocks out[N, nb, 34|18] for w[N, K] (dt: 0 fp32, 1 bf16, 2 fp16; K padded with zeros to whole blocks).
- * Returns 1 if w holds inf or nan (out is then meaningless), else 0. The workers sleep after the job: the caller
- * goes on with torch work (packing, copying), and a polling worker would only take turns with torch's threads. */
-int ft_quantize(int fmt, int dt, const void *w, int64_t n, int64_t k, uint8_t *out, int refine) {
+/* GGUF blocks out[N, nb, 34|18] for w[N, K] (dt: 0 fp32, 1 bf16, 2 fp16; K padded with zeros to whole blocks), or
+ * with `packed` the same blocks in the tile layout (ft_packed_bytes(fmt, N, K) bytes, pack_blocks's order).
+ * Returns 0; | 1 when w holds inf or nan; | 2 when out of memory (out is then meaningless). The workers sleep
+ * after the job: the caller goes on with torch work (copying), and a polling worker would only take turns with
+ * torch's threads. */
+int ft_quantize(int fmt, int dt, const void *w, int64_t n, int64_t k, uint8_t *out, int refine, int packed) {
     if (g_isa < 0) g_isa = detect_isa();
-    quant_ctx c = {fmt, refine, dt, (const uint8_t *)w, n, k, (k + QK - 1) / QK, out, 0};
+    quant_ctx c = {fmt, refine, dt, (const uint8_t *)w, n, k, (k + QK - 1) / QK, out, packed, 0};
     ft_parallel_run(quant_item, &c, (n + QUANT_ROWS_PER_ITEM - 1) / QUANT_ROWS_PER_ITEM, 1);
     return atomic_load(&c.bad);
 }

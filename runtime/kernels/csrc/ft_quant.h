@@ -116,7 +116,8 @@ typedef struct {
     int fmt, refine, dt;
     const uint8_t *w; /* [N, K] of dt */
     int64_t n, k, nb;
-    uint8_t *out;     /* [N, nb, 34|18] */
+    uint8_t *out;     /* [N, nb, 34|18], or packed: the tile layout (ft_tiles.h) */
+    int packed;
     _Atomic int bad;  /* set when an input value is inf or nan */
 } quant_ctx;
 
@@ -126,15 +127,39 @@ static inline int quant_load(const quant_ctx *c, int64_t t, float *x) {
     return load_block(c->dt, c->w + (size_t)(r * c->k + j0) * in_size(c->dt), len, x);
 }
 
-static int quant_blocks_c(const quant_ctx *c, int64_t t0, int64_t t1) {
+/* Blocks t0..t1-1 (flat over rows) into out[t - t0]; returns 1 if an input value is inf or nan. */
+static int quant_blocks_c(const quant_ctx *c, int64_t t0, int64_t t1, uint8_t *out) {
     const int64_t bb = c->fmt == FT_Q4 ? 18 : 34;
     float x[QK];
     int bad = 0;
     for (int64_t t = t0; t < t1; t++) {
         bad |= quant_load(c, t, x);
-        quantize_block(c->fmt, x, c->refine, c->out + t * bb);
+        quantize_block(c->fmt, x, c->refine, out + (t - t0) * bb);
     }
     return bad;
+}
+
+/* One tile of GGUF blocks g[R][nb][34|18] (rows past the weight's end all zero) into the tile layout at `tile`
+ * (layout.py's pack_blocks: per tile-block the 8 scales, then q8 chunk j = values 4j..4j+3 of each row, q4 chunk
+ * j byte p = value 8j+p | value 8j+4+p << 4). */
+static void pack_tile(int fmt, const uint8_t *g, int64_t nb, uint8_t *tile) {
+    const int64_t bb = fmt == FT_Q4 ? 18 : 34, tbb = tile_block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *tb = tile + b * tbb;
+        for (int r = 0; r < TR; r++) {
+            const uint8_t *blk = g + (r * nb + b) * bb;
+            memcpy(tb + 2 * r, blk, 2);
+            if (fmt == FT_Q8) {
+                for (int j = 0; j < 8; j++) memcpy(tb + 2 * TR + (j * TR + r) * 4, blk + 2 + 4 * j, 4);
+                continue;
+            }
+            uint8_t code[QK];
+            for (int i = 0; i < QK / 2; i++) code[i] = blk[2 + i] & 15, code[i + QK / 2] = blk[2 + i] >> 4;
+            for (int j = 0; j < 4; j++)
+                for (int q = 0; q < 4; q++)
+                    tb[2 * TR + (j * TR + r) * 4 + q] = (uint8_t)(code[8 * j + q] | code[8 * j + 4 + q] << 4);
+        }
+    }
 }
 
 #ifdef FT_X86
@@ -275,14 +300,14 @@ FT_AVX2 static void q4_group_avx2(float (*xs)[QK], int refine, uint8_t **outs, i
     }
 }
 
-FT_AVX2 static int quant_blocks_avx2(const quant_ctx *c, int64_t t0, int64_t t1) {
+FT_AVX2 static int quant_blocks_avx2(const quant_ctx *c, int64_t t0, int64_t t1, uint8_t *out) {
     const int64_t bb = c->fmt == FT_Q4 ? 18 : 34;
     float xs[8][QK];
     int bad = 0;
     if (c->fmt == FT_Q8) {
         for (int64_t t = t0; t < t1; t++) {
             bad |= quant_load_avx2(c, t, xs[0]);
-            q8_block_avx2(xs[0], c->out + t * bb);
+            q8_block_avx2(xs[0], out + (t - t0) * bb);
         }
         return bad;
     }
@@ -292,7 +317,7 @@ FT_AVX2 static int quant_blocks_avx2(const quant_ctx *c, int64_t t0, int64_t t1)
         for (int l = 0; l < 8; l++) {
             if (l < n) {
                 bad |= quant_load_avx2(c, t + l, xs[l]);
-                outs[l] = c->out + (t + l) * bb;
+                outs[l] = out + (t + l - t0) * bb;
             } else {
                 memset(xs[l], 0, sizeof xs[l]); /* an idle lane: quantized, never written */
             }

@@ -158,6 +158,21 @@ def test_every_isa_and_input_dtype_give_the_portable_bytes(fmt: str, refine: boo
                     assert torch.equal(got, expected), (n, k, dtype, isa, threads)
 
 
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantize_packed_writes_pack_blocks_bytes(fmt: str, isas: list[str]) -> None:
+    # the expert cache writer takes the tile layout straight from the quantizer: it must be pack_blocks's bytes
+    # (rows not a multiple of 8: zero padding rows; items of 32 rows ending mid-tile; partial last blocks)
+    for n, k in [(300, 256), (37, 100), (5, 31), (64, 1000), (8, 32)]:
+        w = _awkward_weight(n, k).to(torch.bfloat16)
+        ops.set_isa("portable")
+        expected = pack_blocks(ops.quantize(w, fmt).blocks)
+        with every_path(isas, threads=(1, 2)) as paths:
+            for isa, threads in paths:
+                got = ops.quantize_packed(w, fmt)
+                assert got.numel() == ops.packed_bytes(fmt, n, k)
+                assert torch.equal(got, expected), (n, k, isa, threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantizer_rejects_inf_and_nan_on_every_path(dtype: torch.dtype, isas: list[str]) -> None:
     # the C quantizer checks every value it reads (the caller no longer scans the weight first)
@@ -170,6 +185,8 @@ def test_quantizer_rejects_inf_and_nan_on_every_path(dtype: torch.dtype, isas: l
                         w[r, c] = bad
                         with pytest.raises(FreeTokenError, match="inf or nan"):
                             ops.quantize(w, fmt)
+                        with pytest.raises(FreeTokenError, match="inf or nan"):
+                            ops.quantize_packed(w, fmt)
                 ok = ops.quantize(torch.randn(300, 100, dtype=dtype), fmt)  # finite: quantizes
                 assert ok.blocks.shape == (300, 4, 18 if fmt == "q4" else 34), isa
 
