@@ -9,6 +9,7 @@ as a whole.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,8 +398,9 @@ def load_managed(
     # each expert is read once: under a host limit its pages leave the page cache (a cgroup counts them)
     reader.drop_cache = budget.host is not None
     try:
-        disk, written = open_or_write(file_path, layout, moe_layers, num_experts, load, config.drop_page_cache,
-                                      encode=encode)
+        with ops.pool_carries() if encode is not None else contextlib.nullcontext():
+            disk, written = open_or_write(file_path, layout, moe_layers, num_experts, load, config.drop_page_cache,
+                                          encode=encode)
     finally:
         reader.drop_cache = False
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ the experts are quantized into memory, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,8 +154,9 @@ def load_quantized(
     float_bytes = len(layers) * e * 3 * first.intermediate * spec.hidden_size * dtype.itemsize
     file_path = cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
     try:
-        disk, written = open_or_write(file_path, layout, layers, e, load, progress=progress, encode=encode,
-                                      verify=True)
+        with ops.pool_carries() if layout.packed else contextlib.nullcontext():  # packed: the C quantizer
+            disk, written = open_or_write(file_path, layout, layers, e, load, progress=progress, encode=encode,
+                                          verify=True)
     except OSError as exc:  # a read-only or full cache directory: quantize into memory instead
         print(f"freetoken: cannot write the expert cache {file_path} ({exc.strerror or exc}); quantizing the "
               "experts in memory this time", file=sys.stderr)

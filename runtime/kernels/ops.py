@@ -184,6 +184,21 @@ def torch_heavy() -> Iterator[None]:
                 lib.ft_set_spin_us(_handoff["saved"])
 
 
+@contextmanager
+def pool_carries() -> Iterator[None]:
+    """While the kernels' pool carries the heavy work and torch only reads and copies between its calls (the
+    expert cache write: quantize on the pool, torch concatenates and copies): torch on one thread. Its OpenMP
+    workers otherwise spin after every small op on the cores the pool is using (a 2-thread cache write took 1.9
+    CPU-s where 1 thread took 1.33; torch on one thread: 1.36, and faster in wall time). Not for concurrent torch
+    work in other Python threads (the setting is process-wide); restores the count on exit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 _deterministic = [False]
 
 

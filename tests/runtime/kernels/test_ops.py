@@ -248,6 +248,20 @@ def test_spin_setting_and_torch_heavy_nest_and_restore(isas: list[str]) -> None:
         ops.set_spin_us(before)
 
 
+def test_pool_carries_runs_torch_on_one_thread_and_restores_it(isas: list[str]) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ops.pool_carries():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(FreeTokenError), ops.pool_carries():  # restored when the write fails too
+            ops.quantize(torch.tensor([[float("nan")] * 32]), "q4")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _task_ids() -> set[int]:
     import os
 
