@@ -214,21 +214,33 @@ FT_AVX2 static void q8_block_avx2(const float *xs, uint8_t *out) {
     _mm256_storeu_si256((__m256i *)(out + 2), p);
 }
 
-/* q4_codes for eight blocks, one per lane: x[j] holds value j of each block. Per lane the operations and their
- * order are q4_codes's (max_ps(0, c) is c < 0 ? 0 : c and min_ps(15, c) is c > 15 ? 15 : c, NaN included). */
-FT_AVX2 static __m256 q4_codes_avx2(const __m256 *x, __m256 d, __m256 *codes) {
+/* q4_codes for QG x eight blocks, one per lane: x[g][j] holds value j of each block of group g. Per lane the
+ * operations and their order are q4_codes's (max_ps(0, c) is c < 0 ? 0 : c and min_ps(15, c) is c > 15 ? 15 : c,
+ * NaN included). err[g] gets the squared errors, or (codes not NULL) codes[g] the codes: a code is a function of
+ * (x, d) alone, so candidate scales are scored without storing theirs and the winner's are computed once. The QG
+ * groups' sums are independent chains: one alone waits on its adds' latency. */
+#define QG 2
+FT_AVX2 static inline void q4_codes_avx2(__m256 (*x)[QK], const __m256 *d, __m256 *err, __m256 (*codes)[QK]) {
     const __m256 zero = _mm256_setzero_ps(), eight = _mm256_set1_ps(8.f), fifteen = _mm256_set1_ps(15.f);
-    __m256 inv = _mm256_and_ps(_mm256_cmp_ps(d, zero, _CMP_NEQ_UQ), _mm256_div_ps(_mm256_set1_ps(1.f), d));
-    __m256 err = zero;
-    for (int j = 0; j < QK; j++) {
-        __m256 c = _mm256_round_ps(_mm256_add_ps(_mm256_mul_ps(x[j], inv), eight),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        c = _mm256_min_ps(fifteen, _mm256_max_ps(zero, c));
-        codes[j] = c;
-        __m256 e = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(c, eight), d), x[j]);
-        err = _mm256_add_ps(err, _mm256_mul_ps(e, e));
+    __m256 inv[QG], acc[QG];
+    for (int g = 0; g < QG; g++) {
+        inv[g] = _mm256_and_ps(_mm256_cmp_ps(d[g], zero, _CMP_NEQ_UQ), _mm256_div_ps(_mm256_set1_ps(1.f), d[g]));
+        acc[g] = zero;
     }
-    return err;
+    for (int j = 0; j < QK; j++)
+        for (int g = 0; g < QG; g++) {
+            __m256 c = _mm256_round_ps(_mm256_add_ps(_mm256_mul_ps(x[g][j], inv[g]), eight),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            c = _mm256_min_ps(fifteen, _mm256_max_ps(zero, c));
+            if (codes) {
+                codes[g][j] = c;
+                continue;
+            }
+            __m256 e = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(c, eight), d[g]), x[g][j]);
+            acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(e, e));
+        }
+    if (err)
+        for (int g = 0; g < QG; g++) err[g] = acc[g];
 }
 
 FT_AVX2 static inline void transpose8(__m256 *r) {
@@ -246,63 +258,77 @@ FT_AVX2 static inline void transpose8(__m256 *r) {
     r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-/* quantize_block's q4 rule for the blocks xs[0..7] (each QK values) into outs[0..n-1]. */
+/* quantize_block's q4 rule for the blocks xs[0 .. 8 QG - 1] (each QK values) into outs[0..n-1]. */
 FT_AVX2 static void q4_group_avx2(float (*xs)[QK], int refine, uint8_t **outs, int n) {
     const __m256 zero = _mm256_setzero_ps(), eight = _mm256_set1_ps(8.f), sign = _mm256_set1_ps(-0.f);
-    __m256 x[QK], codes[QK], cand[QK];
-    for (int q = 0; q < QK / 8; q++) {
-        for (int l = 0; l < 8; l++) x[8 * q + l] = _mm256_loadu_ps(xs[l] + 8 * q);
-        transpose8(x + 8 * q);
+    __m256 x[QG][QK], codes[QG][QK], d[QG];
+    for (int g = 0; g < QG; g++) {
+        for (int q = 0; q < QK / 8; q++) {
+            for (int l = 0; l < 8; l++) x[g][8 * q + l] = _mm256_loadu_ps(xs[8 * g + l] + 8 * q);
+            transpose8(x[g] + 8 * q);
+        }
+        __m256 m = zero, amax = _mm256_set1_ps(-1.f);
+        for (int j = 0; j < QK; j++) { /* the first value of largest magnitude, as the scalar loop picks it */
+            __m256 a = _mm256_andnot_ps(sign, x[g][j]), gt = _mm256_cmp_ps(a, amax, _CMP_GT_OQ);
+            amax = _mm256_blendv_ps(amax, a, gt);
+            m = _mm256_blendv_ps(m, x[g][j], gt);
+        }
+        d[g] = f16_round8(_mm256_div_ps(m, _mm256_set1_ps(-8.f)));
     }
-    __m256 m = zero, amax = _mm256_set1_ps(-1.f);
-    for (int j = 0; j < QK; j++) { /* the first value of largest magnitude, as the scalar loop picks it */
-        __m256 a = _mm256_andnot_ps(sign, x[j]), gt = _mm256_cmp_ps(a, amax, _CMP_GT_OQ);
-        amax = _mm256_blendv_ps(amax, a, gt);
-        m = _mm256_blendv_ps(m, x[j], gt);
-    }
-    __m256 d = f16_round8(_mm256_div_ps(m, _mm256_set1_ps(-8.f)));
-    __m256 best = q4_codes_avx2(x, d, codes);
     if (refine) {
         static const float f[5] = {0.80f, 0.84f, 0.88f, 0.92f, 0.96f};
+        __m256 best[QG], err[QG], dc[QG];
+        q4_codes_avx2(x, d, best, NULL);
         for (int i = 0; i < 5; i++) {
-            __m256 dc = f16_round8(_mm256_mul_ps(d, _mm256_set1_ps(f[i]))), err = q4_codes_avx2(x, dc, cand);
-            __m256 win = _mm256_cmp_ps(err, best, _CMP_LT_OQ);
-            if (!_mm256_movemask_ps(win)) continue;
-            best = _mm256_blendv_ps(best, err, win);
-            d = _mm256_blendv_ps(d, dc, win);
-            for (int j = 0; j < QK; j++) codes[j] = _mm256_blendv_ps(codes[j], cand[j], win);
+            for (int g = 0; g < QG; g++) dc[g] = f16_round8(_mm256_mul_ps(d[g], _mm256_set1_ps(f[i])));
+            q4_codes_avx2(x, dc, err, NULL);
+            for (int g = 0; g < QG; g++) {
+                __m256 win = _mm256_cmp_ps(err[g], best[g], _CMP_LT_OQ);
+                best[g] = _mm256_blendv_ps(best[g], err[g], win);
+                d[g] = _mm256_blendv_ps(d[g], dc[g], win);
+            }
         }
-        __m256 num = zero, den = zero;
-        for (int j = 0; j < QK; j++) {
-            __m256 c = _mm256_sub_ps(codes[j], eight);
-            num = _mm256_add_ps(num, _mm256_mul_ps(c, x[j]));
-            den = _mm256_add_ps(den, _mm256_mul_ps(c, c));
-        }
+        q4_codes_avx2(x, d, NULL, codes);
         const __m256 tiny = _mm256_set1_ps(1e-30f);
-        __m256 q = _mm256_div_ps(num, _mm256_blendv_ps(tiny, den, _mm256_cmp_ps(den, tiny, _CMP_GT_OQ)));
-        __m256 dl = f16_round8(_mm256_blendv_ps(d, q, _mm256_cmp_ps(den, zero, _CMP_GT_OQ))), err = zero;
-        for (int j = 0; j < QK; j++) {
-            __m256 e = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(codes[j], eight), dl), x[j]);
-            err = _mm256_add_ps(err, _mm256_mul_ps(e, e));
+        __m256 num[QG], den[QG], dl[QG];
+        for (int g = 0; g < QG; g++) num[g] = den[g] = err[g] = zero;
+        for (int j = 0; j < QK; j++)
+            for (int g = 0; g < QG; g++) {
+                __m256 c = _mm256_sub_ps(codes[g][j], eight);
+                num[g] = _mm256_add_ps(num[g], _mm256_mul_ps(c, x[g][j]));
+                den[g] = _mm256_add_ps(den[g], _mm256_mul_ps(c, c));
+            }
+        for (int g = 0; g < QG; g++) {
+            __m256 q = _mm256_div_ps(num[g], _mm256_blendv_ps(tiny, den[g], _mm256_cmp_ps(den[g], tiny, _CMP_GT_OQ)));
+            dl[g] = f16_round8(_mm256_blendv_ps(d[g], q, _mm256_cmp_ps(den[g], zero, _CMP_GT_OQ)));
         }
-        d = _mm256_blendv_ps(d, dl, _mm256_cmp_ps(err, best, _CMP_LT_OQ));
+        for (int j = 0; j < QK; j++)
+            for (int g = 0; g < QG; g++) {
+                __m256 e = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(codes[g][j], eight), dl[g]), x[g][j]);
+                err[g] = _mm256_add_ps(err[g], _mm256_mul_ps(e, e));
+            }
+        for (int g = 0; g < QG; g++) d[g] = _mm256_blendv_ps(d[g], dl[g], _mm256_cmp_ps(err[g], best[g], _CMP_LT_OQ));
+    } else {
+        q4_codes_avx2(x, d, NULL, codes);
     }
-    uint16_t h[8];
-    int32_t packed[QK / 2][8];
-    _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT)); /* d is already fp16: exact */
-    for (int j = 0; j < QK / 2; j++)
-        _mm256_storeu_si256((__m256i *)packed[j],
-                            _mm256_or_si256(_mm256_cvtps_epi32(codes[j]),
-                                            _mm256_slli_epi32(_mm256_cvtps_epi32(codes[j + QK / 2]), 4)));
-    for (int l = 0; l < n; l++) {
-        memcpy(outs[l], &h[l], 2);
-        for (int j = 0; j < QK / 2; j++) outs[l][2 + j] = (uint8_t)packed[j][l];
+    for (int g = 0; g < QG && 8 * g < n; g++) {
+        uint16_t h[8];
+        int32_t packed[QK / 2][8];
+        _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(d[g], _MM_FROUND_TO_NEAREST_INT)); /* already fp16: exact */
+        for (int j = 0; j < QK / 2; j++)
+            _mm256_storeu_si256((__m256i *)packed[j],
+                                _mm256_or_si256(_mm256_cvtps_epi32(codes[g][j]),
+                                                _mm256_slli_epi32(_mm256_cvtps_epi32(codes[g][j + QK / 2]), 4)));
+        for (int l = 0; l < 8 && 8 * g + l < n; l++) {
+            memcpy(outs[8 * g + l], &h[l], 2);
+            for (int j = 0; j < QK / 2; j++) outs[8 * g + l][2 + j] = (uint8_t)packed[j][l];
+        }
     }
 }
 
 FT_AVX2 static int quant_blocks_avx2(const quant_ctx *c, int64_t t0, int64_t t1, uint8_t *out) {
     const int64_t bb = c->fmt == FT_Q4 ? 18 : 34;
-    float xs[8][QK];
+    float xs[8 * QG][QK];
     int bad = 0;
     if (c->fmt == FT_Q8) {
         for (int64_t t = t0; t < t1; t++) {
@@ -311,10 +337,10 @@ FT_AVX2 static int quant_blocks_avx2(const quant_ctx *c, int64_t t0, int64_t t1,
         }
         return bad;
     }
-    for (int64_t t = t0; t < t1; t += 8) {
-        int n = t1 - t < 8 ? (int)(t1 - t) : 8;
-        uint8_t *outs[8];
-        for (int l = 0; l < 8; l++) {
+    for (int64_t t = t0; t < t1; t += 8 * QG) {
+        int n = t1 - t < 8 * QG ? (int)(t1 - t) : 8 * QG;
+        uint8_t *outs[8 * QG];
+        for (int l = 0; l < 8 * QG; l++) {
             if (l < n) {
                 bad |= quant_load_avx2(c, t + l, xs[l]);
                 outs[l] = out + (t + l - t0) * bb;
