@@ -6,8 +6,12 @@ blocks byte for byte (our block layout is GGUF's) and the same dense weights: F3
 blocks our ``dense_quant="q8"`` computes with, so both sides compute with identical weights. Decode tok/s = N / the time of N single-token steps after the prompt (prefill untimed), rounds
 alternate A/B, medians.
 
-    python -m freetoken_agent.evals.perf.bench_gguf_decode [--threads 1,2] [--dense none,q8] [--prompt-len 32]
-        [--tokens 16] [--rounds 3] [--json]
+    python -m freetoken_agent.evals.perf.bench_gguf_decode [--threads 1,2] [--dense none,q8] [--prompt-len 32,4096]
+        [--tokens 16] [--rounds 3] [--model DIR] [--json]
+
+``--model``: an existing ``qwen3_moe`` folder instead of the 1B one (e.g. the 7.5B of ``bench_concurrent prepare``);
+its GGUF is written beside it once. ``--prompt-len``: several context lengths, one row each. Speculative decoding is
+off on our side (llama.cpp runs none here): the rows compare one decode step with another.
 
 Needs ``pip install llama-cpp-python gguf``; nothing is downloaded.
 """
@@ -207,15 +211,16 @@ def measure(
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    ours = Engine.from_pretrained(folder, quant="q4", threads=threads, dense_quant=dense)
+    ours = Engine.from_pretrained(folder, quant="q4", threads=threads, dense_quant=dense, speculate=False)
     ops.set_threads(threads)
     load_s = time.perf_counter() - t0
     gguf_path = ensure_gguf(folder, threads, dense)
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, prompt_len + tokens + 64), n_batch=64,
                           n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(259, CONFIG["vocab_size"], (prompt_len,), generator=gen).tolist()
-    follow = torch.randint(259, CONFIG["vocab_size"], (tokens + 1,), generator=gen).tolist()
+    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    prompt = torch.randint(259, vocab, (prompt_len,), generator=gen).tolist()
+    follow = torch.randint(259, vocab, (tokens + 1,), generator=gen).tolist()
 
     def decode_ours(n: int) -> float:
         """Seconds of ``n`` decode steps after the prompt (the prefill and first sample are not timed)."""
@@ -283,17 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dense", default="none", help="comma-separated dense-weight formats: none (fp32), q8, q4")
-    ap.add_argument("--prompt-len", type=int, default=32, help="tokens in the context before the timed decode")
+    ap.add_argument("--prompt-len", default="32", help="comma-separated tokens in the context before the timed decode")
+    ap.add_argument("--model", type=Path, default=None, help="an existing qwen3_moe folder (default: the 1B one)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    folder = write_checkpoint(Path(args.dir) / "qwen3_moe-1b")
-    results = [measure(folder, int(t), args.tokens, args.rounds, args.prompt_len, dense=d)
-               for d in args.dense.split(",") for t in args.threads.split(",")]
+    if args.model is not None and not (args.model / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there")
+    folder = args.model or write_checkpoint(Path(args.dir) / "qwen3_moe-1b")
+    results = [measure(folder, int(t), args.tokens, args.rounds, int(n), dense=d)
+               for d in args.dense.split(",") for t in args.threads.split(",") for n in args.prompt_len.split(",")]
     if args.json:
         print(json.dumps(results, indent=1))
     else:
         for r in results:
-            print(f"{r['params'] / 1e9:.2f}B params, dense {r['dense']}, {r['threads']} thread(s): ours {r['ours_tok_s']} tok/s, "
+            print(f"{r['params'] / 1e9:.2f}B params, dense {r['dense']}, {r['threads']} thread(s), "
+                  f"{r['prompt_len']}-token prompt: ours {r['ours_tok_s']} tok/s, "
                   f"llama.cpp {r['llama_cpp_tok_s']} tok/s, ratio {r['ratio']}, "
                   f"greedy agreement {r['greedy_prefix_agreement']}/8")  # fmt: skip
     return 0
