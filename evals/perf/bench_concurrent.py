@@ -17,7 +17,12 @@ Ours stops at its end-of-sequence token; tok/s counts the tokens each server rep
     python -m freetoken_agent.evals.perf.bench_concurrent prepare             # the 7.5B model + GGUF, once
     python -m freetoken_agent.evals.perf.bench_concurrent show REPORT.json      # the table of a --json run
     python -m freetoken_agent.evals.perf.bench_concurrent run [--n 1,2,4,8] [--servers ours,llama.cpp]
-        [--turns 3] [--ctx 2048] [--max-tokens 32] [--max-message-chars 800] [--threads 2] [--json]
+        [--turns 3] [--ctx 2048] [--max-tokens 32] [--max-message-chars 800] [--threads 2] [--speculate on] [--json]
+
+Decode throughput alone (the sessions' first turns cut to a ~57-token prompt, 48 tokens each, no speculation on
+either side, so N sessions differ from one only by batching):
+``run --turns 1 --max-tokens 48 --max-message-chars 40 --speculate off``. The engine table's "decode tok/s" column
+is then the aggregate decode throughput (decode-only steps' tokens over their time).
 
 The defaults size one full run (both servers, N = 1, 2, 4, 8) to about half an hour on two Zen 4 cores. The
 ``load 1m`` column is the machine's load average before/after each measurement: other work on the same cores
@@ -63,10 +68,10 @@ class Server:
     """A route answering the engine's counters (ours: ``/stats``), read before and after the replay."""
 
 
-def ours(model: str | None, threads: int, quant: str, quant_dense: str) -> Server:
+def ours(model: str | None, threads: int, quant: str, quant_dense: str, speculate: str = "on") -> Server:
     def command(port: int, n: int) -> list[str]:
         argv = [sys.executable, "-m", "freetoken_agent.cli", "serve", "--port", str(port), "--threads", str(threads),
-                "--quant", quant, "--quant-dense", quant_dense, "--name", "bench"]
+                "--quant", quant, "--quant-dense", quant_dense, "--speculate", speculate, "--name", "bench"]
         return argv + (["--model", model] if model else [])
 
     def body(turn: Turn, max_tokens: int) -> dict[str, Any]:
@@ -285,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = Turn(warmup_text, encode(warmup_text), 0.0)
     servers = []
     if "ours" in names:
-        servers.append(ours(str(folder), args.threads, args.quant, args.quant_dense))
+        servers.append(ours(str(folder), args.threads, args.quant, args.quant_dense, args.speculate))
     if "llama.cpp" in names:
         binary = llama_server.find_peer(Path(args.peer_cache))
         if binary is None:
@@ -300,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
 
     meta = {"model": str(folder), "params": param_count(folder), "sessions": [s.name for s in sessions],
             "prompt_tokens_per_turn": [[len(t.ids) for t in s.turns] for s in sessions], "workload": vars(w),
-            "threads": args.threads, "quant": args.quant, "quant_dense": args.quant_dense}
+            "threads": args.threads, "quant": args.quant, "quant_dense": args.quant_dense, "speculate": args.speculate}
     rows: list[dict[str, Any]] = []
     partial = Path(args.dir) / "last-run.json"  # rewritten after every measurement: a cut-short run keeps its rows
     for n in counts:  # servers alternate within each N, so load from elsewhere on the machine hits both alike
@@ -366,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pause-scale", type=float, default=0.05, help="recorded tool pauses are scaled by this")
     r.add_argument("--max-pause", type=float, default=2.0, help="... and capped at this many seconds")
     r.add_argument("--quant", default="q4", choices=("none", "q8", "q4"), help="our expert format")
+    r.add_argument("--speculate", default="on", help="our server's --speculate (on|off|K); llama-server runs none")
     r.add_argument("--peer-cache", default=str(llama_server.DEFAULT_CACHE))
     r.add_argument("--request-timeout", type=float, default=600.0)
     r.add_argument("--deadline", type=float, default=420.0, help="no turn starts later than this (s) into a run")
