@@ -26,7 +26,6 @@ from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.compressed import cached_width
 from freetoken_agent.runtime.model.decoder import Decoder
 from freetoken_agent.runtime.model.spec import ModelSpec
-from freetoken_agent.runtime.model.weights import load_weights
 from freetoken_agent.runtime.phase import Phase
 from freetoken_agent.runtime.runner import ModelRunner
 from freetoken_agent.runtime.scheduler import (
@@ -138,7 +137,7 @@ class Engine:
         self.kv_dtype: torch.dtype | None = None
         """Storage type of the KV pages (``from_pretrained``'s ``kv_dtype``); None: the compute dtype. Set it before
         the first session or request (the KV manager is created then)."""
-        self.quant: Any = None  # runtime.kernels.apply.QuantReport when experts were quantized at load
+        self.quant: Any = None  # runtime.experts.quantized.QuantReport when experts were quantized at load
         self.dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport with dense_quant="q8"/"q4"
         self.lock = threading.RLock()
         """Held by the scheduler thread for each step; KV and residency changes from other threads take it."""
@@ -217,10 +216,8 @@ class Engine:
         """
         path = Path(path)
         speculation = SpeculationConfig.of(speculate)
-        from freetoken_agent.runtime.kernels.apply import check_quant, quantize_experts
-        from freetoken_agent.runtime.kernels.dense import quantize_dense
-        from freetoken_agent.runtime.kernels.mapped import load_quantized
-        from freetoken_agent.runtime.kernels.mapped import supported as mapped_supported
+        from freetoken_agent.runtime.experts.core import ExpertsRequest, build_experts
+        from freetoken_agent.runtime.quant.formats import check_quant
         from freetoken_agent.runtime.quant.native import open_checkpoint
 
         from freetoken_agent.runtime.kv.pool import resolve_kv_dtype
@@ -240,31 +237,10 @@ class Engine:
         reader = gguf.reader if gguf else open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
         torch_dtype = _dtype(dtype)
         show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
-        managed = mapped = None
-        if gguf is not None and (budget is not None or residency is not None):
-            raise OptionError("a memory budget (--budget / residency) is not supported for GGUF files yet; load "
-                              "without one, or convert the model to a safetensors folder")
-        if budget is not None or residency is not None:
-            from freetoken_agent.runtime.experts.setup import load_managed
-
-            managed = load_managed(spec, reader, path, torch_dtype, device, quant, budget, residency, dense_quant)
-            weights, dense_report = managed.weights, managed.dense_quant
-        elif gguf is not None and gguf.quantized_experts(quant, device):  # Q8_0/Q4_0 blocks as stored, or converted
-            mapped = gguf.load_quantized(torch_dtype, device, quant)
-            weights = mapped.weights
-        elif quant != "none" and gguf is None and mapped_supported(spec, device):  # experts mapped from the cache file
-            mapped = load_quantized(spec, reader, path, torch_dtype, device, quant, show)
-            weights = mapped.weights
-        elif show:
-            from rich.progress import Progress
-
-            with Progress(transient=True) as bar:
-                task = bar.add_task(f"loading {path.name}", total=spec.num_layers)
-                weights = load_weights(spec, reader, torch_dtype, device, on_layer=lambda i: bar.advance(task))
-        else:
-            weights = load_weights(spec, reader, torch_dtype, device)
-        if managed is None:
-            dense_report = quantize_dense(spec, weights, dense_quant)
+        # weights, and the experts from their source (memory, cache file, GGUF blocks, tiers): runtime/experts/core.py
+        built = build_experts(ExpertsRequest(path, spec, reader, torch_dtype, device, quant, dense_quant, budget,
+                                             residency, gguf, show))
+        weights, dense_report = built.weights, built.dense_report
         tokenizer = template = None
         try:
             tokenizer = gguf.tokenizer() if gguf else Tokenizer.from_pretrained(path)
@@ -287,7 +263,7 @@ class Engine:
 
         # the C kernels carry quantized weights, and a decode step's fp32 GEMVs and norms (runtime/model/layers.py)
         if build.load() is not None:
-            if device == "cpu" and managed is None:
+            if device == "cpu" and built.store is None:
                 hugepages.adopt_dense(weights)  # the kernels stream these every token: 2 MiB pages
             if threads is not None or os.environ.get("FREETOKEN_THREADS"):
                 ops.set_threads(n_threads)  # an explicit thread count sizes the kernels' pool too
@@ -298,11 +274,8 @@ class Engine:
                 # its attention): torch's own ops are small. bf16 dense weights, MLA's latent attention and
                 # recurrent mixers stay with torch's threads.
                 engine.decode_torch_threads = 1
-        if managed is not None:
-            managed.install(engine.decoder)
-            engine.residency = managed.store
-        else:
-            engine.quant = mapped.install(engine.decoder) if mapped else quantize_experts(engine.decoder, quant)
+        built.install(engine.decoder)
+        engine.quant, engine.residency = built.report, built.store
         return engine
 
     # ------------------------------------------------------------------------------------------------ text

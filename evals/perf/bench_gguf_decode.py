@@ -174,7 +174,7 @@ def write_gguf(engine: Any, folder: Path, out: Path, dense: str = "none") -> Pat
             w.add_tensor(f"{b}.attn_q_norm.weight", f32(f"{p}.self_attn.q_norm.weight"))
             w.add_tensor(f"{b}.attn_k_norm.weight", f32(f"{p}.self_attn.k_norm.weight"))
             w.add_tensor(f"{b}.ffn_gate_inp.weight", f32(f"{p}.mlp.gate.weight"))
-            b13, b2 = engine.decoder.experts[layer].inner._blocks()  # [E, 2I, nb, 18], [E, D, nbI, 18]
+            b13, b2 = engine.decoder.experts[layer].blocks()  # [E, 2I, nb, 18], [E, D, nbI, 18]
             e = b13.shape[0]
             q4 = gguf.GGMLQuantizationType.Q4_0
             w.add_tensor(f"{b}.ffn_gate_exps.weight", b13[:, :i_dim].reshape(e, i_dim, -1).numpy(), raw_dtype=q4)

@@ -94,12 +94,9 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
                prompt: list[int]) -> dict[str, Any]:
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
-    from freetoken_agent.runtime.experts.setup import (
-        Managed,
-        ResidencyConfig,
-        _tensor_bytes,
-        build_store,
-    )
+    from freetoken_agent.runtime.experts.core import install
+    from freetoken_agent.runtime.experts.loader import tensor_bytes
+    from freetoken_agent.runtime.experts.setup import Managed, ResidencyConfig, build_store
     from freetoken_agent.runtime.memory import Budget, parse_bytes
     from freetoken_agent.runtime.model.decoder import Decoder
 
@@ -109,13 +106,12 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
                           simulate_device=args.cpu_dry_run and name != "cpu-moe")
     budget = Budget(device=parse_bytes(args.device_memory), host=parse_bytes(args.host_memory))
     ledgers = budget.ledgers()
-    ledgers["host" if device == "cpu" else "device"].reserve("dense", _tensor_bytes(weights, set()))
+    ledgers["host" if device == "cpu" else "device"].reserve("dense", tensor_bytes(weights))
     ledgers["host"].reserve("kv", 0)
     top_k = spec.layers[-1].moe.top_k
     store, plan = build_store(ExpertCacheFile(disk_path), ledgers, top_k, device, cfg)
     engine = Engine(spec, Decoder(spec, weights, device), None, None)
-    managed = Managed(weights, store, plan, ledgers, spec, 0, False)
-    managed.install(engine.decoder)
+    install(engine.decoder, Managed(weights, store, plan, ledgers, spec, 0, False).backends())
     engine.residency = store
     engine.generate(prompt[:8], max_new_tokens=4)  # warm-up: kernels, caches, slot pools
     t0 = time.perf_counter()

@@ -135,16 +135,14 @@ def run(spec: Any, weights: Any, disk_path: Path, args: argparse.Namespace, devi
     """Both rows and ``phase_switch_miss_reduction`` (1 − agent-phase / agent-lru switch misses)."""
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
-    from freetoken_agent.runtime.experts.setup import (
-        Managed,
-        ResidencyConfig,
-        _tensor_bytes,
-    )
+    from freetoken_agent.runtime.experts.core import install
+    from freetoken_agent.runtime.experts.loader import tensor_bytes
+    from freetoken_agent.runtime.experts.setup import Managed, ResidencyConfig
     from freetoken_agent.runtime.memory import Budget, parse_bytes
     from freetoken_agent.runtime.model.decoder import Decoder
 
     check_flags(args)
-    dense = _tensor_bytes(weights, set())
+    dense = tensor_bytes(weights)
     disk = ExpertCacheFile(disk_path)
     experts_bytes = len(disk.layers) * disk.num_experts * disk.layout.stride
     disk.close()
@@ -157,7 +155,7 @@ def run(spec: Any, weights: Any, disk_path: Path, args: argparse.Namespace, devi
         ledgers["host"].reserve("kv", 0)
         store, plan = build_store(ExpertCacheFile(disk_path), ledgers, spec.layers[-1].moe.top_k, device, cfg)
         engine = Engine(spec, Decoder(spec, weights, device), None, None)
-        Managed(weights, store, plan, ledgers, spec, 0, False).install(engine.decoder)
+        install(engine.decoder, Managed(weights, store, plan, ledgers, spec, 0, False).backends())
         engine.kv_manager()  # before the store is attached: the session's KV stays outside the expert budget
         engine.residency = store
         return engine

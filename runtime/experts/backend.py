@@ -22,13 +22,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNeed
+from freetoken_agent.runtime.experts.capabilities import Capabilities
 from freetoken_agent.runtime.experts.layout import SlotViews
 from freetoken_agent.runtime.experts.store import ExpertStore
 from freetoken_agent.runtime.model.moe import activate, expert_linear
 from freetoken_agent.runtime.model.spec import MoESpec
+
+if TYPE_CHECKING:
+    from freetoken_agent.runtime.kernels.experts import QuantizedExperts
 
 Lookahead = Callable[[torch.Tensor], list[int]]
 """Predicts the next MoE layer's experts from this layer's input ``x [T, D]``."""
@@ -49,11 +54,21 @@ class ManagedExperts:
         self.layout = store.host.layout
         self.exact = True
         """False: quantized decode always runs as one fused call over the pool (fp32 sums may reorder: ~1e-7)."""
-        self._views: dict[str, tuple[int, SlotViews, object]] = {}
+        self._views: dict[str, tuple[int, SlotViews, QuantizedExperts | None]] = {}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Managed placement in the layout's format; C kernels for quantized host slots where they load; one fused
+        call per decode step only when it may reorder fp32 sums (``exact`` off) and every slot is on the host."""
+        lay = self.layout
+        plain = self.spec.activation == "silu" and not self.spec.glu_clamp and not lay.bias
+        fused = lay.quantized and lay.packed and plain and not self.exact and self.store.device is None
+        return Capabilities("managed", (lay.fmt,), kernels=lay.quantized and lay.packed, modes=False,
+                            dequantize=False, fused=fused, can_prefetch=self.lookahead is not None)
 
     # ---------------------------------------------------------------- views over the pools
 
-    def _pool_views(self, tier: str) -> tuple[SlotViews, object]:
+    def _pool_views(self, tier: str) -> tuple[SlotViews, QuantizedExperts | None]:
         """Typed views of a tier's pool (and a ``QuantizedExperts`` over it for quantized layouts), cached."""
         pool = self.store.host if tier == "host" else self.store.device
         assert pool is not None
@@ -63,16 +78,12 @@ class ManagedExperts:
         views = self.layout.views(pool.data)
         qe = None
         if self.layout.quantized and pool.device.type == "cpu":
-            from functools import partial
-
-            from freetoken_agent.runtime.kernels.experts import QuantizedExperts
+            from freetoken_agent.runtime.experts.quantized import quantized_experts
 
             assert views.w13 is not None and views.w2 is not None
-            qe = QuantizedExperts(self.layout.fmt, views.w13, views.w2, self.layout.hidden,
-                                  self.layout.intermediate, self.layout.packed)
-            if self.spec.activation != "silu" or self.spec.glu_clamp:
-                qe.activation = partial(activate, moe=self.spec, params=self.act)
-            qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
+            lay = self.layout
+            qe = quantized_experts(lay.fmt, views.w13, views.w2, lay.hidden, self.spec, self.act, lay.packed,
+                                   (views.gate_up_bias, views.down_bias), "managed")
         self._views[tier] = (pool.generation, views, qe)
         return views, qe
 
@@ -91,8 +102,8 @@ class ManagedExperts:
         """One quantized expert on its tokens (fp32 in/out) from slot ``slot`` of ``tier``."""
         views, qe = self._pool_views(tier)
         if qe is not None:
-            big = x.shape[0] >= qe.dequant_threshold or not qe.packed  # type: ignore[attr-defined]
-            return qe._expert_dense(slot, x) if big else qe._expert_kernel(slot, x)  # type: ignore[attr-defined]
+            big = x.shape[0] >= qe.dequant_threshold or not qe.packed
+            return qe.expert_dense(slot, x) if big else qe.expert_kernel(slot, x)
         # a GPU slot: dequantize with torch ops where the bytes are, then a plain matmul (no C kernels there)
         gate_up, down = self._dequantize(views, slot)
         return self._float_expert(SlotViews(gate_up=gate_up[None], down=down[None],
@@ -102,23 +113,13 @@ class ManagedExperts:
 
     def _dequantize(self, views: SlotViews, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(gate_up [2I, D], down [D, I])`` of a quantized slot, with torch ops on the slot's device."""
-        from freetoken_agent.runtime.kernels.layout import unpack_blocks
-        from freetoken_agent.runtime.quant.blocks import (
-            BLOCK,
-            BLOCK_BYTES,
-            BlockQuantized,
-            dequantize,
-        )
+        from freetoken_agent.runtime.quant.formats import block_format
 
         lay = self.layout
-        d, i, p = lay.hidden, lay.intermediate, BLOCK_BYTES[lay.fmt]
+        fmt = block_format(lay.fmt)
         assert views.w13 is not None and views.w2 is not None
-        out = []
-        for raw, (n, k) in ((views.w13[slot], (2 * i, d)), (views.w2[slot], (d, i))):
-            nb = -(-k // BLOCK)
-            blocks = unpack_blocks(raw, n, nb, p) if lay.packed else raw.reshape(n, nb, p)
-            out.append(dequantize(BlockQuantized(lay.fmt, (n, k), blocks)))
-        return out[0], out[1]
+        gate_up = fmt.dequantize(views.w13[slot], 2 * lay.intermediate, lay.hidden, lay.packed)
+        return gate_up, fmt.dequantize(views.w2[slot], lay.hidden, lay.intermediate, lay.packed)
 
     # ---------------------------------------------------------------- the step
 
@@ -275,16 +276,16 @@ class ManagedExperts:
         """
         _, qe = self._pool_views("host")
         assert qe is not None
-        fmt, w13, w2, dims = qe.fmt, qe.w13, qe.w2, (qe.hidden, qe.intermediate)  # type: ignore[attr-defined]
+        fmt, w13, w2, dims = qe.fmt, qe.w13, qe.w2, (qe.hidden, qe.intermediate)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)  # [E]
-        threshold = qe.dequant_threshold if qe.packed else 1  # type: ignore[attr-defined]
+        threshold = qe.dequant_threshold if qe.packed else 1
         hit = counts.nonzero().flatten().tolist()
-        decode = qe.fused and topk_ids.numel() < threshold  # type: ignore[attr-defined]
+        decode = qe.fused and topk_ids.numel() < threshold
         dense = [] if decode else [e for e in hit if counts[e] >= threshold]
         dense_set = set(dense)
         light = [e for e in hit if e not in dense_set]
         out = torch.zeros_like(x)
-        order = [*light, *dense] if qe.fused else [*dense, *light]  # type: ignore[attr-defined]
+        order = [*light, *dense] if qe.fused else [*dense, *light]
         keys = [(self.layer, e) for e in order]
         position = {e: j for j, e in enumerate(order)}
         held: dict[int, int] = {}
@@ -302,7 +303,7 @@ class ManagedExperts:
             if e in held:
                 self.store.release_host(held.pop(e))
 
-        if qe.fused:  # type: ignore[attr-defined]
+        if qe.fused:
             from freetoken_agent.runtime.kernels import ops
 
             light_slots = slot_of[light].tolist() if slot_of is not None else []
@@ -326,7 +327,7 @@ class ManagedExperts:
             tok, k = (topk_ids == e).nonzero(as_tuple=True)
             s = slot(e)
             try:
-                y = qe._expert_dense(s, x[tok]) if e in dense_set else qe._expert_kernel(s, x[tok])  # type: ignore[attr-defined]
+                y = qe.expert_dense(s, x[tok]) if e in dense_set else qe.expert_kernel(s, x[tok])
             finally:
                 done(e)
             out.index_add_(0, tok, y * topk_weights[tok, k, None].to(torch.float32))

@@ -3,27 +3,20 @@
 ``load_managed`` reads the dense weights (attention, embeddings, norms, routers, shared experts) and claims their
 bytes from the budget, writes/opens the expert-major cache file (one expert in memory at a time), sizes the host
 slot pool (and the device pool, real or simulated) from the remaining budget, and returns a ``Managed`` whose
-``install(decoder)`` swaps every MoE layer's backend for ``ManagedExperts``. The routed experts are never loaded
-as a whole.
+``backends()`` are one ``ManagedExperts`` per MoE layer (the expert core, ``core.py``, installs them: its
+``managed`` placement). The routed experts are never loaded as a whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
-from freetoken_agent.runtime.errors import (
-    FreeTokenError,
-    MissingTensorError,
-    ShapeMismatchError,
-    UnexpectedTensorError,
-)
+from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.execution.cost import CostModel, Rates
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner
 from freetoken_agent.runtime.experts.backend import ManagedExperts
@@ -34,18 +27,13 @@ from freetoken_agent.runtime.experts.cache_file import (
     open_or_write,
 )
 from freetoken_agent.runtime.experts.layout import ExpertLayout
+from freetoken_agent.runtime.experts.loader import DenseLoader, Packed, check_unused, tensor_bytes
+from freetoken_agent.runtime.experts.mapped import encoder
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.experts.store import ExpertStore
-from freetoken_agent.runtime.kernels import ops
-from freetoken_agent.runtime.kernels.dense import (
-    ATTENTION_LEAVES,
-    MLP_LEAVES,
-    DenseQuantReport,
-    QuantLinear,
-    quantize_dense,
-)
-from freetoken_agent.runtime.kernels.apply import check_quant
+from freetoken_agent.runtime.kernels import build, ops
+from freetoken_agent.runtime.kernels.dense import DenseQuantReport, quantize_dense
 from freetoken_agent.runtime.memory import (
     PROCESS_FLOOR_MB,
     Budget,
@@ -55,8 +43,9 @@ from freetoken_agent.runtime.memory import (
     format_bytes,
 )
 from freetoken_agent.runtime.model import weights as weights_mod
-from freetoken_agent.runtime.model.moe import TorchExperts, route
-from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
+from freetoken_agent.runtime.model.moe import route
+from freetoken_agent.runtime.model.spec import ModelSpec
+from freetoken_agent.runtime.quant.formats import KERNEL_FORMATS, check_quant
 
 
 @dataclass
@@ -90,115 +79,9 @@ class ResidencyConfig:
     """With a GPU engine: keep a device slot pool (False = every routed expert on the CPU, ``--n-cpu-moe`` style)."""
 
 
-class _DenseLoader(weights_mod.TensorLoader):
-    """The strict loader, except routed experts: it records each MoE layer's ``ExpertSource`` instead.
-
-    With ``dense_quant`` it quantizes each layer's dense weights as soon as the layer is read (``on_layer``), so a
-    load never holds more than one layer of them in float. With ``meta`` it reads no tensor data at all (every
-    tensor is a ``meta`` tensor of the right shape, and quantized weights only their packed size): the pre-flight
-    pass that sizes a model before any of it is loaded.
-    """
-
-    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str,
-                 dense_quant: str = "none", meta: bool = False) -> None:  # fmt: skip
-        super().__init__(reader, dtype, device)
-        self.sources: dict[int, ExpertSource] = {}
-        self.dense_quant, self.meta = dense_quant, meta
-        self._pending: list[tuple[dict[str, Any], tuple[str, ...]]] = []
-        self.quantized = [0, 0, 0]
-        """Weights converted layer by layer: count, float bytes, packed bytes."""
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        if not self.meta:
-            return super().take(name, shape, dtype)
-        if name not in self.reader:
-            raise MissingTensorError(f"missing tensor {name} (expected shape {list(shape)})")
-        if self.reader.shape(name) != shape:
-            raise ShapeMismatchError(f"tensor {name} has shape {list(self.reader.shape(name))}, expected {list(shape)}")
-        self.mark_used(name)
-        return torch.empty(shape, dtype=dtype or self.dtype, device="meta")
-
-    def stored_dtype(self, name: str) -> torch.dtype | None:
-        return self.reader.dtype(name) if name in self.reader else None
-
-    def share_layer(self, layer: int, base: int) -> None:
-        if base in self.sources:  # a repeated layer (a loop's later pass) reads the same experts
-            self.sources[layer] = self.sources[base]
-
-    def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:
-        source = ExpertSource(self.reader, prefix, m, names, d)  # validates every expert tensor's shape
-        before = set(self.reader.used)
-        source.load(0)
-        new = self.reader.used - before
-        for name in new:  # mark the other experts' tensors used too (per-expert layouts name each expert)
-            if ".experts.0." in name:
-                self.reader.used.update(name.replace(".experts.0.", f".experts.{k}.") for k in range(m.num_experts))
-        self.sources[self.layer] = source
-        empty = torch.empty(0, dtype=self.dtype)
-        return TorchExperts(m, empty, empty)
-
-    # the tables ``quantize_dense`` converts: GQA/MLA attention, dense MLPs, shared experts (every ``mlp`` call)
-    def attention(self, prefix: str, a: Any, d: int, names: WeightNames) -> dict[str, torch.Tensor]:
-        w = super().attention(prefix, a, d, names)
-        if a.kind in ("gqa", "mla"):
-            self._pending.append((w, ATTENTION_LEAVES))
-        return w
-
-    def mlp(self, prefix: str, spec: Any, d: int) -> dict[str, torch.Tensor]:
-        w = super().mlp(prefix, spec, d)
-        self._pending.append((w, MLP_LEAVES))
-        return w
-
-    def on_layer(self, layer: int) -> None:
-        """Quantize the dense weights of the layer just read (``walk_weights``'s per-layer callback)."""
-        pending, self._pending = self._pending, []
-        if self.dense_quant == "none":
-            return
-        for table, leaves in pending:
-            for leaf in leaves:
-                w = table.get(f"{leaf}.weight")
-                if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    q: Any = _Packed(self.dense_quant, *w.shape) if self.meta else QuantLinear(w, self.dense_quant)
-                    table[f"{leaf}.weight"] = q
-                    self.quantized[0] += 1
-                    self.quantized[1] += w.numel() * w.element_size()
-                    self.quantized[2] += q.nbytes
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """A dense weight the pre-flight pass counts at its packed size (nothing is quantized there)."""
-
-    fmt: str
-    n: int
-    k: int
-
-    @property
-    def nbytes(self) -> int:
-        return ops.packed_bytes(self.fmt, self.n, self.k)
-
-
-def _tensor_bytes(obj: Any, seen: set[int]) -> int:
-    if isinstance(obj, torch.Tensor):
-        key = id(obj) if obj.is_meta else obj.data_ptr()  # meta tensors have no storage to tell copies apart
-        if obj.numel() == 0 or key in seen:
-            return 0
-        seen.add(key)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (QuantLinear, _Packed)):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v, seen) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return sum(_tensor_bytes(getattr(obj, f), seen) for f in obj.__dataclass_fields__)
-    return 0
-
-
 @dataclass
 class Managed:
-    """What ``load_managed`` returns: dense weights, the store, and how to wire it into a decoder."""
+    """What ``load_managed`` returns: dense weights, the store, and the planner its backends share."""
 
     weights: weights_mod.ModelWeights
     store: ExpertStore
@@ -207,52 +90,57 @@ class Managed:
     spec: ModelSpec
     dense_bytes: int
     written: bool
-    backends: list[ManagedExperts] = field(default_factory=list)
     exact: bool = True
     dense_quant: Any = None  # runtime.kernels.dense.DenseQuantReport when dense weights were quantized
 
-    def install(self, decoder: Any) -> None:
-        """Replace ``decoder.experts[i]`` of every MoE layer with a ``ManagedExperts`` over the store."""
+    def backends(self) -> dict[int, ManagedExperts]:
+        """A ``ManagedExperts`` over the store for every MoE layer (by layer), each predicting the next MoE layer's
+        experts for the store's prefetch when it has one."""
         moe_layers = [i for i, layer in enumerate(self.spec.layers) if layer.moe is not None]
+        out: dict[int, ManagedExperts] = {}
         for j, i in enumerate(moe_layers):
             nxt = moe_layers[j + 1] if j + 1 < len(moe_layers) else None
-            look = _lookahead(decoder, nxt) if nxt is not None and self.store._executor is not None else None
+            look = self._lookahead(nxt) if nxt is not None and self.store.prefetching else None
             moe = self.spec.layers[i].moe
             assert moe is not None
             act = self.weights.layers[i].moe.experts.act  # type: ignore[union-attr]
             backend = ManagedExperts(i, moe, self.store, self.planner, nxt, look, act)
             backend.exact = self.exact
-            decoder.experts[i] = backend
-            self.backends.append(backend)
+            out[i] = backend
+        return out
+
+    def _lookahead(self, layer: int) -> Any:
+        moe = self.spec.layers[layer].moe
+        mw = self.weights.layers[layer].moe
+        assert moe is not None and mw is not None
+
+        def predict(x: torch.Tensor) -> list[int]:
+            ids, _ = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
+            return ids.unique().tolist()
+
+        return predict
 
 
-def _lookahead(decoder: Any, layer: int) -> Any:
-    moe = decoder.spec.layers[layer].moe
-    mw = decoder.weights.layers[layer].moe
-
-    def predict(x: torch.Tensor) -> list[int]:
-        ids, _ = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
-        return ids.unique().tolist()
-
-    return predict
+def _kernels(kernels: bool | None) -> bool:
+    """``kernels``, or whether the C kernels load here when it is ``None``."""
+    return build.load() is not None if kernels is None else kernels
 
 
-def _storage_format(quant: str, dtype: torch.dtype) -> tuple[str, bool]:
-    if quant in ("q4_0", "q8_0"):
-        from freetoken_agent.runtime.kernels import build
-
-        return quant, build.load() is not None
+def _storage_format(quant: str, dtype: torch.dtype, kernels: bool) -> tuple[str, bool]:
+    if quant in KERNEL_FORMATS:
+        return quant, kernels
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], False
 
 
-def _expert_layout(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: torch.dtype) -> ExpertLayout:
+def _expert_layout(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: torch.dtype,
+                   kernels: bool) -> ExpertLayout:  # fmt: skip
     first = spec.layers[moe_layers[0]].moe
     assert first is not None
     shapes = {(spec.layers[i].moe.intermediate, spec.layers[i].moe.num_experts, spec.layers[i].moe.expert_bias)  # type: ignore[union-attr]
               for i in moe_layers}
     if len(shapes) != 1:
         raise FreeTokenError("expert residency needs every MoE layer to have the same expert shape and count")
-    fmt, packed = _storage_format(quant, dtype)
+    fmt, packed = _storage_format(quant, dtype, kernels)
     return ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, packed)
 
 
@@ -295,7 +183,7 @@ class Minimum:
 
 def minimum_memory(
     spec: ModelSpec, reader: CheckpointReader, dtype: torch.dtype, device: str, quant: str,
-    config: ResidencyConfig | None = None, dense_quant: str = "none",
+    config: ResidencyConfig | None = None, dense_quant: str = "none", kernels: bool | None = None,
 ) -> Minimum | None:  # fmt: skip
     """What a budgeted load of this checkpoint needs at least, found without reading its weights (a ``meta`` walk
     of the same loader; one expert is read to learn the experts' layout). ``None`` for an architecture whose
@@ -303,7 +191,7 @@ def minimum_memory(
     weights are read."""
     config = config or ResidencyConfig()
     used = set(reader.used)
-    loader = _DenseLoader(reader, dtype, device, check_quant(dense_quant), meta=True)
+    loader = DenseLoader(reader, dtype, device, check_quant(dense_quant), meta=True)
     try:
         weights = weights_mod.walk_weights(spec, loader, loader.on_layer)
     except (NotImplementedError, RuntimeError):  # torch refuses a data-dependent op on meta tensors
@@ -314,13 +202,13 @@ def minimum_memory(
         return None
     head = weights.lm_head
     if loader.dense_quant != "none" and isinstance(head, torch.Tensor):  # quantize_dense converts it too
-        weights.lm_head = _Packed(loader.dense_quant, *head.shape)  # type: ignore[assignment]
+        weights.lm_head = Packed(loader.dense_quant, *head.shape)  # type: ignore[assignment]
     moe_layers = sorted(loader.sources)
-    layout = _expert_layout(spec, moe_layers, quant, dtype)
+    layout = _expert_layout(spec, moe_layers, quant, dtype, _kernels(kernels))
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
     on_gpu = torch.device(device).type != "cpu"
     slot_tiers = ("host", "device") if config.simulate_device or (on_gpu and config.device_tier) else ("host",)
-    return Minimum("device" if on_gpu else "host", _tensor_bytes(weights, set()), config.kv_reserve,
+    return Minimum("device" if on_gpu else "host", tensor_bytes(weights), config.kv_reserve,
                    top_k + len(config.pin), layout.stride, slot_tiers)
 
 
@@ -337,8 +225,10 @@ def _report(fmt: str, layers: list[int], rest: DenseQuantReport | None) -> Dense
 def load_managed(
     spec: ModelSpec, reader: CheckpointReader, path: Path, dtype: torch.dtype, device: str, quant: str,
     budget: Budget | None, config: ResidencyConfig | None = None, dense_quant: str = "none",
+    kernels: bool | None = None,
 ) -> Managed:  # fmt: skip
-    """Dense weights + expert tiers sized from ``budget`` (see the module docstring).
+    """Dense weights + expert tiers sized from ``budget`` (see the module docstring); quantized experts in the C
+    kernels' tile layout when ``kernels`` (default: whether they load here).
 
     Under a limit the model's ``minimum_memory`` is checked first (``BudgetTooSmallError`` before anything is
     loaded); dense weights are quantized layer by layer as they are read; writing the expert cache file reads the
@@ -353,22 +243,19 @@ def load_managed(
     if budget.host is not None:
         bound_heap()  # the float copies the load drops go back to the OS instead of staying in the heap
     if budget.limited:
-        minimum = minimum_memory(spec, reader, dtype, device, quant, config, dense_quant)
+        minimum = minimum_memory(spec, reader, dtype, device, quant, config, dense_quant, kernels)
         if minimum is not None:
             minimum.check(budget)
-    loader = _DenseLoader(reader, dtype, device, dense_quant)
+    loader = DenseLoader(reader, dtype, device, dense_quant)
     weights = weights_mod.walk_weights(spec, loader, loader.on_layer)
     # the lm_head (the layers are done): before the dense bytes are claimed
     dense_report = _report(dense_quant, loader.quantized, quantize_dense(spec, weights, dense_quant))
-    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
-    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
-    if unexpected:
-        raise UnexpectedTensorError(f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture")
+    check_unused(spec, reader)
     moe_layers = sorted(loader.sources)
     if not moe_layers:
         raise FreeTokenError(f"{path} has no MoE layers: there are no experts to manage")
     dense_tier = "host" if torch.device(device).type == "cpu" else "device"
-    dense_bytes = _tensor_bytes(weights, set())
+    dense_bytes = tensor_bytes(weights)
     limit = ledgers[dense_tier].limit
     if limit is not None and dense_bytes + config.kv_reserve * (dense_tier == "host") > limit:
         flag = "--host-memory" if dense_tier == "host" else "--device-memory"
@@ -379,15 +266,12 @@ def load_managed(
     ledgers[dense_tier].reserve("dense", dense_bytes)
     ledgers["host"].reserve("kv", config.kv_reserve)
 
-    layout = _expert_layout(spec, moe_layers, quant, dtype)
+    layout = _expert_layout(spec, moe_layers, quant, dtype, _kernels(kernels))
     num_experts = spec.layers[moe_layers[0]].moe.num_experts  # type: ignore[union-attr]
 
     file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
-    encode = None
-    if layout.packed:  # the C quantizer writes the file (~3x faster than the torch one; same rules)
-        from freetoken_agent.runtime.kernels.mapped import encoder
-
-        encode = encoder(layout)
+    # the C quantizer writes the file where the kernels run (~3x faster than the torch one; same rules)
+    encode = encoder(layout) if layout.packed else None
     # the C quantizer widens bf16/fp16 to fp32 itself, exactly as .to(float32) does: no fp32 copy of each expert
     as_read = (torch.float32, torch.bfloat16, torch.float16) if encode is not None and dtype == torch.float32 else ()
 

@@ -106,6 +106,11 @@ class ExpertStore:
         """Device fetches in flight on the side stream: key → (CUDA event, host slot held for the DMA)."""
         self._copy_stream: object = None
 
+    @property
+    def prefetching(self) -> bool:
+        """Whether it reads predicted experts ahead in the background (``prefetch_host``)."""
+        return self._executor is not None
+
     # ---------------------------------------------------------------- host tier
 
     def _fill_host(self, key: Key, slot: int) -> None:

@@ -6,9 +6,10 @@ Legend: ``E`` experts per layer, ``I`` expert intermediate size, ``D`` hidden si
 Routed experts (what the engine's ``quant`` option is about):
 
 - stored as **Q8_0 / Q4_0**: the file's blocks are the kernels' blocks byte for byte (``runtime/quant/blocks.py``),
-  so they go to ``QuantizedExperts.from_blocks`` as stored — nothing is dequantized or requantized;
+  so the expert core (``runtime/experts/core.py``) runs them as stored — nothing is dequantized or requantized;
 - stored in another **block type** (K-quants, IQ4_XS, MXFP4, Q4_1, Q5_x): dequantized with the ``gguf`` package and
-  requantized at load to the nearest format the kernels run (``RUN_FORMAT``: 4-bit types → Q4_0, 5/6-bit → Q8_0),
+  requantized at load to the nearest format the kernels run (``quant.formats.GGUF_TYPES``: 4-bit types → Q4_0,
+  5/6-bit → Q8_0),
   one expert at a time; the relative RMS error of that conversion is measured per tensor and reported
   (``ExpertConversion``, ``freetoken inspect``);
 - stored as **F32 / F16 / BF16**: float, as a safetensors folder (``quant="q8"/"q4"`` quantizes them at load).
@@ -21,37 +22,27 @@ Dense weights (attention, embeddings, norms, router, shared experts) are dequant
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from freetoken_agent.runtime.gguf.arch import ArchMap, arch_map
+from freetoken_agent.runtime.gguf.arch import ArchMap, arch_map, expert_prefix
 from freetoken_agent.runtime.gguf.file import GGUFFile
 from freetoken_agent.runtime.gguf.reader import FLOAT_TYPES, ExpertTensorsGGUF, GGUFCheckpointReader, dequantize
 from freetoken_agent.runtime.gguf.tokenizer import chat_template_from_metadata, stop_token_ids, tokenizer_from_metadata
 from freetoken_agent.runtime.model.moe import TorchExperts
 from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
 from freetoken_agent.runtime.model.weights import TensorLoader
-
-RUN_FORMAT = {
-    "Q8_0": "q8_0", "Q4_0": "q4_0",
-    "Q4_1": "q4_0", "Q4_K": "q4_0", "Q3_K": "q4_0", "Q2_K": "q4_0", "IQ4_XS": "q4_0", "IQ4_NL": "q4_0",
-    "MXFP4": "q4_0", "IQ3_S": "q4_0", "IQ3_XXS": "q4_0", "IQ2_XXS": "q4_0", "IQ2_XS": "q4_0", "IQ2_S": "q4_0",
-    "IQ1_S": "q4_0", "IQ1_M": "q4_0", "TQ1_0": "q4_0", "TQ2_0": "q4_0",
-    "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0", "Q6_K": "q8_0",
-}
-"""Stored ggml block type → the block format our kernels run it in (the nearest one at least as wide)."""
-NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
-"""Stored types the kernels run as they are."""
-
+from freetoken_agent.runtime.quant.formats import GGUF_NATIVE, GGUF_TYPES, block_format
 
 def layer_format(group: ExpertTensorsGGUF, quant: str) -> str | None:
     """The block format one MoE layer's experts run in (None: float experts, loaded like a safetensors folder)."""
     if quant != "none":
         return quant
-    formats = {RUN_FORMAT.get(t.type_name) for _, t in group.parts()}
+    formats = {GGUF_TYPES.get(t.type_name) for _, t in group.parts()}
     if formats == {None}:
         return None
     return "q8_0" if "q8_0" in formats or None in formats else "q4_0"
@@ -121,7 +112,7 @@ class GGUFModel:
                 if key in seen:
                     continue
                 seen.add(key)
-                if NATIVE.get(t.type_name) == fmt:
+                if GGUF_NATIVE.get(t.type_name) == fmt:
                     out.append(ExpertConversion(layer, part, t.type_name, fmt, None))
                     continue
                 n = min(max_experts, t.shape[0])
@@ -135,7 +126,8 @@ class GGUFModel:
         return out
 
     def load_quantized(self, dtype: torch.dtype, device: str, quant: str) -> GGUFExpertLoad:
-        """Dense weights in ``dtype`` (experts not read) and every MoE layer's experts as blocks; ``install``."""
+        """Dense weights in ``dtype`` with the float experts of layers that run float (read as a folder's are), and
+        the quantized layers' experts left in the file: ``GGUFExpertLoad.layers()`` reads them as blocks."""
         import re
 
         from freetoken_agent.runtime.errors import UnexpectedTensorError
@@ -148,11 +140,20 @@ class GGUFModel:
         if unexpected:
             raise UnexpectedTensorError(f"GGUF tensor {self.reader.gguf_names.get(unexpected[0], unexpected[0])} is "
                                         f"not used by the {self.spec.model_type} architecture")
+        spec = self.spec
+        for i, group in sorted(self.reader.experts.items()):
+            moe = spec.layers[i].moe
+            assert moe is not None
+            if layer_format(group, quant) is None:  # float experts in a file whose other layers are quantized
+                te = weights.layers[i].moe.experts
+                full = TensorLoader(self.reader, dtype, device).experts(
+                    expert_prefix(spec, i), moe, spec.layers[i].names or spec.names, spec.hidden_size)
+                te.gate_up, te.down = full.gate_up, full.down
         return GGUFExpertLoad(self, weights, quant)
 
 
 class _DenseOnly(TensorLoader):
-    """The strict loader, except that routed experts are only marked used (``install`` puts them in place)."""
+    """The strict loader, except that routed experts are only marked used (``load_quantized`` reads them)."""
 
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:  # noqa: ARG002
         self.reader.used.update(n for n in self.reader.infos if n.startswith(f"{prefix}.experts."))
@@ -174,14 +175,12 @@ def _blocks(t: Any, fmt: str, errors: list[float]) -> torch.Tensor:
     they already are ``fmt``, else dequantized and requantized expert by expert (``errors`` gets ||Δ||², ||w||²)."""
     import numpy as np
 
-    from freetoken_agent.runtime.quant.blocks import BLOCK, BLOCK_BYTES
-
     e, r, c = t.shape
-    p = BLOCK_BYTES[fmt]
-    if NATIVE.get(t.type_name) == fmt:
+    block = block_format(fmt)
+    if GGUF_NATIVE.get(t.type_name) == fmt:
         raw = torch.from_numpy(np.array(t.data))  # [E, R, nb·P] uint8, copied out of the read-only mapping
-        return raw.view(e, r, -1, p)
-    out = torch.empty(e, r, -(-c // BLOCK), p, dtype=torch.uint8)
+        return raw.view(e, r, -1, block.block_bytes)
+    out = torch.empty(e, r, block.nb(c), block.block_bytes, dtype=torch.uint8)
     for k in range(e):
         w = dequantize(t, k)
         blocks, back = _requantize(w, fmt)
@@ -191,63 +190,54 @@ def _blocks(t: Any, fmt: str, errors: list[float]) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class GGUFExpertLayer:
+    """One quantized MoE layer's experts as read from a GGUF file (what the expert core builds a backend over)."""
+
+    index: int
+    fmt: str
+    """The block format they run in (``q8_0`` / ``q4_0``)."""
+    w13: torch.Tensor  # [E, 2I, nb(D), P] uint8: gate rows, then up rows
+    w2: torch.Tensor  # [E, D, nb(I), P] uint8
+    gate_up_bias: torch.Tensor | None  # [E, 2I] fp32 (GPT-OSS)
+    down_bias: torch.Tensor | None  # [E, D] fp32
+    float_bytes: int
+    """What the stored experts hold as fp32."""
+
+
 @dataclass
 class GGUFExpertLoad:
-    """Dense weights plus the routed experts as blocks; ``install(decoder)`` puts ``QuantizedExperts`` in place
-    (the same seam and report as the engine's other quantized-expert loads)."""
+    """Dense weights plus the routed experts left in the file; ``layers()`` reads each quantized layer's experts as
+    blocks (as stored, or converted: each conversion is recorded in ``conversions``)."""
 
     model: GGUFModel
     weights: Any
     quant: str
     conversions: list[ExpertConversion] = field(default_factory=list)
 
-    def install(self, decoder: Any) -> Any:
-        from freetoken_agent.runtime.kernels import build
-        from freetoken_agent.runtime.kernels.apply import QuantReport, TypedExperts
-        from freetoken_agent.runtime.kernels.experts import QuantizedExperts
-
-        spec, reader = self.model.spec, self.model.reader
-        layers = float_bytes = quant_bytes = 0
-        formats: set[str] = set()
-        for i, group in sorted(reader.experts.items()):
-            moe = spec.layers[i].moe
-            assert moe is not None
+    def layers(self) -> Iterator[GGUFExpertLayer]:
+        """The quantized MoE layers' experts in layer order (float layers were read by ``load_quantized``)."""
+        for i, group in sorted(self.model.reader.experts.items()):
             fmt = layer_format(group, self.quant)
-            te = self.weights.layers[i].moe.experts
-            if fmt is None:  # float experts in a file whose other layers are quantized: read as a folder's are
-                full = TensorLoader(reader, te.gate_up.dtype, decoder.device).experts(
-                    _prefix(spec, i), moe, spec.layers[i].names or spec.names, spec.hidden_size)
-                te.gate_up, te.down = full.gate_up, full.down
+            if fmt is None:
                 continue
             parts: dict[str, torch.Tensor] = {}
+            float_bytes = 0
             for part, t in group.parts():
                 errors = [0.0, 0.0]
                 parts[part] = _blocks(t, fmt, errors)
-                native = NATIVE.get(t.type_name) == fmt
+                native = GGUF_NATIVE.get(t.type_name) == fmt
                 self.conversions.append(ExpertConversion(i, part, t.type_name, fmt, None if native else
                                                          (errors[0] / errors[1]) ** 0.5 if errors[1] else 0.0,
                                                          0 if native else t.shape[0]))
                 float_bytes += t.shape[0] * t.shape[1] * t.shape[2] * 4
             w13 = parts["gate_up"] if "gate_up" in parts else torch.cat([parts["gate"], parts["up"]], dim=1)
-            qe = QuantizedExperts.from_blocks(w13, parts["down"], fmt, spec.hidden_size, moe.intermediate)
-            if moe.activation != "silu" or moe.glu_clamp:
-                qe.activation = te.activation()
+            gate_up_bias = down_bias = None
             if group.down_bias is not None:  # GPT-OSS: gate/up biases in the kernels' row order (gate, then up)
                 assert group.gate_bias is not None and group.up_bias is not None
-                qe.gate_up_bias = torch.cat([dequantize(group.gate_bias), dequantize(group.up_bias)], dim=1)
-                qe.down_bias = dequantize(group.down_bias)
-            decoder.experts[i] = TypedExperts(qe)
-            quant_bytes += qe.nbytes
-            formats.add(fmt)
-            layers += 1
-        fmt_name = "+".join(sorted(formats)) or "none"
-        return QuantReport(fmt_name, layers, float_bytes, quant_bytes, build.load() is not None)
-
-
-def _prefix(spec: ModelSpec, layer: int) -> str:
-    from freetoken_agent.runtime.gguf.arch import expert_prefix
-
-    return expert_prefix(spec, layer)
+                gate_up_bias = torch.cat([dequantize(group.gate_bias), dequantize(group.up_bias)], dim=1)
+                down_bias = dequantize(group.down_bias)
+            yield GGUFExpertLayer(i, fmt, w13, parts["down"], gate_up_bias, down_bias, float_bytes)
 
 
 def is_float_type(type_name: str) -> bool:

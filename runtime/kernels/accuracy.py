@@ -41,8 +41,9 @@ class AccuracyRow:
 def measure(folder: Path, prompt: list[int], quants: tuple[str, ...] = ("q8", "q4")) -> list[AccuracyRow]:
     """Rows for every format in ``quants`` and both expert modes (needs the C kernels for ``int8``)."""
     from ..engine import Engine
-    from .apply import dequantized_reference, set_expert_mode
+    from ..experts.core import set_expert_mode
     from .build import load
+    from .reference import dequantized_reference
 
     fp32 = Engine.from_pretrained(folder).logits(prompt)
     rows = []

@@ -70,8 +70,8 @@ class DenseQuantReport:
 
 def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQuantReport | None:
     """Convert the dense weights of loaded ``ModelWeights`` in place (``fmt`` ``none``/``q8``/``q4``)."""
+    from ..quant.formats import check_quant
     from . import build
-    from .apply import check_quant
 
     fmt = check_quant(fmt)
     if fmt == "none":

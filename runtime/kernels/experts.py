@@ -13,7 +13,9 @@ won from ~32-64 tokens; on a Zen 4 with AVX-512 VNNI the int8 kernel still wins 
 process (``crossover_tokens``); ``$FREETOKEN_DEQUANT_THRESHOLD`` pins it.
 
 ``exact = True`` sends every expert through dequantize + fp32 ``torch.mm``: activations are never rounded, so the
-layer equals plain-torch experts over the dequantized weights up to fp32 summation order (slower decode).
+layer equals plain-torch experts over the dequantized weights up to fp32 summation order (slower decode);
+``set_mode`` (``EXPERT_MODES``) sets it and the threshold together. The backend says what it is through
+``capabilities`` (``runtime/experts/capabilities.py``); ``runtime/experts/quantized.py`` builds it for a decoder.
 
 Deterministic mode (``ops.set_deterministic``): no expert ever switches to dequantize + ``torch.mm`` by its token
 count (``dequant_threshold`` is unbounded), so every token takes the int8 kernels, which are batch invariant (each
@@ -31,10 +33,16 @@ from collections.abc import Callable
 import torch
 
 from ..errors import FreeTokenError
-from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format, dequantize, quantize
+from ..experts.capabilities import PLACEMENTS, Capabilities
+from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format, quantize
+from ..quant.formats import block_format
 from . import build, invariant, ops
-from .layout import pack_blocks, unpack_blocks
 from .torch_fallback import Int4Weight, int4_linear, int4pack
+
+EXPERT_MODES = ("auto", "exact", "int8")
+"""How quantized experts compute (``set_mode``): ``auto`` picks the int8-activation C kernels or dequantize + fp32
+per expert by tokens routed; ``exact`` always dequantizes (matches ``reference.dequantized_reference`` to fp32
+rounding); ``int8`` always uses the kernels (matches ``dequantized_reference(..., activations="int8")``)."""
 
 MAX_DEQUANT_THRESHOLD = 1024
 _crossover: list[int] = []
@@ -75,7 +83,8 @@ def _best_of(fn: Callable[[], object], reps: int = 3) -> float:
 
 
 class QuantizedExperts:
-    """Routed experts of one MoE layer in a block-quantized format; ``forward(x, ids, weights) -> [T, D]``."""
+    """Routed experts of one MoE layer in a block-quantized format; ``forward(x, ids, weights) -> [T, D]`` in
+    ``x``'s dtype (computed in fp32)."""
 
     def __init__(
         self,
@@ -86,25 +95,53 @@ class QuantizedExperts:
         intermediate: int,
         packed: bool,
         dequant_threshold: int | None = None,
+        *,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        placement: str = "resident",
     ) -> None:
-        """Prefer ``from_float`` / ``from_blocks``; ``w13``/``w2`` are the expert-major byte tensors.
+        """``w13``/``w2``: the expert-major byte tensors (``stored``); ``packed``: in the kernels' tile layout.
 
-        ``activation`` (set after construction, ``[N, 2I] -> [N, I]``) replaces SiLU(gate)*up, and
-        ``gate_up_bias [E, 2I]`` / ``down_bias [E, D]`` add biases; either one moves decode from the fused call to
-        per-expert C calls.
+        ``activation`` (``[N, 2I] -> [N, I]``) replaces SiLU(gate)*up, and ``gate_up_bias [E, 2I]`` /
+        ``down_bias [E, D]`` add biases; either one moves decode from the fused call to per-expert C calls.
+        ``placement`` (``capabilities.PLACEMENTS``) says where the bytes live; a ``managed`` backend is a view of a
+        slot pool whose contents change, so it keeps no torch int4 copies (``attach_int4``).
         """
-        self.activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if placement not in PLACEMENTS:
+            raise FreeTokenError(f"unknown placement {placement!r}; expected one of {', '.join(PLACEMENTS)}")
+        self.activation = activation
         self.int4: list[tuple[Int4Weight, Int4Weight]] | None = None  # torch int4 copies (no-compiler q4 only)
-        self.gate_up_bias: torch.Tensor | None = None
-        self.down_bias: torch.Tensor | None = None
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
         self.fmt = canonical_format(fmt)
+        self.format = block_format(self.fmt)
         self.w13, self.w2 = w13, w2
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts = w13.shape[0]
         self.packed = packed
+        self.placement = placement
         self._threshold = dequant_threshold
         self.exact = False
         """Every expert through dequantize + fp32 ``torch.mm`` (no int8 activations, no bf16 int4 fallback)."""
+        if placement != "managed":
+            self.attach_int4()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this backend is: its placement and format, computed by the C kernels when ``packed``; modes and
+        dequantization always."""
+        return Capabilities(self.placement, (self.fmt,), kernels=self.packed, modes=True, dequantize=True,
+                            fused=self.fused, can_prefetch=False)
+
+    def set_mode(self, mode: str) -> None:
+        """How it computes: ``auto`` (by tokens per expert), ``exact`` (dequantize + fp32 always) or ``int8`` (the
+        int8-activation kernels always; needs them)."""
+        if mode not in EXPERT_MODES:
+            raise FreeTokenError(f"unknown expert mode {mode!r}; expected one of {', '.join(EXPERT_MODES)}")
+        if mode == "int8" and not self.packed:
+            raise FreeTokenError("int8 expert mode needs the C kernels, which are unavailable here")
+        self.exact = mode == "exact"
+        self.dequant_threshold = 2**62 if mode == "int8" else None  # None: measured (or $FREETOKEN_DEQUANT_THRESHOLD)
 
     @property
     def dequant_threshold(self) -> int:
@@ -122,44 +159,10 @@ class QuantizedExperts:
 
     # ---------------------------------------------------------------- construction
 
-    @classmethod
-    def from_blocks(
-        cls, w13: BlockQuantized | torch.Tensor, w2: BlockQuantized | torch.Tensor, fmt: str, hidden: int,
-        intermediate: int, use_kernels: bool | None = None,
-    ) -> QuantizedExperts:  # fmt: skip
-        """From GGUF blocks: ``w13 [E, 2I, nb(D), P]`` and ``w2 [E, D, nb(I), P]`` uint8 (e.g. read from a GGUF)."""
-        fmt = canonical_format(fmt)
-        b13 = w13.blocks if isinstance(w13, BlockQuantized) else w13
-        b2 = w2.blocks if isinstance(w2, BlockQuantized) else w2
-        p = BLOCK_BYTES[fmt]
-        e = b13.shape[0]
-        want13 = (e, 2 * intermediate, -(-hidden // BLOCK), p)
-        want2 = (e, hidden, -(-intermediate // BLOCK), p)
-        if tuple(b13.shape) != want13 or tuple(b2.shape) != want2:
-            raise FreeTokenError(
-                f"{fmt} expert blocks have shapes {tuple(b13.shape)} / {tuple(b2.shape)}, expected {want13} / {want2}"
-            )
-        packed = build.load() is not None if use_kernels is None else use_kernels
-        if packed:
-            return cls(fmt, pack_blocks(b13), pack_blocks(b2), hidden, intermediate, True)
-        out = cls(fmt, b13.reshape(e, -1).contiguous(), b2.reshape(e, -1).contiguous(), hidden, intermediate, False)
-        out.attach_int4()
-        return out
-
-    def attach_int4(self) -> None:
-        """No compiler, q4: keep torch int4 copies of the experts for its int4 op with bf16 activations."""
-        if self.packed or self.fmt != "q4_0":
-            return
-        b13, b2 = self._blocks()
-        pairs = [(int4pack(b13[x]), int4pack(b2[x])) for x in range(self.num_experts)]
-        if all(a is not None and b is not None for a, b in pairs):
-            self.int4 = pairs  # type: ignore[assignment]
-
-    @classmethod
-    def from_float(
-        cls, gate_up: torch.Tensor, down: torch.Tensor, fmt: str = "q4", use_kernels: bool | None = None
-    ) -> QuantizedExperts:
-        """Quantize float experts: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (fmt ``q4`` or ``q8``)."""
+    @staticmethod
+    def quantize(gate_up: torch.Tensor, down: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float experts ``gate_up [E, 2I, D]``, ``down [E, D, I]`` → their ``fmt`` blocks ``[E, 2I, nb(D), P]``,
+        ``[E, D, nb(I), P]`` (the C quantizer where the kernels load, else the torch one: the same bytes)."""
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
             raise FreeTokenError(
                 f"experts need gate_up [E, 2I, D] and down [E, D, I], "
@@ -175,23 +178,69 @@ class QuantizedExperts:
         quant = ops.quantize_blocks
         q13 = torch.cat([quant(gate_up[a : a + step].reshape(-1, d), fmt).blocks for a in range(0, e, step)])
         q2 = torch.cat([quant(down[a : a + step].reshape(-1, i), fmt).blocks for a in range(0, e, step)])
-        return cls.from_blocks(q13.reshape(e, two_i, -1, p), q2.reshape(e, d, -1, p), fmt, d, i, use_kernels)
+        return q13.reshape(e, two_i, -1, p), q2.reshape(e, d, -1, p)
+
+    @staticmethod
+    def stored(
+        b13: BlockQuantized | torch.Tensor, b2: BlockQuantized | torch.Tensor, fmt: str, packed: bool,
+        hidden: int | None = None, intermediate: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Expert blocks ``w13 [E, 2I, nb(D), P]`` / ``w2 [E, D, nb(I), P]`` → the byte tensors a backend holds,
+        ``[E, bytes]`` each: the kernels' tiles when ``packed``, else the blocks as they are. With ``hidden`` and
+        ``intermediate`` the block shapes are checked against them (blocks read from a file)."""
+        fmt = canonical_format(fmt)
+        b13 = b13.blocks if isinstance(b13, BlockQuantized) else b13
+        b2 = b2.blocks if isinstance(b2, BlockQuantized) else b2
+        e, two_i, _, p = b13.shape
+        d, i = (b2.shape[1], two_i // 2) if hidden is None or intermediate is None else (hidden, intermediate)
+        want13 = (e, 2 * i, -(-d // BLOCK), BLOCK_BYTES[fmt])
+        want2 = (e, d, -(-i // BLOCK), BLOCK_BYTES[fmt])
+        if tuple(b13.shape) != want13 or tuple(b2.shape) != want2:
+            raise FreeTokenError(
+                f"{fmt} expert blocks have shapes {tuple(b13.shape)} / {tuple(b2.shape)}, expected {want13} / {want2}"
+            )
+        store = block_format(fmt).storage
+        return store(b13, packed).contiguous(), store(b2, packed).contiguous()
+
+    @classmethod
+    def from_blocks(
+        cls, w13: BlockQuantized | torch.Tensor, w2: BlockQuantized | torch.Tensor, fmt: str, hidden: int,
+        intermediate: int, use_kernels: bool | None = None,
+    ) -> QuantizedExperts:  # fmt: skip
+        """From GGUF blocks: ``w13 [E, 2I, nb(D), P]`` and ``w2 [E, D, nb(I), P]`` uint8 (e.g. read from a GGUF)."""
+        packed = build.load() is not None if use_kernels is None else use_kernels
+        return cls(fmt, *cls.stored(w13, w2, fmt, packed, hidden, intermediate), hidden, intermediate, packed)
+
+    def attach_int4(self) -> None:
+        """No compiler, q4: keep torch int4 copies of the experts for its int4 op with bf16 activations."""
+        if self.packed or self.fmt != "q4_0":
+            return
+        b13, b2 = self.blocks()
+        pairs = [(int4pack(b13[x]), int4pack(b2[x])) for x in range(self.num_experts)]
+        if all(a is not None and b is not None for a, b in pairs):
+            self.int4 = pairs  # type: ignore[assignment]
+
+    @classmethod
+    def from_float(
+        cls, gate_up: torch.Tensor, down: torch.Tensor, fmt: str = "q4", use_kernels: bool | None = None
+    ) -> QuantizedExperts:
+        """Quantize float experts: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (fmt ``q4`` or ``q8``)."""
+        b13, b2 = cls.quantize(gate_up, down, fmt)
+        return cls.from_blocks(b13, b2, fmt, gate_up.shape[2], down.shape[2], use_kernels)
 
     # ---------------------------------------------------------------- views
 
-    def _blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        p, e, d, i = BLOCK_BYTES[self.fmt], self.num_experts, self.hidden, self.intermediate
-        nbd, nbi = -(-d // BLOCK), -(-i // BLOCK)
-        if self.packed:
-            return unpack_blocks(self.w13, 2 * i, nbd, p), unpack_blocks(self.w2, d, nbi, p)
-        return self.w13.reshape(e, 2 * i, nbd, p), self.w2.reshape(e, d, nbi, p)
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts as GGUF blocks: ``(w13 [E, 2I, nb(D), P], w2 [E, D, nb(I), P])``."""
+        d, i = self.hidden, self.intermediate
+        return (self.format.blocks(self.w13, 2 * i, d, self.packed), self.format.blocks(self.w2, d, i, self.packed))
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 experts these bytes stand for: ``(gate_up [E, 2I, D], down [E, D, I])``."""
-        b13, b2 = self._blocks()
+        b13, b2 = self.blocks()
         e, d, i = self.num_experts, self.hidden, self.intermediate
-        g = dequantize(BlockQuantized(self.fmt, (e * 2 * i, d), b13.reshape(e * 2 * i, *b13.shape[2:])))
-        w = dequantize(BlockQuantized(self.fmt, (e * d, i), b2.reshape(e * d, *b2.shape[2:])))
+        g = self.format.dequantize_rows(b13.reshape(e * 2 * i, *b13.shape[2:]), d)
+        w = self.format.dequantize_rows(b2.reshape(e * d, *b2.shape[2:]), i)
         return g.reshape(e, 2 * i, d), w.reshape(e, d, i)
 
     @property
@@ -200,14 +249,11 @@ class QuantizedExperts:
 
     def _expert_float(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         d, i = self.hidden, self.intermediate
-        if self.packed:
+        if self.packed:  # the C dequantizer reads the tiles as they are
             g = ops.dequantize(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]))
             w = ops.dequantize(ops.PackedWeight(self.fmt, d, i, self.w2[e]))
             return g, w
-        p = BLOCK_BYTES[self.fmt]
-        g = dequantize(BlockQuantized(self.fmt, (2 * i, d), self.w13[e].reshape(2 * i, -1, p)))
-        w = dequantize(BlockQuantized(self.fmt, (d, i), self.w2[e].reshape(d, -1, p)))
-        return g, w
+        return self.format.dequantize(self.w13[e], 2 * i, d), self.format.dequantize(self.w2[e], d, i)
 
     # ---------------------------------------------------------------- compute
 
@@ -218,7 +264,7 @@ class QuantizedExperts:
         silu = torch.nn.functional.silu
         return (invariant.pointwise(silu, gate) if ops.deterministic() else silu(gate)) * h[:, self.intermediate :]
 
-    def _expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert_dense(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens ``x [n, D]`` with fp32 weights (prefill, or no kernels) → ``[n, D]``."""
         deterministic = ops.deterministic()
         int4 = self.int4 is not None and not self.exact and not deterministic
@@ -235,7 +281,7 @@ class QuantizedExperts:
         y = int4_linear(w2, a) if int4 else mm(a, down)  # [n, D]
         return y if self.down_bias is None else y + self.down_bias[e]
 
-    def _expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens with the C GEMV (int8 activations) → ``[n, D]``."""
         d, i = self.hidden, self.intermediate
         h = ops.linear(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]), x)
@@ -250,14 +296,19 @@ class QuantizedExperts:
         return self.packed and self.activation is None and self.gate_up_bias is None and self.down_bias is None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, D]`` fp32, ``topk_ids [T, K]`` int64, ``topk_weights [T, K]`` fp32 → ``[T, D]`` fp32."""
+        """``x [T, D]``, ``topk_ids [T, K]`` int64, ``topk_weights [T, K]`` → ``[T, D]`` in ``x``'s dtype (the
+        decoder may run in bf16; the experts compute in fp32)."""
         if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape:
             raise FreeTokenError(
                 f"experts forward: want x [T, {self.hidden}] and ids/weights [T, K], got {tuple(x.shape)}, "
                 f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
             )
-        if x.dtype is not torch.float32:
-            x = x.to(torch.float32)
+        w = topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float()
+        out = self._forward32(x if x.dtype is torch.float32 else x.float(), topk_ids, w)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _forward32(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` on fp32 ``x [T, D]`` and ``topk_weights [T, K]`` → fp32 ``[T, D]``."""
         threshold = 1 if self.exact or not self.packed else self.dequant_threshold
         if self.fused and topk_ids.numel() < threshold:  # decode: no expert can reach the threshold
             return ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, topk_ids, topk_weights)
@@ -280,8 +331,8 @@ class QuantizedExperts:
         dense_set = set(dense)
         for e in dense + light:
             tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-            y = self._expert_dense(e, x[tok]) if e in dense_set else self._expert_kernel(e, x[tok])
-            out.index_add_(0, tok, y * topk_weights[tok, slot, None].to(torch.float32))
+            y = self.expert_dense(e, x[tok]) if e in dense_set else self.expert_kernel(e, x[tok])
+            out.index_add_(0, tok, y * topk_weights[tok, slot, None])
         return out
 
     __call__ = forward

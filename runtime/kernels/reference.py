@@ -5,7 +5,7 @@ Legend: ``T`` tokens, ``K`` experts per token, ``E`` experts, ``D`` hidden, ``I`
 Two references, one per way ``QuantizedExperts`` computes:
 
 - exact mode / prefill (dequantize + fp32 matmul): plain ``TorchExperts`` over the dequantized weights
-  (``apply.dequantized_reference(decoder)``);
+  (``dequantized_reference(decoder)``);
 - the C decode kernels: they also round each matmul's input activations to int8, per block of 32 values along
   ``K``, with ``d = amax / 127`` (fp32, not rounded to fp16) and codes ``round_half_even(x * (127 / amax))``
   clamped to ±127, zero-padded to whole blocks. ``Int8ActExperts`` is ``TorchExperts`` over the dequantized
@@ -17,8 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ..errors import FreeTokenError
+from ..experts.capabilities import capabilities_of
 
 BLOCK = 32
 
@@ -96,3 +100,29 @@ class Int8ActExperts:
         return slack
 
     __call__ = forward
+
+
+def dequantized_reference(decoder: Any, activations: str = "fp32") -> None:
+    """Replace every MoE layer's backend that can dequantize (``capabilities.dequantize``) by a plain-torch
+    reference over the fp32 experts its bytes stand for (tests and verification).
+
+    ``activations="fp32"``: plain ``TorchExperts`` (the reference for exact mode and prefill); ``"int8"``:
+    ``Int8ActExperts``, which also rounds matmul inputs like the C decode kernels.
+    """
+    if activations not in ("fp32", "int8"):
+        raise FreeTokenError(f"unknown reference activations {activations!r}; expected fp32 or int8")
+    for i, lw in enumerate(decoder.weights.layers):
+        backend = decoder.experts[i]
+        if not capabilities_of(backend).dequantize:
+            continue
+        te = lw.moe.experts  # the weights' float experts, emptied when the backend was built
+        gate_up, down = backend.dequantize()
+        if activations == "int8":
+            decoder.experts[i] = Int8ActExperts(gate_up, down, te.activation(), backend.gate_up_bias,
+                                                backend.down_bias)
+            continue
+        dtype = te.gate_up.dtype
+        te.gate_up, te.down = gate_up.to(dtype), down.to(dtype)
+        te.gate_up_bias = None if backend.gate_up_bias is None else backend.gate_up_bias.to(dtype)
+        te.down_bias = None if backend.down_bias is None else backend.down_bias.to(dtype)
+        decoder.experts[i] = te

@@ -21,7 +21,8 @@ import pytest
 import torch
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.errors import ConfigError
-from freetoken_agent.runtime.kernels.apply import dequantized_reference, set_expert_mode
+from freetoken_agent.runtime.experts.core import set_expert_mode
+from freetoken_agent.runtime.kernels.reference import dequantized_reference
 from freetoken_agent.runtime.models import resolve_model
 
 from tests.runtime.checkpoints import save_checkpoint

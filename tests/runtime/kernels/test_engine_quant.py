@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.experts.core import set_expert_mode
 from freetoken_agent.runtime.kernels import build
-from freetoken_agent.runtime.kernels.apply import dequantized_reference, set_expert_mode
+from freetoken_agent.runtime.kernels.reference import dequantized_reference
 from freetoken_agent.runtime.synthetic import write_synthetic
 
 
@@ -58,7 +59,7 @@ def test_quantized_engine_matches_dequantized_reference(model_dir: Path, prompt:
         pytest.skip(f"C kernels unavailable: {build.status().reason}")
     set_expert_mode(engine.decoder, "auto")
     for backend in engine.decoder.experts:  # fused int8-activation kernels below 32 tokens per expert
-        backend.inner.dequant_threshold = 32
+        backend.dequant_threshold = 32
     fused = engine.logits(prompt)
     fp32 = Engine.from_pretrained(model_dir).logits(prompt)
     agree_fused = float((fused.argmax(-1) == fp32.argmax(-1)).float().mean())

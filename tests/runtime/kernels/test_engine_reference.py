@@ -26,10 +26,11 @@ import pytest
 import torch
 from freetoken_agent.runtime.builtin import builtin_model_dir
 from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.experts.capabilities import capabilities_of
+from freetoken_agent.runtime.experts.core import set_expert_mode
 from freetoken_agent.runtime.kernels import build
 from freetoken_agent.runtime.kernels.accuracy import kl, top1
-from freetoken_agent.runtime.kernels.apply import _TypedExperts, dequantized_reference, set_expert_mode
-from freetoken_agent.runtime.kernels.reference import Int8ActExperts
+from freetoken_agent.runtime.kernels.reference import Int8ActExperts, dequantized_reference
 from freetoken_agent.runtime.model.moe import activate
 from safetensors.torch import load_file, save_file
 
@@ -122,8 +123,8 @@ def test_int8_mode_matches_int8_reference(case: Case, quant: str) -> None:
     set_expert_mode(engine.decoder, "int8")
     layers: list[tuple[_Recorder, Int8ActExperts]] = []
     for i, backend in enumerate(engine.decoder.experts):
-        if isinstance(backend, _TypedExperts):
-            qe, moe = backend.inner, engine.spec.layers[i].moe
+        if capabilities_of(backend).dequantize:
+            qe, moe = backend, engine.spec.layers[i].moe
             gate_up, down = qe.dequantize()
             ref = Int8ActExperts(gate_up, down, partial(activate, moe=moe), qe.gate_up_bias, qe.down_bias)
             layers.append((_Recorder(backend), ref))

@@ -15,7 +15,11 @@ pytest.importorskip("transformers")
 
 from freetoken_agent.evals.fuzz.tiny import save_checkpoint
 from freetoken_agent.runtime.engine import Engine
-from freetoken_agent.runtime.kernels.apply import dequantized_reference, quantize_experts, set_expert_mode
+from freetoken_agent.runtime.experts.capabilities import capabilities_of
+from freetoken_agent.runtime.experts.core import install, set_expert_mode
+from freetoken_agent.runtime.experts.quantized import from_weights
+from freetoken_agent.runtime.kernels import build
+from freetoken_agent.runtime.kernels.reference import dequantized_reference
 from freetoken_agent.runtime.memory import Budget
 
 PROMPT = [3, 77, 200, 9, 100, 41, 5, 260, 18, 70, 11, 400]
@@ -34,14 +38,14 @@ def test_quantized_experts_apply_the_learned_activation(model: Path, tmp_path: P
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
     mapped = Engine.from_pretrained(model, quant="q8")  # experts from the expert cache file
     assert mapped.quant is not None and mapped.quant.layers > 0
-    assert not any(b.inner.fused for b in mapped.decoder.experts if b is not None)
+    assert not any(capabilities_of(b).fused for b in mapped.decoder.experts if b is not None)
     reference = Engine.from_pretrained(model, quant="q8")
     dequantized_reference(reference.decoder)  # TorchExperts over the dequantized weights
     want = reference.logits(PROMPT)
     set_expert_mode(mapped.decoder, "exact")
     assert float((mapped.logits(PROMPT) - want).abs().max()) <= 1e-4
     in_place = Engine.from_pretrained(model)
-    quantize_experts(in_place.decoder, "q8")
+    install(in_place.decoder, from_weights(in_place.decoder.weights, "q8_0", build.load() is not None)[0])
     set_expert_mode(in_place.decoder, "exact")
     assert float((in_place.logits(PROMPT) - want).abs().max()) <= 1e-4
     plain = Engine.from_pretrained(model).logits(PROMPT)  # q8 stays near the float model

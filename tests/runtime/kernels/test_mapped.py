@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.experts import mapped
 from freetoken_agent.runtime.experts.cache_file import TRAILER, ExpertCacheFile
-from freetoken_agent.runtime.kernels import hugepages, mapped
-from freetoken_agent.runtime.kernels.apply import quantize_experts, set_expert_mode
+from freetoken_agent.runtime.experts.core import install, set_expert_mode
+from freetoken_agent.runtime.experts.quantized import from_weights
+from freetoken_agent.runtime.kernels import build, hugepages
 from freetoken_agent.runtime.synthetic import write_synthetic
 
 from tests.runtime.checkpoints import ARCHITECTURES, save_checkpoint
@@ -34,6 +36,11 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _model(tmp_path: Path, seed: int = 1) -> Path:
     return write_synthetic("qwen3_moe", tmp_path / f"m{seed}", seed=seed, **SMALL)
+
+
+def _quantize_in_memory(engine: Engine, fmt: str) -> None:
+    """The in-memory source: the engine's loaded float experts quantized where they are."""
+    install(engine.decoder, from_weights(engine.decoder.weights, fmt, build.load() is not None)[0])
 
 
 def _mapped_files() -> str:
@@ -73,10 +80,10 @@ def test_mapped_experts_equal_in_memory_quantization(tmp_path: Path, cache: Path
     folder = _model(tmp_path)
     ours = Engine.from_pretrained(folder, quant="q4")
     plain = Engine.from_pretrained(folder)
-    quantize_experts(plain.decoder, "q4")  # the old path: float experts quantized in place
+    _quantize_in_memory(plain, "q4_0")
     for a, b in zip(ours.decoder.experts, plain.decoder.experts, strict=True):
         if a is not None:
-            for x, y in zip(a.inner.dequantize(), b.inner.dequantize(), strict=True):
+            for x, y in zip(a.dequantize(), b.dequantize(), strict=True):
                 assert torch.equal(x, y)
     assert float((ours.logits(PROMPT) - plain.logits(PROMPT)).abs().max()) <= 1e-5
 
@@ -163,7 +170,7 @@ def test_every_architecture_maps_what_in_memory_quantization_computes(
     ours = Engine.from_pretrained(tmp_path / arch, quant="q4")
     assert ours.quant.cache is not None
     plain = Engine.from_pretrained(tmp_path / arch)
-    quantize_experts(plain.decoder, "q4")
+    _quantize_in_memory(plain, "q4_0")
     for engine in (ours, plain):
         set_expert_mode(engine.decoder, "exact")
     prompt = [5, 17, 300, 42, 7, 99, 211, 3]  # vocabulary 512

@@ -11,7 +11,8 @@ import torch
 
 from freetoken_agent.runtime.engine import Engine, Request
 from freetoken_agent.runtime.kernels import build
-from freetoken_agent.runtime.kernels.apply import dequantized_reference, set_expert_mode
+from freetoken_agent.runtime.experts.core import set_expert_mode
+from freetoken_agent.runtime.kernels.reference import dequantized_reference
 from freetoken_agent.runtime.kv.paged import PagedKVCache
 from freetoken_agent.runtime.kv.pool import PagePool
 

@@ -1,53 +1,49 @@
-"""Quantized routed experts mapped from the expert cache file: the ``quant=`` path without a memory budget.
+"""Quantized routed experts mapped from the expert cache file (the core's ``mapped`` placement).
 
 Legend: ``L`` MoE layers, ``E`` experts per layer, ``S`` blob stride in the file (bytes).
 
 The first load quantizes and repacks every expert once — one expert in memory at a time, never the float
-checkpoint as a whole — into the expert-major cache file of ``runtime/experts/cache_file.py`` (the residency
-path's file: same key, checkpoint files + blob layout, so a changed checkpoint or format gets a new file). Every
-later load checks the file (header, size, CRC-32 of the data) and reads it into 2 MiB pages (``hugepages.py``;
-a copy-on-write mapping where those are unavailable): each MoE layer gets a ``QuantizedExperts`` whose
-``w13``/``w2`` are strided views into that memory (the kernels take a row stride), so nothing is quantized. A
-damaged file is rewritten with a one-line warning; when the cache cannot be written at all (read-only or full disk)
-the experts are quantized into memory, with a warning.
+checkpoint as a whole — into the expert-major cache file of ``cache_file.py`` (the residency path's file: same key,
+checkpoint files + blob layout, so a changed checkpoint or format gets a new file). Every later load checks the file
+(header, size, CRC-32 of the data) and reads it into 2 MiB pages (``kernels/hugepages.py``; a copy-on-write mapping
+where those are unavailable): ``load_mapped`` returns the dense weights and the ``[L, E, S]`` blobs, over which the
+core builds one ``QuantizedExperts`` per layer whose ``w13``/``w2`` are strided views (the kernels take a row
+stride), so nothing is quantized. A damaged file is rewritten with a one-line warning; when the cache cannot be
+written at all (read-only or full disk) the experts are quantized into memory, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from ..checkpoint.experts import ExpertTensors
-from ..errors import UnexpectedTensorError
-from ..experts.cache_file import cache_key, cache_root, open_or_write
-from ..experts.layout import ExpertLayout
-from ..model.spec import ModelSpec
-from . import build, hugepages, ops
-from .apply import QuantReport, _TypedExperts
-from .experts import QuantizedExperts
+from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
+from freetoken_agent.runtime.experts.cache_file import cache_key, cache_root, open_or_write
+from freetoken_agent.runtime.experts.layout import ExpertLayout
+from freetoken_agent.runtime.experts.loader import DenseLoader, check_unused
+from freetoken_agent.runtime.kernels import build, hugepages, ops
+from freetoken_agent.runtime.model import weights as weights_mod
+from freetoken_agent.runtime.model.spec import ModelSpec
 
 QUANTIZED_EXPERTS = [0]
 """Experts quantized by this process (a counter; tests use it to prove a cached load quantized nothing)."""
 
 
 def supported(spec: ModelSpec, device: str) -> bool:
-    """Whether this path applies: CPU, gated experts, every MoE layer with the same expert shape and count."""
+    """Whether experts can be mapped: CPU, gated experts, every MoE layer with the same expert shape and count."""
     moes = [layer.moe for layer in spec.layers if layer.moe is not None]
     shapes = {(m.intermediate, m.num_experts, m.expert_bias, m.gated) for m in moes}
     return torch.device(device).type == "cpu" and len(shapes) == 1 and all(m.gated for m in moes)
 
 
-def encoder(layout: ExpertLayout) -> Any:
+def encoder(layout: ExpertLayout) -> Callable[[ExpertTensors], torch.Tensor]:
     """``ExpertTensors → blob`` in ``layout``: the C quantizer where the kernels load (same rules, ~3x faster)."""
-    if build.load() is None:
-        c_quantize = None
-    else:
-        c_quantize = ops.quantize
+    c_quantize = None if build.load() is None else ops.quantize
 
     def encode(t: ExpertTensors) -> torch.Tensor:
         QUANTIZED_EXPERTS[0] += 1
@@ -68,36 +64,16 @@ def encoder(layout: ExpertLayout) -> Any:
 
 
 @dataclass
-class MappedLoad:
-    """Dense weights plus every MoE layer's expert blobs; ``install(decoder)`` wires them in."""
+class MappedExperts:
+    """Dense weights plus every MoE layer's expert blobs (what ``load_mapped`` returns)."""
 
     weights: Any  # runtime.model.weights.ModelWeights (routed experts left empty)
-    spec: ModelSpec
     layout: ExpertLayout
     layers: list[int]
     blobs: torch.Tensor  # [L, E, S] uint8: a view of the mapped file, or memory when no cache could be written
     cache: Path | None
     written: bool
     float_bytes: int
-
-    def install(self, decoder: Any) -> QuantReport:
-        """Give every MoE layer of ``decoder`` a ``QuantizedExperts`` over its blobs (no copy)."""
-        lay = self.layout
-        quant_bytes = 0
-        for j, layer in enumerate(self.layers):
-            moe = self.spec.layers[layer].moe
-            assert moe is not None
-            views = lay.views(self.blobs[j])
-            assert views.w13 is not None and views.w2 is not None
-            qe = QuantizedExperts(lay.fmt, views.w13, views.w2, lay.hidden, lay.intermediate, lay.packed)
-            qe.attach_int4()  # no compiler, q4 only: torch int4 copies
-            if moe.activation != "silu" or moe.glu_clamp:
-                qe.activation = self.weights.layers[layer].moe.experts.activation()  # the loader's empty experts
-            qe.gate_up_bias, qe.down_bias = views.gate_up_bias, views.down_bias
-            decoder.experts[layer] = _TypedExperts(qe)
-            quant_bytes += qe.nbytes
-        return QuantReport(lay.fmt, len(self.layers), self.float_bytes, quant_bytes, lay.packed, self.cache,
-                           self.written)
 
 
 def _map(path: Path, data_start: int, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -121,30 +97,23 @@ def _map(path: Path, data_start: int, shape: tuple[int, int, int]) -> torch.Tens
     return whole[data_start : data_start + n].view(*shape)
 
 
-def load_quantized(
-    spec: ModelSpec, reader: Any, path: Path, dtype: torch.dtype, device: str, fmt: str,
+def load_mapped(
+    spec: ModelSpec, reader: Any, path: Path, dtype: torch.dtype, device: str, fmt: str, kernels: bool,
     progress: bool | None = None, cache_path: Path | None = None,
-) -> MappedLoad:  # fmt: skip
-    """Dense weights in ``dtype`` and the routed experts in ``fmt`` (``q4_0``/``q8_0``) from the cache file.
+) -> MappedExperts:  # fmt: skip
+    """Dense weights in ``dtype`` and the routed experts in ``fmt`` (``q4_0``/``q8_0``) from the cache file, in the
+    kernels' tile layout when ``kernels``.
 
     ``cache_path`` overrides ``$FREETOKEN_CACHE/experts/<key>.ftx``. Experts are quantized from the checkpoint's
     stored values (upcast to fp32), whatever ``dtype`` is, so the file does not depend on the compute dtype.
     """
-    import re
-
-    from ..experts.setup import _DenseLoader
-    from ..model import weights as weights_mod
-
-    loader = _DenseLoader(reader, dtype, device)
+    loader = DenseLoader(reader, dtype, device)
     weights = weights_mod.walk_weights(spec, loader, None)
-    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *weights_mod._ALWAYS_IGNORED)]
-    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
-    if unexpected:
-        raise UnexpectedTensorError(f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture")
+    check_unused(spec, reader)
     layers = sorted(loader.sources)
     first = spec.layers[layers[0]].moe
     assert first is not None
-    layout = ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, build.load() is not None)
+    layout = ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, kernels)
     e = first.num_experts
 
     def load(layer: int, k: int) -> ExpertTensors:
@@ -164,7 +133,7 @@ def load_quantized(
         for j, layer in enumerate(layers):
             for k in range(e):
                 blobs[j, k, : layout.blob_bytes] = encode(load(layer, k))
-        return MappedLoad(weights, spec, layout, layers, blobs, None, True, float_bytes)
+        return MappedExperts(weights, layout, layers, blobs, None, True, float_bytes)
     blobs = _map(file_path, disk.data_start, (len(layers), e, disk.stride))
     disk.close()
-    return MappedLoad(weights, spec, layout, layers, blobs, file_path, written, float_bytes)
+    return MappedExperts(weights, layout, layers, blobs, file_path, written, float_bytes)
