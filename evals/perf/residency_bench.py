@@ -73,16 +73,20 @@ def mmap_resident(path: Path) -> int:
 
 def install_mmap(engine: Any, file: Any) -> Any:
     """Replace the managed experts by ``QuantizedExperts`` over an mmap of the cache file (OS page cache)."""
-    from freetoken_agent.runtime.kernels.experts import QuantizedExperts
+    from freetoken_agent.runtime.experts.core import install
+    from freetoken_agent.runtime.experts.quantized import quantized_experts
 
     lay = file.layout
     n = file.data_start + len(file.layers) * file.num_experts * file.stride
     mapped = torch.from_file(str(file.path), shared=True, size=n, dtype=torch.uint8)
     rows = mapped[file.data_start :].view(len(file.layers), file.num_experts, file.stride)
-    (a13, b13), (a2, b2) = lay.offsets["gate_up"], lay.offsets["down"]
+    backends = {}
     for j, layer in enumerate(file.layers):
-        engine.decoder.experts[layer] = QuantizedExperts(lay.fmt, rows[j, :, a13:b13], rows[j, :, a2:b2],
-                                                         lay.hidden, lay.intermediate, lay.packed)
+        views = lay.views(rows[j])
+        act = engine.decoder.weights.layers[layer].moe.experts.act  # the loader's empty experts carry it
+        backends[layer] = quantized_experts(lay.fmt, views.w13, views.w2, lay.hidden, engine.spec.layers[layer].moe,
+                                            act, lay.packed, (views.gate_up_bias, views.down_bias), "mapped")
+    install(engine.decoder, backends)
     return mapped
 
 
