@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
 from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.quant.formats import KERNEL_FORMATS, block_format
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANT_FORMATS = ("q4_0", "q8_0")
+QUANT_FORMATS = KERNEL_FORMATS
+"""Block formats an expert blob can hold (the kernels' formats)."""
 ALIGN = 64
 """Slot row alignment in bytes (cache-line; typed views need rows aligned to the element size)."""
 
@@ -65,13 +67,8 @@ class ExpertLayout:
         if not self.quantized:
             es = FLOAT_FORMATS[self.fmt].itemsize
             return 2 * i * d * es, d * i * es
-        from freetoken_agent.runtime.kernels.ops import packed_bytes
-        from freetoken_agent.runtime.quant.blocks import BLOCK, BLOCK_BYTES
-
-        if self.packed:
-            return packed_bytes(self.fmt, 2 * i, d), packed_bytes(self.fmt, d, i)
-        p = BLOCK_BYTES[self.fmt]
-        return 2 * i * -(-d // BLOCK) * p, d * -(-i // BLOCK) * p
+        fmt = block_format(self.fmt)
+        return fmt.matrix_bytes(2 * i, d, self.packed), fmt.matrix_bytes(d, i, self.packed)
 
     @property
     def _bias_itemsize(self) -> int:
@@ -106,12 +103,9 @@ class ExpertLayout:
         out = torch.zeros(self.blob_bytes, dtype=torch.uint8)
         parts: dict[str, torch.Tensor] = {}
         if self.quantized:
-            from freetoken_agent.runtime.kernels.layout import pack_blocks
-            from freetoken_agent.runtime.quant.blocks import quantize
-
+            fmt = block_format(self.fmt)
             for name, w in (("gate_up", t.gate_up), ("down", t.down)):
-                blocks = quantize(w.float(), self.fmt).blocks  # [N, nb, P]
-                parts[name] = pack_blocks(blocks) if self.packed else blocks.reshape(-1)
+                parts[name] = fmt.storage(fmt.quantize_rows(w.float()), self.packed)  # blocks [N, nb, P] → bytes
             bias_dtype = torch.float32
         else:
             dtype = FLOAT_FORMATS[self.fmt]
