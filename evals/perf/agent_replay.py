@@ -8,8 +8,8 @@ tool output follows. Per turn we time TTFT (prompt → first token) in three mod
 - ``no_reuse``: every turn prefills the whole prompt (what a stateless server does);
 - ``drop``: a session whose KV is dropped at every tool pause and evicted (recompute after each tool).
 
-    python -m freetoken_agent.evals.perf.agent_replay [--trajectories DIR] [--model M] [--max-sessions N]
-        [--max-turns N] [--max-context TOKENS] [--json]
+    freetoken bench kv-reuse [--trajectories DIR] [--model M] [--max-sessions N] [--max-turns N]
+        [--max-context TOKENS] [--json]            (also python -m freetoken_agent.evals.perf.agent_replay)
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
+
+from freetoken_agent.evals.perf.harness import BenchError, module_main, row
+from freetoken_agent.evals.perf.timing import timed
 
 DEFAULT_TRAJECTORIES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "agent-trajectories"
 
@@ -52,34 +54,27 @@ def turn_prompts(engine: Any, messages: list[dict[str, str]], max_turns: int, ma
     return prompts
 
 
-def _ttft(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def replay(engine: Any, prompts: list[list[int]]) -> dict[str, list[float]]:
     """TTFT per turn in each mode; modes run one after another so none can borrow another's cached pages."""
     manager = engine.kv_manager()
     kw = dict(max_new_tokens=1, stop_token_ids=[])
     times: dict[str, list[float]] = {}
     session = engine.session()
-    times["reuse"] = [_ttft(lambda: session.generate(p, **kw)) for p in prompts]
+    times["reuse"] = [timed(lambda: session.generate(p, **kw))[1] for p in prompts]
     session.close()
     manager.radix.clear()
-    times["no_reuse"] = [_ttft(lambda: engine.generate(p, **kw)) for p in prompts]
+    times["no_reuse"] = [timed(lambda: engine.generate(p, **kw))[1] for p in prompts]
     session, times["drop"] = engine.session(), []
     for p in prompts:
         session.drop()  # the tool pause: this session's KV is dropped ...
         manager.radix.clear()  # ... and evicted, so the turn recomputes
-        times["drop"].append(_ttft(lambda: session.generate(p, **kw)))
+        times["drop"].append(timed(lambda: session.generate(p, **kw))[1])
     session.close()
     manager.radix.clear()
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trajectories", default=str(DEFAULT_TRAJECTORIES))
     parser.add_argument("--model", default=None, help="model folder, 'builtin' (default) or 'synthetic:ARCH'")
     parser.add_argument("--max-sessions", type=int, default=3)
@@ -88,15 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-turns", type=int, default=12,
                         help="use only sessions with at least this many turns within --max-context")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
 
+
+@row("kv-reuse", "recorded agent sessions on our engine: time to first token per turn with session prefix reuse, "
+     "without it, and with the KV dropped at every tool pause", options, format=lambda r, a: format_report(r))
+def kv_reuse_row(args: argparse.Namespace) -> dict[str, Any]:
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.models import resolve_model
 
     folder = Path(args.trajectories)
     if not folder.is_dir():
-        parser.error(f"trajectory folder not found: {folder} (pass --trajectories DIR)")
+        raise BenchError(f"trajectory folder not found: {folder} (pass --trajectories DIR)")
     engine = Engine.from_pretrained(resolve_model(args.model), threads=args.threads, require_tokenizer=True)
     rows, per_turn_ratio, all_prompt_tokens, all_prefilled = [], [], 0, 0
     chosen = []
@@ -132,12 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_tokens_reuse_and_drop_sessions": all_prefilled,
         "threads": engine.threads,
     }
-    if args.json:
-        print(json.dumps({"summary": summary, "turns": rows}, indent=2))
-        return 0
+    return {"summary": summary, "turns": rows}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """TTFT per turn (median over sessions) in the three modes, then the summary."""
+    import io
+
     from rich.console import Console
     from rich.table import Table
 
+    summary, rows = report["summary"], report["turns"]
     table = Table(title="agent-session replay: TTFT per turn (median over sessions)")
     for col in ("turn", "prompt tokens", "prefilled (reuse)", "TTFT reuse", "TTFT no reuse", "TTFT drop@tool",
                 "no-reuse / reuse"):
@@ -150,10 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(str(turn), f"{med('prompt_tokens'):.0f}", f"{med('prefill_tokens_reuse'):.0f}",
                       f"{med('ttft_reuse_s') * 1e3:.1f} ms", f"{med('ttft_no_reuse_s') * 1e3:.1f} ms",
                       f"{med('ttft_drop_s') * 1e3:.1f} ms", f"{med('ttft_no_reuse_s') / med('ttft_reuse_s'):.1f}×")
-    console = Console()
+    console = Console(file=io.StringIO(), width=120)
     console.print(table)
-    console.print(json.dumps(summary, indent=2))
-    return 0
+    return console.file.getvalue() + json.dumps(summary, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return module_main("kv-reuse", argv)
 
 
 if __name__ == "__main__":

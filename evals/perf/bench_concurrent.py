@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agent.evals.perf import llama_server
+from freetoken_agent.evals.perf.harness import row, run_json_main
 from freetoken_agent.evals.perf.concurrent_load import Session, Turn, Workload, build_sessions, run_sessions, summarize
 
 DEFAULT_DIR = Path("/tmp/freetoken-bench-concurrent")
@@ -398,6 +399,29 @@ def main(argv: list[str] | None = None) -> int:
         print(folder, gguf)
         return 0
     return run(args)
+
+
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peer", default="llama.cpp", choices=("llama.cpp", "none"),
+                   help="llama.cpp: llama-server on the same weights beside ours; none: ours alone")
+    p.add_argument("--model", default=None, help="serve this folder instead of the 7.5B model (ours only)")
+
+
+def _serve_table(report: dict[str, Any]) -> str:
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        show(report["meta"], report["rows"])
+    return out.getvalue()
+
+
+@row("serve", "N concurrent agent sessions over HTTP: freetoken serve vs llama-server on the same weights (tok/s, "
+     "TTFT, inter-token latency); other flags are `bench_concurrent run`'s", _serve_options, passthrough=True,
+     format=lambda r, a: _serve_table(r))
+def serve_row(args: argparse.Namespace) -> dict[str, Any]:
+    argv = ["run", *args.passthrough, "--servers", "ours,llama.cpp" if args.peer == "llama.cpp" else "ours"]
+    return run_json_main(main, argv + (["--model", args.model] if args.model else []))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,31 @@
-"""Decode throughput of our engine vs ``transformers.generate`` on the same checkpoint, side by side.
+"""Rows ``decode`` and ``long-context``: decode tok/s of our engine against a peer on the same weights.
 
-Checkpoints are built with transformers (random weights, fp32) and cached. Runs alternate A/B so machine noise
-hits both; each run times ``generate`` of 1 and of N+1 greedy tokens after the same prompt, and decode tok/s is
-N / (t(N+1) - t(1)). Medians over rounds; the ratio is ours / transformers.
+- ``--peer llama.cpp`` (default): q4 experts, the same Q4_0 blocks in a GGUF for llama.cpp (``bench_gguf_decode``);
+  decode tok/s = N / the time of N single-token steps after the prompt (ours: the scheduler's clock from the first
+  token to the last), ``--prompt-len`` tokens of context before them (``long-context``: 4,096 by default).
+- ``--peer transformers``: fp32 checkpoints built with transformers (random weights, cached); each run times
+  ``generate`` of 1 and of N+1 greedy tokens after the same prompt, decode tok/s is N / (t(N+1) - t(1)).
 
-    python -m freetoken_agent.evals.perf.bench_decode [--models tiny,mid] [--rounds 3] [--tokens 32] [--json]
+Rounds alternate ours / peer (``timing.alternate``); medians; the ratio is ours / peer.
+
+    freetoken bench decode [--peer llama.cpp|transformers] [--model M] [--threads 1,2] [--tokens 16] [--json]
+    freetoken bench long-context [--prompt-len 4096,8192]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from freetoken_agent.evals.perf.harness import BenchError, module_main, row
+from freetoken_agent.evals.perf.timing import alternate, timed
 
 # name -> (architecture, transformers config overrides)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -47,12 +54,6 @@ def build(name: str, root: Path) -> Path:
     return folder
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def measure(folder: Path, rounds: int, tokens: int, prompt_len: int) -> dict[str, Any]:
     import transformers
 
@@ -70,12 +71,10 @@ def measure(folder: Path, rounds: int, tokens: int, prompt_len: int) -> dict[str
         with torch.no_grad():
             ref.generate(prompt[None], do_sample=False, max_new_tokens=n, min_new_tokens=n)
 
-    ours(2), theirs(2)  # warm-up
-    rates: dict[str, list[float]] = {"ours": [], "transformers": []}
-    for _ in range(rounds):
-        for label, fn in (("ours", ours), ("transformers", theirs)):
-            dt = _time(lambda: fn(tokens + 1)) - _time(lambda: fn(1))
-            rates[label].append(tokens / max(dt, 1e-9))
+    def rate(fn: Callable[[int], None]) -> Callable[[], float]:
+        return lambda: tokens / max(timed(lambda: fn(tokens + 1))[1] - timed(lambda: fn(1))[1], 1e-9)
+
+    rates = alternate({"ours": rate(ours), "transformers": rate(theirs)}, rounds)
     same = engine.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids == \
         ref.generate(prompt[None], do_sample=False, max_new_tokens=8)[0, prompt_len:].tolist()
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -84,38 +83,98 @@ def measure(folder: Path, rounds: int, tokens: int, prompt_len: int) -> dict[str
             "runs": rates, "threads": torch.get_num_threads()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,mid")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--cache", default=str(Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken")) / "bench"))
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
+def options(p: argparse.ArgumentParser, prompt_len: str = "32") -> None:
+    p.add_argument("--peer", default="llama.cpp", choices=("llama.cpp", "transformers"),
+                   help="llama.cpp: q4 on the same GGUF weights (bench_gguf_decode); transformers: fp32 generate")
+    p.add_argument("--model", default=None,
+                   help="llama.cpp: an existing qwen3_moe folder (default: the 1.3B synthetic one); transformers: "
+                        f"comma-separated presets of {', '.join(MODELS)} (default tiny,mid)")
+    p.add_argument("--threads", default="1", help="comma-separated thread counts")
+    p.add_argument("--tokens", type=int, default=16, help="decode tokens per run")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
+    p.add_argument("--prompt-len", default=prompt_len, help="comma-separated context lengths before the timed decode")
+    p.add_argument("--dense", default="none", help="llama.cpp: comma-separated dense formats both sides use: none, q8, q4")
+    p.add_argument("--dir", default=str(CACHE), help="where the synthetic checkpoints are cached")
+
+
+CACHE = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken")) / "bench"
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise BenchError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def decode_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Ours vs the chosen peer, one entry per (model or dense format, threads, prompt length)."""
+    from freetoken_agent.evals.perf import bench_gguf_decode
     from freetoken_agent.runtime.threads import configure_threads
 
-    configure_threads(args.threads)
-    results = {}
-    for name in args.models.split(","):
-        folder = build(name, Path(args.cache))
-        results[name] = measure(folder, args.rounds, args.tokens, args.prompt_len)
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
+    if args.tokens < 1 or args.rounds < 1:
+        raise BenchError(f"--tokens and --rounds must be at least 1, got {args.tokens}, {args.rounds}")
+    threads, prompts = _ints(args.threads, "--threads"), _ints(args.prompt_len, "--prompt-len")
+    runs = []
+    if args.peer == "transformers":
+        warnings.filterwarnings("ignore")
+        names = (args.model or "tiny,mid").split(",")
+        if unknown := [n for n in names if n not in MODELS]:
+            raise BenchError(f"--model with --peer transformers takes presets {', '.join(MODELS)}, got {unknown}")
+        for name in names:
+            for t in threads:
+                for n in prompts:
+                    configure_threads(t)
+                    r = measure(build(name, Path(args.dir) / "decode"), args.rounds, args.tokens, n)
+                    runs.append({"model": name, "prompt_len": n, "peer_tok_s": r.pop("transformers_tok_s"), **r})
+    else:
+        if args.model is not None and not (Path(args.model) / "config.json").is_file():
+            raise BenchError(f"--model {args.model}: no config.json there")
+        folder = Path(args.model) if args.model else bench_gguf_decode.write_checkpoint(
+            Path(args.dir) / "gguf" / "qwen3_moe-1b")
+        for d in args.dense.split(","):
+            for t in threads:
+                for n in prompts:
+                    r = bench_gguf_decode.measure(folder, t, args.tokens, args.rounds, n, dense=d)
+                    runs.append({"model": str(folder), "peer_tok_s": r.pop("llama_cpp_tok_s"), **r})
+    for r in runs:
+        r["ratio"] = round(r["ours_tok_s"] / r["peer_tok_s"], 3)
+    return {"peer": args.peer, "tokens": args.tokens, "rounds": args.rounds, "runs": runs,
+            "ours_tok_s": runs[0]["ours_tok_s"], "peer_tok_s": runs[0]["peer_tok_s"], "ratio": runs[0]["ratio"]}
 
-    table = Table(title=f"decode tok/s, fp32 CPU, {torch.get_num_threads()} thread(s), median of {args.rounds}")
-    for col in ("model", "params", "ours", "transformers", "ours / transformers", "greedy identical"):
-        table.add_column(col)
-    for name, r in results.items():
-        table.add_row(name, f"{r['params'] / 1e6:.1f}M", f"{r['ours_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}",
-                      f"{r['ratio']:.2f}×", str(r["greedy_identical"]))
-    Console().print(table)
-    return 0
+
+def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> str:
+    lines = [f"decode tok/s, ours vs {r['peer']}, {r['tokens']} tokens, median of {r['rounds']} alternating rounds",
+             "| model | params | dense | threads | prompt | ours | peer | ours / peer |", "|---|---|---|---|---|---|---|---|"]
+    for x in r["runs"]:
+        lines.append(f"| {Path(str(x['model'])).name} | {x['params'] / 1e9:.2f}B | {x.get('dense', 'fp32')} | "
+                     f"{x['threads']} | {x['prompt_len']} | {x['ours_tok_s']:.2f} | {x['peer_tok_s']:.2f} | "
+                     f"{x['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    return {f"{x.get('dense', 'fp32')}/t{x['threads']}/p{x['prompt_len']}": f"{x['ours_tok_s']:.2f} vs "
+            f"{x['peer_tok_s']:.2f} ({x['ratio']:.2f}x)" for x in r["runs"][:6]} | {"peer": r["peer"]}
+
+
+@row("decode", "decode tok/s after a short prompt: ours vs llama.cpp (q4, same GGUF weights) or transformers (fp32)",
+     options, format=format_report, headline=_headline)
+def decode_row(args: argparse.Namespace) -> dict[str, Any]:
+    return decode_report(args)
+
+
+@row("long-context", "decode tok/s after a long prompt (default 4,096 tokens): ours vs llama.cpp on the same weights",
+     lambda p: options(p, prompt_len="4096"), format=format_report, headline=_headline)
+def long_context_row(args: argparse.Namespace) -> dict[str, Any]:
+    return decode_report(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return module_main("decode", argv)
 
 
 if __name__ == "__main__":

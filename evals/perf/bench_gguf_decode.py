@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from freetoken_agent.evals.perf.timing import DecodeTiming
+
 CONFIG: dict[str, Any] = dict(
     vocab_size=8192, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4, num_attention_heads=16,
     num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
@@ -223,13 +225,13 @@ def measure(
     follow = torch.randint(259, vocab, (tokens + 1,), generator=gen).tolist()
 
     def decode_ours(n: int) -> float:
-        """Seconds of ``n`` decode steps after the prompt (the prefill and first sample are not timed)."""
-        events = ours.iter_generate(prompt, max_new_tokens=n + 1, stop_token_ids=[])
-        next(events)
-        t0 = time.perf_counter()
-        for _ in events:
-            pass
-        return time.perf_counter() - t0
+        """Seconds of ``n`` decode steps after the prompt, on the scheduler's clock from the first token to the
+        last (``DecodeTiming``): a clock started when this thread saw the first token would start late, after the
+        scheduler had begun the next step, and credit ``n`` tokens to less than ``n`` steps."""
+        timing = DecodeTiming.from_generation(ours.generate(prompt, max_new_tokens=n + 1, stop_token_ids=[]))
+        if timing.tokens != n:
+            raise RuntimeError(f"asked for {n} decode tokens after the first, got {timing.tokens}")
+        return timing.seconds
 
     def decode_llama(n: int) -> float:
         llm.reset()

@@ -10,11 +10,16 @@ Legend: ``N`` weight rows, ``K`` reduction dim, ``M`` tokens, ``T``/``E``/``D``/
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
+
+from freetoken_agent.evals.perf.harness import BenchError, row
+from freetoken_agent.evals.perf.timing import Spread
 
 SHAPES = ((768, 2048), (2048, 768), (1536, 4096))  # (N, K): gate/up and down of a 2048-hidden model, a larger one
 M_VALUES = (1, 4, 16, 64, 256)
@@ -53,6 +58,11 @@ class Report:
 
     def to_json(self) -> dict[str, object]:
         return {**asdict(self), "results": [asdict(r) for r in self.results]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Report:
+        return cls(d["memory_read_gbps"], d["memory_read_gbps_by_threads"], [Result(**r) for r in d["results"]],
+                   list(d["notes"]))
 
 
 @dataclass
@@ -141,7 +151,7 @@ def time_paths(
                 times[j].append(time.perf_counter() - t0)
         if r >= 2 and time.perf_counter() - start > budget_s:
             break
-    return [sorted(t)[len(t) // 2] for t in times]
+    return [Spread.of(t).median for t in times]
 
 
 def read_path(nbytes: int, buf: torch.Tensor) -> Path:
@@ -322,3 +332,84 @@ def format_markdown(report: Report) -> str:
 
 
 SHAPE_ORDER = {f"{n}x{k}": i for i, (n, k) in enumerate(SHAPES)}
+
+
+def options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--markdown", action="store_true", help="print markdown tables (for evals/perf/RESULTS.md)")
+    p.add_argument("--quick", action="store_true", help="one shape (768x2048), M=1 and 16, short timing")
+    p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all CPUs)")
+    p.add_argument("--no-ggml", action="store_true", help="skip the ggml peer rows even if llama-cpp-python is here")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated NxK weight shapes (default: 768x2048,2048x768,1536x4096)")
+    p.add_argument("--m", default=None, help="comma-separated token counts M (default: 1,4,16,64,256)")
+    p.add_argument("--working-set-mb", type=int, default=256, help="MiB of weight copies cycled per path (default 256)")
+    p.add_argument("--no-moe-layer", action="store_true", help="skip the whole-MoE-layer rows")
+    p.add_argument("--pages", choices=("2m", "4k"), default="2m",
+                   help="page size of every path's weight copies, ours and ggml's alike (default 2m: the engine "
+                        "keeps its weights in 2 MiB pages; 4k: ordinary allocations)")
+
+
+def parse_ints(text: str | None, what: str) -> tuple[int, ...] | None:
+    """Comma-separated positive integers of flag ``--what`` (None stays None)."""
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise BenchError(f"--{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise BenchError(f"--{what} needs positive integers, got {text!r}")
+    return vals
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().strip().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise BenchError(f"--shapes wants NxK pairs like 768x2048, got {item!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return tuple(shapes)
+
+
+def _format(report: dict[str, Any], args: argparse.Namespace) -> str:
+    r = Report.from_json(report)
+    return format_markdown(r) if args.markdown else format_table(r)
+
+
+def _headline(report: dict[str, Any]) -> dict[str, Any]:
+    one = [r for r in report["results"] if r["M"] == 1 and r["kernel"] == "freetoken-c" and r["format"] == "q4"]
+    best = max(one, key=lambda r: r["fraction_of_read_bw"], default=None)
+    out: dict[str, Any] = {"read_gbps": round(report["memory_read_gbps"], 2)}
+    if best:
+        out.update(q4_m1_gbps=round(best["gbps"], 2), q4_m1_of_read_bw=round(best["fraction_of_read_bw"], 3),
+                   shape=best["shape"], threads=best["threads"])
+    return out
+
+
+@row("kernels", "CPU expert kernels (ours, torch, ggml) on real expert shapes: GB/s and share of read bandwidth",
+     options, format=_format, headline=_headline)
+def kernels_row(args: argparse.Namespace) -> dict[str, Any]:
+    import sys
+
+    kwargs: dict[str, Any] = {"thread_counts": parse_ints(args.threads, "threads"), "with_ggml": not args.no_ggml}
+    if args.quick:
+        kwargs.update(shapes=((768, 2048),), m_values=(1, 16), reps=20, budget_s=1.0)
+    if args.shapes:
+        kwargs["shapes"] = parse_shapes(args.shapes)
+    if args.m:
+        kwargs["m_values"] = parse_ints(args.m, "m")
+    if args.working_set_mb < 1:
+        raise BenchError(f"--working-set-mb must be at least 1, got {args.working_set_mb}")
+    try:
+        report = run(progress=None if args.json else lambda s: print(s, file=sys.stderr), working_set=args.working_set_mb << 20,
+                     moe_layer=not args.no_moe_layer, huge_pages=args.pages == "2m", **kwargs)
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from None
+    return report.to_json()
+
+
+if __name__ == "__main__":
+    from freetoken_agent.evals.perf.harness import module_main
+
+    raise SystemExit(module_main("kernels"))

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from freetoken_agent.evals.perf.harness import row, run_json_main
+
 DEFAULT_TRAJECTORIES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "agent-trajectories"
 DEFAULT_MOE = Path("/tmp/freetoken-bench-concurrent/qwen3_moe-7b")
 SCRATCH = Path("/tmp/freetoken-bench-speculative")
@@ -300,6 +302,12 @@ def format_report(r: dict[str, Any]) -> str:
         lines += ["", "Projected speedup there (oracle tokens/step ÷ relative step cost; a projection):"]
         lines += [f"  {name}: {v}x" for name, v in c["projected_speedup"].items()]
     return "\n".join(lines)
+
+
+@row("speculative", "speculative decoding on recorded agent turns: tok/s with and without, oracle acceptance, verify "
+     "cost; flags are bench_speculative's", passthrough=True, format=lambda r, a: format_report(r))
+def speculative_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,22 @@ in one process, decode tok/s for:
 
     python -m freetoken_agent.evals.perf.gpu_check                 # on a machine with a GPU
     python -m freetoken_agent.evals.perf.gpu_check --cpu-dry-run   # tiny shape, simulated device tier (CI/CPU)
+    freetoken bench gpu-check [--cpu-dry-run]                      # the same, recorded in the bench history
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from freetoken_agent.evals.perf.harness import BenchError, module_main, row
+from freetoken_agent.evals.perf.timing import DecodeTiming
 
 QWEN3_30B_A3B: dict[str, Any] = dict(
     model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -120,7 +125,8 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
     stats = engine.stats()
     res = stats["residency"]
     store.close()
-    return {"run": name, "decode_tok_s": round(args.tokens / out.decode_s, 2) if out.decode_s else None,
+    rate = DecodeTiming.from_generation(out).tok_s
+    return {"run": name, "decode_tok_s": round(rate, 2) if rate else None,
             "prefill_s": round(out.prefill_s, 2), "wall_s": round(wall, 1), "planner": res["planner"],
             "device_hit_rate": res["tiers"].get("device", {}).get("hit_rate"),
             "host_hit_rate": res["tiers"]["host"]["hit_rate"], "stall_s": res["stall_s"],
@@ -128,8 +134,9 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
             "tokens": out.token_ids}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(p: argparse.ArgumentParser) -> None:
+    from freetoken_agent.evals.perf import phase_gpu
+
     p.add_argument("--device-memory", default="8GB")
     p.add_argument("--host-memory", default="24GB")
     p.add_argument("--tokens", type=int, default=32)
@@ -139,10 +146,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=None, help="folder for the expert cache file (default $FREETOKEN_CACHE)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shape on the CPU with a simulated device tier")
+    phase_gpu.add_flags(p)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> str:
+    """The decode table, the phase-aware table and the budget verdict."""
+    lines = ["| run | decode tok/s | planner (resident/fetch/host) | device hit rate | stall s |", "|---|---|---|---|---|"]
+    for x in r["rows"]:
+        pl = x["planner"]
+        lines.append(f"| {x['run']} | {x['decode_tok_s']} | {pl['resident']}/{pl['fetch']}/{pl['host']} | "
+                     f"{x['device_hit_rate']} | {x['stall_s']} |")
+    phase = r["phase"]
+    if phase:
+        a = r["phase_args"]
+        lines += ["", f"phase-aware run: {a['turns']} agent turns ({a['warm']} warm-up), host tier "
+                  f"{a['host']:.0%} of the expert bytes, {a['pause']} s tool pauses",
+                  "| run | switch misses (plan/code) | host misses | host hit rate | stall s | bytes read in pauses | "
+                  "decode tok/s |", "|---|---|---|---|---|---|---|"]
+        for x in phase["rows"]:
+            sm = x["switch_misses"]
+            lines.append(f"| {x['run']} | {x['switch_total']} ({sm.get('plan', 0)}/{sm.get('code', 0)}) | "
+                         f"{x['host_misses']} | {x['host_hit_rate']} | {x['stall_s']} | {x['pause_bytes']} | "
+                         f"{x['decode_tok_s']} |")
+        lines.append(f"phase_switch_miss_reduction: {phase['phase_switch_miss_reduction']}")
+    over = r["over_budget"]
+    lines += ["", f"budgets respected: {'yes' if not over else 'NO: ' + ', '.join(over)}; total {r['wall_s']:.0f} s"]
+    return "\n".join(lines)
+
+
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {x["run"]: x["decode_tok_s"] for x in r["rows"]}
+    if r["phase"]:
+        out["phase_switch_miss_reduction"] = r["phase"]["phase_switch_miss_reduction"]
+    out["budgets_respected"] = not r["over_budget"]
+    return out
+
+
+@row("gpu-check", "GPU check: a Qwen3-30B-A3B-shaped q4 MoE under an 8 GB device budget, per residency policy "
+     "(--cpu-dry-run: tiny, simulated device)", options, format=format_report, headline=_headline,
+     check=lambda r: not r["over_budget"])
+def gpu_check_row(args: argparse.Namespace) -> dict[str, Any]:
     from freetoken_agent.evals.perf import phase_gpu
 
-    phase_gpu.add_flags(p)
-    args = p.parse_args(argv)
     phase_gpu.check_flags(args)
     from freetoken_agent.runtime.experts.cache_file import cache_root
     from freetoken_agent.runtime.experts.layout import ExpertLayout
@@ -154,13 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_threads(None)  # torch threads = free cores (oversubscribed OpenMP stalls for a scheduler slice)
     t_start = time.perf_counter()
     if not args.cpu_dry_run and not torch.cuda.is_available():
-        print("no CUDA device: run with --cpu-dry-run for the CPU smoke test")
-        return 2
+        raise BenchError("no CUDA device: run with --cpu-dry-run for the CPU smoke test")
     device = "cpu" if args.cpu_dry_run else "cuda"
     if args.cpu_dry_run:
         args.device_memory, args.host_memory = "2MB", "64MB"
     profile = load_or_probe(seconds=0.3)
-    print("profile:", json.dumps(profile.bench))
+    _say(f"profile: {json.dumps(profile.bench)}")
     config = dict(TINY if args.cpu_dry_run else QWEN3_30B_A3B)
     if args.layers:
         config["num_hidden_layers"] = args.layers
@@ -174,44 +222,38 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{'tiny' if args.cpu_dry_run else 'qwen3-30b-a3b'}-l{spec.num_layers}-{'packed' if layout.packed else 'gguf'}"
     disk_path = root / f"gpu-check-{name}.ftx"
     write_experts(disk_path, spec, layout, moe_layers).close()
-    print(f"experts: {len(moe_layers) * moe.num_experts} x {layout.blob_bytes / 1e6:.2f} MB = "
+    _say(f"experts: {len(moe_layers) * moe.num_experts} x {layout.blob_bytes / 1e6:.2f} MB = "
           f"{disk_path.stat().st_size / 1e9:.2f} GB in {disk_path} ({time.perf_counter() - t_start:.0f} s so far)")
     prompt = torch.randint(0, spec.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
     for name in args.runs.split(","):
         rows.append(run_config(name, spec, weights, disk_path, args, device, prompt))
         r = rows[-1]
-        print(f"{name}: {r['decode_tok_s']} tok/s decode, prefill {r['prefill_s']} s, planner {r['planner']}, "
+        _say(f"{name}: {r['decode_tok_s']} tok/s decode, prefill {r['prefill_s']} s, planner {r['planner']}, "
               f"device hit {r['device_hit_rate']}, host hit {r['host_hit_rate']}, stall {r['stall_s']} s, "
-              f"peak {r['peak']} (limits {r['limits']})", flush=True)
-    print("\n| run | decode tok/s | planner (resident/fetch/host) | device hit rate | stall s |\n|---|---|---|---|---|")
-    for r in rows:
-        pl = r["planner"]
-        print(f"| {r['run']} | {r['decode_tok_s']} | {pl['resident']}/{pl['fetch']}/{pl['host']} | "
-              f"{r['device_hit_rate']} | {r['stall_s']} |")
+              f"peak {r['peak']} (limits {r['limits']})")
     phase = None
     if args.phase_turns:
         from freetoken_agent.runtime.experts.setup import build_store
 
         phase = phase_gpu.run(spec, weights, disk_path, args, device, build_store)
-        print(f"\nphase-aware run: {args.phase_turns} agent turns ({args.phase_warm} warm-up), host tier "
-              f"{args.phase_host:.0%} of the expert bytes, {args.phase_pause} s tool pauses\n"
-              "| run | switch misses (plan/code) | host misses | host hit rate | stall s | bytes read in pauses | "
-              "decode tok/s |\n|---|---|---|---|---|---|---|")
-        for r in phase["rows"]:
-            sm = r["switch_misses"]
-            print(f"| {r['run']} | {r['switch_total']} ({sm.get('plan', 0)}/{sm.get('code', 0)}) | {r['host_misses']} | "
-                  f"{r['host_hit_rate']} | {r['stall_s']} | {r['pause_bytes']} | {r['decode_tok_s']} |")
-        print(f"phase_switch_miss_reduction: {phase['phase_switch_miss_reduction']}")
         rows_all = rows + phase["rows"]
     else:
         rows_all = rows
     over = [r["run"] for r in rows_all for t in ("device", "host")
             if r["limits"][t] is not None and r["peak"][t] > r["limits"][t]]
-    print(f"\nbudgets respected: {'yes' if not over else 'NO: ' + ', '.join(over)}; total {time.perf_counter() - t_start:.0f} s")
+    report = {"rows": rows, "phase": phase, "profile": profile.to_json(), "over_budget": over,
+              "phase_args": {"turns": args.phase_turns, "warm": args.phase_warm, "host": args.phase_host,
+                             "pause": args.phase_pause} if phase else None,
+              "wall_s": round(time.perf_counter() - t_start, 1)}
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "phase": phase, "profile": profile.to_json()}, indent=2))
-    return 0 if not over else 1
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m freetoken_agent.evals.perf.gpu_check``: status 1 when a budget was exceeded."""
+    return module_main("gpu-check", argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ Rows (each a pairwise comparison, runs alternating A/B in one process, medians; 
   from the disk tier vs llama.cpp's mmap held to the same budget (``suite_budget``; the method is in the row):
   ``over_budget_decode_ratio_vs_llamacpp``.
 - ``bandwidth_fraction``: bytes one decode step of the q4 model with Q8_0 dense weights reads (dense weights but
-  the embedding, 8 experts x 4 layers at Q4_0, KV; the F32-dense figure is in the row too) x our tok/s, over the machine's streaming-read limit measured here (a ``torch``
+  the embedding, 8 experts x 4 layers at Q4_0, KV; the F32-dense figure is in the row too) x our tok/s, over the machine's streaming-read limit measured here (``machine.best_read_gbps``: a ``torch``
   sum over 512 MiB, best of 7, on one thread and on all cores: the faster). On compute-bound CPUs the kernels top out near 55%
   (``../shared/CPU-KERNELS.md``).
 - peak host memory of the process (``ru_maxrss``); this CPU machine has no device tier.
@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from freetoken_agent.evals.perf.harness import BenchError, row
 
 
 @dataclass(frozen=True)
@@ -69,25 +71,6 @@ FULL = Sizes(tokens=32, rounds=5, fp32_model="mid", prompt_tokens=512, replay_se
              replay_context=6144, budget_tokens=32)
 
 
-def read_gbps(threads: int, nbytes: int = 512 << 20, rounds: int = 7) -> float:
-    """Streaming-read GB/s: ``sum`` over a buffer far larger than the caches (best of ``rounds``: the limit)."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        buf = torch.ones(nbytes // 4)
-        buf.sum()
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            buf.sum()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
-    return nbytes / min(times) / 1e9
-
-
 def decode_bytes_per_token(config: dict[str, Any], context: int) -> int:
     """Bytes one decode step reads for ``config`` with Q4_0 experts and fp32 dense weights (``capacity``)."""
     from freetoken_agent.runtime.execution.capacity import model_size
@@ -118,6 +101,7 @@ def run(quick: bool = True, threads: int = 1, root: Path | None = None,
         suite_replay,
     )
     from freetoken_agent.evals.perf.suite_llama import open_llama, supported
+    from freetoken_agent.evals.perf import machine
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.hardware import describe
 
@@ -173,9 +157,7 @@ def run(quick: bool = True, threads: int = 1, root: Path | None = None,
     rows["over_budget_decode"] = {"skipped": why_not} if why_not else suite_budget.measure(
         budget_folder, threads, sz.budget_tokens, sz.rounds, sz.budget_ratio)
     say("streaming-read bandwidth (all cores: the machine's limit)")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # one thread often streams faster than all of them on a shared VM: the limit is the best of both
-    gbps, read_threads = max((read_gbps(t), t) for t in sorted({1, cores}))
+    gbps, read_threads = machine.best_read_gbps()
     per_token = decode_bytes_per_token(q4_config, 32 + sz.tokens)
     per_token_q8 = per_token - gq["dense_float_bytes"] + gq["dense_quant_bytes"]  # the same step with Q8_0 dense
     ours_frac = per_token_q8 * gq["ours_tok_s"] / (gbps * 1e9)
@@ -270,17 +252,16 @@ def write_json(report: dict[str, Any], out: Path) -> Path:
     return out
 
 
-def add_cli_args(p: Any) -> None:
+def options(p: Any) -> None:
     """``freetoken bench suite`` flags."""
     p.add_argument("--quick", action="store_true", help="every row at small sizes: 16 tokens, 3 rounds, 256-token prompt, 1 replayed session, a 0.33B over-budget model (2-4 min here)")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument("--threads", type=int, default=1, help="threads for every engine (default 1)")
     p.add_argument("--out", default=None, help="where the JSON goes (default $FREETOKEN_CACHE/bench/suite.json)")
     add_trajectories_arg(p)
 
 
 def add_trajectories_arg(p: Any) -> None:
-    """``--trajectories``: shared by ``freetoken bench suite`` and ``freetoken bench --quick``."""
+    """``--trajectories``: the suite's and the ``agent-replay`` row's."""
     p.add_argument("--trajectories", default=None, metavar="DIR",
                    help="recorded agent trajectories (*.traj.json) for the replay row, or 'synthetic' for the "
                         "built-in session (default: ../shared/data/agent-trajectories when present, else synthetic)")
@@ -290,42 +271,46 @@ def trajectories_from(value: str | None) -> Path | None:
     """The replay row's trajectory folder from ``--trajectories`` (None: the built-in synthetic session)."""
     from freetoken_agent.evals.perf.agent_replay import DEFAULT_TRAJECTORIES
 
-    from freetoken_agent.cli import CLIError
-
     if value is None:
         return DEFAULT_TRAJECTORIES.resolve() if DEFAULT_TRAJECTORIES.is_dir() else None
     if value == "synthetic":
         return None
     folder = Path(value).expanduser()
     if not folder.is_dir():
-        raise CLIError(f"--trajectories: no such folder: {folder}")
+        raise BenchError(f"--trajectories: no such folder: {folder}")
     if not any(folder.glob("*.traj.json")):
-        raise CLIError(f"--trajectories: no *.traj.json files in {folder}")
+        raise BenchError(f"--trajectories: no *.traj.json files in {folder}")
     return folder
 
 
-def cli_run(args: Any) -> int:
-    """Run the suite from parsed flags; print the table (or JSON) and write the JSON file."""
+def require_llama_cpp() -> None:
+    """A clear error when the llama.cpp peer (``llama-cpp-python``, ``gguf``) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
+        raise BenchError("this row needs the llama.cpp peer: pip install llama-cpp-python gguf")
+
+
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("cpu_decode_ratio_vs_llamacpp", "prefill_ratio_vs_llamacpp", "ttft_ratio_vs_llamacpp",
+            "agent_replay_ttft_ratio_vs_llamacpp", "over_budget_decode_ratio_vs_llamacpp", "bandwidth_fraction",
+            "cpu_decode_fp32_ratio_vs_transformers")
+    return {k: r[k] for k in keys if r.get(k) is not None}
+
+
+@row("suite", "every pairwise comparison in one run: decode, prefill, agent replay, over-budget decode, bandwidth "
+     "fraction (ours vs llama.cpp and transformers)", options, format=lambda r, a: format_table(r), headline=_headline)
+def suite_row(args: Any) -> dict[str, Any]:
+    """Run the suite from parsed flags; the JSON also goes to ``--out``."""
     import sys
 
-    from freetoken_agent.cli import CLIError
-
-    threads = getattr(args, "threads", 1)
-    if threads < 1:
-        raise CLIError(f"--threads must be at least 1, got {threads}")
-    try:
-        import gguf  # noqa: F401
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise CLIError("the suite needs the llama.cpp peer: pip install llama-cpp-python gguf") from None
-    trajectories = trajectories_from(getattr(args, "trajectories", None))
-    report = run(bool(args.quick), threads, progress=None if args.json else lambda s: print(s, file=sys.stderr),
+    if args.threads < 1:
+        raise BenchError(f"--threads must be at least 1, got {args.threads}")
+    trajectories = trajectories_from(args.trajectories)
+    require_llama_cpp()
+    report = run(bool(args.quick), args.threads, progress=lambda s: print(s, file=sys.stderr),
                  trajectories=trajectories)
     root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken")) / "bench"
-    out = write_json(report, Path(args.out) if getattr(args, "out", None) else root / "suite.json")
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(format_table(report))
-        print(f"JSON: {out}", file=sys.stderr)
-    return 0
+    out = write_json(report, Path(args.out) if args.out else root / "suite.json")
+    print(f"JSON: {out}", file=sys.stderr)
+    return report

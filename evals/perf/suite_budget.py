@@ -1,4 +1,4 @@
-"""Suite row ``over_budget_decode``: a model whose q4 experts are 2.5x the host budget's expert share.
+"""Row ``over-budget`` (suite row ``over_budget_decode``): a model whose q4 experts are 2.5x the host budget's share.
 
 Same weights on both sides (the checkpoint, and its GGUF with our Q4_0 expert blocks byte for byte), same host
 budget = dense bytes + experts / ratio, runs alternating, medians:
@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from freetoken_agent.evals.perf import bench_gguf_decode, residency_bench
-from freetoken_agent.evals.perf.suite_llama import METHOD, MappedBudget, open_llama
+from freetoken_agent.evals.perf.harness import BenchError, row
+from freetoken_agent.evals.perf.suite_llama import METHOD, MappedBudget, open_llama, supported
+from freetoken_agent.evals.perf.timing import DecodeTiming, timed
 
 # ~0.3 GB: 6 MoE layers x 32 experts (top-4, intermediate 512) at hidden 1024: q4 experts ~170 MB, fp32 dense ~130 MB
 QUICK_CONFIG: dict[str, Any] = {**bench_gguf_decode.CONFIG, "hidden_size": 1024, "num_attention_heads": 8,
@@ -50,14 +51,14 @@ def _llama_run(llm: Any, guard: MappedBudget, prompt: list[int], tokens: int, mo
     for _ in range(tokens - 1):
         if limit:
             guard.enforce()
-        t0 = time.perf_counter()
-        ids.append(next(gen))
-        steps += time.perf_counter() - t0
+        token, seconds = timed(lambda: next(gen))
+        ids.append(token)
+        steps += seconds
     gen.close()
     if limit:
         guard.enforce()
     guard.access(False)
-    return {"tokens": ids, "decode_tok_s": round((tokens - 1) / max(steps, 1e-9), 2),
+    return {"tokens": ids, "decode_tok_s": round(DecodeTiming(tokens - 1, steps).tok_s or 0.0, 2),
             "evicted_mb_per_token": round((guard.evicted - evicted0) / 1e6 / (len(prompt) + tokens), 2)}
 
 
@@ -79,7 +80,7 @@ def measure(folder: Path, threads: int, tokens: int, rounds: int, ratio: float =
     try:
         for _ in range(rounds):
             row = residency_bench.run_one(folder, "lru", args, host, prompt)
-            row["decode_tok_s"] = round((tokens - 1) / max(row["decode_s"], 1e-9), 2)
+            row["decode_tok_s"] = round(DecodeTiming(tokens - 1, row["decode_s"]).tok_s or 0.0, 2)
             runs["ours"].append(row)
             for label, mode in modes.items():
                 peak = guard.peak
@@ -94,7 +95,7 @@ def measure(folder: Path, threads: int, tokens: int, rounds: int, ratio: float =
     best = max(med["llama.cpp"], med["llama.cpp random"])  # the ratio is against the faster llama.cpp run
     ours_ids, theirs_ids = runs["ours"][0]["tokens"], runs["llama.cpp"][0]["tokens"]
     agree = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b), min(len(ours_ids), tokens))
-    params = sum(p.numel() for p in bench_gguf_decode._params(folder))
+    params = bench_gguf_decode.param_count(folder)
     return {
         "params": params, "peer": "llama.cpp Q4_0 mmap --no-repack", "method": METHOD,
         "expert_bytes": experts, "dense_bytes": dense, "host_budget_bytes": host, "experts_over_share": ratio,
@@ -115,3 +116,29 @@ def measure(folder: Path, threads: int, tokens: int, rounds: int, ratio: float =
         "greedy_prefix_agreement": agree,
         "runs": {k: [r["decode_tok_s"] for r in v] for k, v in runs.items()},
     }  # fmt: skip
+
+
+def options(p: Any) -> None:
+    p.add_argument("--model", default=None, help="a qwen3_moe folder (default: the 0.3B synthetic one)")
+    p.add_argument("--ratio", type=float, default=2.5, help="q4 experts / the host budget's expert share")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+
+
+@row("over-budget", "decode with the experts 2.5x the host budget: ours (disk tier) vs llama.cpp's mmap held to the "
+     "same budget", options)
+def over_budget_row(args: Any) -> dict[str, Any]:
+    from freetoken_agent.evals.perf import bench_decode
+    from freetoken_agent.evals.perf.suite import require_llama_cpp
+
+    if args.tokens < 2 or args.rounds < 1 or args.ratio <= 1:
+        raise BenchError("--tokens must be at least 2, --rounds at least 1 and --ratio above 1")
+    require_llama_cpp()
+    if why := supported():
+        raise BenchError(why)
+    folder = Path(args.model) if args.model else bench_gguf_decode.write_checkpoint(
+        bench_decode.CACHE / "gguf" / "qwen3_moe-budget-quick", config=QUICK_CONFIG)
+    if not (folder / "config.json").is_file():
+        raise BenchError(f"--model {folder}: no config.json there")
+    return measure(folder, args.threads, args.tokens, args.rounds, args.ratio)

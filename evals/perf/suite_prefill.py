@@ -1,4 +1,4 @@
-"""Suite rows ``cpu_prefill_q4`` and ``cpu_prefill_fp32``: prefill tok/s and TTFT for a prompt of a few hundred tokens.
+"""Row ``prefill`` (suite rows ``cpu_prefill_q4``, ``cpu_prefill_fp32``): prefill tok/s and TTFT of one prompt.
 
 - ``cpu_prefill_q4``: ours (``quant="q4"``) vs llama.cpp on the same GGUF Q4_0 weights, llama.cpp as it runs by
   default (experts repacked for its kernels, ``n_batch = n_ubatch = 512``);
@@ -7,32 +7,27 @@
 TTFT = wall time from the prompt's token ids to the first greedy token, nothing cached. Prefill tok/s = prompt
 tokens / the prompt's forward time (ours: the engine's prefill clock inside the same call; llama.cpp: ``eval`` inside
 the same call; transformers: a separate ``model(ids, use_cache=True)``, because ``generate`` exposes no clock).
-Rounds alternate ours / peer; medians. Ratios are speed ratios, > 1 when ours is faster: prefill ours / peer, TTFT
-peer / ours.
+Rounds alternate ours / peer (``timing.alternate``); medians. Ratios are speed ratios, > 1 when ours is faster:
+prefill ours / peer, TTFT peer / ours.
+
+    freetoken bench prefill [--peer llama.cpp|transformers] [--model M] [--prompt-len 512] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from freetoken_agent.evals.perf.harness import BenchError, row
+from freetoken_agent.evals.perf.timing import alternate, timed
+
 # (TTFT seconds, prefill seconds, first token)
 Timing = tuple[float, float, int]
-
-
-def _alternate(sides: dict[str, Callable[[], Timing]], rounds: int) -> dict[str, list[Timing]]:
-    for fn in sides.values():  # warm-up: first-call allocations and lazy initialisation
-        fn()
-    runs: dict[str, list[Timing]] = {k: [] for k in sides}
-    for _ in range(rounds):
-        for label, fn in sides.items():
-            runs[label].append(fn())
-    return runs
 
 
 def _row(params: int, peer: str, prompt_len: int, runs: dict[str, list[Timing]]) -> dict[str, Any]:
@@ -59,19 +54,17 @@ def prefill_q4(ours: Any, llm: Any, prompt: list[int], rounds: int, params: int)
     """Ours (a q4 ``Engine``) vs llama.cpp (a ``Llama`` over the same weights), cold prompt each run."""
 
     def run_ours() -> Timing:
-        t0 = time.perf_counter()
-        out = ours.generate(prompt, max_new_tokens=1, stop_token_ids=[])
-        return time.perf_counter() - t0, out.prefill_s, out.token_ids[0]
+        out, ttft = timed(lambda: ours.generate(prompt, max_new_tokens=1, stop_token_ids=[]))
+        return ttft, out.prefill_s, out.token_ids[0]
 
     def run_llama() -> Timing:
         llm.reset()
         t0 = time.perf_counter()
-        llm.eval(prompt)
-        t1 = time.perf_counter()
+        _, prefill = timed(lambda: llm.eval(prompt))
         token = llm.sample(top_k=1, temp=0.0)
-        return time.perf_counter() - t0, t1 - t0, int(token)
+        return time.perf_counter() - t0, prefill, int(token)
 
-    runs = _alternate({"ours": run_ours, "llama.cpp": run_llama}, rounds)
+    runs = alternate({"ours": run_ours, "llama.cpp": run_llama}, rounds)
     return _row(params, "llama.cpp Q4_0", len(prompt), runs)
 
 
@@ -85,18 +78,52 @@ def prefill_fp32(folder: Path, prompt_len: int, rounds: int, threads: int) -> di
     prompt = torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2))
 
     def run_ours() -> Timing:
-        t0 = time.perf_counter()
-        out = engine.generate(prompt, max_new_tokens=1, stop_token_ids=[])
-        return time.perf_counter() - t0, out.prefill_s, out.token_ids[0]
+        out, ttft = timed(lambda: engine.generate(prompt, max_new_tokens=1, stop_token_ids=[]))
+        return ttft, out.prefill_s, out.token_ids[0]
 
     def run_theirs() -> Timing:
         with torch.no_grad():
-            t0 = time.perf_counter()
-            out = ref.generate(prompt[None], do_sample=False, max_new_tokens=1, min_new_tokens=1)
-            ttft = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            ref(prompt[None], use_cache=True)
-            return ttft, time.perf_counter() - t1, int(out[0, -1])
+            out, ttft = timed(lambda: ref.generate(prompt[None], do_sample=False, max_new_tokens=1, min_new_tokens=1))
+            _, prefill = timed(lambda: ref(prompt[None], use_cache=True))
+            return ttft, prefill, int(out[0, -1])
 
-    runs = _alternate({"ours": run_ours, "transformers": run_theirs}, rounds)
+    runs = alternate({"ours": run_ours, "transformers": run_theirs}, rounds)
     return _row(sum(p.numel() for p in ref.parameters()), "transformers fp32", prompt_len, runs)
+
+
+def options(p: Any) -> None:
+    p.add_argument("--peer", default="llama.cpp", choices=("llama.cpp", "transformers"),
+                   help="llama.cpp: q4 on the same GGUF weights; transformers: fp32 on the same checkpoint")
+    p.add_argument("--model", default=None, help="llama.cpp: a qwen3_moe folder (default: the 1.3B synthetic one); "
+                                                 "transformers: a bench_decode preset (default tiny)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+
+
+@row("prefill", "prefill tok/s and time to first token of one prompt: ours vs llama.cpp (q4) or transformers (fp32)",
+     options)
+def prefill_row(args: Any) -> dict[str, Any]:
+    from freetoken_agent.evals.perf import bench_decode, bench_gguf_decode
+    from freetoken_agent.runtime.engine import Engine
+
+    if args.prompt_len < 1 or args.rounds < 1 or args.threads < 1:
+        raise BenchError("--prompt-len, --rounds and --threads must be at least 1")
+    torch.set_num_threads(args.threads)
+    if args.peer == "transformers":
+        name = args.model or "tiny"
+        if name not in bench_decode.MODELS:
+            raise BenchError(f"--model with --peer transformers takes one of {', '.join(bench_decode.MODELS)}")
+        return prefill_fp32(bench_decode.build(name, bench_decode.CACHE / "decode"), args.prompt_len, args.rounds,
+                            args.threads)
+    from freetoken_agent.evals.perf.suite_llama import open_llama
+
+    folder = Path(args.model) if args.model else bench_gguf_decode.write_checkpoint(
+        bench_decode.CACHE / "gguf" / "qwen3_moe-1b")
+    if not (folder / "config.json").is_file():
+        raise BenchError(f"--model {folder}: no config.json there")
+    config = json.loads((folder / "config.json").read_text())
+    ours = Engine.from_pretrained(folder, quant="q4", threads=args.threads)
+    llm = open_llama(bench_gguf_decode.ensure_gguf(folder, args.threads), args.threads, n_ctx=args.prompt_len + 64)
+    return prefill_q4(ours, llm, prompt_ids(args.prompt_len, config["vocab_size"]), args.rounds,
+                      bench_gguf_decode.param_count(folder))

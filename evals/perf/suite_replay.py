@@ -1,4 +1,4 @@
-"""Suite row ``agent_replay``: a multi-turn agent session on the same weights, ours vs llama.cpp, TTFT per turn.
+"""Row ``agent-replay`` (suite row ``agent_replay``): a multi-turn agent session, ours vs llama.cpp, TTFT per turn.
 
 The turns come from recorded trajectories (``--trajectories DIR``: mini-swe-agent ``*.traj.json``, as
 ``agent_replay.load_sessions`` reads them), else from a synthetic coding session built here, so the row runs on any
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from freetoken_agent.evals.perf.harness import BenchError, row
+from freetoken_agent.evals.perf.timing import timed
 from freetoken_agent.runtime.errors import FreeTokenError
 
 Messages = list[dict[str, str]]
@@ -101,9 +102,7 @@ def conversations(folder: Path | None, encode: Callable[[str], list[int]], sessi
 
 def _ours_turn(ours: Any, session: Any, prompt: list[int]) -> dict[str, Any]:
     before = ours.stats()["reused_tokens"]
-    t0 = time.perf_counter()
-    session.generate(prompt, max_new_tokens=1, stop_token_ids=[])
-    ttft = time.perf_counter() - t0
+    _, ttft = timed(lambda: session.generate(prompt, max_new_tokens=1, stop_token_ids=[]))
     return {"ours_ttft_s": round(ttft, 6), "ours_reused": ours.stats()["reused_tokens"] - before}
 
 
@@ -111,10 +110,8 @@ def _llama_turn(llm: Any, prompt: list[int]) -> dict[str, Any]:
     import llama_cpp
 
     evaluated = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
-    t0 = time.perf_counter()
     gen = llm.generate(prompt, top_k=1, temp=0.0)  # keeps the previous KV; evaluates only the new suffix
-    next(gen)
-    ttft = time.perf_counter() - t0
+    _, ttft = timed(lambda: next(gen))  # the generator runs nothing before its first next()
     gen.close()
     return {"peer_ttft_s": round(ttft, 6), "peer_prefilled": llama_cpp.llama_perf_context(llm.ctx).n_p_eval - evaluated}
 
@@ -161,3 +158,41 @@ def measure(ours: Any, llm: Any, folder: Path | None, sessions: int, max_turns: 
         "turn0_peer_ttft_s": statistics.median(r["peer_ttft_s"] for r in rows if r["turn"] == 0),
         "per_turn": rows,
     }  # fmt: skip
+
+
+def options(p: Any) -> None:
+    from freetoken_agent.evals.perf.suite import add_trajectories_arg
+
+    add_trajectories_arg(p)
+    p.add_argument("--model", default=None, help="a qwen3_moe folder (default: the 1.3B synthetic one)")
+    p.add_argument("--sessions", type=int, default=1, help="conversations replayed")
+    p.add_argument("--turns", type=int, default=8, help="assistant turns per conversation, at most")
+    p.add_argument("--context", type=int, default=3072, help="longest prompt replayed, in tokens")
+    p.add_argument("--threads", type=int, default=1)
+
+
+@row("agent-replay", "agent sessions turn by turn on the same weights: time to first token per turn with prefix "
+     "reuse, ours vs llama.cpp", options)
+def agent_replay_row(args: Any) -> dict[str, Any]:
+    import json
+
+    from freetoken_agent.evals.perf import bench_decode, bench_gguf_decode
+    from freetoken_agent.evals.perf.suite import require_llama_cpp, trajectories_from
+    from freetoken_agent.evals.perf.suite_llama import open_llama
+    from freetoken_agent.runtime.engine import Engine
+
+    if min(args.sessions, args.turns, args.threads) < 1 or args.context < 64:
+        raise BenchError("--sessions, --turns and --threads must be at least 1, --context at least 64")
+    folder_traj = trajectories_from(args.trajectories)
+    require_llama_cpp()
+    folder = Path(args.model) if args.model else bench_gguf_decode.write_checkpoint(
+        bench_decode.CACHE / "gguf" / "qwen3_moe-1b")
+    if not (folder / "config.json").is_file():
+        raise BenchError(f"--model {folder}: no config.json there")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    ours = Engine.from_pretrained(folder, quant="q4", threads=args.threads)
+    llm = open_llama(bench_gguf_decode.ensure_gguf(folder, args.threads), args.threads, n_ctx=args.context + 64)
+    try:
+        return measure(ours, llm, folder_traj, args.sessions, args.turns, args.context, vocab)
+    except FreeTokenError as exc:
+        raise BenchError(str(exc)) from None

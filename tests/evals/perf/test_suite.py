@@ -129,7 +129,7 @@ def test_cli_wiring_keeps_kernels_and_rejects_bad_flags(tmp_path: Path) -> None:
                               text=True, timeout=120, env=dict(os.environ), check=False)  # fmt: skip
 
     none = cli()
-    assert none.returncode == 2 and "kernels, suite" in none.stderr and "--quick" in none.stderr
+    assert none.returncode == 2 and "freetoken bench list" in none.stderr and "--quick" in none.stderr
     bad = cli("suite", "--threads", "0")
     assert bad.returncode == 2 and "--threads must be at least 1" in bad.stderr and "Traceback" not in bad.stderr
     missing = cli("--quick", "--trajectories", str(tmp_path / "nope"))

@@ -1,0 +1,128 @@
+"""The benchmark harness: the row registry, records with machine facts, the history and its generated table, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from freetoken_agent.evals.perf import harness, history, machine
+
+PERF = Path(harness.__file__).parent
+CLI = [sys.executable, "-m", "freetoken_agent.cli", "bench"]
+LIBRARIES = {"concurrent_load", "concurrent_model", "feeding", "ggml_peer", "llama_server", "phase_sim", "phase_trace",
+             "phase_gpu", "phase_kv", "suite_llama", "harness", "history", "machine", "timing"}
+"""Modules of evals/perf that are parts of rows (workloads, peers, simulators), not benchmarks of their own."""
+
+
+@pytest.fixture
+def square_row() -> str:
+    def options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--n", type=int, default=3)
+
+    def run(args: argparse.Namespace) -> dict[str, object]:
+        if args.n < 0:
+            raise harness.BenchError(f"--n must be >= 0, got {args.n}")
+        return {"n": args.n, "square": args.n * args.n, "detail": {"list": list(range(args.n))}}
+
+    run.__module__ = "tests.evals.perf.test_harness"
+    harness.row("test-square", "squares a number", options, format=lambda r, a: f"{r['n']}^2 = {r['square']}")(run)
+    yield "test-square"
+    del harness.ROWS["test-square"]
+
+
+def test_every_benchmark_module_registers_a_row() -> None:
+    rows = harness.load_rows()
+    expected = {"kernels", "decode", "long-context", "prefill", "agent-replay", "over-budget", "suite", "serve",
+                "kv-reuse", "residency", "kv-dtype", "phase-replay", "phase-live", "phase-kv", "speculative",
+                "constrained", "overhead", "batch", "load-memory", "quantize-rate", "triton", "gpu-check", "routing"}
+    assert expected <= set(rows)
+    registering = {r.module.rsplit(".", 1)[-1] for r in rows.values()}
+    for file in PERF.glob("*.py"):
+        name = file.stem
+        if name.startswith("_") or name in LIBRARIES:
+            continue
+        assert name in registering, f"evals/perf/{file.name} is a benchmark without a harness row"
+    for r in rows.values():
+        assert r.description and "\n" not in r.description, r.name
+        harness.parser_for(r, "x", True).format_help()  # every row's flags build a parser
+
+
+def test_a_library_module_is_imported_by_a_row_module() -> None:
+    """What no row uses is deleted: every library module is imported by another module of evals/perf."""
+    sources = {f.stem: f.read_text() for f in PERF.glob("*.py")}
+    for name in LIBRARIES:
+        users = [m for m, src in sources.items() if m != name and
+                 any(isinstance(n, (ast.Import, ast.ImportFrom)) and name in ast.unparse(n) for n in ast.walk(ast.parse(src)))]
+        assert users, f"evals/perf/{name}.py is imported by no other module"
+
+
+def test_a_run_is_recorded_with_machine_facts_and_the_table_regenerated(square_row: str, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    hist = tmp_path / "results.jsonl"
+    bandwidth = lambda: {"read_gbps": 12.5, "read_threads": 1}  # noqa: E731
+    assert harness.cli(square_row, ["--n", "4", "--history", str(hist)], "freetoken bench test-square", True,
+                       bandwidth) == 0
+    assert capsys.readouterr().out.strip() == "4^2 = 16"
+    assert harness.cli(square_row, ["--n", "5", "--json", "--history", str(hist)], "freetoken bench test-square",
+                       True, bandwidth) == 0
+    assert json.loads(capsys.readouterr().out)["square"] == 25
+    recs = history.read(hist)
+    assert [r["report"]["square"] for r in recs] == [16, 25]
+    rec = recs[-1]
+    assert rec["row"] == square_row and rec["command"] == "freetoken bench test-square --n 5 --json --history " + str(hist)
+    assert rec["headline"] == {"n": 5, "square": 25} and rec["options"] == {"n": 5}
+    m = rec["machine"]
+    assert m["read_gbps"] == 12.5 and m["cores"] >= 1 and m["memory_bytes"] > 0 and len(m["load_avg"]) == 3
+    assert m["cpu"] and isinstance(m["flags"], list) and m["key"]
+    table = (tmp_path / "LATEST.md").read_text()
+    assert table.startswith("<!-- generated") and "| test-square |" in table and "square 25" in table
+    assert "square 16" not in table  # only the latest run of the row on this machine
+    assert harness.cli(square_row, ["--n", "2", "--no-record", "--history", str(hist)], "x", True, bandwidth) == 0
+    assert len(history.read(hist)) == 2
+
+
+def test_latest_keeps_one_result_per_row_and_machine(tmp_path: Path) -> None:
+    def rec(row: str, key: str, date: str, v: int) -> dict[str, object]:
+        return {"row": row, "date": date, "command": f"freetoken bench {row}", "headline": {"v": v},
+                "machine": {"key": key, "cpu": key, "cores": 2}}
+
+    hist = tmp_path / "h.jsonl"
+    for r in (rec("decode", "A", "2026-01-02T00:00:00Z", 2), rec("decode", "A", "2026-01-01T00:00:00Z", 1),
+              rec("decode", "B", "2026-01-01T00:00:00Z", 3), rec("batch", "A", "2026-01-01T00:00:00Z", 4)):
+        history.append(r, hist)
+    latest = history.latest(history.read(hist))
+    assert [(r["row"], r["machine"]["key"], r["headline"]["v"]) for r in latest] == [
+        ("batch", "A", 4), ("decode", "A", 2), ("decode", "B", 3)]
+    out = history.write_latest(hist)
+    assert out == tmp_path / "LATEST.md" and out.read_text().count("| decode |") == 2
+    hist.write_text(hist.read_text() + "not json\n")
+    with pytest.raises(ValueError, match=r"h.jsonl:5: not a benchmark record"):
+        history.read(hist)
+
+
+def test_bad_input_is_one_error(square_row: str) -> None:
+    with pytest.raises(harness.BenchError, match="--n must be >= 0"):
+        harness.cli(square_row, ["--n", "-1", "--no-record"], "x", True)
+    with pytest.raises(harness.BenchError, match="no benchmark row 'nope'"):
+        harness.get("nope")
+
+
+def test_machine_facts_measure_read_bandwidth() -> None:
+    f = machine.facts(8 << 20)
+    assert f["read_gbps"] > 0 and f["read_threads"] in (1, machine.usable_cores())
+    assert "read_gbps" not in machine.facts(None)
+
+
+def test_cli_lists_rows_and_rejects_unknown_ones() -> None:
+    listed = subprocess.run(CLI + ["list"], capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines()]
+    assert {"kernels", "decode", "serve", "gpu-check"} <= set(names)
+    for args, msg in (([], "freetoken bench list"), (["nope"], "no benchmark row 'nope'")):
+        proc = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr
