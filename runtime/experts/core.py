@@ -1,7 +1,5 @@
 """The quantized-expert core: one factory builds every MoE layer's routed-experts backend.
 
-Legend: ``L`` MoE layers, ``E`` experts per layer.
-
 Design. ``build_experts`` is the only place that decides how a model's routed experts are held. From the request's
 format (``quant``), placement (``resident`` / ``mapped`` / ``managed``, or chosen), budget and whether the C kernels
 are available it picks one **source** (``SOURCES``): the float experts as loaded, float experts quantized in
@@ -142,7 +140,7 @@ def build_experts(request: ExpertsRequest, kernels: bool | None = None) -> Built
 
         managed = load_managed(r.spec, r.reader, r.path, r.dtype, r.device, r.quant, r.budget, r.residency,
                                r.dense_quant, kernels)
-        return BuiltExperts(source, managed.weights, dict(managed.backends()), None, managed.dense_quant,
+        return BuiltExperts(source, managed.weights, managed.backends(), None, managed.dense_quant,
                             managed.store)
     backends: dict[int, Any] = {}
     report: QuantReport | None = None
