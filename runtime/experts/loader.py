@@ -8,23 +8,18 @@ budget's ``dense`` claim).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
-from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError
 from freetoken_agent.runtime.kernels import ops
 from freetoken_agent.runtime.kernels.dense import ATTENTION_LEAVES, MLP_LEAVES, QuantLinear
 from freetoken_agent.runtime.model import weights as weights_mod
 from freetoken_agent.runtime.model.moe import TorchExperts
-from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
-
-ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
-"""Checkpoint tensors no architecture reads (the same patterns ``model.weights.load_weights`` skips)."""
-
+from freetoken_agent.runtime.model.spec import MoESpec, WeightNames
 
 class DenseLoader(weights_mod.TensorLoader):
     """The strict loader, except routed experts: it records each MoE layer's ``ExpertSource`` instead.
@@ -99,14 +94,6 @@ class DenseLoader(weights_mod.TensorLoader):
                     self.quantized[0] += 1
                     self.quantized[1] += w.numel() * w.element_size()
                     self.quantized[2] += q.nbytes
-
-
-def check_unused(spec: ModelSpec, reader: CheckpointReader) -> None:
-    """``UnexpectedTensorError`` for the first checkpoint tensor the walk left unread (and no pattern ignores)."""
-    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *ALWAYS_IGNORED)]
-    unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
-    if unexpected:
-        raise UnexpectedTensorError(f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture")
 
 
 @dataclass(frozen=True)

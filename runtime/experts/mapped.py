@@ -25,7 +25,8 @@ import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertTensors
 from freetoken_agent.runtime.experts.cache_file import cache_key, cache_root, open_or_write
 from freetoken_agent.runtime.experts.layout import ExpertLayout
-from freetoken_agent.runtime.experts.loader import DenseLoader, check_unused
+from freetoken_agent.runtime.experts.loader import DenseLoader
+from freetoken_agent.runtime.model.weights import check_unused
 from freetoken_agent.runtime.kernels import build, hugepages, ops
 from freetoken_agent.runtime.model import weights as weights_mod
 from freetoken_agent.runtime.model.spec import ModelSpec

@@ -27,7 +27,8 @@ from freetoken_agent.runtime.experts.cache_file import (
     open_or_write,
 )
 from freetoken_agent.runtime.experts.layout import ExpertLayout
-from freetoken_agent.runtime.experts.loader import DenseLoader, Packed, check_unused, tensor_bytes
+from freetoken_agent.runtime.experts.loader import DenseLoader, Packed, tensor_bytes
+from freetoken_agent.runtime.model.weights import check_unused
 from freetoken_agent.runtime.experts.mapped import encoder
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool

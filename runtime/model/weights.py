@@ -34,7 +34,7 @@ from freetoken_agent.runtime.model.spec import (
 )
 
 # Tensors some exporters write that carry no weights we need.
-_ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
+ALWAYS_IGNORED = (r"\.rotary_emb\.inv_freq$", r"\._extra_state$")
 _ACT_MODULES = ("act_fn", "activation_fn", "activation", "act")
 """The names transformers' modeling code gives an activation module (``self.act_fn = ACT2FN[...]`` and kin)."""
 
@@ -441,14 +441,19 @@ def load_weights(
 ) -> ModelWeights:
     """Read every tensor the spec needs; ``on_layer(i)`` is called after each layer (progress)."""
     weights = walk_weights(spec, TensorLoader(reader, dtype, device), on_layer)
-    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *_ALWAYS_IGNORED)]
+    check_unused(spec, reader)
+    return weights
+
+
+def check_unused(spec: ModelSpec, reader: CheckpointReader) -> None:
+    """``UnexpectedTensorError`` naming the first checkpoint tensor a walk left unread (and no pattern ignores)."""
+    ignored = [re.compile(p) for p in (*spec.ignored_tensors, *ALWAYS_IGNORED)]
     unexpected = [n for n in reader.unused() if not any(p.search(n) for p in ignored)]
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise UnexpectedTensorError(
             f"checkpoint tensor {unexpected[0]} is not used by the {spec.model_type} architecture{more}"
         )
-    return weights
 
 
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
