@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from freetoken_agent.evals.perf.harness import row, run_json_main
+from freetoken_agent.evals.perf.timing import timed
 
 
 def measure(engine: Any, n: int, tokens: int, prompt_len: int, seed: int) -> dict[str, float]:
@@ -38,10 +39,7 @@ def measure(engine: Any, n: int, tokens: int, prompt_len: int, seed: int) -> dic
         next(s)  # every prefill is done once each has its first token
     steps0, rows0 = engine.scheduler.stats.steps, engine.scheduler.stats.batched_rows
     engine.decoder.routing_observers.append(observe)
-    t0 = time.perf_counter()
-    for h in handles:
-        h.result()
-    seconds = time.perf_counter() - t0
+    _, seconds = timed(lambda: [h.result() for h in handles])  # n * tokens decode tokens after the first ones
     engine.decoder.routing_observers.remove(observe)
     steps = engine.scheduler.stats.steps - steps0
     rows = engine.scheduler.stats.batched_rows - rows0
@@ -99,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"mode": m, "n": n, **{k: round(v, 2) for k, v in med.items()}})
     first = {m: next(r["tok_s"] for r in rows if r["mode"] == m) for m in modes}
     fast = {r["n"]: r["tok_s"] for r in rows if r["mode"] == "fast"}
-    for row in rows:
-        row["vs_n1"] = round(row["tok_s"] / first[row["mode"]], 2)
-        if row["mode"] != "fast" and row["n"] in fast:
-            row["vs_fast"] = round(row["tok_s"] / fast[row["n"]], 2)
+    for r in rows:
+        r["vs_n1"] = round(r["tok_s"] / first[r["mode"]], 2)
+        if r["mode"] != "fast" and r["n"] in fast:
+            r["vs_fast"] = round(r["tok_s"] / fast[r["n"]], 2)
     experts = config["num_experts"] * 3 * config["hidden_size"] * config["moe_intermediate_size"] * args.layers
     if args.json:
         print(json.dumps({"rows": rows, "layers": args.layers, "expert_params": experts}))
@@ -111,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} threads, {args.tokens} tokens after a {args.prompt_len}-token prompt, {args.rounds} rounds")
     print("| mode | N | decode tok/s (aggregate) | vs N=1 | vs fast | mean rows/step | experts read per layer-step |")
     print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        vs_fast = f"{row['vs_fast']}x" if "vs_fast" in row else "-"
-        print(f"| {row['mode']} | {row['n']} | {row['tok_s']} | {row['vs_n1']}x | {vs_fast} | {row['mean_batch']} | "
-              f"{row['experts_per_layer_step']} |")
+    for r in rows:
+        vs_fast = f"{r['vs_fast']}x" if "vs_fast" in r else "-"
+        print(f"| {r['mode']} | {r['n']} | {r['tok_s']} | {r['vs_n1']}x | {vs_fast} | {r['mean_batch']} | "
+              f"{r['experts_per_layer_step']} |")
     return 0
 
+
+
+
+@row("batch", "batched decode in one process: N sequences through the scheduler vs one (aggregate tok/s, experts read per step); flags are bench_batch's", passthrough=True)
+def batch_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 if __name__ == "__main__":
     raise SystemExit(main())

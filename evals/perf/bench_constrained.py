@@ -21,9 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from freetoken_agent.evals.perf.harness import row, run_json_main
+from freetoken_agent.evals.perf.timing import timed
 
 TOOLS = [
     {"name": "read_file", "parameters": {"type": "object", "properties": {
@@ -154,10 +158,9 @@ class XGrammarProcessor:
 
 def _decode(backend: Any, processor: Any, ids: list[int], tokens: int, seed: int, stop: bool) -> tuple[int, float]:
     """(tokens generated, seconds) for one request, sampled at temperature 1; ``stop``: end-of-sequence ends it."""
-    t0 = time.perf_counter()
-    result = backend.engine.generate(ids, max_new_tokens=tokens, temperature=1.0, seed=seed, processor=processor,
-                                     stop_token_ids=None if stop else [])
-    return len(result.token_ids), time.perf_counter() - t0
+    result, seconds = timed(lambda: backend.engine.generate(ids, max_new_tokens=tokens, temperature=1.0, seed=seed,
+                                                             processor=processor, stop_token_ids=None if stop else []))
+    return len(result.token_ids), seconds
 
 
 def _p99(values: list[float]) -> float:
@@ -171,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=1, help="torch threads, and xgrammar's compile threads")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (setup lines go to stderr)")
     args = p.parse_args(argv)
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print  # noqa: E731
 
     import torch
 
@@ -184,18 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_json = Path(engine.path) / "tokenizer.json"
     vocab, eos = int(engine.spec.vocab_size), tuple(sorted(engine.eos_token_ids))
     ids = engine.tokenizer.encode("Notes on the bug in calc.py:")
-    print(f"model {args.model}: vocabulary {vocab}, {args.requests} requests x {args.tokens} tokens, "
+    say(f"model {args.model}: vocabulary {vocab}, {args.requests} requests x {args.tokens} tokens, "
           f"{args.threads} thread(s)")
 
     grammar_engines = []
     for kind in (Llguidance, XGrammar):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the setup line's own clock: the engine's construction may raise
         try:
             grammar_engines.append(kind(tokenizer_json, vocab, eos, args.threads, engine.tokenizer.token_id))
         except ImportError as exc:
-            print(f"skip {kind.name}: not installed ({exc.name}); pip install {kind.name}")
+            say(f"skip {kind.name}: not installed ({exc.name}); pip install {kind.name}")
             continue
-        print(f"{kind.name}: tokenizer setup {(time.perf_counter() - t0) * 1000:.0f} ms, once per process "
+        say(f"{kind.name}: tokenizer setup {(time.perf_counter() - t0) * 1000:.0f} ms, once per process "
               f"({grammar_engines[-1].note})")
 
     _decode(backend, None, ids, 8, 0, stop=False)  # warm the engine (first-call allocations) outside the timing
@@ -209,15 +214,24 @@ def main(argv: list[str] | None = None) -> int:
         for ge in grammar_engines:
             n_total, s_total, compile_s, masks, advances = 0, 0.0, [], [], []
             for seed in range(args.requests):
-                t0 = time.perf_counter()
-                processor = Timed(ge.processor(grammar, args.tokens))
-                compile_s.append(time.perf_counter() - t0)
+                built, seconds = timed(lambda: ge.processor(grammar, args.tokens))
+                processor = Timed(built)
+                compile_s.append(seconds)
                 n, s = _decode(backend, processor, ids, args.tokens, seed, stop=grammar == "tool_call")
                 n_total, s_total = n_total + n, s_total + s
                 masks += processor.mask_s
                 advances += processor.advance_s
             rows.append((grammar, ge.name, n_total, n_total / s_total, statistics.mean(compile_s), masks, advances))
 
+    if args.json:
+        print(json.dumps({"model": args.model, "requests": args.requests, "tokens": args.tokens, "rows": [
+            {"grammar": g, "engine": name, "tokens": n, "tok_s": round(rate, 2),
+             "compile_ms": round(c * 1e3, 3) if c is not None else None,
+             "mask_mean_ms": round(statistics.mean(m) * 1e3, 4) if m else None,
+             "mask_p99_ms": round(_p99(m) * 1e3, 4) if m else None,
+             "advance_mean_ms": round(statistics.mean(a) * 1e3, 4) if a else None}
+            for g, name, n, rate, c, m, a in rows]}, indent=1))
+        return 0
     print(f"{'grammar':<12} {'engine':<11} {'compile ms':>10} {'mask mean ms':>12} {'mask p99 ms':>11} "
           f"{'advance ms':>10} {'tokens':>7} {'tok/s':>7}")
     for grammar, name, n, rate, compile_mean, masks, advances in rows:
@@ -226,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{ms(statistics.mean(masks)) if masks else '-':>12} {ms(_p99(masks)) if masks else '-':>11} "
               f"{ms(statistics.mean(advances)) if advances else '-':>10} {n:>7} {rate:>7.1f}")
     return 0
+
+
+
+@row("constrained", "constrained decoding's cost per token by grammar engine (llguidance, xgrammar): compile, mask, "
+     "advance, tok/s; flags are bench_constrained's", passthrough=True)
+def constrained_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 
 if __name__ == "__main__":

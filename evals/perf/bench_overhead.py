@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from freetoken_agent.evals.perf.harness import row, run_json_main
 
 PROMPT = list(range(5, 37))  # 32 token ids that exist in every vocabulary we load (≥ 1024)
 
@@ -364,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(results, indent=2))
 
+
+
+
+@row("overhead", "framework overhead per decoded token: wall time (or instructions) outside the kernels; flags are bench_overhead's", passthrough=True)
+def overhead_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 if __name__ == "__main__":
     main()

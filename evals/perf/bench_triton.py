@@ -4,7 +4,7 @@
     python -m freetoken_agent.evals.perf.bench_triton --interpret  # CPU smoke run under TRITON_INTERPRET=1, tiny shapes
 
 Each row first checks the kernel against its plain-torch reference (relative error printed), then times it
-(CUDA events, median of ``--reps``). GB/s counts quantized weight bytes (codes + scales).
+(``timing.repeat``, synchronized after every call, median of ``--reps``). GB/s counts quantized weight bytes (codes + scales).
 """
 
 from __future__ import annotations
@@ -12,39 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from freetoken_agent.evals.perf.harness import row, run_json_main
+from freetoken_agent.evals.perf.timing import repeat
 
 
 def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
-    def cuda_time(fn: Callable[[], object], reps: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    def cpu_time(fn: Callable[[], object], reps: int) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return cuda_time if device == "cuda" else cpu_time
+    """Median seconds per call (one warm-up call); on CUDA every call is synchronized inside the timing."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return lambda fn, reps: repeat(fn, reps, warmup=1, sync=sync).median
 
 
 def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
@@ -116,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                   f" rel_err={r['rel_err']:.1e}{extra}")  # fmt: skip
     return 0
 
+
+
+
+@row("triton", "Triton kernels (dequant GEMM, grouped MoE) against their torch references and fp16 mm, on CUDA (--interpret: CPU smoke); flags are bench_triton's", passthrough=True)
+def triton_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 if __name__ == "__main__":
     raise SystemExit(main())

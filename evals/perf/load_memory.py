@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from freetoken_agent.evals.perf.harness import row, run_json_main
+
 CHILD = r"""
 import json, os, sys, threading, time
 peak = {"RssAnon": 0, "VmData": 0}
@@ -131,7 +133,7 @@ def run_phase(phase: str, model: Path, cache: Path, args: argparse.Namespace, ca
             group.rmdir()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from freetoken_agent.runtime.memory import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -151,7 +153,9 @@ def main() -> None:
                    "--margin (needs a writable /sys/fs/cgroup/memory)")
     p.add_argument("--margin", default="64MB")
     p.add_argument("--phases", default="floor,cold,warm,full")
-    args = p.parse_args()
+    p.add_argument("--json", action="store_true", help="print the report as JSON (progress lines go to stderr)")
+    args = p.parse_args(argv)
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print  # noqa: E731
     args.budget_bytes = parse_bytes(args.budget)
     root = Path(args.folder)
     name = f"qwen3_moe-e{args.experts}-l{args.layers}-h{args.hidden}-i{args.inter}-a{args.heads}-{args.kv_heads}"
@@ -159,7 +163,7 @@ def main() -> None:
                                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     cache = Path(tempfile.mkdtemp(prefix="ft-load-memory-cache-"))
     size = (model / "model.safetensors").stat().st_size
-    print(f"checkpoint {model} ({size / 2**20:.0f} MiB), budget {args.budget}, quant {args.quant}")
+    say(f"checkpoint {model} ({size / 2**20:.0f} MiB), budget {args.budget}, quant {args.quant}")
     results: dict[str, dict[str, Any]] = {}
     floor = None
     for phase in args.phases.split(","):
@@ -176,16 +180,30 @@ def main() -> None:
             floor = results[phase].get("hwm")
         r = results[phase]
         mib = lambda k: f"{r[k] / 2**20:.0f} MiB" if k in r else "-"  # noqa: E731
-        print(f"{phase:6s} cpu {r.get('cpu_s', '-')} s wall {r.get('wall_s', '-')} s load {r.get('load_s', '-')} s  "
+        say(f"{phase:6s} cpu {r.get('cpu_s', '-')} s wall {r.get('wall_s', '-')} s load {r.get('load_s', '-')} s  "
               f"VmHWM {mib('hwm')}  peak anon {mib('anon_peak')}  peak VmData {mib('data_peak')}  "
               f"VmPeak {mib('vm_peak')}  cgroup peak {mib('cgroup_peak')}"
               + (f"  cap {cap / 2**20:.0f} MiB" if cap else "") + (f"  ERROR {r['error']}" if "error" in r else ""))
     toks = {k: v.get("tokens") for k, v in results.items() if "tokens" in v}
-    if len(set(map(tuple, toks.values()))) > 1:
-        print(f"TOKENS DIFFER: {toks}")
+    same = len(set(map(tuple, toks.values()))) <= 1
+    if not same:
+        say(f"TOKENS DIFFER: {toks}")
     elif toks:
-        print(f"same tokens in {', '.join(toks)}")
+        say(f"same tokens in {', '.join(toks)}")
+    if args.json:
+        print(json.dumps({"checkpoint": str(model), "checkpoint_bytes": size, "budget_bytes": args.budget_bytes,
+                          "quant": args.quant, "same_tokens": same,
+                          "phases": {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in results.items()}},
+                         indent=1))
+    return 0
+
+
+
+@row("load-memory", "host memory of a budgeted load: peak RSS of the floor, a cold and a warm --host-memory load plus a "
+     "generation, each in a child process; flags are load_memory's", passthrough=True)
+def load_memory_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

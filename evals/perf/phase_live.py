@@ -29,6 +29,7 @@ from freetoken_agent.evals.builtin.data import (
     split_sessions,
 )
 from freetoken_agent.evals.perf.phase_trace import Trace, segments
+from freetoken_agent.evals.perf.harness import row, run_json_main
 
 ROWS = (("lru", True), ("heat", True), ("phase+pause", True), ("lru", False), ("heat", False), ("phase+pause", False))
 
@@ -146,6 +147,19 @@ def kv_main(files: list[Path], args: argparse.Namespace) -> int:
     print(f"TTFT median on/off: {result['ttft_median_ratio_on_vs_off']}; "
           f"turn prefill saved: {result['turn_prefill_saved']} tokens")
     return 0
+
+
+
+
+@row("phase-live", "phase scheduling on the live engine under a host budget: switch misses per policy, with and without gate look-ahead; flags are phase_live's", passthrough=True)
+def phase_live_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
+
+
+@row("phase-kv", "time to first token per agent turn with KV pre-staging during tool pauses on vs off (phase_kv); "
+     "flags are phase_live --kv's", passthrough=True)
+def phase_kv_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, ["--kv", *args.passthrough])
 
 
 if __name__ == "__main__":

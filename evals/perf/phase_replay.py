@@ -38,6 +38,7 @@ from freetoken_agent.evals.builtin.data import (
 )
 from freetoken_agent.evals.perf.phase_sim import Costs, Replay, SimStore
 from freetoken_agent.evals.perf.phase_trace import Trace, cached_trace
+from freetoken_agent.evals.perf.harness import row, run_json_main
 
 VARIANTS = ("lru", "heat", "phase-heat", "phase", "phase+pause")
 
@@ -196,6 +197,12 @@ def format_table(s: dict[str, Any]) -> str:
                   f"{s['phase_switch_miss_reduction']}")]
     return "\n".join(lines)
 
+
+
+
+@row("phase-replay", "phase-aware expert residency replayed on recorded agent sessions in virtual time: switch misses, stall, TTFT per policy; flags are phase_replay's", passthrough=True, format=lambda r, a: format_table(r))
+def phase_replay_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 if __name__ == "__main__":
     sys.exit(main())

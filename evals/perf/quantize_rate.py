@@ -22,7 +22,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from freetoken_agent.evals.perf.harness import row, run_json_main
 from freetoken_agent.evals.perf.load_memory import write_bf16_checkpoint
 
 CHILD = r"""
@@ -80,7 +82,7 @@ def llama(binary: Path, model: Path, quant: str, threads: int) -> dict[str, floa
             "threads": threads}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
@@ -90,7 +92,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--llama-quantize", default="/tmp/freetoken-llama-server/build/bin/llama-quantize")
     p.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "ft-load-memory"))
-    args = p.parse_args()
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
     name = f"qwen3_moe-e{args.experts}-l{args.layers}-h{args.hidden}-i{args.inter}-a4-2"
     model = write_bf16_checkpoint(Path(args.folder) / name, args.experts, args.layers, args.hidden, args.inter)
     params = 3 * args.hidden * args.inter * args.experts * args.layers
@@ -98,13 +101,28 @@ def main() -> None:
     binary = Path(args.llama_quantize)
     if binary.is_file():
         rows["llama-quantize --pure"] = llama(binary, model, args.quant, args.threads)
+    if args.json:
+        print(json.dumps({"model": model.name, "expert_params": params, "quant": args.quant, "threads": args.threads,
+                          "quantizers": {k: {**r, "mparams_per_s": round(params / r["wall_s"] / 1e6, 1),
+                                             "mparams_per_cpu_s": round(params / r["cpu_s"] / 1e6, 1)}
+                                         for k, r in rows.items()},
+                          "llama_quantize": str(binary) if binary.is_file() else None}, indent=1))
+        return 0
     print(f"{model.name}: {params / 1e6:.0f}M expert parameters, {args.quant}, {args.threads} threads")
     print("| quantizer | wall s | CPU s | M params/s (wall) | M params/CPU-s |")
     print("|---|---|---|---|---|")
     for label, r in rows.items():
         print(f"| {label} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {params / r['wall_s'] / 1e6:.1f} | "
               f"{params / r['cpu_s'] / 1e6:.1f} |")
+    return 0
+
+
+
+@row("quantize-rate", "load-time quantization rate: our expert-cache writer vs llama-quantize on the same checkpoint; "
+     "flags are quantize_rate's", passthrough=True)
+def quantize_rate_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

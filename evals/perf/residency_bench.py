@@ -21,12 +21,16 @@ and checks that every run generated the same tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from freetoken_agent.evals.perf.harness import row, run_json_main
+from freetoken_agent.evals.perf.timing import timed
 
 CODE_PROMPT = '''def read_config(path):
     """Read a JSON config file and return it as a dict; missing files give an empty config."""
@@ -119,9 +123,7 @@ def run_one(model: Path, name: str, args: argparse.Namespace, host: int | None, 
     if mmap:
         mapped = install_mmap(engine, store.disk)
         os.posix_fadvise(store.disk._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold start, like ours
-    t0 = time.perf_counter()
-    out = engine.generate(prompt, max_new_tokens=args.tokens)
-    wall = time.perf_counter() - t0
+    out, wall = timed(lambda: engine.generate(prompt, max_new_tokens=args.tokens))
     stats = engine.stats()
     res = stats["residency"]
     row = {"run": name, "tokens": out.token_ids, "decode_tok_s": stats["decode_tok_s"], "decode_s": stats["decode_s"],
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds over --runs (median reported)")
     p.add_argument("--runs", default="mmap,lru,heat,phase,lru/noprefetch,lru/pagecache,lru/fast")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from freetoken_agent.runtime.synthetic import cache_dir
@@ -177,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt = torch.randint(0, 4096, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     print(f"model {folder.name}: {args.quant} experts {experts / 1e6:.1f} MB, dense {dense / 1e6:.1f} MB, "
-          f"host budget {host / 1e6:.1f} MB (experts = {args.ratio}x the expert share), {args.threads} thread(s)")
+          f"host budget {host / 1e6:.1f} MB (experts = {args.ratio}x the expert share), {args.threads} thread(s)",
+          file=sys.stderr if args.json else sys.stdout)
     names = list(dict.fromkeys(args.runs.split(",")))
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.rounds):  # alternate the configurations; report the median of each
@@ -191,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(med)
     exact = [n for n in names if not n.endswith("/fast")]  # /fast may reorder fp32 sums: not required to match
     same = all(r["tokens"] == runs[exact[0]][0]["tokens"] for n in exact for r in runs[n])
+    if args.json:
+        print(json.dumps({"model": str(folder), "quant": args.quant, "host_budget_bytes": host, "dense_bytes": dense,
+                          "expert_bytes": experts, "ratio": args.ratio, "same_tokens": same,
+                          "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, indent=1))
+        return 0
     print()
     print("| run | decode tok/s, median (min–max) | host hit rate | prefetch accuracy | disk MB/token | peak host MB (budget "
           f"{host / 1e6:.1f}) | stall s |")
@@ -200,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['peak_mb']} | {r.get('stall_s', '-')} |")
     print(f"\nsame tokens in every run: {'yes' if same else 'NO'}")
     return 0 if same else 1
+
+
+
+@row("residency", "experts that do not fit: disk-tier streaming under a hard host budget vs mmap of the same weights, "
+     "per residency policy; flags are residency_bench's", passthrough=True)
+def residency_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 
 if __name__ == "__main__":

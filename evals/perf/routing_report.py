@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
+from typing import Any
 
 import torch
 from freetoken_agent.evals.builtin.data import (
@@ -33,6 +34,7 @@ from freetoken_agent.evals.builtin.data import (
     session_files,
     split_sessions,
 )
+from freetoken_agent.evals.perf.harness import row
 
 PHASES = ("plan", "code", "tool")
 
@@ -254,6 +256,21 @@ def main(argv: list[str] | None = None) -> int:
         plot_heatmap(report, args.png)
         print(f"heatmap: {args.png}", file=sys.stderr)
     return 0
+
+
+
+@row("routing", "which experts a trained MoE picks for plan text, code and tool output (divergence, locality); "
+     "flags are routing_report's", passthrough=True, format=lambda r, a: r["table"])
+def routing_row(args: argparse.Namespace) -> dict[str, Any]:
+    import contextlib
+    import io
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, table = Path(tmp) / "report.json", io.StringIO()
+        with contextlib.redirect_stdout(table):
+            main([*args.passthrough, "--json", str(out)])
+        return {**json.loads(out.read_text()), "table": table.getvalue()}
 
 
 if __name__ == "__main__":
