@@ -9,7 +9,8 @@ the input's dtype, so nothing wraps or patches it afterwards. The sources:
 
 - ``from_weights``: float experts already loaded (``TorchExperts``) quantized in memory, their floats released;
 - ``from_blobs``: the expert cache file's blobs (``mapped.py``), viewed in place;
-- ``from_gguf``: a GGUF file's expert blocks, as stored or converted (``runtime/gguf/model.py``).
+- ``from_gguf``: a GGUF file's expert blocks, as stored or converted (``runtime/gguf/model.py``), gate/up and down
+  each in its own format (a Q4_K_M file: Q4_K and Q6_K).
 
 Each returns the backends by MoE layer and a ``QuantReport``; ``core.build_experts`` picks the source.
 """
@@ -55,11 +56,13 @@ def activation_for(moe: MoESpec, params: dict[str, torch.Tensor]) -> Callable[[t
 def quantized_experts(
     fmt: str, w13: torch.Tensor, w2: torch.Tensor, hidden: int, moe: MoESpec, params: dict[str, torch.Tensor],
     packed: bool, biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None), placement: str = "resident",
+    down_fmt: str | None = None,
 ) -> QuantizedExperts:  # fmt: skip
-    """One MoE layer's backend over stored expert bytes ``w13 [E, b13]`` / ``w2 [E, b2]`` (see the module docstring);
-    ``params``: the experts' learned activation parameters (``TorchExperts.act``)."""
+    """One MoE layer's backend over stored expert bytes ``w13 [E, b13]`` (``fmt``) / ``w2 [E, b2]`` (``down_fmt``,
+    default ``fmt``; see the module docstring); ``params``: the experts' learned activation parameters
+    (``TorchExperts.act``)."""
     return QuantizedExperts(fmt, w13, w2, hidden, moe.intermediate, packed, activation=activation_for(moe, params),
-                            gate_up_bias=biases[0], down_bias=biases[1], placement=placement)
+                            gate_up_bias=biases[0], down_bias=biases[1], placement=placement, down_fmt=down_fmt)
 
 
 def from_weights(weights: Any, fmt: str, kernels: bool) -> tuple[dict[int, Any], QuantReport]:
@@ -124,12 +127,12 @@ def from_gguf(spec: Any, weights: Any, load: Any, kernels: bool) -> tuple[dict[i
         assert moe is not None
         act = weights.layers[layer.index].moe.experts.act
         w13, w2 = QuantizedExperts.stored(layer.w13, layer.w2, layer.fmt, kernels, spec.hidden_size,
-                                          moe.intermediate)
+                                          moe.intermediate, layer.down_fmt)
         qe = quantized_experts(layer.fmt, w13, w2, spec.hidden_size, moe, act, kernels,
-                               (layer.gate_up_bias, layer.down_bias))
+                               (layer.gate_up_bias, layer.down_bias), down_fmt=layer.down_fmt)
         backends[layer.index] = qe
         float_bytes += layer.float_bytes
         quant_bytes += qe.nbytes
-        formats.add(layer.fmt)
+        formats.update((layer.fmt, layer.down_fmt))
     return backends, QuantReport("+".join(sorted(formats)) or "none", len(backends), float_bytes, quant_bytes,
                                  kernels)

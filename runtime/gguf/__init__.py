@@ -3,8 +3,8 @@
 ``file`` finds and opens the parts (the ``gguf`` package's memory-mapped reader) and names every way a file can be
 bad; ``arch`` maps the metadata onto the Hugging Face config of the same model and GGUF tensor names onto Hugging
 Face names, so the family adapters load it unchanged; ``reader`` serves the tensors under those names (dequantized on
-read); ``model`` puts Q8_0 / Q4_0 experts into the kernels as stored and converts other block types at load;
-``tokenizer`` builds the tokenizer and chat template from the metadata.
+read); ``model`` puts Q8_0 / Q4_0 / Q4_K / Q6_K experts into the kernels as stored and converts other block types at
+load; ``tokenizer`` builds the tokenizer and chat template from the metadata.
 """
 
 from __future__ import annotations

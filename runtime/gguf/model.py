@@ -1,22 +1,23 @@
 """A GGUF model ready to load: config, spec, reader, tokenizer, and the routed experts in the kernels' block formats.
 
-Legend: ``E`` experts per layer, ``I`` expert intermediate size, ``D`` hidden size, ``nb`` 32-value blocks per row,
-``P`` bytes per block (Q8_0: 34, Q4_0: 18).
+Legend: ``E`` experts per layer, ``I`` expert intermediate size, ``D`` hidden size, ``nb`` blocks per row, ``P``
+bytes per block (Q8_0: 34, Q4_0: 18, Q4_K: 144, Q6_K: 210).
 
 Routed experts (what the engine's ``quant`` option is about):
 
-- stored as **Q8_0 / Q4_0**: the file's blocks are the kernels' blocks byte for byte (``runtime/quant/blocks.py``),
-  so the expert core (``runtime/experts/core.py``) runs them as stored — nothing is dequantized or requantized;
-- stored in another **block type** (K-quants, IQ4_XS, MXFP4, Q4_1, Q5_x): dequantized with the ``gguf`` package and
-  requantized at load to the nearest format the kernels run (``quant.formats.GGUF_TYPES``: 4-bit types → Q4_0,
-  5/6-bit → Q8_0),
-  one expert at a time; the relative RMS error of that conversion is measured per tensor and reported
-  (``ExpertConversion``, ``freetoken inspect``);
+- stored as **Q8_0 / Q4_0 / Q4_K / Q6_K** (``quant.formats.GGUF_NATIVE``): the file's blocks are the kernels' blocks
+  byte for byte (``runtime/quant/``), so the expert core (``runtime/experts/core.py``) runs them as stored — nothing
+  is dequantized or requantized;
+- stored in another **block type** (Q5_K, Q2_K/Q3_K, IQ4_XS, MXFP4, Q4_1, Q5_x): dequantized with the ``gguf``
+  package and requantized at load to the nearest format the kernels run (``quant.formats.GGUF_TYPES``: 4-bit types
+  → Q4_0, 5-bit → Q8_0), one expert at a time; the relative RMS error of that conversion is measured per tensor and
+  reported (``ExpertConversion``, ``freetoken inspect``);
 - stored as **F32 / F16 / BF16**: float, as a safetensors folder (``quant="q8"/"q4"`` quantizes them at load).
 
-``quant`` (``none``/``q8_0``/``q4_0``): ``none`` keeps each layer in the file's own format (a layer whose gate/up and
-down differ runs in the wider one: a Q4_K_M layer with Q6_K ``down`` runs as Q8_0); ``q8_0`` / ``q4_0`` converts every
-expert to that format (a Q4_K file loaded with ``q8_0`` keeps far more of its precision than with ``q4_0``).
+``quant`` (``none``/``q8_0``/``q4_0``): ``none`` keeps each layer's gate/up and its down in the file's own formats
+(``layer_formats``: a Q4_K_M layer runs Q4_K gate/up and Q6_K down as stored; gate and up, which the kernels hold as
+one matrix, share one format, the wider one where they differ); ``q8_0`` / ``q4_0`` converts every expert to that
+format (a Q5_K file loaded with ``q8_0`` keeps far more of its precision than with ``q4_0``).
 Dense weights (attention, embeddings, norms, router, shared experts) are dequantized to the compute dtype.
 """
 
@@ -38,14 +39,39 @@ from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
 from freetoken_agent.runtime.model.weights import TensorLoader
 from freetoken_agent.runtime.quant.formats import GGUF_NATIVE, GGUF_TYPES, block_format
 
-def layer_format(group: ExpertTensorsGGUF, quant: str) -> str | None:
-    """The block format one MoE layer's experts run in (None: float experts, loaded like a safetensors folder)."""
+def layer_formats(group: ExpertTensorsGGUF, quant: str) -> tuple[str, str] | None:
+    """The block formats one MoE layer's experts run in, (gate/up, down) (None: float experts, loaded like a
+    safetensors folder)."""
     if quant != "none":
-        return quant
-    formats = {GGUF_TYPES.get(t.type_name) for _, t in group.parts()}
-    if formats == {None}:
+        return quant, quant
+    parts = group.parts()
+    if all(GGUF_TYPES.get(t.type_name) is None for _, t in parts):
         return None
-    return "q8_0" if "q8_0" in formats or None in formats else "q4_0"
+    return (_shared_format([t for part, t in parts if part != "down"]),
+            _shared_format([t for part, t in parts if part == "down"]))
+
+
+def _shared_format(tensors: list[Any]) -> str:
+    """The format stored tensors that the kernels hold as one matrix run in: their own where they are all of one
+    natively run type, else the nearest kernel format at least as wide as each (a float one: Q8_0)."""
+    types = {t.type_name for t in tensors}
+    native = GGUF_NATIVE.get(next(iter(types))) if len(types) == 1 else None
+    if native is not None:
+        return native
+    runs = {GGUF_TYPES.get(t) for t in types}
+    return "q4_0" if runs <= {"q4_0", "q4_k"} else "q8_0"
+
+
+def part_format(formats: tuple[str, str], part: str) -> str:
+    """The format of one stored part (gate, up, gate_up, down) of a layer running in ``formats`` (gate/up, down)."""
+    return formats[1] if part == "down" else formats[0]
+
+
+def plan_name(formats: tuple[str, str] | None) -> str | None:
+    """How a layer's formats are shown: ``q4_k+q6_k``, or one name when gate/up and down share it."""
+    if formats is None:
+        return None
+    return formats[0] if formats[0] == formats[1] else "+".join(formats)
 
 
 @dataclass(frozen=True)
@@ -55,7 +81,7 @@ class ExpertConversion:
     layer: int
     part: str  # gate, up, gate_up, down
     stored: str  # ggml type
-    runs_as: str  # q8_0 / q4_0
+    runs_as: str  # a kernel format: q8_0 / q4_0 / q4_k / q6_k
     rel_rms_error: float | None
     """||dequant(stored) − dequant(converted)|| / ||dequant(stored)|| over the measured experts (None: as stored)."""
     experts_measured: int = 0
@@ -92,11 +118,11 @@ class GGUFModel:
         """Whether the routed experts load straight into block formats (CPU, and some layer runs quantized)."""
         if torch.device(device).type != "cpu" or not self.reader.experts:
             return False
-        return any(layer_format(g, quant) is not None for g in self.reader.experts.values())
+        return any(layer_formats(g, quant) is not None for g in self.reader.experts.values())
 
     def expert_plan(self, quant: str = "none") -> list[tuple[int, str | None]]:
-        """(MoE layer, block format it runs in or None for float), per layer."""
-        return [(i, layer_format(g, quant)) for i, g in sorted(self.reader.experts.items())]
+        """(MoE layer, block formats it runs in (``plan_name``) or None for float), per layer."""
+        return [(i, plan_name(layer_formats(g, quant))) for i, g in sorted(self.reader.experts.items())]
 
     def measure_conversion(self, quant: str = "none", max_experts: int = 4) -> list[ExpertConversion]:
         """The conversion of each stored expert tensor type, measured on the first ``max_experts`` experts of the
@@ -104,10 +130,11 @@ class GGUFModel:
         out: list[ExpertConversion] = []
         seen: set[tuple[str, str, str]] = set()
         for layer, group in sorted(self.reader.experts.items()):
-            fmt = layer_format(group, quant)
-            if fmt is None:
+            formats = layer_formats(group, quant)
+            if formats is None:
                 continue
             for part, t in group.parts():
+                fmt = part_format(formats, part)
                 key = (part, t.type_name, fmt)
                 if key in seen:
                     continue
@@ -144,7 +171,7 @@ class GGUFModel:
         for i, group in sorted(self.reader.experts.items()):
             moe = spec.layers[i].moe
             assert moe is not None
-            if layer_format(group, quant) is None:  # float experts in a file whose other layers are quantized
+            if layer_formats(group, quant) is None:  # float experts in a file whose other layers are quantized
                 te = weights.layers[i].moe.experts
                 full = TensorLoader(self.reader, dtype, device).experts(
                     expert_prefix(spec, i), moe, spec.layers[i].names or spec.names, spec.hidden_size)
@@ -196,7 +223,9 @@ class GGUFExpertLayer:
 
     index: int
     fmt: str
-    """The block format they run in (``q8_0`` / ``q4_0``)."""
+    """The block format gate/up run in (a kernel format: ``quant.formats.KERNEL_FORMATS``)."""
+    down_fmt: str
+    """The block format down runs in (a Q4_K_M file: ``q6_k`` in some layers, ``q4_k`` in the others)."""
     w13: torch.Tensor  # [E, 2I, nb(D), P] uint8: gate rows, then up rows
     w2: torch.Tensor  # [E, D, nb(I), P] uint8
     gate_up_bias: torch.Tensor | None  # [E, 2I] fp32 (GPT-OSS)
@@ -218,12 +247,13 @@ class GGUFExpertLoad:
     def layers(self) -> Iterator[GGUFExpertLayer]:
         """The quantized MoE layers' experts in layer order (float layers were read by ``load_quantized``)."""
         for i, group in sorted(self.model.reader.experts.items()):
-            fmt = layer_format(group, self.quant)
-            if fmt is None:
+            formats = layer_formats(group, self.quant)
+            if formats is None:
                 continue
             parts: dict[str, torch.Tensor] = {}
             float_bytes = 0
             for part, t in group.parts():
+                fmt = part_format(formats, part)
                 errors = [0.0, 0.0]
                 parts[part] = _blocks(t, fmt, errors)
                 native = GGUF_NATIVE.get(t.type_name) == fmt
@@ -237,7 +267,7 @@ class GGUFExpertLoad:
                 assert group.gate_bias is not None and group.up_bias is not None
                 gate_up_bias = torch.cat([dequantize(group.gate_bias), dequantize(group.up_bias)], dim=1)
                 down_bias = dequantize(group.down_bias)
-            yield GGUFExpertLayer(i, fmt, w13, parts["down"], gate_up_bias, down_bias, float_bytes)
+            yield GGUFExpertLayer(i, formats[0], formats[1], w13, parts["down"], gate_up_bias, down_bias, float_bytes)
 
 
 def is_float_type(type_name: str) -> bool:

@@ -1,10 +1,11 @@
-"""``QuantizedExperts``: the MoE layer's routed-expert backend over Q8_0 / Q4_0 weights.
+"""``QuantizedExperts``: the MoE layer's routed-expert backend over Q8_0 / Q4_0 / Q4_K / Q6_K weights.
 
 Legend: ``T`` tokens, ``K`` experts per token, ``E`` experts, ``D`` hidden size, ``I`` expert intermediate size.
 
 Per layer it holds two expert-major byte tensors — ``w13 [E, bytes]`` (gate rows 0..I-1 and up rows I..2I-1 of
 ``[2I, D]``) and ``w2 [E, bytes]`` (down ``[D, I]``) — one contiguous blob per expert, so one read moves one
-expert. Where the C kernels load the blobs are in their tile layout, else in plain GGUF block layout.
+expert. Where the C kernels load the blobs are in their tile layout, else in plain GGUF block layout. Gate/up and
+down may be in different formats (``fmt``, ``down_fmt``): a Q4_K_M GGUF file holds Q4_K gate/up and Q6_K down.
 
 ``forward`` picks a path per expert by the tokens routed to it: few tokens (decode) → one fused C call for all of
 them (int8 activations); at least ``dequant_threshold`` tokens (prefill) → dequantize that expert to fp32 once and
@@ -34,7 +35,7 @@ import torch
 
 from ..errors import FreeTokenError
 from ..experts.capabilities import PLACEMENTS, Capabilities
-from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format, quantize
+from ..quant.blocks import BLOCK, BlockQuantized, quantize
 from ..quant.formats import block_format
 from . import build, invariant, ops
 from .torch_fallback import Int4Weight, int4_linear, int4pack
@@ -100,8 +101,10 @@ class QuantizedExperts:
         gate_up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None,
         placement: str = "resident",
+        down_fmt: str | None = None,
     ) -> None:
-        """``w13``/``w2``: the expert-major byte tensors (``stored``); ``packed``: in the kernels' tile layout.
+        """``w13``/``w2``: the expert-major byte tensors (``stored``); ``packed``: in the kernels' tile layout;
+        ``fmt`` the gate/up blocks' format, ``down_fmt`` the down blocks' (default ``fmt``).
 
         ``activation`` (``[N, 2I] -> [N, I]``) replaces SiLU(gate)*up, and ``gate_up_bias [E, 2I]`` /
         ``down_bias [E, D]`` add biases; either one moves decode from the fused call to per-expert C calls.
@@ -113,8 +116,12 @@ class QuantizedExperts:
         self.activation = activation
         self.int4: list[tuple[Int4Weight, Int4Weight]] | None = None  # torch int4 copies (no-compiler q4 only)
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
-        self.fmt = canonical_format(fmt)
-        self.format = block_format(self.fmt)
+        self.format = block_format(fmt)
+        self.down_format = self.format if down_fmt is None else block_format(down_fmt)
+        self.fmt, self.down_fmt = self.format.name, self.down_format.name
+        if packed:  # the kernels compute in both; K-quant rows must be whole super-blocks
+            ops.kernel_format(self.fmt, hidden)
+            ops.kernel_format(self.down_fmt, intermediate)
         self.w13, self.w2 = w13, w2
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts = w13.shape[0]
@@ -130,7 +137,7 @@ class QuantizedExperts:
     def capabilities(self) -> Capabilities:
         """What this backend is: its placement and format, computed by the C kernels when ``packed``; modes and
         dequantization always."""
-        return Capabilities(self.placement, (self.fmt,), kernels=self.packed, modes=True, dequantize=True,
+        return Capabilities(self.placement, tuple(dict.fromkeys((self.fmt, self.down_fmt))), kernels=self.packed, modes=True, dequantize=True,
                             fused=self.fused, can_prefetch=False)
 
     def set_mode(self, mode: str) -> None:
@@ -162,7 +169,8 @@ class QuantizedExperts:
     @staticmethod
     def quantize(gate_up: torch.Tensor, down: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Float experts ``gate_up [E, 2I, D]``, ``down [E, D, I]`` → their ``fmt`` blocks ``[E, 2I, nb(D), P]``,
-        ``[E, D, nb(I), P]`` (the C quantizer where the kernels load, else the torch one: the same bytes)."""
+        ``[E, D, nb(I), P]`` (Q8_0 / Q4_0: the C quantizer where the kernels load, else the torch one, the same
+        bytes; the K-quants: their plain-torch quantizers)."""
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
             raise FreeTokenError(
                 f"experts need gate_up [E, 2I, D] and down [E, D, I], "
@@ -172,10 +180,16 @@ class QuantizedExperts:
         if two_i % 2 or tuple(down.shape) != (e, d, two_i // 2):
             raise FreeTokenError(f"down must be [E, D, I] = [{e}, {d}, {two_i // 2}], got {tuple(down.shape)}")
         i = two_i // 2
-        p = BLOCK_BYTES[canonical_format(fmt)]
+        f = block_format(fmt)
+        p = f.block_bytes
         # a few experts at a time: the quantizer's temporaries stay a few times one chunk, not the whole layer
         step = max(1, (64 << 20) // max(1, two_i * d * 4))
-        quant = ops.quantize_blocks
+
+        def quant(w: torch.Tensor, fmt: str) -> BlockQuantized:
+            if f.block_values != BLOCK:  # a K-quant: 256-value super-blocks, quantized in torch
+                return BlockQuantized(f.name, (w.shape[0], w.shape[1]), f.quantize_rows(w))
+            return ops.quantize_blocks(w, fmt)
+
         q13 = torch.cat([quant(gate_up[a : a + step].reshape(-1, d), fmt).blocks for a in range(0, e, step)])
         q2 = torch.cat([quant(down[a : a + step].reshape(-1, i), fmt).blocks for a in range(0, e, step)])
         return q13.reshape(e, two_i, -1, p), q2.reshape(e, d, -1, p)
@@ -183,37 +197,41 @@ class QuantizedExperts:
     @staticmethod
     def stored(
         b13: BlockQuantized | torch.Tensor, b2: BlockQuantized | torch.Tensor, fmt: str, packed: bool,
-        hidden: int | None = None, intermediate: int | None = None,
+        hidden: int | None = None, intermediate: int | None = None, down_fmt: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Expert blocks ``w13 [E, 2I, nb(D), P]`` / ``w2 [E, D, nb(I), P]`` → the byte tensors a backend holds,
-        ``[E, bytes]`` each: the kernels' tiles when ``packed``, else the blocks as they are. With ``hidden`` and
-        ``intermediate`` the block shapes are checked against them (blocks read from a file)."""
-        fmt = canonical_format(fmt)
+        """Expert blocks ``w13 [E, 2I, nb(D), P]`` (``fmt``) / ``w2 [E, D, nb(I), P]`` (``down_fmt``, default
+        ``fmt``) → the byte tensors a backend holds, ``[E, bytes]`` each: the kernels' tiles when ``packed``, else
+        the blocks as they are. With ``hidden`` and ``intermediate`` the block shapes are checked against them
+        (blocks read from a file)."""
+        f13 = block_format(fmt)
+        f2 = f13 if down_fmt is None else block_format(down_fmt)
         b13 = b13.blocks if isinstance(b13, BlockQuantized) else b13
         b2 = b2.blocks if isinstance(b2, BlockQuantized) else b2
         e, two_i, _, p = b13.shape
         d, i = (b2.shape[1], two_i // 2) if hidden is None or intermediate is None else (hidden, intermediate)
-        want13 = (e, 2 * i, -(-d // BLOCK), BLOCK_BYTES[fmt])
-        want2 = (e, d, -(-i // BLOCK), BLOCK_BYTES[fmt])
+        want13 = (e, 2 * i, f13.nb(d), f13.block_bytes)
+        want2 = (e, d, f2.nb(i), f2.block_bytes)
         if tuple(b13.shape) != want13 or tuple(b2.shape) != want2:
             raise FreeTokenError(
-                f"{fmt} expert blocks have shapes {tuple(b13.shape)} / {tuple(b2.shape)}, expected {want13} / {want2}"
+                f"{f13.name}/{f2.name} expert blocks have shapes {tuple(b13.shape)} / {tuple(b2.shape)}, expected "
+                f"{want13} / {want2}"
             )
-        store = block_format(fmt).storage
-        return store(b13, packed).contiguous(), store(b2, packed).contiguous()
+        return f13.storage(b13, packed).contiguous(), f2.storage(b2, packed).contiguous()
 
     @classmethod
     def from_blocks(
         cls, w13: BlockQuantized | torch.Tensor, w2: BlockQuantized | torch.Tensor, fmt: str, hidden: int,
-        intermediate: int, use_kernels: bool | None = None,
+        intermediate: int, use_kernels: bool | None = None, down_fmt: str | None = None,
     ) -> QuantizedExperts:  # fmt: skip
-        """From GGUF blocks: ``w13 [E, 2I, nb(D), P]`` and ``w2 [E, D, nb(I), P]`` uint8 (e.g. read from a GGUF)."""
+        """From GGUF blocks: ``w13 [E, 2I, nb(D), P]`` (``fmt``) and ``w2 [E, D, nb(I), P]`` (``down_fmt``, default
+        ``fmt``) uint8 (e.g. read from a GGUF)."""
         packed = build.load() is not None if use_kernels is None else use_kernels
-        return cls(fmt, *cls.stored(w13, w2, fmt, packed, hidden, intermediate), hidden, intermediate, packed)
+        stored = cls.stored(w13, w2, fmt, packed, hidden, intermediate, down_fmt)
+        return cls(fmt, *stored, hidden, intermediate, packed, down_fmt=down_fmt)
 
     def attach_int4(self) -> None:
         """No compiler, q4: keep torch int4 copies of the experts for its int4 op with bf16 activations."""
-        if self.packed or self.fmt != "q4_0":
+        if self.packed or self.fmt != "q4_0" or self.down_fmt != "q4_0":
             return
         b13, b2 = self.blocks()
         pairs = [(int4pack(b13[x]), int4pack(b2[x])) for x in range(self.num_experts)]
@@ -233,14 +251,15 @@ class QuantizedExperts:
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts as GGUF blocks: ``(w13 [E, 2I, nb(D), P], w2 [E, D, nb(I), P])``."""
         d, i = self.hidden, self.intermediate
-        return (self.format.blocks(self.w13, 2 * i, d, self.packed), self.format.blocks(self.w2, d, i, self.packed))
+        return (self.format.blocks(self.w13, 2 * i, d, self.packed),
+                self.down_format.blocks(self.w2, d, i, self.packed))
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 experts these bytes stand for: ``(gate_up [E, 2I, D], down [E, D, I])``."""
         b13, b2 = self.blocks()
         e, d, i = self.num_experts, self.hidden, self.intermediate
         g = self.format.dequantize_rows(b13.reshape(e * 2 * i, *b13.shape[2:]), d)
-        w = self.format.dequantize_rows(b2.reshape(e * d, *b2.shape[2:]), i)
+        w = self.down_format.dequantize_rows(b2.reshape(e * d, *b2.shape[2:]), i)
         return g.reshape(e, 2 * i, d), w.reshape(e, d, i)
 
     @property
@@ -251,9 +270,9 @@ class QuantizedExperts:
         d, i = self.hidden, self.intermediate
         if self.packed:  # the C dequantizer reads the tiles as they are
             g = ops.dequantize(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]))
-            w = ops.dequantize(ops.PackedWeight(self.fmt, d, i, self.w2[e]))
+            w = ops.dequantize(ops.PackedWeight(self.down_fmt, d, i, self.w2[e]))
             return g, w
-        return self.format.dequantize(self.w13[e], 2 * i, d), self.format.dequantize(self.w2[e], d, i)
+        return self.format.dequantize(self.w13[e], 2 * i, d), self.down_format.dequantize(self.w2[e], d, i)
 
     # ---------------------------------------------------------------- compute
 
@@ -287,7 +306,7 @@ class QuantizedExperts:
         h = ops.linear(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]), x)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]
-        y = ops.linear(ops.PackedWeight(self.fmt, d, i, self.w2[e]), self._act(h))
+        y = ops.linear(ops.PackedWeight(self.down_fmt, d, i, self.w2[e]), self._act(h))
         return y if self.down_bias is None else y + self.down_bias[e]
 
     @property
@@ -311,7 +330,8 @@ class QuantizedExperts:
         """``forward`` on fp32 ``x [T, D]`` and ``topk_weights [T, K]`` → fp32 ``[T, D]``."""
         threshold = 1 if self.exact or not self.packed else self.dequant_threshold
         if self.fused and topk_ids.numel() < threshold:  # decode: no expert can reach the threshold
-            return ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, topk_ids, topk_weights)
+            return ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, topk_ids, topk_weights,
+                           self.down_fmt)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)  # [E]
         dense = (counts >= threshold).nonzero().flatten().tolist()
         if self.fused:
@@ -321,7 +341,8 @@ class QuantizedExperts:
                 is_dense[dense] = True
                 light_ids = torch.where(is_dense[topk_ids], torch.full_like(topk_ids, -1), topk_ids)
             if bool((light_ids >= 0).any()):
-                out = ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, light_ids, topk_weights)
+                out = ops.moe(self.fmt, self.w13, self.w2, (self.hidden, self.intermediate), x, light_ids, topk_weights,
+                              self.down_fmt)
             else:
                 out = torch.zeros_like(x)
             light: list[int] = []

@@ -1,4 +1,4 @@
-"""The kernels' repacked weight layout, as pure torch reshapes of GGUF Q8_0 / Q4_0 blocks.
+"""The kernels' repacked weight layout, as pure torch reshapes of GGUF Q8_0 / Q4_0 / Q4_K / Q6_K blocks.
 
 Legend: ``N`` rows, ``nb`` blocks per row, ``P`` bytes per GGUF block (34 or 18), ``R`` = 8 rows per tile,
 ``J`` chunks per tile-block (q8: 8, q4: 4).
@@ -8,6 +8,11 @@ then ``J`` chunks of 32 bytes holding 4 bytes of each row (see ``csrc/ft_tiles.h
 ``4j..4j+3``; q4 chunk ``j`` byte ``p`` holds value ``8j+p`` in its low nibble and ``8j+4+p`` in its high one).
 Padding rows are all-zero blocks (scale 0) and never reach the output. The same bytes, reordered: a tile-block
 is exactly ``R`` GGUF blocks long.
+
+K-quant super-blocks (``P`` = 144 for Q4_K, 210 for Q6_K; 256 values each) are tiled the same way, 8 rows at a
+time, each field's bytes interleaved by row (``csrc/ft_kquant.h``): Q4_K ``d[8] | dmin[8] | scales [12, 8] |
+qs [32, 8, 4]``, Q6_K ``d[8] | scales [16, 8] | ql [32, 8, 4] | qh [16, 8, 4]`` (``[..., i, r]``: byte ``i`` of
+row ``r``; ``[m, r, 4]``: bytes ``4m..4m+3`` of row ``r``). Which layout a block tensor gets follows from ``P``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,61 @@ from __future__ import annotations
 import torch
 
 TILE_ROWS = 4 * 2
+KQUANT_FIELDS = {144: ((0, 2), (2, 4), (4, 16), (16, 144)), 210: ((208, 210), (192, 208), (0, 128), (128, 192))}
+"""K-quant block size → its fields' byte ranges in tile order (Q4_K: d, dmin, scales, qs; Q6_K: d, scales, ql, qh)."""
+KQUANT_GROUPED = {144: (False, False, False, True), 210: (False, False, True, True)}
+"""Which fields interleave 4 bytes per row (code bytes) rather than 1 (fp16 scales: 2 per row, scale bytes: 1)."""
+
+
+def _field_tiles(f: torch.Tensor, four: bool) -> torch.Tensor:
+    """One field ``[..., nt, ns, R, F]`` → its tile bytes ``[..., nt, ns, R * F]``: 4-byte groups or fp16 pairs of
+    the rows side by side (``four``: code bytes; else ``F`` = 2 stays per row for fp16, single bytes interleave)."""
+    *lead, r, width = f.shape
+    if four:
+        return f.reshape(*lead, r, width // 4, 4).transpose(-3, -2).reshape(*lead, r * width)
+    if width == 2:  # an fp16 per row: rows in order
+        return f.reshape(*lead, r * width)
+    return f.transpose(-2, -1).reshape(*lead, r * width)
+
+
+def _field_rows(t: torch.Tensor, r: int, width: int, four: bool) -> torch.Tensor:
+    """The inverse of ``_field_tiles``: ``[..., R * F]`` → ``[..., R, F]``."""
+    *lead, _ = t.shape
+    if four:
+        return t.reshape(*lead, width // 4, r, 4).transpose(-3, -2).reshape(*lead, r, width)
+    if width == 2:
+        return t.reshape(*lead, r, width)
+    return t.reshape(*lead, width, r).transpose(-2, -1)
+
+
+def _pad_rows(blocks: torch.Tensor) -> torch.Tensor:
+    *lead, n, nb, p = blocks.shape
+    nt = -(-n // TILE_ROWS)
+    if nt * TILE_ROWS == n:
+        return blocks
+    pad = torch.zeros(*lead, nt * TILE_ROWS - n, nb, p, dtype=torch.uint8)
+    return torch.cat([blocks, pad], dim=-3)
+
+
+def _pack_kquant(blocks: torch.Tensor) -> torch.Tensor:
+    *lead, n, ns, p = blocks.shape
+    nt = -(-n // TILE_ROWS)
+    t = _pad_rows(blocks).reshape(*lead, nt, TILE_ROWS, ns, p).transpose(-3, -2)  # [..., nt, ns, R, P]
+    parts = [_field_tiles(t[..., a:b], four) for (a, b), four in zip(KQUANT_FIELDS[p], KQUANT_GROUPED[p])]
+    return torch.cat(parts, dim=-1).reshape(*lead, -1).contiguous()
+
+
+def _unpack_kquant(packed: torch.Tensor, n: int, ns: int, p: int) -> torch.Tensor:
+    *lead, _ = packed.shape
+    nt = -(-n // TILE_ROWS)
+    t = packed.reshape(*lead, nt, ns, TILE_ROWS * p)
+    out = torch.empty(*lead, nt, ns, TILE_ROWS, p, dtype=torch.uint8)
+    at = 0
+    for (a, b), four in zip(KQUANT_FIELDS[p], KQUANT_GROUPED[p]):
+        width = b - a
+        out[..., a:b] = _field_rows(t[..., at : at + TILE_ROWS * width], TILE_ROWS, width, four)
+        at += TILE_ROWS * width
+    return out.transpose(-3, -2).reshape(*lead, nt * TILE_ROWS, ns, p)[..., :n, :, :].contiguous()
 
 
 def _codes(body: torch.Tensor, q4: bool) -> torch.Tensor:
@@ -27,11 +87,11 @@ def _codes(body: torch.Tensor, q4: bool) -> torch.Tensor:
 def pack_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks ``[..., N, nb, P]`` → flat tiles ``[..., ceil(N/8) * nb * 8P]`` (uint8)."""
     *lead, n, nb, p = blocks.shape
+    if p in KQUANT_FIELDS:
+        return _pack_kquant(blocks)
     q4 = p == 18
     nt = -(-n // TILE_ROWS)
-    if nt * TILE_ROWS != n:
-        pad = torch.zeros(*lead, nt * TILE_ROWS - n, nb, p, dtype=torch.uint8)
-        blocks = torch.cat([blocks, pad], dim=-3)
+    blocks = _pad_rows(blocks)
     t = blocks.reshape(*lead, nt, TILE_ROWS, nb, p).transpose(-3, -2)  # [..., nt, nb, R, P]
     scales = t[..., :2].reshape(*lead, nt, nb, 2 * TILE_ROWS)
     codes = _codes(t[..., 2:], q4)  # [..., nt, nb, R, 32]
@@ -46,6 +106,8 @@ def pack_blocks(blocks: torch.Tensor) -> torch.Tensor:
 
 def unpack_blocks(packed: torch.Tensor, n: int, nb: int, p: int) -> torch.Tensor:
     """The inverse of ``pack_blocks``: flat tiles ``[..., bytes]`` → GGUF blocks ``[..., N, nb, P]``."""
+    if p in KQUANT_FIELDS:
+        return _unpack_kquant(packed, n, nb, p)
     *lead, _ = packed.shape
     q4 = p == 18
     nt = -(-n // TILE_ROWS)

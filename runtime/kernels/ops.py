@@ -19,10 +19,12 @@ import torch
 
 from ..errors import FreeTokenError
 from ..quant.blocks import BLOCK, BLOCK_BYTES, BlockQuantized, canonical_format
+from ..quant.formats import block_format
 from . import build
 from .layout import TILE_ROWS, pack_blocks
 
-FMT_CODE = {"q8_0": 0, "q4_0": 1}
+FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_k": 2, "q6_k": 3}
+"""The C side's code of each format it computes in (``csrc/ft_tiles.h``)."""
 ISA_CODE = {"best": -1, "portable": 0, "avx2": 1, "avx512vnni": 2}
 
 
@@ -104,6 +106,17 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def kernel_format(fmt: str, k: int | None = None) -> str:
+    """The canonical name of a format the kernels compute in (``q4`` → ``q4_0``); a clear error for any other, and
+    for a K-quant whose row length ``k`` is no whole number of its 256-value super-blocks."""
+    f = block_format(fmt)
+    if f.name not in FMT_CODE:
+        raise FreeTokenError(f"the CPU kernels do not compute in {f.name}; it runs as {f.runs_as}")
+    if k is not None and f.block_values != BLOCK and k % f.block_values:  # 32-value formats zero-pad a ragged row
+        raise FreeTokenError(f"{f.name} weights need rows of a multiple of {f.block_values} values, got {k}")
+    return f.name
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A ``[N, K]`` weight in the kernels' tile layout: ``data`` uint8, ``packed_bytes(fmt, N, K)`` long."""
@@ -114,7 +127,7 @@ class PackedWeight:
     data: torch.Tensor
 
     def __post_init__(self) -> None:  # looked up once: a decode step makes dozens of calls of a few µs each
-        object.__setattr__(self, "fmt", canonical_format(self.fmt))  # "q4" → "q4_0"; unknown formats raise
+        object.__setattr__(self, "fmt", kernel_format(self.fmt, self.k))  # "q4" → "q4_0"; other formats raise
         object.__setattr__(self, "code", FMT_CODE[self.fmt])
         object.__setattr__(self, "ptr", self.data.data_ptr())
 
@@ -122,15 +135,20 @@ class PackedWeight:
     def from_blocks(cls, qw: BlockQuantized) -> PackedWeight:
         return cls(qw.fmt, qw.shape[0], qw.shape[1], pack_blocks(qw.blocks))
 
+    @classmethod
+    def from_rows(cls, fmt: str, blocks: torch.Tensor, k: int) -> PackedWeight:
+        """From one matrix's GGUF blocks ``[N, nb, P]`` of any kernel format (e.g. ``quant.formats`` quantizers)."""
+        return cls(fmt, blocks.shape[0], k, pack_blocks(blocks))
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
 
 def packed_bytes(fmt: str, n: int, k: int) -> int:
-    """Bytes of a repacked ``[n, k]`` weight (same formula as the C side)."""
-    nb = -(-k // BLOCK)
-    return -(-n // TILE_ROWS) * nb * TILE_ROWS * BLOCK_BYTES[canonical_format(fmt)]
+    """Bytes of a repacked ``[n, k]`` weight (same formula as the C side): 8 rows' blocks per tile."""
+    f = block_format(kernel_format(fmt))
+    return -(-n // TILE_ROWS) * f.nb(k) * TILE_ROWS * f.block_bytes
 
 
 def set_threads(n: int) -> int:
@@ -459,12 +477,20 @@ def moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    down_fmt: str | None = None,
 ) -> torch.Tensor:
-    """One fused MoE step: ``w13 [E, bytes]`` packed gate|up ``[2I, D]``, ``w2 [E, bytes]`` packed down ``[D, I]``.
+    """One fused MoE step: ``w13 [E, bytes]`` packed gate|up ``[2I, D]`` in ``fmt``, ``w2 [E, bytes]`` packed down
+    ``[D, I]`` in ``down_fmt`` (default ``fmt``; a Q4_K_M file's layers hold Q4_K gate/up and Q6_K down).
 
     ``dims = (D, I)``; ``x [T, D]``, ``topk_ids [T, K]`` (negative ids are skipped), ``topk_weights [T, K]``.
     """
     d, i = dims
+    code13 = FMT_CODE.get(fmt)
+    code2 = code13 if down_fmt is None else FMT_CODE.get(down_fmt)
+    if code13 is None or code2 is None or (code13 | code2) >= 2:  # names as a backend holds them pass at once;
+        fmt = kernel_format(fmt, d)  # aliases, and K-quants (whose rows must be whole super-blocks), are checked
+        down_fmt = kernel_format(down_fmt or fmt, i)
+        code13, code2 = FMT_CODE[fmt], FMT_CODE[down_fmt]
     e = w13.shape[0]
     if x.dim() != 2 or x.shape[1] != d or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise FreeTokenError(
@@ -477,7 +503,7 @@ def moe(
     t = x.shape[0]
     out = torch.empty(t, d, dtype=F32)
     rc = (_loaded[0] if _loaded else _lib()).ft_moe(
-        FMT_CODE[fmt], w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0), e, d, i,
+        code13, code2, w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0), e, d, i,
         x.data_ptr(), t, ids.data_ptr(), wts.data_ptr(), ids.shape[1], out.data_ptr(),
     )  # fmt: skip
     if rc == -2:

@@ -1,4 +1,4 @@
-"""Q4_K: GGUF's 4-bit k-quant, byte for byte (quantize and dequantize; no kernels yet).
+"""Q4_K: GGUF's 4-bit k-quant, byte for byte (quantize and dequantize; the kernels: ``kernels/csrc/ft_kquant.h``).
 
 Legend: ``N`` rows, ``K`` columns, ``S`` = 256 values per super-block, ``ns = ceil(K / S)`` super-blocks per row,
 8 sub-blocks of 32 values per super-block.

@@ -1,4 +1,4 @@
-/* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 weights, and one fused call
+/* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 / Q4_K / Q6_K weights, and one fused call
  * per MoE layer step (gate+up, SiLU(gate)*up, down, weighted sum over the routed experts).
  *
  * Plain C, no Python C-API: loaded with ctypes. ISA paths are chosen at run time
@@ -217,7 +217,7 @@ static int qact_scratch(qact *a, int64_t m, int64_t k) {
     return tl_act.cap_q >= nq && tl_act.cap_b >= nbk;
 }
 
-/* y[M, N] = x[M, K] @ W^T for repacked W; returns 0, or -1 on allocation failure. */
+/* y[M, N] = x[M, K] @ W^T for repacked W (K-quants: K % 256 == 0); returns 0, or -1 on allocation failure. */
 #define FT_KEEP_ACT (1 << 20) /* bigger activations (long prefills) are allocated per call and freed */
 
 int ft_linear(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
@@ -278,11 +278,19 @@ static void dequant_item(void *p, int64_t t) {
     }
 }
 
-/* y[N, K] = the fp32 values of repacked W (the prefill path: dequantize once, then one BLAS matmul). */
+static void kq_dequant_item(void *p, int64_t t) {
+    const dequant_ctx *c = (const dequant_ctx *)p;
+    const int rows = c->n - t * TR < TR ? (int)(c->n - t * TR) : TR;
+    kq_dequant_tile(c->fmt, c->w + t * c->nb * tile_block_bytes(c->fmt), c->nb / 8, rows, c->y + t * TR * c->k, c->k);
+}
+
+/* y[N, K] = the fp32 values of repacked W (the prefill path: dequantize once, then one BLAS matmul). K-quants need
+ * K % 256 == 0. */
 void ft_dequant(int fmt, const uint8_t *w, int64_t n, int64_t k, float *y) {
     if (g_isa < 0) g_isa = detect_isa();
     dequant_ctx c = {fmt, w, n, k, (k + QK - 1) / QK, y};
-    ft_parallel_run(dequant_item, &c, (n + TR - 1) / TR, 1); /* the values go to torch.mm next */
+    /* the values go to torch.mm next */
+    ft_parallel_run(fmt_is_kquant(fmt) ? kq_dequant_item : dequant_item, &c, (n + TR - 1) / TR, 1);
 }
 
 /* ---------------------------------------------------------------- public: memory read bandwidth */

@@ -7,9 +7,9 @@
 /* ---------------------------------------------------------------- public: one fused MoE layer step */
 
 typedef struct {
-    int fmt;
-    tile_dot_fn dot;
-    tile_dot4_fn dot4;
+    int fmt, fmt2; /* gate|up's format, down's (a Q4_K_M file: Q4_K gate/up, Q6_K down) */
+    tile_dot_fn dot, dot2;
+    tile_dot4_fn dot4, dot4_2;
     const uint8_t *w13, *w2;
     int64_t w13_stride, w2_stride, D, I, nbD, nbI, n13, chunks13;
     int64_t n_groups;
@@ -64,12 +64,12 @@ static void moe_down_item(void *p, int64_t item) {
     const moe_ctx *c = (const moe_ctx *)p;
     int64_t g = item / c->chunks2, chunk = item % c->chunks2;
     const uint8_t *base = c->w2 + c->g_expert[g] * c->w2_stride;
-    int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt), ntiles = c->nD / TR;
+    int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt2), ntiles = c->nD / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
     for (int64_t t = t0; t < t1; t++) {
         int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
-        dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbI, &c->qa, NULL, s0, n, c->y + s0 * c->nD + t * TR,
+        dot_rows(c->dot2, c->dot4_2, base + t * tile_stride, c->nbI, &c->qa, NULL, s0, n, c->y + s0 * c->nD + t * TR,
                  c->nD);
     }
 }
@@ -121,9 +121,9 @@ static void *moe_carve(uint8_t **at, size_t bytes) {
 }
 
 /* out[T, D] = sum_k wts[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; ids < 0 are skipped.
- * Expert e's repacked gate|up weight [2I, D] starts at w13 + e * w13_stride, its down weight [D, I] at
- * w2 + e * w2_stride. Returns 0, -1 on allocation failure, -2 on an expert id >= E. */
-int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, int64_t w2_stride, int64_t E,
+ * Expert e's repacked gate|up weight [2I, D] (format fmt) starts at w13 + e * w13_stride, its down weight [D, I]
+ * (format fmt2) at w2 + e * w2_stride. Returns 0, -1 on allocation failure, -2 on an expert id >= E. */
+int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, int64_t w2_stride, int64_t E,
            int64_t D, int64_t I, const float *x, int64_t T, const int64_t *ids, const float *wts, int64_t KT,
            float *out) {
     moe_ctx c;
@@ -164,8 +164,11 @@ int ft_moe(int fmt, const uint8_t *w13, int64_t w13_stride, const uint8_t *w2, i
     }
     if (S == 0) goto done;
     c.fmt = fmt;
+    c.fmt2 = fmt2;
     c.dot = pick_tile_dot(fmt);
     c.dot4 = pick_tile_dot4(fmt);
+    c.dot2 = pick_tile_dot(fmt2);
+    c.dot4_2 = pick_tile_dot4(fmt2);
     c.w13 = w13; c.w2 = w2; c.w13_stride = w13_stride; c.w2_stride = w2_stride;
     c.D = D; c.I = I; c.nbD = (D + QK - 1) / QK; c.nbI = (I + QK - 1) / QK;
     c.n13 = (2 * I + TR - 1) / TR * TR;

@@ -22,16 +22,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_inspect_gguf(tmp_path: Path) -> None:
     folder = tmp_path / "hf"
     save_checkpoint("qwen3_moe", folder, seed=6, hidden_size=256, moe_intermediate_size=256, head_dim=64)
-    file = write_gguf(folder, tmp_path / "m.gguf", experts="Q4_K", down="Q8_0", dense="Q8_0")
+    file = write_gguf(folder, tmp_path / "m.gguf", experts="Q4_K", down="Q5_0", dense="Q8_0")
     proc = _cli("inspect", str(file), "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["architecture"] == "qwen3_moe" and info["format"].endswith("llama.cpp architecture qwen3moe)")
-    assert info["tensor_formats"]["experts gate"] == "Q4_K×3" and info["tensor_formats"]["experts down"] == "Q8_0×3"
+    assert info["tensor_formats"]["experts gate"] == "Q4_K×3" and info["tensor_formats"]["experts down"] == "Q5_0×3"
     assert info["tensor_formats"]["attention"] == "Q8_0×12"
     conv = "\n".join(info["expert_conversion"])
-    assert "gate: Q4_K → Q8_0 requantized, relative RMS error" in conv and "down: Q8_0 → Q8_0 as stored" in conv
-    assert "run as Q8_0" in info["plan"]
+    assert "gate: Q4_K → Q4_K as stored" in conv and "down: Q5_0 → Q8_0 requantized, relative RMS error" in conv
+    assert "run as Q4_K+Q8_0" in info["plan"]
     table = _cli("inspect", str(file))
     assert table.returncode == 0 and "tensor formats" in table.stdout
 

@@ -3,8 +3,11 @@
 - F32 files of every mapped architecture: logits within 1e-4 of transformers on the same weights;
 - Q8_0 / Q4_0 experts: loaded as stored (no conversion), logits within 1e-3 of an engine over an F32 GGUF holding
   the same tensors dequantized by the ``gguf`` package (an independent decoder of the blocks);
-- K-quant (Q4_K) and MXFP4 experts: converted at load; the engine equals plain torch over what it runs (≤ 1e-3), the
-  reported conversion error equals the error measured here, and ``quant="q8_0"`` converts with less error;
+- Q4_K gate/up with Q6_K down (a Q4_K_M file's experts): loaded as stored, byte for byte, no conversion; logits within
+  1e-3 of plain torch over our dequantization and over the ``gguf`` package's, and the int8 kernels agree with the
+  int8-activation reference;
+- other block types (Q4_1, MXFP4, Q5_0): converted at load; the engine equals plain torch over what it runs (≤ 1e-3),
+  the reported conversion error equals the error measured here, and ``quant="q8_0"`` converts with less error;
 - a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file;
 - GLM-4.5's multi-token-prediction layer (an extra block in the file) is left unread; GPT-OSS's MXFP4 experts (the
   format its GGUF files ship in) run converted, with their biases; DeepSeek's split ``attn_k_b`` / ``attn_v_b`` join
@@ -102,7 +105,43 @@ def _kquant_case(tmp_path: Path, kind: str) -> tuple[Path, Path]:
     return folder, write_gguf(folder, tmp_path / f"{kind}.gguf", experts=kind)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "MXFP4", "Q5_0"])
+def test_k_quant_experts_run_as_stored(tmp_path: Path) -> None:
+    import gguf
+    from freetoken_agent.runtime.kernels import build
+    from freetoken_agent.runtime.kernels.accuracy import kl, top1
+
+    folder = tmp_path / "hf"
+    save_checkpoint("qwen3_moe", folder, seed=2, hidden_size=256, moe_intermediate_size=512, head_dim=64)
+    file = write_gguf(folder, tmp_path / "q4_k_m.gguf", experts="Q4_K", down="Q6_K", dense="Q8_0")
+    engine = Engine.from_pretrained(file)
+    assert engine.quant.fmt == "q4_k+q6_k" and engine.quant.kernels == (build.load() is not None)
+    report = engine.quant  # no expert was converted: each backend holds the file's blocks as they are
+    reader = gguf.GGUFReader(str(file))
+    stored = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    for i, backend in enumerate(engine.decoder.experts):
+        assert backend.capabilities.formats == ("q4_k", "q6_k") and backend.capabilities.kernels == report.kernels
+        b13, b2 = backend.blocks()
+        gate_up = torch.cat([stored[f"blk.{i}.ffn_gate_exps.weight"], stored[f"blk.{i}.ffn_up_exps.weight"]], dim=1)
+        assert torch.equal(b13.reshape(gate_up.shape), gate_up)
+        assert torch.equal(b2.reshape(stored[f"blk.{i}.ffn_down_exps.weight"].shape),
+                           stored[f"blk.{i}.ffn_down_exps.weight"])
+    set_expert_mode(engine.decoder, "exact")
+    ours = engine.logits(PROMPT)
+    ref = Engine.from_pretrained(file)
+    dequantized_reference(ref.decoder)  # plain torch over our dequantization of the stored blocks
+    assert float((ours - ref.logits(PROMPT)).abs().max()) <= 1e-3
+    independent = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))  # the gguf package's values
+    assert independent.quant is None
+    assert float((ours - independent.logits(PROMPT)).abs().max()) <= 1e-3
+    if build.load() is not None:  # the int8-activation kernels (decode's path) against their plain-torch reference
+        set_expert_mode(engine.decoder, "int8")
+        int8_ref = Engine.from_pretrained(file)
+        dequantized_reference(int8_ref.decoder, activations="int8")
+        logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
+        assert top1(logits, want) >= 0.95 and kl(want, logits) <= 1e-3
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "MXFP4", "Q5_0"])
 def test_converted_experts(kind: str, tmp_path: Path) -> None:
     from freetoken_agent.runtime.gguf.model import GGUFModel
     from freetoken_agent.runtime.gguf.reader import dequantize
@@ -282,12 +321,16 @@ def test_deepseek_files_from_before_mla_as_mqa(keep_split: bool, checkpoints: di
     assert float((Engine.from_pretrained(file).logits(PROMPT) - ref).abs().max()) <= 1e-4
 
 
-def test_mixed_layer_runs_in_the_wider_format(tmp_path: Path) -> None:
+def test_mixed_layer_runs_each_part_as_stored(tmp_path: Path) -> None:
+    from freetoken_agent.runtime.gguf.model import GGUFModel
+
     folder = tmp_path / "hf"
     save_checkpoint("qwen3_moe", folder, seed=3)
     file = write_gguf(folder, tmp_path / "mix.gguf", experts="Q4_0", down="Q8_0")  # a Q4_K_M-like mix
     engine = Engine.from_pretrained(file)
-    assert engine.quant.fmt == "q8_0"
+    assert engine.quant.fmt == "q4_0+q8_0"
+    assert all(c.rel_rms_error is None for c in GGUFModel(file).measure_conversion())
+    assert {f for _, f in GGUFModel(file).expert_plan()} == {"q4_0+q8_0"}
     set_expert_mode(engine.decoder, "exact")
     ref = Engine.from_pretrained(file)
     dequantized_reference(ref.decoder)
