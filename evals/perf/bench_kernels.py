@@ -5,6 +5,10 @@ the weight that the working set exceeds the last-level cache, so the numbers are
 streams experts from RAM. Paths are timed round-robin (A/B/C/A/B/C…) and reported as medians, so load from other
 processes hits every path alike. GB/s counts the bytes of the weight as stored (codes + scales).
 
+Our kernels run in each block format they compute in (``FORMATS``: Q4_0, Q8_0, and GGUF's Q4_K / Q6_K as a Q4_K_M
+file holds them, at 4.5 / 8.5 / 4.5 / 6.56 bits per weight), so the default shapes — a 2048-hidden, 768-intermediate
+expert's gate/up and down, the 7.5B benchmark model's — compare the formats at M=1 (decode) side by side.
+
 Legend: ``N`` weight rows, ``K`` reduction dim, ``M`` tokens, ``T``/``E``/``D``/``I`` as in the MoE layer.
 """
 
@@ -23,6 +27,7 @@ from freetoken_agent.evals.perf.timing import Spread
 
 SHAPES = ((768, 2048), (2048, 768), (1536, 4096))  # (N, K): gate/up and down of a 2048-hidden model, a larger one
 M_VALUES = (1, 4, 16, 64, 256)
+FORMATS = ("q4", "q8", "q4_k", "q6_k")  # our kernels' formats (the K-quants on shapes whose K is a multiple of 256)
 WORKING_SET = 256 << 20  # bytes cycled per path: well above the L3 of the CPUs we target
 
 
@@ -93,15 +98,28 @@ def _alloc(nbytes: int) -> torch.Tensor:
 _huge = [True]
 
 
-def our_paths(n: int, k: int, m: int, x: torch.Tensor) -> list[Path]:
-    """Our C GEMV (q4, q8) and, from M=16, the prefill path (C dequantize to fp32 + torch.mm)."""
+def _packed(w: torch.Tensor, fmt: str) -> Any:
+    """``w`` in ``fmt`` in the kernels' tiles (Q4_0/Q8_0 by the C quantizer, the K-quants by their torch ones)."""
     from freetoken_agent.runtime.kernels import ops
     from freetoken_agent.runtime.quant import quantize
+    from freetoken_agent.runtime.quant.formats import block_format
+
+    if fmt in ("q4", "q8"):
+        return ops.PackedWeight.from_blocks(quantize(w, fmt, refine=False))
+    return ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(w), w.shape[1])
+
+
+def our_paths(n: int, k: int, m: int, x: torch.Tensor, formats: tuple[str, ...] = FORMATS) -> list[Path]:
+    """Our C GEMV in each of ``formats`` (K-quants where ``k`` is a multiple of 256) and, from M=16, the prefill
+    path (C dequantize to fp32 + torch.mm)."""
+    from freetoken_agent.runtime.kernels import ops
 
     paths = []
     w = torch.randn(n, k)
-    for fmt in ("q4", "q8"):
-        pw = ops.PackedWeight.from_blocks(quantize(w, fmt, refine=False))
+    for fmt in formats:
+        if fmt.endswith("_k") and k % 256:
+            continue
+        pw = _packed(w, fmt)
         copies = _copies(pw.nbytes)
         big = _alloc(pw.nbytes * copies)
         big.view(copies, pw.nbytes).copy_(pw.data.view(1, -1).expand(copies, -1))
@@ -206,10 +224,12 @@ def run(
     working_set: int = WORKING_SET,
     moe_layer: bool = True,
     huge_pages: bool = True,
+    formats: tuple[str, ...] = FORMATS,
 ) -> Report:
     """Run the benchmark; ``thread_counts`` defaults to (1, all usable CPUs).
 
-    ``working_set``: bytes of weight copies each path cycles through (default 256 MiB, beyond any L3).
+    ``working_set``: bytes of weight copies each path cycles through (default 256 MiB, beyond any L3); ``formats``:
+    the block formats our kernels run in (``FORMATS``).
     """
     from freetoken_agent.runtime.kernels import build, ops
     from freetoken_agent.runtime.kernels.threads import usable_cpus
@@ -240,7 +260,7 @@ def run(
             for n, k in shapes:
                 for m in m_values:
                     x = torch.randn(m, k)
-                    paths = our_paths(n, k, m, x)
+                    paths = our_paths(n, k, m, x, formats)
                     if peer is not None:
                         paths += peer.paths(n, k, m, x, th, _copies, alloc=_alloc)
                     paths.append(read_path(paths[0].nbytes, read_buf))
@@ -298,8 +318,8 @@ def format_table(report: Report) -> str:
 def format_markdown(report: Report) -> str:
     """Markdown tables for RESULTS.md: per thread count, one row per (shape, M), one column per kernel path."""
     out = []
-    cols = ["freetoken-c/q4", "ggml-q4_0/q4_0", "ggml-q4_k/q4_k", "freetoken-c/q8", "ggml-q8_0/q8_0",
-            "freetoken-dequant-mm/q4", "torch-linear/fp32"]  # fmt: skip
+    cols = ["freetoken-c/q4", "ggml-q4_0/q4_0", "freetoken-c/q4_k", "ggml-q4_k/q4_k", "freetoken-c/q6_k",
+            "freetoken-c/q8", "ggml-q8_0/q8_0", "freetoken-dequant-mm/q4", "torch-linear/fp32"]  # fmt: skip
     threads = sorted({r.threads for r in report.results})
     for th in threads:
         rows = [r for r in report.results if r.threads == th]
@@ -323,6 +343,9 @@ def format_markdown(report: Report) -> str:
             r4 = f"{best4 / q4.seconds:.2f}×" if best4 and q4 else "—"
             r8 = f"{g8.seconds / q8.seconds:.2f}×" if q8 and g8 else "—"
             out.append(f"| {shape} | {m} | " + " | ".join(vals) + f" | {r4} | {r8} |")
+        formats = format_comparison(rows)
+        if formats:
+            out.append("\n" + formats)
         layer = [r for r in rows if r.shape.startswith("E64")]
         if layer:
             out.append("\nWhole MoE layer, one token (E=64, top-8, D=2048, I=768, q4): " + ", ".join(
@@ -332,6 +355,22 @@ def format_markdown(report: Report) -> str:
 
 
 SHAPE_ORDER = {f"{n}x{k}": i for i, (n, k) in enumerate(SHAPES)}
+
+
+def format_comparison(rows: list[Result]) -> str:
+    """Our GEMV at M=1 per block format, one line per shape: µs per call, and weight bytes per µs relative to q4."""
+    ours = [r for r in rows if r.kernel == "freetoken-c" and r.M == 1]
+    shapes = sorted({r.shape for r in ours}, key=lambda s: SHAPE_ORDER.get(s, 9))
+    present = [f for f in FORMATS if any(r.format == f for r in ours)]
+    if len(present) < 2:
+        return ""
+    lines = ["Our GEMV by block format, M=1 — µs per call (GB/s of the weight as stored)",
+             "| shape N×K | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
+    for shape in shapes:
+        cell = {r.format: r for r in ours if r.shape == shape}
+        vals = [f"{cell[f].seconds * 1e6:.0f} ({cell[f].gbps:.1f})" if f in cell else "—" for f in present]
+        lines.append(f"| {shape} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
 
 
 def options(p: argparse.ArgumentParser) -> None:
@@ -344,6 +383,9 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", default=None, help="comma-separated token counts M (default: 1,4,16,64,256)")
     p.add_argument("--working-set-mb", type=int, default=256, help="MiB of weight copies cycled per path (default 256)")
     p.add_argument("--no-moe-layer", action="store_true", help="skip the whole-MoE-layer rows")
+    p.add_argument("--formats", default=None,
+                   help=f"comma-separated block formats of our kernels (default: {','.join(FORMATS)}; the K-quants "
+                        "only on shapes whose K is a multiple of 256)")
     p.add_argument("--pages", choices=("2m", "4k"), default="2m",
                    help="page size of every path's weight copies, ours and ggml's alike (default 2m: the engine "
                         "keeps its weights in 2 MiB pages; 4k: ordinary allocations)")
@@ -359,6 +401,15 @@ def parse_ints(text: str | None, what: str) -> tuple[int, ...] | None:
         raise BenchError(f"--{what} must be comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
         raise BenchError(f"--{what} needs positive integers, got {text!r}")
+    return vals
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """Comma-separated names of ``--formats`` (each one of ``FORMATS``)."""
+    vals = tuple(v.strip().lower() for v in text.split(",") if v.strip())
+    bad = [v for v in vals if v not in FORMATS]
+    if not vals or bad:
+        raise BenchError(f"--formats wants some of {', '.join(FORMATS)}, got {text!r}")
     return vals
 
 
@@ -399,6 +450,8 @@ def kernels_row(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["shapes"] = parse_shapes(args.shapes)
     if args.m:
         kwargs["m_values"] = parse_ints(args.m, "m")
+    if args.formats:
+        kwargs["formats"] = parse_formats(args.formats)
     if args.working_set_mb < 1:
         raise BenchError(f"--working-set-mb must be at least 1, got {args.working_set_mb}")
     try:

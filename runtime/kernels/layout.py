@@ -11,8 +11,9 @@ is exactly ``R`` GGUF blocks long.
 
 K-quant super-blocks (``P`` = 144 for Q4_K, 210 for Q6_K; 256 values each) are tiled the same way, 8 rows at a
 time, each field's bytes interleaved by row (``csrc/ft_kquant.h``): Q4_K ``d[8] | dmin[8] | scales [12, 8] |
-qs [32, 8, 4]``, Q6_K ``d[8] | scales [16, 8] | ql [32, 8, 4] | qh [16, 8, 4]`` (``[..., i, r]``: byte ``i`` of
-row ``r``; ``[m, r, 4]``: bytes ``4m..4m+3`` of row ``r``). Which layout a block tensor gets follows from ``P``.
+qs [32, 8, 4]``, Q6_K ``d[8] | scales [16, 8] | [2, 8, 3, 8, 4]`` (``[i, r]``: byte ``i`` of row ``r``; ``[m, r, 4]``:
+bytes ``4m..4m+3`` of row ``r``; Q6_K's codes in groups ``(n, q)`` of ql chunk ``16n + q``, ql chunk ``16n + 8 + q``
+and qh chunk ``8n + q``, the order its kernel reads them). Which layout a block tensor gets follows from ``P``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,27 @@ from __future__ import annotations
 import torch
 
 TILE_ROWS = 4 * 2
-KQUANT_FIELDS = {144: ((0, 2), (2, 4), (4, 16), (16, 144)), 210: ((208, 210), (192, 208), (0, 128), (128, 192))}
-"""K-quant block size → its fields' byte ranges in tile order (Q4_K: d, dmin, scales, qs; Q6_K: d, scales, ql, qh)."""
-KQUANT_GROUPED = {144: (False, False, False, True), 210: (False, False, True, True)}
+KQUANT_FIELDS = {144: ((0, 2), (2, 4), (4, 16), (16, 144)), 210: ((208, 210), (192, 208), (0, 192))}
+"""K-quant block size → its fields' byte ranges in tile order (Q4_K: d, dmin, scales, qs; Q6_K: d, scales, then
+ql + qh, regrouped by ``_q6_groups``)."""
+KQUANT_GROUPED = {144: (False, False, False, True), 210: (False, False, True)}
 """Which fields interleave 4 bytes per row (code bytes) rather than 1 (fp16 scales: 2 per row, scale bytes: 1)."""
+
+
+def _q6_groups(codes: torch.Tensor) -> torch.Tensor:
+    """Q6_K ``ql | qh`` bytes ``[..., 192]`` → their 48 chunks in tile order (``[..., 192]``: per group ``(n, q)`` the
+    4 bytes of ql chunk ``16n + q``, of ql chunk ``16n + 8 + q``, of qh chunk ``8n + q``)."""
+    *lead, _ = codes.shape
+    ql = codes[..., :128].reshape(*lead, 2, 2, 8, 4)  # [..., n, j, q, 4]: ql chunk 16n + 8j + q
+    qh = codes[..., 128:].reshape(*lead, 2, 1, 8, 4)  # [..., n, 1, q, 4]: qh chunk 8n + q
+    return torch.cat([ql, qh], dim=-3).transpose(-3, -2).reshape(*lead, 192)  # [..., n, q, 3, 4]
+
+
+def _q6_ungroup(grouped: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_q6_groups``."""
+    *lead, _ = grouped.shape
+    g = grouped.reshape(*lead, 2, 8, 3, 4).transpose(-3, -2)  # [..., n, 3, q, 4]
+    return torch.cat([g[..., :2, :, :].reshape(*lead, 128), g[..., 2, :, :].reshape(*lead, 64)], dim=-1)
 
 
 def _field_tiles(f: torch.Tensor, four: bool) -> torch.Tensor:
@@ -60,6 +78,8 @@ def _pack_kquant(blocks: torch.Tensor) -> torch.Tensor:
     *lead, n, ns, p = blocks.shape
     nt = -(-n // TILE_ROWS)
     t = _pad_rows(blocks).reshape(*lead, nt, TILE_ROWS, ns, p).transpose(-3, -2)  # [..., nt, ns, R, P]
+    if p == 210:
+        t = torch.cat([_q6_groups(t[..., :192]), t[..., 192:]], dim=-1)
     parts = [_field_tiles(t[..., a:b], four) for (a, b), four in zip(KQUANT_FIELDS[p], KQUANT_GROUPED[p])]
     return torch.cat(parts, dim=-1).reshape(*lead, -1).contiguous()
 
@@ -74,6 +94,8 @@ def _unpack_kquant(packed: torch.Tensor, n: int, ns: int, p: int) -> torch.Tenso
         width = b - a
         out[..., a:b] = _field_rows(t[..., at : at + TILE_ROWS * width], TILE_ROWS, width, four)
         at += TILE_ROWS * width
+    if p == 210:
+        out[..., :192] = _q6_ungroup(out[..., :192])
     return out.transpose(-3, -2).reshape(*lead, nt * TILE_ROWS, ns, p)[..., :n, :, :].contiguous()
 
 

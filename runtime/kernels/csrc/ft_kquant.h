@@ -3,13 +3,16 @@
  *
  * Layout: a tile is 8 rows; per 256-value super-block it holds the 8 rows' GGUF blocks (block_q4_K: d, dmin,
  * scales[12], qs[128]; block_q6_K: ql[128], qh[64], scales[16], d) with the bytes of each field interleaved by
- * row, so the tile super-block is exactly 8 GGUF blocks long (1152 / 1680 bytes) and the bytes are the file's:
- *   q4_k: fp16 d[8] | fp16 dmin[8] | scales: byte i of row r at 8i + r (12 x 8) | qs: chunk m (0..31) holds bytes
- *         4m..4m+3 of every row (row r at 4r)                                                         (1152 bytes)
- *   q6_k: fp16 d[8] | scales: int8 i of row r at 8i + r (16 x 8) | ql: 32 chunks as qs | qh: 16 chunks as qs
- *                                                                                                      (1680 bytes)
- * One 32-bit lane of a chunk then meets 4 consecutive activation values, as in the Q4_0 tiles: a dot-product
- * instruction with the activation's 4 bytes broadcast computes 8 rows at once.
+ * row, so the tile super-block is exactly 8 GGUF blocks long (1152 / 1680 bytes) and the bytes are the file's. A
+ * "chunk" of a code field holds 4 bytes of every row (row r at 4r): chunk m = the field's bytes 4m..4m+3.
+ *   q4_k: fp16 d[8] | fp16 dmin[8] | scales: byte i of row r at 8i + r (12 x 8) | qs: chunks 0..31 in order
+ *                                                                                                      (1152 bytes)
+ *   q6_k: fp16 d[8] | scales: int8 i of row r at 8i + r (16 x 8) | 16 groups g = 8n + q (n = 0..1, q = 0..7) of
+ *         three chunks: ql chunk 16n + q, ql chunk 16n + 8 + q, qh chunk 8n + q                          (1680 bytes)
+ * so each kernel reads its super-block front to back (q6_k's three code streams one after another in separate
+ * regions streamed from RAM at a third of the speed: the prefetchers lost them). One 32-bit lane of a chunk meets
+ * 4 consecutive activation values, as in the Q4_0 tiles: a dot-product instruction with the activation's 4 bytes
+ * broadcast computes 8 rows at once.
  *
  * Activations are the Q8_0 kernels' own (int8 per 32 values, scale d_a, s_a = d_a * sum(q_a)), so one quantized
  * activation row serves every format, and each 32-value block keeps its own scale (finer than ggml's Q8_K, one scale
@@ -24,8 +27,8 @@
 #define QKK 256                              /* values per super-block */
 #define KQ_TILE_Q4K (TR * 144)               /* tile bytes per super-block */
 #define KQ_TILE_Q6K (TR * 210)
-#define KQ_Q6K_QL (2 * TR + 16 * TR)         /* where ql's chunks start in a q6_k tile super-block */
-#define KQ_Q6K_QH (KQ_Q6K_QL + 32 * 4 * TR)  /* ... and qh's */
+#define KQ_Q6K_BODY (2 * TR + 16 * TR)       /* where a q6_k tile super-block's code groups start */
+#define KQ_Q6K_GROUP (3 * 4 * TR)            /* bytes per group: two ql chunks and one qh chunk */
 
 /* Row r of a q4_k tile super-block: codes[256] (0..15), dsc[8] = d * sc_j, dm[8] = dmin * m_j. */
 static void q4k_row(const uint8_t *t, int r, uint8_t *codes, float *dsc, float *dm) {
@@ -57,10 +60,12 @@ static void q4k_row(const uint8_t *t, int r, uint8_t *codes, float *dsc, float *
 static void q6k_row(const uint8_t *t, int r, int8_t *codes, float *dsc) {
     const float d = tile_scale(t, r);
     for (int i = 0; i < 16; i++) dsc[i] = d * (float)(int8_t)t[2 * TR + TR * i + r];
-    const uint8_t *ql = t + KQ_Q6K_QL + 4 * r, *qh = t + KQ_Q6K_QH + 4 * r;
+    const uint8_t *body = t + KQ_Q6K_BODY + 4 * r;
     for (int v = 0; v < QKK; v++) {
-        const int n = v / 128, k = (v % 128) / 32, l = v % 32, x = 64 * n + 32 * (k & 1) + l, y = 32 * n + l;
-        const uint8_t lb = ql[(x / 4) * 4 * TR + x % 4], hb = qh[(y / 4) * 4 * TR + y % 4];
+        /* ql byte 64n + 32(k & 1) + l and qh byte 32n + l, both in group 8n + l / 4 */
+        const int n = v / 128, k = (v % 128) / 32, l = v % 32;
+        const uint8_t *g = body + (8 * n + l / 4) * KQ_Q6K_GROUP + l % 4;
+        const uint8_t lb = g[(k & 1) * 4 * TR], hb = g[2 * 4 * TR];
         const int lo = k < 2 ? lb & 15 : lb >> 4, hi = (hb >> (2 * k)) & 3;
         codes[v] = (int8_t)((lo | (hi << 4)) - 32);
     }
@@ -159,9 +164,10 @@ FT_AVX2 static inline void kq_half_sums(const int8_t *a, int32_t *h) {
 /* The four q6_k codes vectors (k = 0..3: values 128n + 32k + 4q + p) of chunk q in half n: 0..63 unsigned. */
 #define KQ_Q6_CODES(T, N, Q, C)                                                                                   \
     do {                                                                                                          \
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)((T) + KQ_Q6K_QL + (16 * (N) + (Q)) * 32));      \
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)((T) + KQ_Q6K_QL + (16 * (N) + 8 + (Q)) * 32));  \
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)((T) + KQ_Q6K_QH + (8 * (N) + (Q)) * 32));        \
+        const uint8_t *g_ = (T) + KQ_Q6K_BODY + (8 * (N) + (Q)) * KQ_Q6K_GROUP;                                  \
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)g_);                                              \
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(g_ + 32));                                       \
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g_ + 64));                                        \
         C[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));      \
         C[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));      \
         C[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));      \
