@@ -306,6 +306,95 @@ FT_VNNI static void tile_dot_q6k_vnni(const uint8_t *t, int64_t nb, const int8_t
     }
     _mm256_storeu_ps(out, acc);
 }
+/* Four tokens against one tile (tile_dot4_fn): the weight chunks are unpacked once and meet four activation rows. */
+#define KQ_DOT4_Q4K(NAME, ATTR, VNNI)                                                                             \
+    ATTR static void NAME(const uint8_t *t, int64_t nb, const int8_t *const *aq, const float *const *ad,          \
+                          const float *const *as, float *const *out) {                                            \
+        __m256 acc[4], corr[4];                                                                                   \
+        for (int i = 0; i < 4; i++) acc[i] = corr[i] = _mm256_setzero_ps();                                       \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                                  \
+        (void)ones;                                                                                               \
+        for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q4K) {                                                  \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));                                \
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 2 * TR)));                  \
+            for (int c = 0; c < 4; c++) {                                                                         \
+                __m256i sm[4][2]; /* VNNI: int32 sums; AVX2: int16 sums (<= 8 * 2 * 15 * 127) */                 \
+                for (int i = 0; i < 4; i++) sm[i][0] = sm[i][1] = _mm256_setzero_si256();                        \
+                for (int q = 0; q < 8; q++) {                                                                     \
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 16 * TR + (8 * c + q) * 32));      \
+                    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4); \
+                    for (int i = 0; i < 4; i++) {                                                                 \
+                        const int8_t *a = aq[i] + s * QKK + 64 * c + 4 * q;                                       \
+                        const __m256i xl = _mm256_set1_epi32(load_i32(a)), xh = _mm256_set1_epi32(load_i32(a + 32)); \
+                        sm[i][0] = VNNI ? _mm256_dpbusd_epi32(sm[i][0], lo, xl)                                   \
+                                        : _mm256_add_epi16(sm[i][0], _mm256_maddubs_epi16(lo, xl));              \
+                        sm[i][1] = VNNI ? _mm256_dpbusd_epi32(sm[i][1], hi, xh)                                   \
+                                        : _mm256_add_epi16(sm[i][1], _mm256_maddubs_epi16(hi, xh));              \
+                    }                                                                                             \
+                }                                                                                                 \
+                for (int h = 0; h < 2; h++) {                                                                     \
+                    const int j = 2 * c + h;                                                                      \
+                    __m256 dsc, dm;                                                                               \
+                    q4k_scales8(t, j, d, dmin, &dsc, &dm);                                                        \
+                    for (int i = 0; i < 4; i++) {                                                                 \
+                        const __m256i si = VNNI ? sm[i][h] : _mm256_madd_epi16(sm[i][h], ones);                   \
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si),                                          \
+                                                 _mm256_mul_ps(dsc, _mm256_set1_ps(ad[i][8 * s + j])), acc[i]);   \
+                        corr[i] = _mm256_fmadd_ps(dm, _mm256_set1_ps(as[i][8 * s + j]), corr[i]);                 \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[i], _mm256_sub_ps(acc[i], corr[i]));                    \
+    }
+
+#define KQ_DOT4_Q6K(NAME, ATTR, VNNI)                                                                             \
+    ATTR static void NAME(const uint8_t *t, int64_t nb, const int8_t *const *aq, const float *const *ad,          \
+                          const float *const *as, float *const *out) {                                            \
+        (void)as;                                                                                                 \
+        __m256 acc[4];                                                                                            \
+        for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();                                                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);     \
+        (void)ones;                                                                                               \
+        int32_t hs[4][16];                                                                                        \
+        for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q6K) {                                                  \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));                                \
+            for (int i = 0; i < 4; i++) kq_half_sums(aq[i] + s * QKK, hs[i]);                                     \
+            for (int n = 0; n < 2; n++)                                                                           \
+                for (int h = 0; h < 2; h++) {                                                                     \
+                    __m256i s32[4][4];                                                                            \
+                    for (int i = 0; i < 4; i++)                                                                   \
+                        for (int k = 0; k < 4; k++) s32[i][k] = _mm256_setzero_si256();                          \
+                    for (int qq = 0; qq < 4; qq++) {                                                              \
+                        __m256i cd[4];                                                                            \
+                        KQ_Q6_CODES(t, n, 4 * h + qq, cd);                                                        \
+                        for (int i = 0; i < 4; i++)                                                               \
+                            for (int k = 0; k < 4; k++) {                                                         \
+                                const __m256i x = _mm256_set1_epi32(                                              \
+                                    load_i32(aq[i] + s * QKK + 128 * n + 32 * k + 4 * (4 * h + qq)));            \
+                                s32[i][k] = VNNI ? _mm256_dpbusd_epi32(s32[i][k], cd[k], x)                       \
+                                                 : _mm256_add_epi32(s32[i][k], _mm256_madd_epi16(                 \
+                                                                                   _mm256_maddubs_epi16(cd[k], x), ones)); \
+                            }                                                                                     \
+                    }                                                                                             \
+                    for (int k = 0; k < 4; k++) {                                                                 \
+                        const int blk = 4 * n + k, sc_i = 2 * blk + h;                                            \
+                        const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(t + 2 * TR + TR * sc_i)), d);  \
+                        for (int i = 0; i < 4; i++) {                                                             \
+                            const __m256i isum = _mm256_sub_epi32(s32[i][k], _mm256_set1_epi32(32 * hs[i][sc_i])); \
+                            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),                                    \
+                                                     _mm256_mul_ps(sc, _mm256_set1_ps(ad[i][8 * s + blk])), acc[i]); \
+                        }                                                                                         \
+                    }                                                                                             \
+                }                                                                                                 \
+        }                                                                                                         \
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[i], acc[i]);                                             \
+    }
+
+KQ_DOT4_Q4K(tile_dot4_q4k_avx2, FT_AVX2, 0)
+KQ_DOT4_Q4K(tile_dot4_q4k_vnni, FT_VNNI, 1)
+KQ_DOT4_Q6K(tile_dot4_q6k_avx2, FT_AVX2, 0)
+KQ_DOT4_Q6K(tile_dot4_q6k_vnni, FT_VNNI, 1)
 #endif
 
 #endif

@@ -360,14 +360,18 @@ static tile_dot_fn pick_tile_dot(int fmt) {
                                                                                       : tile_dot_q8_c;
 }
 
-/* The 4-token variant, or NULL on the portable path and for the K-quants (callers then loop the 1-token kernel). */
+/* The 4-token variant, or NULL on the portable path (callers then loop the 1-token kernel). */
 static tile_dot4_fn pick_tile_dot4(int fmt) {
     if (g_isa < 0) g_isa = detect_isa();
-    if (fmt_is_kquant(fmt)) return NULL;
 #ifdef FT_X86
-    if (g_isa == FT_ISA_AVX512VNNI) return fmt == FT_Q4 ? tile_dot4_q4_vnni : tile_dot4_q8_vnni;
-    if (g_isa == FT_ISA_AVX2) return fmt == FT_Q4 ? tile_dot4_q4_avx2 : tile_dot4_q8_avx2;
+    if (g_isa == FT_ISA_AVX512VNNI)
+        return fmt == FT_Q4 ? tile_dot4_q4_vnni : fmt == FT_Q4K ? tile_dot4_q4k_vnni : fmt == FT_Q6K ? tile_dot4_q6k_vnni
+                                                                                                : tile_dot4_q8_vnni;
+    if (g_isa == FT_ISA_AVX2)
+        return fmt == FT_Q4 ? tile_dot4_q4_avx2 : fmt == FT_Q4K ? tile_dot4_q4k_avx2 : fmt == FT_Q6K ? tile_dot4_q6k_avx2
+                                                                                                : tile_dot4_q8_avx2;
 #endif
+    (void)fmt;
     return NULL;
 }
 

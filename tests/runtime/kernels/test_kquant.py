@@ -1,7 +1,8 @@
 """The K-quant kernels (Q4_K, Q6_K tiles: ``csrc/ft_kquant.h``) against the plain-torch reference (dequantize, fp32
 matmul), on every ISA path this CPU has, the portable one included: the tile layout round-trips, the C dequantizer
 gives the torch dequantizer's values bit for bit, and the int8-activation GEMV / small-M products and the fused MoE
-step (Q4_K gate/up with Q6_K down, as a Q4_K_M file holds them) agree with the reference to fp32 rounding."""
+step (Q4_K gate/up with Q6_K down, as a Q4_K_M file holds them) agree with the reference to fp32 rounding (1-token and
+4-token kernels: M = 1..16)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from freetoken_agent.runtime.kernels import build, ops
 from freetoken_agent.runtime.kernels.experts import QuantizedExperts
 from freetoken_agent.runtime.kernels.layout import unpack_blocks
-from freetoken_agent.runtime.kernels.reference import fake_quant_int8
+from freetoken_agent.runtime.kernels.reference import fake_quant_int8, near_ties
 from freetoken_agent.runtime.quant.formats import block_format
 
 KQUANTS = ["q4_k", "q6_k"]
@@ -53,16 +54,18 @@ def test_linear_matches_the_reference(fmt: str, shape: tuple[int, int], m: int, 
     pw, _, values = _weight(fmt, n, k, seed=7 * m + n)
     x = torch.randn(m, k)
     ref = fake_quant_int8(x) @ values.T  # the kernels' int8 activations, exact fp32 products
-    scale = float(ref.abs().max())
-    outs = {}
+    # a value within 1e-3 steps of an int8 rounding tie may round the other way in the kernels (their 127 / amax is
+    # a division, torch's a reciprocal times 127): one step of it times the weight's magnitude
+    slack = near_ties(x, 1e-3) @ values.abs().T
+    tol = 1e-5 * float(ref.abs().max()) + slack
     for isa in isas:
         ops.set_isa(isa)
-        outs[isa] = ops.linear(pw, x)
+        out = ops.linear(pw, x)
         # the same integer sums as the reference; only fp32 summation order differs (a wrong code, scale or
         # min is off by O(1) of the output's scale)
-        assert float((outs[isa] - ref).abs().max()) <= 1e-5 * scale, isa
+        assert bool(((out - ref).abs() <= tol).all()), isa
         # and against the weights' own values with fp32 activations: the int8 rounding only
-        assert float((outs[isa] - x @ values.T).norm() / (x @ values.T).norm()) < 0.03, isa
+        assert float((out - x @ values.T).norm() / (x @ values.T).norm()) < 0.03, isa
 
 
 def test_integer_friendly_inputs_are_exact(isas: list[str]) -> None:
