@@ -115,7 +115,7 @@ def describe_gguf(gguf: Any, dense_bytes: int, expert_bytes: int) -> dict[str, A
         "expert_conversion": conversions or ["experts are float: loaded as stored (--quant q8/q4 quantizes them)"],
         "plan": (f"memory-map the file; dense weights ({dense_bytes / 2**20:.1f} MiB stored) dequantized to the "
                  f"compute dtype; routed experts ({expert_bytes / 2**20:.1f} MiB stored) run as {' + '.join(run).upper()} "
-                 "on the CPU kernels (Q8_0/Q4_0 as stored, other block types converted at load)"),
+                 "on the CPU kernels (Q8_0, Q4_0, Q4_K and Q6_K as stored, other block types converted at load)"),
         "tokenizer": str(gguf.file.metadata.get("tokenizer.ggml.model", "none"))
         + (f" (pre-tokenizer {gguf.file.metadata['tokenizer.ggml.pre']})" if "tokenizer.ggml.pre" in gguf.file.metadata
            else ""),
