@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import re
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from freetoken_agent.runtime.errors import FreeTokenError
+
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -37,7 +42,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 PROCESS_FLOOR_MB = 260
 """Host memory a budgeted process takes beyond its budget: measured 230-250 MiB peak RSS with Python 3.11, torch
 2.13 (CPU), the runtime and its C kernels and a tokenizer loaded (``python -m freetoken_agent.evals.perf.load_memory``
-prints it as ``floor``); a generation's activations add a few MB on small models."""
+prints it as ``floor``); a generation's activations add a few MB on small models, and ~40 MiB (not in the ledger)
+during a 512-token prefill chunk over 1.5k cached tokens of a hidden-2048 model (16/4 heads of 128, 64 experts)."""
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -66,6 +72,30 @@ def bound_heap() -> bool:
     ok = bool(mallopt(_M_MMAP_THRESHOLD, HEAP_RETURN_BYTES))
     trim(0)
     return ok
+
+
+_MADV_DONTNEED = 4  # Linux madvise advice
+
+
+def release_pages(t: torch.Tensor) -> bool:
+    """Give the whole pages of a contiguous CPU tensor's bytes back to the OS now: its resident memory drops and
+    the bytes read as zeros until written again (``madvise(MADV_DONTNEED)``; the partial pages at either end are
+    kept). For memory the tensor keeps but a ledger no longer pays for (a slot pool shrunk in place); not for pinned
+    (page-locked) memory. Returns False where it cannot (not Linux, not a contiguous CPU tensor): nothing is released
+    then."""
+    if not sys.platform.startswith("linux") or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    lo, hi = -(-start // page) * page, (start + t.numel() * t.element_size()) // page * page
+    if hi <= lo:
+        return True
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(lo, hi - lo, _MADV_DONTNEED) == 0
 
 
 class BudgetExceededError(FreeTokenError):

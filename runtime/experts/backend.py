@@ -55,6 +55,9 @@ class ManagedExperts:
         self.exact = True
         """False: quantized decode always runs as one fused call over the pool (fp32 sums may reorder: ~1e-7)."""
         self._views: dict[str, tuple[int, SlotViews, QuantizedExperts | None]] = {}
+        for pool in (store.host, store.device):
+            if pool is not None:  # a reallocated pool: drop the views, or they keep the old tensor alive
+                pool.on_reallocate.append(self._views.clear)
 
     @property
     def capabilities(self) -> Capabilities:

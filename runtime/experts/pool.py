@@ -7,6 +7,12 @@ it is ready, not in use by the step being computed (``use``/``unuse`` counts) an
 policy picks among evictable slots. With ``per_layer`` set the pool acts as per-layer pools (each layer owns at
 most that many slots and, once full, evicts only its own experts); by default it is one global pool.
 Thread-safe: the prefetch thread claims and fills slots concurrently.
+
+``resize`` (the KV ↔ expert boundary moving) keeps the tensor where it can: a CPU pool shrinks in place (the slots
+past the new end are evicted and their pages given back to the OS) and grows back in place up to the size it was
+allocated with, keeping every expert in the slots that stay. Only growth past that, or a pool whose pages cannot be
+given back (device, pinned), allocates a new tensor; ``on_reallocate`` callbacks run first, so no view over the old
+tensor keeps it alive while the new one fills: the pool's memory never exceeds what its reservation holds.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key, ResidencyPolicy
-from freetoken_agent.runtime.memory import Reservation
+from freetoken_agent.runtime.memory import Reservation, release_pages
 
 
 class SlotPool:
@@ -38,6 +44,8 @@ class SlotPool:
         self.per_layer: int | None = None
         """Per-layer pools: each layer holds at most this many slots (None: one global pool)."""
         self._split: tuple[int, int] | None = None
+        self.on_reallocate: list[Callable[[], None]] = []
+        """Called before the pool tensor is replaced: whoever holds views over ``data`` drops them here."""
         self._allocate(n_slots)
 
     def split_per_layer(self, layers: int, floor: int) -> None:
@@ -49,6 +57,9 @@ class SlotPool:
         self.reservation.grow(n_slots * self.layout.stride)  # raises before any allocation when it does not fit
         pin = self.pin_memory and self.device.type == "cpu"
         self.data = torch.empty(n_slots, self.layout.stride, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        self._pinned = pin
+        self.capacity = n_slots
+        """Slots ``data`` has room for; ``n_slots`` (those in use) is at most this after a shrink in place."""
         self.n_slots = n_slots
         self.table: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
@@ -156,22 +167,53 @@ class SlotPool:
     # ---------------------------------------------------------------- resize (elastic boundary)
 
     def resize(self, n_slots: int) -> int:
-        """Reallocate with ``n_slots`` (contents dropped, pins kept as keys to reload); returns bytes freed.
+        """Change the pool to ``n_slots`` slots; returns the bytes freed (negative when it grew).
 
-        The old tensor is released before the new one is claimed and allocated, so the tier never holds both.
+        In place where it can (module docstring): the experts in slots below both sizes stay, those above the new
+        size are evicted (pins among them too: the caller reloads its pins). Otherwise a new tensor, contents
+        dropped: views over the old one are dropped (``on_reallocate``) and it is released before the new one is
+        claimed and allocated, so the tier never holds both.
         """
         with self.lock:
             if self.loading or any(self.in_use):
                 raise RuntimeError("cannot resize a slot pool while slots are loading or in use")
-            before = self.n_slots * self.layout.stride
+            before = self.n_slots
+            if n_slots <= self.capacity and self._resize_in_place(n_slots):
+                return (before - n_slots) * self.layout.stride
             for key in list(self.table):
                 self.policy.forget(key)
+            for drop_views in self.on_reallocate:
+                drop_views()
             del self.data
-            self.reservation.shrink(before)
+            self.reservation.shrink(before * self.layout.stride)
             self._allocate(n_slots)
             if self._split is not None:
                 self.split_per_layer(*self._split)
-            return before - n_slots * self.layout.stride
+            return (before - n_slots) * self.layout.stride
+
+    def _resize_in_place(self, n_slots: int) -> bool:
+        """``resize`` within ``capacity`` keeping ``data``; False (nothing changed) where its pages cannot be given
+        back. Growth claims the bytes before the slots are used; a shrink evicts, releases, then gives them back."""
+        before, stride = self.n_slots, self.layout.stride
+        if n_slots < before and (self._pinned or not release_pages(self.data[n_slots:before].view(-1))):
+            return False
+        if n_slots > before:
+            self.reservation.grow((n_slots - before) * stride)
+        for s in range(n_slots, before):  # slots past the new end: evict their experts
+            key = self.owner[s]
+            if key is not None:
+                del self.table[key]
+                self.policy.forget(key)
+                self.layer_count[key[0]] -= 1
+        self.owner = self.owner[:n_slots] + [None] * (n_slots - before)
+        self.in_use = self.in_use[:n_slots] + [0] * (n_slots - before)
+        self.free = list(range(n_slots - 1, before - 1, -1)) + [s for s in self.free if s < n_slots]
+        self.n_slots = n_slots
+        if n_slots < before:
+            self.reservation.shrink((before - n_slots) * stride)
+        if self._split is not None:
+            self.split_per_layer(*self._split)
+        return True
 
     @property
     def nbytes(self) -> int:

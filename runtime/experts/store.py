@@ -236,7 +236,8 @@ class ExpertStore:
     # ---------------------------------------------------------------- elastic boundary (KV <-> expert slots)
 
     def shrink_host(self, nbytes: int) -> int:
-        """Give up whole host slots worth at least ``nbytes`` (contents dropped, pins reloaded); returns bytes freed.
+        """Give up whole host slots worth at least ``nbytes`` (``SlotPool.resize``: experts in the slots that stay are
+        kept when the pool shrinks in place; pins reloaded); returns bytes freed.
 
         Never below ``min_slots`` + pins (returns less, possibly 0, when it cannot). Between steps only.
 

@@ -6,6 +6,9 @@ bf16 checkpoint), a greedy generation, the engine closed, a second (warm) load a
 case that was killed before (a 7.8B model, ``--host-memory 0.8GB --quant-dense q4``: 1.56 GB of anonymous memory at a
 1.5 GB cap): its experts are ~2x the budget, and its dense weights in fp32 (168 MB) are more than the budget plus the
 floor's slack, quantized (q8: ~48 MB) well inside it — so the load must quantize them layer by layer as it reads them.
+A second model runs a prompt of several prefill chunks under the cap: its KV pool grows by taking bytes from an expert
+pool of ~130 MB mid-generation (the pool shrinks), so a step that held the old pool while it filled the new one
+(measured before: 2x the pool for a whole step) is killed.
 
 The cap, in order of preference:
 
@@ -43,11 +46,15 @@ PROMPT = list(range(3, 40))
 NEW = 16
 pytestmark = pytest.mark.skipif(build.load() is None, reason="quantized experts and dense weights need the C kernels")
 QUANT = "q8"
+LONG_BUDGET = 160 * 10**6
+LONG_PROMPT = [3 + i * 7919 % 1000 for i in range(600)]
 
 CHILD = r"""
 import gc, json, sys
 from pathlib import Path
 model, cache, budget, quant, prompt, new = json.loads(sys.argv[1])
+def peak_mib():
+    return next(int(x.split()[1]) // 1024 for x in open("/proc/self/status") if x.startswith("VmHWM"))
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.experts.setup import ResidencyConfig
 from freetoken_agent.runtime.memory import Budget
@@ -57,12 +64,21 @@ for phase in ("cold", "warm"):
                                     residency=ResidencyConfig(cache_path=Path(cache)))
     tokens = engine.generate(prompt, max_new_tokens=new, stop_token_ids=()).token_ids
     runs.append({"phase": phase, "written": Path(cache).is_file(), "tokens": tokens,
-                 "peak": engine.residency.ledgers["host"].peak})
+                 "peak": engine.residency.ledgers["host"].peak, "moves": len(engine.residency.ledgers["host"].moves),
+                 "rss_mib": peak_mib()})
     engine.close()
     del engine
     gc.collect()
 print("RESULT " + json.dumps(runs))
 """
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~450 MB of bf16: 8 layers of 64 experts of 3 x 1024 x 128 (201M parameters: ~214 MB of Q8_0 experts for the
+    ~130 MB expert pool of a 160 MB budget) and 16-head attention (32 KiB of fp32 KV per token)."""
+    return write_bf16_checkpoint(tmp_path_factory.mktemp("capped-long"), experts=64, layers=8, hidden=1024,
+                                 inter=128, num_attention_heads=16, num_key_value_heads=4)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +109,10 @@ def _cgroup(cap: int, tmp: Path) -> Path | None:
     return None
 
 
-def _run_capped(model: Path, cache: Path, cap: int, tmp: Path) -> tuple[list[dict], str]:
+def _run_capped(model: Path, cache: Path, budget: int, prompt: list[int], tmp: Path) -> tuple[list[dict], str]:
+    """Cold and warm budgeted loads of ``model``, each generating ``NEW`` tokens after ``prompt``, in a child under a
+    cap of ``budget`` + ``PROCESS_FLOOR_MB``; returns what each run reported and how the cap was set."""
+    cap = budget + PROCESS_FLOOR_MB * 10**6
     group = _cgroup(cap, tmp)
     if group is not None:
         enter = f"open({str(group / 'cgroup.procs')!r}, 'w').write(str(__import__('os').getpid()))\n"
@@ -102,7 +121,7 @@ def _run_capped(model: Path, cache: Path, cap: int, tmp: Path) -> tuple[list[dic
         limit = cap + DATA_MARGIN
         enter = f"import resource; resource.setrlimit(resource.RLIMIT_DATA, ({limit}, {limit}))\n"
         how = "RLIMIT_DATA"
-    payload = json.dumps([str(model), str(cache), BUDGET, QUANT, PROMPT, NEW])
+    payload = json.dumps([str(model), str(cache), budget, QUANT, prompt, NEW])
     try:
         proc = subprocess.run([sys.executable, "-c", enter + CHILD, payload], capture_output=True, text=True,
                               timeout=600)
@@ -122,7 +141,7 @@ def test_budgeted_loads_and_generation_fit_under_a_hard_cap(model: Path, tmp_pat
     size = (model / "model.safetensors").stat().st_size
     assert size > 3 * BUDGET  # the checkpoint is far bigger than the budget
     cache = tmp_path / "experts.ftx"
-    runs, how = _run_capped(model, cache, BUDGET + PROCESS_FLOOR_MB * 10**6, tmp_path)
+    runs, how = _run_capped(model, cache, BUDGET, PROMPT, tmp_path)
     reference = Engine.from_pretrained(model, quant=QUANT, dense_quant=QUANT).generate(
         PROMPT, max_new_tokens=NEW, stop_token_ids=()).token_ids
     assert [r["phase"] for r in runs] == ["cold", "warm"] and all(r["written"] for r in runs)
@@ -130,6 +149,20 @@ def test_budgeted_loads_and_generation_fit_under_a_hard_cap(model: Path, tmp_pat
     for r in runs:
         assert r["tokens"] == reference, f"{r['phase']} load under {how} generated other tokens"
         assert r["peak"] <= BUDGET
+
+
+def test_long_prompt_fits_under_a_hard_cap(long_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prefill chunks and a decode, the KV growing out of the expert pool's bytes as the prompt fills it."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ftcache"))
+    cache = tmp_path / "experts.ftx"
+    runs, how = _run_capped(long_model, cache, LONG_BUDGET, LONG_PROMPT, tmp_path)
+    reference = Engine.from_pretrained(long_model, quant=QUANT, dense_quant=QUANT).generate(
+        LONG_PROMPT, max_new_tokens=NEW, stop_token_ids=()).token_ids
+    assert cache.stat().st_size > LONG_BUDGET
+    for r in runs:
+        assert r["moves"] > 0, "the KV pool never took bytes from the expert pool: the prompt is too short"
+        assert r["tokens"] == reference, f"{r['phase']} load under {how} generated other tokens"
+        assert r["peak"] <= LONG_BUDGET
 
 
 def test_budget_below_the_minimum_is_refused_before_loading(model: Path, tmp_path: Path) -> None:
