@@ -2,9 +2,10 @@
 folder — run a turn with a tool-call round trip against ``freetoken serve`` (scripted answers) via
 ``freetoken launch``: the model asks for a shell command, the CLI runs it and sends the result back, the model
 answers. Against the built-in model (4096-token context) they get honest answers they understand: their default
-prompts (Claude Code's ~24k tokens, Codex's ~11k in its tokenizer) are refused as too long for the context, and a turn
-cut at the output limit is read as one (both CLIs then stop with their own max-output error). Skipped (with the
-reason) only when npm is missing."""
+prompts (Claude Code's ~24k tokens, Codex's ~11k in its tokenizer) are refused as too long for the context, a turn
+cut at the output limit is read as one (both CLIs then stop with their own max-output error), and a plain turn with
+their prompts slimmed to fit ends (the model's end of turn) and exits 0. Skipped (with the reason) only when npm is
+missing."""
 
 from __future__ import annotations
 
@@ -96,7 +97,11 @@ def test_launch_without_the_cli_is_one_line(tmp_path: Path) -> None:
 
 
 CUT = 8
-"""The built-in model's answers are cut at this many tokens (it rarely ends a turn under these CLIs' prompts)."""
+"""The built-in model's answers are cut at this many tokens where a test wants a turn cut at the output limit."""
+PLAIN_LIMIT = 512
+"""Output limit of a plain turn (Claude Code's slimmed prompt plus this must fit the 4096-token context, which the
+Messages API checks): the built-in model ends a plain answer in ~100 tokens on average (37 of 40 sampled plain
+turns ended within 512 tokens, measured on the shipped weights)."""
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +181,25 @@ def test_codex_max_tokens_needs_a_server_launch_starts(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == ("freetoken launch: error: --max-tokens with --url: Codex sends no output limit, "
                                    "so the running server's --default-max-tokens decides it")
+
+
+def test_claude_code_plain_turn_on_the_builtin_model_exits_0(tmp_path: Path) -> None:
+    """A plain question, Claude Code's prompt slimmed to fit the 4096-token context: the built-in model answers and
+    ends its turn (``stop_reason: end_turn``), Claude Code prints the answer and exits 0."""
+    done = _run_launch(tmp_path, "claude", ["--threads", "1", "--max-tokens", str(PLAIN_LIMIT)],
+                       ["-p", "Say hi.", "--system-prompt", "You are a helpful assistant.", "--tools", ""])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.strip()  # the model's answer
+    assert "Traceback" not in done.stderr
+
+
+def test_codex_plain_turn_on_the_builtin_model_exits_0(tmp_path: Path) -> None:
+    """The same with Codex (short instructions, no multi-agent or goal tools; its shell tools stay offered): the
+    built-in model answers without a tool call and ends its turn, Codex exits 0."""
+    instructions = tmp_path / "instructions.md"
+    instructions.write_text("You are a helpful assistant.\n")
+    done = _run_launch(tmp_path, "codex", ["--threads", "1", "--max-tokens", str(PLAIN_LIMIT)], [
+        "exec", "--skip-git-repo-check", "-c", f"model_instructions_file={json.dumps(str(instructions))}",
+        "--disable", "multi_agent", "--disable", "goals", "Say hi."])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "Traceback" not in done.stderr

@@ -59,8 +59,24 @@ def test_engine_and_transformers_agree_on_logits_and_greedy_output(engine: Engin
     assert ours.text == hf_tok.decode(theirs, skip_special_tokens=False)
 
 
+TASKS = [
+    "`str.split` drops the last field in parse_row().",
+    "Fix the off-by-one in utils.py: range(len(items) - 1) skips the last item.",
+    "QuerySet.order_by() ignores a descending field given with a leading minus sign.",
+    "The CLI crashes with KeyError: 'path' when the config file has no [paths] section.",
+    "Add a --verbose flag to the build script that prints each command before it runs.",
+    "DateField.to_python() raises TypeError for an empty string instead of returning None.",
+    "The cache never expires entries: set() ignores its ttl argument.",
+    "Running the test suite on Windows fails because paths are joined with '/'.",
+]
+"""PR descriptions in the style of the training sessions' tasks (none of them is one)."""
+
+
 def test_builtin_model_speaks_the_agent_format(engine: Engine) -> None:
-    # greedy decoding of a task it never saw: THOUGHT text, then one bash tool call in the Hermes format
-    reply = engine.chat(CONVERSATION[:2], tools=[BASH_TOOL], max_new_tokens=120, temperature=0.0)
-    assert reply.text.startswith("THOUGHT:"), reply.text
-    assert "<tool_call>" in reply.text and '"name": "bash"' in reply.text, reply.text
+    """Greedy replies to tasks it never saw: THOUGHT text, then a bash tool call in the Hermes format, on most of them
+    (a model this small does not on every one; the shipped weights: 6 of 8, measured)."""
+    replies = [engine.chat([{"role": "system", "content": BUILTIN_SYSTEM_PROMPT},
+                            {"role": "user", "content": f"<pr_description>\n{task}\n</pr_description>"}],
+                           tools=[BASH_TOOL], max_new_tokens=150, temperature=0.0).text for task in TASKS]
+    good = [r for r in replies if r.startswith("THOUGHT:") and "<tool_call>" in r and '"name": "bash"' in r]
+    assert len(good) * 2 > len(TASKS), replies
