@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from freetoken_agent.runtime.errors import FreeTokenError, OptionError
+from freetoken_agent.runtime.memory import release_pages
 
 KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``kv_dtype`` option values → the pool's storage type (None: the model's compute dtype, as written)."""
@@ -123,10 +124,18 @@ class PagePool:
         return n
 
     def retire(self, n: int) -> int:
-        """Take up to ``n`` free pages out of circulation; returns how many."""
+        """Take up to ``n`` free pages out of circulation; returns how many. A CPU pool gives their bytes back to the
+        OS (``memory.release_pages``): the budget moves retired pages' bytes to the experts, so they must stop being
+        resident; a page put back in circulation reads zeros until it is written, as a fresh one would."""
         n = min(n, len(self._free))
-        for _ in range(n):
-            self._dormant.append(self._free.pop(0))
+        retired = [self._free.pop(0) for _ in range(n)]
+        self._dormant.extend(retired)
+        if retired and self.device.type == "cpu":
+            for store in self.data:
+                for buf in store or ():
+                    if not buf.is_pinned():
+                        for page in retired:
+                            release_pages(buf[page])
         return n
 
     def take(self, page: int) -> int | None:

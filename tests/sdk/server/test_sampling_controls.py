@@ -24,6 +24,8 @@ from freetoken_agent.runtime.models import resolve_model
 from freetoken_agent.server import serve_in_thread
 
 HI = [{"role": "user", "content": "Fix the bug in calc.py."}]
+REPETITIVE = [{"role": "user", "content": "import os\n" * 6}]
+"""A prompt the built-in model continues with a repetitive greedy text (a third of 40 tokens distinct)."""
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +130,17 @@ def test_stream_text_chunks_carry_exactly_the_final_logprobs(served) -> None:
     """In one generation the chunks' log probabilities are the very entries the final event lists (what the
     non-streamed answer reports): a stop string holds text back, the held tokens come with the chunk that
     releases their text, the cut ones only at the end."""
-    _client, backend = served
+    client, backend = served
+    # the stop string: a later token of the model's own greedy text that does not occur before it
+    plain = client.chat.completions.create(model="builtin", messages=HI, max_tokens=12, temperature=0.0,
+                                           logprobs=True).choices[0].logprobs.content
+    texts = [t.token for t in plain]
+    stop = next(t for i, t in enumerate(texts) if i >= 2 and t.strip() and t not in "".join(texts[:i]))
 
     async def run() -> tuple[list, GenerationDone]:
         chunks, done = [], None
         async for item in backend.stream_text(GenerateRequest(messages=HI, max_tokens=12, logprobs=2,
-                                                              stop=[" is"])):
+                                                              stop=[stop])):
             if isinstance(item, TextChunk):
                 chunks.append(item)
             else:
@@ -142,18 +149,19 @@ def test_stream_text_chunks_carry_exactly_the_final_logprobs(served) -> None:
         return chunks, done
 
     chunks, done = anyio.run(run)
-    assert done.stop_sequence == " is" and done.logprobs is not None
+    assert done.stop_sequence == stop and done.logprobs is not None
     carried = [e for c in chunks for e in c.logprobs]
     assert all(len(c.logprobs) == c.tokens for c in chunks) and sum(c.tokens for c in chunks) == len(carried)
     assert tuple(carried) == done.logprobs[:len(carried)] and len(done.logprobs) == done.usage.completion_tokens
-    assert done.logprobs[len(carried)].text.startswith(" is")  # the stop's token: no text, listed at the end only
+    assert done.logprobs[len(carried)].text.startswith(stop)  # the stop's token: no text, listed at the end only
 
 
 def test_penalties_change_a_repetitive_greedy_text(served) -> None:
     client, _backend = served
 
     def tokens(temperature: float = 0.0, **kwargs) -> list[str]:
-        reply = client.chat.completions.create(model="builtin", messages=HI, max_tokens=40, temperature=temperature,
+        reply = client.chat.completions.create(model="builtin", messages=REPETITIVE, max_tokens=40,
+                                               temperature=temperature,
                                                seed=1, logprobs=True, **kwargs)
         return [t.token for t in reply.choices[0].logprobs.content]
 
@@ -188,10 +196,11 @@ def test_repetition_penalty_over_http(served) -> None:
 
     client, backend = served
     tokenizer = backend.engine.tokenizer
-    reply = client.chat.completions.create(model="builtin", messages=HI, max_tokens=8, temperature=0, logprobs=True,
+    reply = client.chat.completions.create(model="builtin", messages=REPETITIVE, max_tokens=8, temperature=0,
+                                           logprobs=True,
                                            top_logprobs=5, extra_body={"repetition_penalty": 1.8})
     entries = reply.choices[0].logprobs.content
-    seq = tokenizer.encode(backend.render(GenerateRequest(messages=HI)))
+    seq = tokenizer.encode(backend.render(GenerateRequest(messages=REPETITIVE)))
     session = backend.engine.session()
     for entry in entries:
         logits = session.prefill_logits(seq)[1][-1].float()
@@ -201,11 +210,11 @@ def test_repetition_penalty_over_http(served) -> None:
         assert all(math.isclose(t.logprob, float(v), abs_tol=1e-3) for t, v in zip(entry.top_logprobs, values))
         seq.append(int(top[0]))
     session.close()
-    plain = client.chat.completions.create(model="builtin", messages=HI, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model="builtin", messages=REPETITIVE, max_tokens=8, temperature=0)
     assert plain.choices[0].message.content != reply.choices[0].message.content
 
     def words(**extra) -> list[str]:
-        reply = client.chat.completions.create(model="builtin", messages=HI, max_tokens=40, temperature=0,
+        reply = client.chat.completions.create(model="builtin", messages=REPETITIVE, max_tokens=40, temperature=0,
                                                logprobs=True, extra_body=extra)
         return [t.token for t in reply.choices[0].logprobs.content]
 
@@ -213,7 +222,7 @@ def test_repetition_penalty_over_http(served) -> None:
     assert len(set(fewer)) / len(fewer) > len(set(base)) / len(base)  # fewer repeats
     for bad in (0, -1, 11, "x"):
         with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
-            client.chat.completions.create(model="builtin", messages=HI, max_tokens=1,
+            client.chat.completions.create(model="builtin", messages=REPETITIVE, max_tokens=1,
                                            extra_body={"repetition_penalty": bad})
 
 
