@@ -19,7 +19,7 @@ from freetoken_agent.tools.shell import run_shell, shell_result_prefix
 from freetoken_agent import Agent, Limits, LocalEngine, loop
 from freetoken_agent.events import TextDelta, ToolCallFinished
 
-TASK = "The test in calc.py fails; fix add()."
+TASK = "<pr_description>\nThe test in calc.py fails; fix add().\n</pr_description>"  # the training sessions' task form
 BACKEND: list[LocalEngine] = []  # the engine the scripted tool's output streams into
 SCRIPT = "import time\nfor i in range(48):\n    print(f'line {i}: ' + 'x' * 60, flush=True)\n    time.sleep(0.01)\n"
 
