@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -66,14 +67,25 @@ def _encode(w: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
     return gguf.quants.quantize(x, qt), qt
 
 
-def _load(folder: Path) -> dict[str, torch.Tensor]:
+def _load_groups(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors as fp32, one group at a time: everything outside ``model.layers``, then each layer
+    (so a 7B checkpoint never sits in memory whole)."""
     from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k).float() for k in f.keys()})
-    return out
+            where.update({k: file for k in f.keys()})
+    groups: dict[int, list[str]] = {}
+    for k in where:
+        m = re.match(r"model\.layers\.(\d+)\.", k)
+        groups.setdefault(int(m.group(1)) if m else -1, []).append(k)
+    for _, keys in sorted(groups.items()):
+        out: dict[str, torch.Tensor] = {}
+        for file in sorted({where[k] for k in keys}):
+            with safe_open(str(file), "pt") as f:
+                out.update({k: f.get_tensor(k).float() for k in keys if where[k] == file})
+        yield out
 
 
 def _stack_experts(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -244,7 +256,9 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
     if arch == "glm4moe":  # Glm4MoeModel exports the multi-token-prediction layers as extra blocks
         n_layers += cfg.get("num_nextn_predict_layers") or 0
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    # one tensor in memory at a time: the data goes to a temporary file as it is added (not with splits, whose
+    # parts the writer cannot fill from one temporary file)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors, use_temp_file=not split_max_tensors)
     w.add_block_count(n_layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -285,9 +299,19 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
             w.add_vocab_size(cfg["vocab_size"])
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     tmap = gguf.get_tensor_name_map(arch_id, n_layers)
-    sd = _stack_experts(_load(folder), n_layers)
-    if mla and cfg.get("tie_word_embeddings"):
-        sd.pop("lm_head.weight", None)
+    for sd in _load_groups(folder):
+        if mla and cfg.get("tie_word_embeddings"):
+            sd.pop("lm_head.weight", None)
+        _add_tensors(w, _stack_experts(sd, n_layers), arch, cfg, tmap, heads, kv_heads, experts, dense, down)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tensors(w: Any, sd: dict[str, torch.Tensor], arch: str, cfg: dict[str, Any], tmap: Any, heads: int,
+                 kv_heads: int, experts: str, dense: str, down: str | None) -> None:
     for name, t in ((n2, t2) for n, t in sd.items() for n2, t2 in _modify(arch, n, t, cfg)):
         new = name.removeprefix("gguf:") if name.startswith("gguf:") else tmap.get_name(name, try_suffixes=(".weight",
                                                                                                              ".bias"))
@@ -305,11 +329,6 @@ def write_gguf(folder: Path, out: Path, experts: str = "F32", dense: str = "F32"
             kind = "F32"
         arr, raw = _encode(t, kind)
         w.add_tensor(new, arr, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def add_tokenizer(w: Any, folder: Path) -> None:
