@@ -101,6 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_quantize": (i32, [i32, i32, p, i64, i64, p, i32, i32]),
         "ft_read_bandwidth": (f64, [p, i64, i32]),
         "ft_moe": (i32, [i32, i32, p, i64, p, i64, i64, i64, i64, p, i64, p, p, i64, p]),
+        "ft_moe_set_pass_bytes": (ctypes.c_size_t, [ctypes.c_size_t]),
         "ft_gemm_f32": (i32, [p, p, i64, i64, p, i64, p, p]),
         "ft_gemm_f32_parts": (i32, [i32, p, p, i64, p, i64, p, p]),
         "ft_rms_norm": (None, [p, p, i64, i64, ctypes.c_float, p]),

@@ -513,6 +513,13 @@ def moe(
     return out
 
 
+def set_moe_pass_bytes(nbytes: int) -> int:
+    """Work-buffer bytes one pass of ``moe`` may hold (0: the default, 12 MiB); returns the previous value. A long
+    prefill step's (token, expert) slots run in passes of whole experts so its working memory stays bounded; the
+    result is the same bit for bit for any value (tests use a small one to force many passes)."""
+    return int(_lib().ft_moe_set_pass_bytes(max(0, int(nbytes))))
+
+
 QUANT_INPUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read as is (widened per block in C)
 
 

@@ -16,17 +16,19 @@ typedef struct {
     const int64_t *g_expert, *g_start; /* group g = one active expert: slots [g_start[g], g_start[g+1]) */
     const int64_t *s_token;
     const float *s_weight;
-    qact qx, qa;
-    float *h;   /* [S, n13] gate|up outputs (n13 = 2I padded to tiles) */
-    float *y;   /* [S, nD] down outputs per slot (nD = D padded to tiles) */
+    qact qx, qa; /* qa: rows of the current pass's slots (slot s at row s - s_base) */
+    float *h;   /* [pass slots, n13] gate|up outputs (n13 = 2I padded to tiles) */
+    float *y;   /* [pass slots, nD] down outputs per slot (nD = D padded to tiles) */
     int64_t nD, chunks2, n_slots;
-    int64_t *t_start, *t_slots; /* token t's slots: t_slots[t_start[t] .. t_start[t+1]) */
+    int64_t *t_start, *t_slots; /* token t's slots, ascending: t_slots[t_start[t] .. t_start[t+1]) */
+    int64_t *t_next;            /* token t's first slot not yet added to out (advances pass by pass) */
+    int64_t g_base, s_base, s_end; /* the current pass: groups from g_base, slots [s_base, s_end) */
     float *out; /* [T, D] */
 } moe_ctx;
 
 static void moe_gate_up_item(void *p, int64_t item) {
     const moe_ctx *c = (const moe_ctx *)p;
-    int64_t g = item / c->chunks13, chunk = item % c->chunks13;
+    int64_t g = c->g_base + item / c->chunks13, chunk = item % c->chunks13;
     const uint8_t *base = c->w13 + c->g_expert[g] * c->w13_stride;
     int64_t tile_stride = c->nbD * tile_block_bytes(c->fmt), ntiles = c->n13 / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
@@ -34,11 +36,11 @@ static void moe_gate_up_item(void *p, int64_t item) {
     for (int64_t t = t0; t < t1; t++) {
         int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
         dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbD, &c->qx, c->s_token + s0, 0, n,
-                 c->h + s0 * c->n13 + t * TR, c->n13);
+                 c->h + (s0 - c->s_base) * c->n13 + t * TR, c->n13);
     }
 }
 
-static void moe_act_item(void *p, int64_t s) {
+static void moe_act_item(void *p, int64_t s) { /* s: a row of the pass (slot s_base + s) */
     const moe_ctx *c = (const moe_ctx *)p;
     const float *h = c->h + s * c->n13;
     float buf[QK];
@@ -62,27 +64,30 @@ static void moe_act_item(void *p, int64_t s) {
  * gate_up does (a row-chunk loop over all experts would jump between E short streams and starve the prefetcher) */
 static void moe_down_item(void *p, int64_t item) {
     const moe_ctx *c = (const moe_ctx *)p;
-    int64_t g = item / c->chunks2, chunk = item % c->chunks2;
+    int64_t g = c->g_base + item / c->chunks2, chunk = item % c->chunks2;
     const uint8_t *base = c->w2 + c->g_expert[g] * c->w2_stride;
     int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt2), ntiles = c->nD / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
     for (int64_t t = t0; t < t1; t++) {
         int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
-        dot_rows(c->dot2, c->dot4_2, base + t * tile_stride, c->nbI, &c->qa, NULL, s0, n, c->y + s0 * c->nD + t * TR,
-                 c->nD);
+        dot_rows(c->dot2, c->dot4_2, base + t * tile_stride, c->nbI, &c->qa, NULL, s0 - c->s_base, n,
+                 c->y + (s0 - c->s_base) * c->nD + t * TR, c->nD);
     }
 }
 
-/* out[t, :] = sum over t's slots of weight * y[s, :]; item = one token */
+/* out[t, :] += weight * y[s, :] over t's slots in the current pass, in slot order; item = one token. Passes run in
+ * ascending slot order, so each token's sum is added up in the same order as in one pass over all slots. */
 static void moe_combine_item(void *p, int64_t t) {
     const moe_ctx *c = (const moe_ctx *)p;
     float *o = c->out + t * c->D;
-    for (int64_t k = c->t_start[t]; k < c->t_start[t + 1]; k++) {
+    int64_t k = c->t_next[t];
+    for (; k < c->t_start[t + 1] && c->t_slots[k] < c->s_end; k++) {
         const int64_t s = c->t_slots[k];
-        const float w = c->s_weight[s], *y = c->y + s * c->nD;
+        const float w = c->s_weight[s], *y = c->y + (s - c->s_base) * c->nD;
         for (int64_t j = 0; j < c->D; j++) o[j] += w * y[j];
     }
+    c->t_next[t] = k;
 }
 
 /* Scratch of the calling thread, kept between calls (a decode step makes one ft_moe call per layer, and its routing
@@ -90,6 +95,20 @@ static void moe_combine_item(void *p, int64_t t) {
  * prefill) is allocated for that call and freed. Two arenas: the routing tables are sized before the slot count S
  * is known, the work buffers after. */
 #define FT_MOE_KEEP ((size_t)16 << 20)
+
+/* Bytes of per-slot work buffers (gate|up outputs, down outputs, int8 activations) one pass may hold: a long prefill
+ * chunk's slots (T x top-k: 4,096 for 512 tokens of top-8, ~60 MiB at hidden 2048) run in passes of whole experts,
+ * so a step's working memory stays bounded (the memory budget's step reserve counts on it). */
+#define FT_MOE_PASS_BYTES ((size_t)12 << 20)
+static size_t moe_pass_bytes = FT_MOE_PASS_BYTES;
+
+/* Set the per-pass work-buffer bytes (0: the default); returns the previous value. For tests: any value gives the
+ * same results bit for bit. */
+size_t ft_moe_set_pass_bytes(size_t bytes) {
+    size_t old = moe_pass_bytes;
+    moe_pass_bytes = bytes ? bytes : FT_MOE_PASS_BYTES;
+    return old;
+}
 
 typedef struct {
     uint8_t *buf;
@@ -179,15 +198,24 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     c.n_slots = S;
     {
+        /* slots per pass: whole experts, up to moe_pass_bytes of work buffers (at least the biggest expert) */
+        const size_t per_slot = 4 * (size_t)c.n13 + 4 * (size_t)c.nD + (size_t)(c.nbI * QK) + 8 * (size_t)c.nbI;
+        int64_t cap = (int64_t)(moe_pass_bytes / per_slot), pass_slots = 0;
+        for (int64_t g = 0; g < G; g++) {
+            int64_t n = g_start[g + 1] - g_start[g];
+            if (n > cap) cap = n;
+        }
+        if (cap > S) cap = S;
         const size_t t1 = 8 * ((size_t)T + 1), s1 = 8 * ((size_t)S + 1);
-        const size_t hq = 4 * (size_t)(S * c.n13), yq = 4 * (size_t)(S * c.nD);
+        const size_t hq = 4 * (size_t)(cap * c.n13), yq = 4 * (size_t)(cap * c.nD);
         const size_t xq = (size_t)(T * c.nbD * QK), xb = 4 * (size_t)(T * c.nbD + 1);
-        const size_t aq = (size_t)(S * c.nbI * QK), ab = 4 * (size_t)(S * c.nbI + 1);
-        uint8_t *w = moe_scratch(&tl_moe_work, 2 * moe_lines(t1) + moe_lines(s1) + moe_lines(hq) + moe_lines(yq) +
+        const size_t aq = (size_t)(cap * c.nbI * QK), ab = 4 * (size_t)(cap * c.nbI + 1);
+        uint8_t *w = moe_scratch(&tl_moe_work, 3 * moe_lines(t1) + moe_lines(s1) + moe_lines(hq) + moe_lines(yq) +
                                  moe_lines(xq) + 2 * moe_lines(xb) + moe_lines(aq) + 2 * moe_lines(ab), &own_work);
         if (!w) { rc = -1; goto done; }
         c.t_start = (int64_t *)moe_carve(&w, t1);
         int64_t *cursor = (int64_t *)moe_carve(&w, t1);
+        c.t_next = (int64_t *)moe_carve(&w, t1);
         c.t_slots = (int64_t *)moe_carve(&w, s1);
         c.h = (float *)moe_carve(&w, hq);
         c.y = (float *)moe_carve(&w, yq);
@@ -203,16 +231,26 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
         for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
         memcpy(cursor, c.t_start, t1);
+        memcpy(c.t_next, c.t_start, t1);
         for (int64_t s = 0; s < S; s++) c.t_slots[cursor[s_token[s]]++] = s;
+        for (int64_t t = 0; t < T; t++)
+            quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
+        for (int64_t g0 = 0; g0 < G;) { /* one pass: groups [g0, g1), slots [s_base, s_end) */
+            int64_t g1 = g0 + 1;
+            while (g1 < G && g_start[g1 + 1] - g_start[g0] <= cap) g1++;
+            c.g_base = g0;
+            c.s_base = g_start[g0];
+            c.s_end = g_start[g1];
+            pass_slots = c.s_end - c.s_base;
+            ft_parallel_for(moe_gate_up_item, &c, (g1 - g0) * c.chunks13);
+            if (pass_slots >= 8) ft_parallel_for(moe_act_item, &c, pass_slots);
+            else for (int64_t s = 0; s < pass_slots; s++) moe_act_item(&c, s);
+            ft_parallel_for(moe_down_item, &c, (g1 - g0) * c.chunks2);
+            if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
+            else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
+            g0 = g1;
+        }
     }
-    for (int64_t t = 0; t < T; t++)
-        quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
-    ft_parallel_for(moe_gate_up_item, &c, G * c.chunks13);
-    if (S >= 8) ft_parallel_for(moe_act_item, &c, S);
-    else for (int64_t s = 0; s < S; s++) moe_act_item(&c, s);
-    ft_parallel_for(moe_down_item, &c, G * c.chunks2);
-    if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
-    else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
 done:
     free(own_index);
     free(own_work);

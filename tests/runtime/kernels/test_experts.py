@@ -116,6 +116,28 @@ def test_thread_count_does_not_change_results() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_a_long_step_in_many_passes_equals_one_pass_bit_for_bit(fmt: str) -> None:
+    """A prefill step's slots run in passes of whole experts (bounded working memory): the result must not depend
+    on where the passes split, down to the last bit, with uneven experts (one takes every token)."""
+    e, d, i, t, k = 12, 96, 64, 37, 3
+    gate_up, down, x, ids, wts = _layer(e, d, i, t=t, k=k)
+    ids[:, 0] = 5  # expert 5 in every token: one group as big as T
+    ids[:, 1:] = torch.where(ids[:, 1:] == 5, (ids[:, 1:] + 1) % e, ids[:, 1:])
+    ids[3, 2] = -1  # a skipped slot
+    qe = QuantizedExperts.from_float(gate_up, down, fmt)
+    old = ops.set_moe_pass_bytes(1 << 40)  # one pass
+    try:
+        one = ops.moe(qe.fmt, qe.w13, qe.w2, (d, i), x, ids, wts)
+        for nbytes in (1, 4096, 3 * 4096, 40_000):  # a pass per expert, ..., a few experts per pass
+            ops.set_moe_pass_bytes(nbytes)
+            assert torch.equal(ops.moe(qe.fmt, qe.w13, qe.w2, (d, i), x, ids, wts), one), nbytes
+    finally:
+        ops.set_moe_pass_bytes(old)
+    assert ops.set_moe_pass_bytes(0) == old
+
+
+@needs_kernels
 def test_crossover_is_measured_once_and_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     from freetoken_agent.runtime.kernels import experts as mod
 
