@@ -5,9 +5,10 @@ the weight that the working set exceeds the last-level cache, so the numbers are
 streams experts from RAM. Paths are timed round-robin (A/B/C/A/B/C…) and reported as medians, so load from other
 processes hits every path alike. GB/s counts the bytes of the weight as stored (codes + scales).
 
-Our kernels run in each block format they compute in (``FORMATS``: Q4_0, Q8_0, and GGUF's Q4_K / Q6_K as a Q4_K_M
-file holds them, at 4.5 / 8.5 / 4.5 / 6.56 bits per weight), so the default shapes — a 2048-hidden, 768-intermediate
-expert's gate/up and down, the 7.5B benchmark model's — compare the formats at M=1 (decode) side by side.
+Our kernels run in each block format they compute in (``FORMATS``: Q4_0, Q8_0, and GGUF's Q4_K / Q5_K / Q6_K as
+Q4_K_M / Q5_K_M files hold them, at 4.5 / 8.5 / 4.5 / 5.5 / 6.56 bits per weight), so the default shapes — a
+2048-hidden, 768-intermediate expert's gate/up and down, the 7.5B benchmark model's — compare the formats at M=1
+(decode) side by side.
 
 Legend: ``N`` weight rows, ``K`` reduction dim, ``M`` tokens, ``T``/``E``/``D``/``I`` as in the MoE layer.
 """
@@ -27,7 +28,8 @@ from freetoken_agent.evals.perf.timing import Spread
 
 SHAPES = ((768, 2048), (2048, 768), (1536, 4096))  # (N, K): gate/up and down of a 2048-hidden model, a larger one
 M_VALUES = (1, 4, 16, 64, 256)
-FORMATS = ("q4", "q8", "q4_k", "q6_k")  # our kernels' formats (the K-quants on shapes whose K is a multiple of 256)
+FORMATS = ("q4", "q8", "q4_k", "q5_k", "q6_k")  # our kernels' formats (K-quants where K is a multiple of 256)
+FORMAT_ALIASES = {"q4_0": "q4", "q8_0": "q8"}
 WORKING_SET = 256 << 20  # bytes cycled per path: well above the L3 of the CPUs we target
 
 
@@ -318,8 +320,9 @@ def format_table(report: Report) -> str:
 def format_markdown(report: Report) -> str:
     """Markdown tables for RESULTS.md: per thread count, one row per (shape, M), one column per kernel path."""
     out = []
-    cols = ["freetoken-c/q4", "ggml-q4_0/q4_0", "freetoken-c/q4_k", "ggml-q4_k/q4_k", "freetoken-c/q6_k",
-            "freetoken-c/q8", "ggml-q8_0/q8_0", "freetoken-dequant-mm/q4", "torch-linear/fp32"]  # fmt: skip
+    cols = ["freetoken-c/q4", "ggml-q4_0/q4_0", "freetoken-c/q4_k", "ggml-q4_k/q4_k", "freetoken-c/q5_k",
+            "freetoken-c/q6_k", "freetoken-c/q8", "ggml-q8_0/q8_0", "freetoken-dequant-mm/q4",
+            "torch-linear/fp32"]  # fmt: skip
     threads = sorted({r.threads for r in report.results})
     for th in threads:
         rows = [r for r in report.results if r.threads == th]
@@ -405,8 +408,8 @@ def parse_ints(text: str | None, what: str) -> tuple[int, ...] | None:
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
-    """Comma-separated names of ``--formats`` (each one of ``FORMATS``)."""
-    vals = tuple(v.strip().lower() for v in text.split(",") if v.strip())
+    """Comma-separated names of ``--formats`` (each one of ``FORMATS``; ``q4_0`` / ``q8_0`` name ``q4`` / ``q8``)."""
+    vals = tuple(FORMAT_ALIASES.get(v, v) for v in (v.strip().lower() for v in text.split(",")) if v)
     bad = [v for v in vals if v not in FORMATS]
     if not vals or bad:
         raise BenchError(f"--formats wants some of {', '.join(FORMATS)}, got {text!r}")

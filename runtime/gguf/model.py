@@ -1,14 +1,14 @@
 """A GGUF model ready to load: config, spec, reader, tokenizer, and the routed experts in the kernels' block formats.
 
 Legend: ``E`` experts per layer, ``I`` expert intermediate size, ``D`` hidden size, ``nb`` blocks per row, ``P``
-bytes per block (Q8_0: 34, Q4_0: 18, Q4_K: 144, Q6_K: 210).
+bytes per block (Q8_0: 34, Q4_0: 18, Q4_K: 144, Q5_K: 176, Q6_K: 210).
 
 Routed experts (what the engine's ``quant`` option is about):
 
-- stored as **Q8_0 / Q4_0 / Q4_K / Q6_K** (``quant.formats.GGUF_NATIVE``): the file's blocks are the kernels' blocks
-  byte for byte (``runtime/quant/``), so the expert core (``runtime/experts/core.py``) runs them as stored — nothing
-  is dequantized or requantized;
-- stored in another **block type** (Q5_K, Q2_K/Q3_K, IQ4_XS, MXFP4, Q4_1, Q5_x): dequantized with the ``gguf``
+- stored as **Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K** (``quant.formats.GGUF_NATIVE``): the file's blocks are the kernels'
+  blocks byte for byte (``runtime/quant/``), so the expert core (``runtime/experts/core.py``) runs them as stored —
+  nothing is dequantized or requantized;
+- stored in another **block type** (Q2_K/Q3_K, IQ4_XS, MXFP4, Q4_1, Q5_0/Q5_1): dequantized with the ``gguf``
   package and requantized at load to the nearest format the kernels run (``quant.formats.GGUF_TYPES``: 4-bit types
   → Q4_0, 5-bit → Q8_0), one expert at a time; the relative RMS error of that conversion is measured per tensor and
   reported (``ExpertConversion``, ``freetoken inspect``);
@@ -17,7 +17,7 @@ Routed experts (what the engine's ``quant`` option is about):
 ``quant`` (``none``/``q8_0``/``q4_0``): ``none`` keeps each layer's gate/up and its down in the file's own formats
 (``layer_formats``: a Q4_K_M layer runs Q4_K gate/up and Q6_K down as stored; gate and up, which the kernels hold as
 one matrix, share one format, the wider one where they differ); ``q8_0`` / ``q4_0`` converts every expert to that
-format (a Q5_K file loaded with ``q8_0`` keeps far more of its precision than with ``q4_0``).
+format (a Q5_K file loaded with ``q8_0`` keeps far more of its precision than with ``q4_0``, and as stored all of it).
 Dense weights (attention, embeddings, norms, router, shared experts) are dequantized to the compute dtype.
 """
 
@@ -81,7 +81,7 @@ class ExpertConversion:
     layer: int
     part: str  # gate, up, gate_up, down
     stored: str  # ggml type
-    runs_as: str  # a kernel format: q8_0 / q4_0 / q4_k / q6_k
+    runs_as: str  # a kernel format: q8_0 / q4_0 / q4_k / q5_k / q6_k
     rel_rms_error: float | None
     """||dequant(stored) − dequant(converted)|| / ||dequant(stored)|| over the measured experts (None: as stored)."""
     experts_measured: int = 0

@@ -1,4 +1,4 @@
-"""The kernels' repacked weight layout, as pure torch reshapes of GGUF Q8_0 / Q4_0 / Q4_K / Q6_K blocks.
+"""The kernels' repacked weight layout, as pure torch reshapes of GGUF Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks.
 
 Legend: ``N`` rows, ``nb`` blocks per row, ``P`` bytes per GGUF block (34 or 18), ``R`` = 8 rows per tile,
 ``J`` chunks per tile-block (q8: 8, q4: 4).
@@ -9,11 +9,13 @@ then ``J`` chunks of 32 bytes holding 4 bytes of each row (see ``csrc/ft_tiles.h
 Padding rows are all-zero blocks (scale 0) and never reach the output. The same bytes, reordered: a tile-block
 is exactly ``R`` GGUF blocks long.
 
-K-quant super-blocks (``P`` = 144 for Q4_K, 210 for Q6_K; 256 values each) are tiled the same way, 8 rows at a
-time, each field's bytes interleaved by row (``csrc/ft_kquant.h``): Q4_K ``d[8] | dmin[8] | scales [12, 8] |
-qs [32, 8, 4]``, Q6_K ``d[8] | scales [16, 8] | [2, 8, 3, 8, 4]`` (``[i, r]``: byte ``i`` of row ``r``; ``[m, r, 4]``:
-bytes ``4m..4m+3`` of row ``r``; Q6_K's codes in groups ``(n, q)`` of ql chunk ``16n + q``, ql chunk ``16n + 8 + q``
-and qh chunk ``8n + q``, the order its kernel reads them). Which layout a block tensor gets follows from ``P``.
+K-quant super-blocks (``P`` = 144 for Q4_K, 176 for Q5_K, 210 for Q6_K; 256 values each) are tiled the same way, 8
+rows at a time, each field's bytes interleaved by row (``csrc/ft_kquant.h``): Q4_K ``d[8] | dmin[8] | scales [12, 8]
+| qs [32, 8, 4]``, Q5_K ``d[8] | dmin[8] | scales [12, 8] | [8, 5, 8, 4]``, Q6_K ``d[8] | scales [16, 8] |
+[16, 3, 8, 4]`` (``[i, r]``: byte ``i`` of row ``r``; ``[m, r, 4]``: bytes ``4m..4m+3`` of row ``r``). The code
+chunks go in the order the kernel reads them (``CODE_CHUNKS``): Q5_K in groups ``q`` of qh chunk ``q`` and qs chunks
+``q``, ``8 + q``, ``16 + q``, ``24 + q``; Q6_K in groups ``(n, q)`` of ql chunk ``16n + q``, ql chunk ``16n + 8 + q``
+and qh chunk ``8n + q``. Which layout a block tensor gets follows from ``P``.
 """
 
 from __future__ import annotations
@@ -21,27 +23,31 @@ from __future__ import annotations
 import torch
 
 TILE_ROWS = 4 * 2
-KQUANT_FIELDS = {144: ((0, 2), (2, 4), (4, 16), (16, 144)), 210: ((208, 210), (192, 208), (0, 192))}
-"""K-quant block size → its fields' byte ranges in tile order (Q4_K: d, dmin, scales, qs; Q6_K: d, scales, then
-ql + qh, regrouped by ``_q6_groups``)."""
-KQUANT_GROUPED = {144: (False, False, False, True), 210: (False, False, True)}
-"""Which fields interleave 4 bytes per row (code bytes) rather than 1 (fp16 scales: 2 per row, scale bytes: 1)."""
+KQUANT_FIELDS = {
+    144: ((0, 2), (2, 4), (4, 16), (16, 144)),
+    176: ((0, 2), (2, 4), (4, 16), (16, 176)),
+    210: ((208, 210), (192, 208), (0, 192)),
+}
+"""K-quant block size → its fields' byte ranges in tile order (Q4_K / Q5_K: d, dmin, scales, codes; Q6_K: d,
+scales, codes); the last field holds the codes, 4 bytes per row at a time."""
+CODE_CHUNKS: dict[int, tuple[int, ...]] = {
+    176: tuple(c for q in range(8) for c in (q, 8 + q, 16 + q, 24 + q, 32 + q)),  # qh chunk q, then 4 qs chunks
+    210: tuple(c for n in range(2) for q in range(8) for c in (16 * n + q, 16 * n + 8 + q, 32 + 8 * n + q)),
+}
+"""K-quant block size → the order its code field's 4-byte chunks take in a tile (chunk ``m``: the field's bytes
+``4m..4m+3``; Q4_K keeps them in order). Q5_K's field is ``qh | qs`` (chunks 0-7, 8-39), Q6_K's ``ql | qh`` (0-31,
+32-47)."""
 
 
-def _q6_groups(codes: torch.Tensor) -> torch.Tensor:
-    """Q6_K ``ql | qh`` bytes ``[..., 192]`` → their 48 chunks in tile order (``[..., 192]``: per group ``(n, q)`` the
-    4 bytes of ql chunk ``16n + q``, of ql chunk ``16n + 8 + q``, of qh chunk ``8n + q``)."""
-    *lead, _ = codes.shape
-    ql = codes[..., :128].reshape(*lead, 2, 2, 8, 4)  # [..., n, j, q, 4]: ql chunk 16n + 8j + q
-    qh = codes[..., 128:].reshape(*lead, 2, 1, 8, 4)  # [..., n, 1, q, 4]: qh chunk 8n + q
-    return torch.cat([ql, qh], dim=-3).transpose(-3, -2).reshape(*lead, 192)  # [..., n, q, 3, 4]
-
-
-def _q6_ungroup(grouped: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``_q6_groups``."""
-    *lead, _ = grouped.shape
-    g = grouped.reshape(*lead, 2, 8, 3, 4).transpose(-3, -2)  # [..., n, 3, q, 4]
-    return torch.cat([g[..., :2, :, :].reshape(*lead, 128), g[..., 2, :, :].reshape(*lead, 64)], dim=-1)
+def _regroup(codes: torch.Tensor, order: tuple[int, ...] | None, inverse: bool = False) -> torch.Tensor:
+    """A code field ``[..., F]`` with its 4-byte chunks put in ``order`` (or back, ``inverse``)."""
+    if order is None:
+        return codes
+    *lead, width = codes.shape
+    index = torch.tensor(order)
+    if inverse:
+        index = torch.argsort(index)
+    return codes.reshape(*lead, width // 4, 4)[..., index, :].reshape(*lead, width)
 
 
 def _field_tiles(f: torch.Tensor, four: bool) -> torch.Tensor:
@@ -78,9 +84,10 @@ def _pack_kquant(blocks: torch.Tensor) -> torch.Tensor:
     *lead, n, ns, p = blocks.shape
     nt = -(-n // TILE_ROWS)
     t = _pad_rows(blocks).reshape(*lead, nt, TILE_ROWS, ns, p).transpose(-3, -2)  # [..., nt, ns, R, P]
-    if p == 210:
-        t = torch.cat([_q6_groups(t[..., :192]), t[..., 192:]], dim=-1)
-    parts = [_field_tiles(t[..., a:b], four) for (a, b), four in zip(KQUANT_FIELDS[p], KQUANT_GROUPED[p])]
+    fields = KQUANT_FIELDS[p]
+    parts = [_field_tiles(t[..., a:b], four=False) for a, b in fields[:-1]]
+    a, b = fields[-1]
+    parts.append(_field_tiles(_regroup(t[..., a:b], CODE_CHUNKS.get(p)), four=True))
     return torch.cat(parts, dim=-1).reshape(*lead, -1).contiguous()
 
 
@@ -90,12 +97,12 @@ def _unpack_kquant(packed: torch.Tensor, n: int, ns: int, p: int) -> torch.Tenso
     t = packed.reshape(*lead, nt, ns, TILE_ROWS * p)
     out = torch.empty(*lead, nt, ns, TILE_ROWS, p, dtype=torch.uint8)
     at = 0
-    for (a, b), four in zip(KQUANT_FIELDS[p], KQUANT_GROUPED[p]):
-        width = b - a
-        out[..., a:b] = _field_rows(t[..., at : at + TILE_ROWS * width], TILE_ROWS, width, four)
+    fields = KQUANT_FIELDS[p]
+    for i, (a, b) in enumerate(fields):
+        width, codes = b - a, i == len(fields) - 1
+        rows = _field_rows(t[..., at : at + TILE_ROWS * width], TILE_ROWS, width, four=codes)
+        out[..., a:b] = _regroup(rows, CODE_CHUNKS.get(p), inverse=True) if codes else rows
         at += TILE_ROWS * width
-    if p == 210:
-        out[..., :192] = _q6_ungroup(out[..., :192])
     return out.transpose(-3, -2).reshape(*lead, nt * TILE_ROWS, ns, p)[..., :n, :, :].contiguous()
 
 

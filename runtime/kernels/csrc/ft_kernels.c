@@ -1,5 +1,5 @@
-/* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 / Q4_K / Q6_K weights, and one fused call
- * per MoE layer step (gate+up, SiLU(gate)*up, down, weighted sum over the routed experts).
+/* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights, and
+ * one fused call per MoE layer step (gate+up, SiLU(gate)*up, down, weighted sum over the routed experts).
  *
  * Plain C, no Python C-API: loaded with ctypes. ISA paths are chosen at run time
  * (AVX-512 VNNI on 256-bit vectors, AVX2+FMA+F16C, else portable C).

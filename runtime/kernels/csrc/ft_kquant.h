@@ -1,12 +1,15 @@
-/* GGUF K-quants (Q4_K, Q6_K) in the 8-row tile layout, and their tile dot products, one per ISA path (included by
- * ft_tiles.h, which dispatches to them).
+/* GGUF K-quants (Q4_K, Q5_K, Q6_K) in the 8-row tile layout, and their tile dot products, one per ISA path
+ * (included by ft_tiles.h, which dispatches to them).
  *
  * Layout: a tile is 8 rows; per 256-value super-block it holds the 8 rows' GGUF blocks (block_q4_K: d, dmin,
- * scales[12], qs[128]; block_q6_K: ql[128], qh[64], scales[16], d) with the bytes of each field interleaved by
- * row, so the tile super-block is exactly 8 GGUF blocks long (1152 / 1680 bytes) and the bytes are the file's. A
- * "chunk" of a code field holds 4 bytes of every row (row r at 4r): chunk m = the field's bytes 4m..4m+3.
+ * scales[12], qs[128]; block_q5_K: d, dmin, scales[12], qh[32], qs[128]; block_q6_K: ql[128], qh[64], scales[16],
+ * d) with the bytes of each field interleaved by row, so the tile super-block is exactly 8 GGUF blocks long (1152 /
+ * 1408 / 1680 bytes) and the bytes are the file's. A "chunk" of a code field holds 4 bytes of every row (row r at
+ * 4r): chunk m = the field's bytes 4m..4m+3.
  *   q4_k: fp16 d[8] | fp16 dmin[8] | scales: byte i of row r at 8i + r (12 x 8) | qs: chunks 0..31 in order
  *                                                                                                      (1152 bytes)
+ *   q5_k: q4_k's d, dmin, scales | 8 groups q = 0..7 of five chunks: qh chunk q, qs chunks q, 8 + q, 16 + q, 24 + q
+ *                                                                                                      (1408 bytes)
  *   q6_k: fp16 d[8] | scales: int8 i of row r at 8i + r (16 x 8) | 16 groups g = 8n + q (n = 0..1, q = 0..7) of
  *         three chunks: ql chunk 16n + q, ql chunk 16n + 8 + q, qh chunk 8n + q                          (1680 bytes)
  * so each kernel reads its super-block front to back (q6_k's three code streams one after another in separate
@@ -17,9 +20,10 @@
  * Activations are the Q8_0 kernels' own (int8 per 32 values, scale d_a, s_a = d_a * sum(q_a)), so one quantized
  * activation row serves every format, and each 32-value block keeps its own scale (finer than ggml's Q8_K, one scale
  * per 256). Per 32-block b of the weight row:
- *   q4_k (sub-block j = b mod 8): sum (d sc_j q - dmin m_j) d_a a = d sc_j d_a sum(q a) - dmin m_j s_a
+ *   q4_k, q5_k (sub-block j = b mod 8): sum (d sc_j q - dmin m_j) d_a a = d sc_j d_a sum(q a) - dmin m_j s_a
  *   q6_k (16-value halves h with scales sc_h): sum d sc_h (q - 32) d_a a = d sc_h d_a (sum_h(q a) - 32 sum_h(a))
- * Codes are used unsigned (q4: 0..15, q6: 0..63), the activation signed.
+ * Codes are used unsigned (q4: 0..15, q5: 0..31, q6: 0..63), the activation signed. A q5_k code is its qs nibble
+ * plus 16 times bit j of its qh byte (sub-block j): group q's qh chunk serves the four qs chunks after it.
  */
 #ifndef FT_KQUANT_H
 #define FT_KQUANT_H
@@ -27,11 +31,14 @@
 #define QKK 256                              /* values per super-block */
 #define KQ_TILE_Q4K (TR * 144)               /* tile bytes per super-block */
 #define KQ_TILE_Q6K (TR * 210)
+#define KQ_TILE_Q5K (TR * 176)
+#define KQ_Q5K_BODY (4 * TR + 12 * TR)       /* where a q5_k tile super-block's code groups start */
+#define KQ_Q5K_GROUP (5 * 4 * TR)            /* bytes per group: one qh chunk and four qs chunks */
 #define KQ_Q6K_BODY (2 * TR + 16 * TR)       /* where a q6_k tile super-block's code groups start */
 #define KQ_Q6K_GROUP (3 * 4 * TR)            /* bytes per group: two ql chunks and one qh chunk */
 
-/* Row r of a q4_k tile super-block: codes[256] (0..15), dsc[8] = d * sc_j, dm[8] = dmin * m_j. */
-static void q4k_row(const uint8_t *t, int r, uint8_t *codes, float *dsc, float *dm) {
+/* Row r of a q4_k / q5_k tile super-block's sub-block scales: dsc[8] = d * sc_j, dm[8] = dmin * m_j. */
+static void q4k_row_scales(const uint8_t *t, int r, float *dsc, float *dm) {
     const float d = tile_scale(t, r), dmin = tile_scale(t + 2 * TR, r);
     uint8_t s[12];
     for (int i = 0; i < 12; i++) s[i] = t[4 * TR + TR * i + r];
@@ -47,12 +54,30 @@ static void q4k_row(const uint8_t *t, int r, uint8_t *codes, float *dsc, float *
         dsc[j] = d * (float)sc;
         dm[j] = dmin * (float)m;
     }
+}
+
+/* Row r of a q4_k tile super-block: codes[256] (0..15), dsc[8] = d * sc_j, dm[8] = dmin * m_j. */
+static void q4k_row(const uint8_t *t, int r, uint8_t *codes, float *dsc, float *dm) {
+    q4k_row_scales(t, r, dsc, dm);
     const uint8_t *qs = t + 16 * TR + 4 * r;
     for (int x = 0; x < 128; x++) {
         const uint8_t byte = qs[(x / 4) * 4 * TR + x % 4];
         const int c = x / 32, l = x % 32; /* qs byte 32c + l: value 64c + l (low nibble), 64c + 32 + l (high) */
         codes[64 * c + l] = byte & 15;
         codes[64 * c + 32 + l] = byte >> 4;
+    }
+}
+
+/* Row r of a q5_k tile super-block: codes[256] (0..31), dsc[8], dm[8] as q4k_row's. */
+static void q5k_row(const uint8_t *t, int r, uint8_t *codes, float *dsc, float *dm) {
+    q4k_row_scales(t, r, dsc, dm);
+    const uint8_t *body = t + KQ_Q5K_BODY + 4 * r;
+    for (int v = 0; v < QKK; v++) {
+        /* value 32j + l: qs byte 32c + l (c = j / 2; chunk 8c + l / 4) and qh byte l (chunk l / 4), in group l / 4 */
+        const int j = v / 32, l = v % 32;
+        const uint8_t *g = body + (l / 4) * KQ_Q5K_GROUP + l % 4;
+        const uint8_t qs = g[(1 + j / 2) * 4 * TR], qh = g[0];
+        codes[v] = (uint8_t)(((j & 1) ? qs >> 4 : qs & 15) | (((qh >> j) & 1) << 4));
     }
 }
 
@@ -71,13 +96,15 @@ static void q6k_row(const uint8_t *t, int r, int8_t *codes, float *dsc) {
     }
 }
 
-static void tile_dot_q4k_c(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
-                           float *out) {
+/* q4_k and q5_k: the same sums over their own codes */
+static void kq_asym_dot_c(int fmt, const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
+                          float *out) {
     float acc[TR] = {0}, dsc[8], dm[8];
     uint8_t codes[QKK];
-    for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q4K)
+    for (int64_t s = 0; s < nb / 8; s++, t += fmt == FT_Q4K ? KQ_TILE_Q4K : KQ_TILE_Q5K)
         for (int r = 0; r < TR; r++) {
-            q4k_row(t, r, codes, dsc, dm);
+            if (fmt == FT_Q4K) q4k_row(t, r, codes, dsc, dm);
+            else q5k_row(t, r, codes, dsc, dm);
             for (int j = 0; j < 8; j++) {
                 const int64_t b = 8 * s + j;
                 const int8_t *a = aq + b * QK;
@@ -87,6 +114,16 @@ static void tile_dot_q4k_c(const uint8_t *t, int64_t nb, const int8_t *aq, const
             }
         }
     for (int r = 0; r < TR; r++) out[r] = acc[r];
+}
+
+static void tile_dot_q4k_c(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
+                           float *out) {
+    kq_asym_dot_c(FT_Q4K, t, nb, aq, ad, as, out);
+}
+
+static void tile_dot_q5k_c(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
+                           float *out) {
+    kq_asym_dot_c(FT_Q5K, t, nb, aq, ad, as, out);
 }
 
 static void tile_dot_q6k_c(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,
@@ -109,21 +146,22 @@ static void tile_dot_q6k_c(const uint8_t *t, int64_t nb, const int8_t *aq, const
 }
 
 /* Rows [0, rows) of one tile's ns super-blocks to fp32: y[r * k + v] (the prefill path's dequantize). The values
- * are the plain-torch dequantizers' (quant/q4k.py, quant/q6k.py) bit for bit: the same products in the same order. */
+ * are the plain-torch dequantizers' (quant/q4k.py, q5k.py, q6k.py) bit for bit: the same products in the same order. */
 static void kq_dequant_tile(int fmt, const uint8_t *t, int64_t ns, int rows, float *y, int64_t k) {
     float dsc[16], dm[8];
     uint8_t c4[QKK];
     int8_t c6[QKK];
-    for (int64_t s = 0; s < ns; s++, t += fmt == FT_Q4K ? KQ_TILE_Q4K : KQ_TILE_Q6K)
+    for (int64_t s = 0; s < ns; s++, t += tile_block_bytes(fmt) * 8)
         for (int r = 0; r < rows; r++) {
             float *o = y + r * k + s * QKK;
-            if (fmt == FT_Q4K) {
-                q4k_row(t, r, c4, dsc, dm);
-                for (int v = 0; v < QKK; v++) o[v] = dsc[v / 32] * (float)c4[v] - dm[v / 32];
-            } else {
+            if (fmt == FT_Q6K) {
                 q6k_row(t, r, c6, dsc);
                 for (int v = 0; v < QKK; v++) o[v] = dsc[v / 16] * (float)c6[v];
+                continue;
             }
+            if (fmt == FT_Q4K) q4k_row(t, r, c4, dsc, dm);
+            else q5k_row(t, r, c4, dsc, dm);
+            for (int v = 0; v < QKK; v++) o[v] = dsc[v / 32] * (float)c4[v] - dm[v / 32];
         }
 }
 
@@ -395,6 +433,117 @@ KQ_DOT4_Q4K(tile_dot4_q4k_avx2, FT_AVX2, 0)
 KQ_DOT4_Q4K(tile_dot4_q4k_vnni, FT_VNNI, 1)
 KQ_DOT4_Q6K(tile_dot4_q6k_avx2, FT_AVX2, 0)
 KQ_DOT4_Q6K(tile_dot4_q6k_vnni, FT_VNNI, 1)
+
+/* Bit j of every byte of qh moved to bit 4: the fifth bit of the q5_k codes of sub-block j (16-bit shifts: the bits
+ * that cross into the neighbouring byte land outside bit 4 and are masked off). */
+FT_AVX2 static inline __m256i q5k_hbit(__m256i qh, int j) {
+    const __m256i m16 = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4), m16);
+}
+
+/* Group q's codes of sub-blocks 2c (LO: values 64c + 4q + p) and 2c + 1 (HI: values 64c + 32 + 4q + p), 0..31 */
+#define KQ_Q5_CODES(G, QH, C, LO, HI)                                                                             \
+    do {                                                                                                          \
+        const __m256i w_ = _mm256_loadu_si256((const __m256i *)((G) + 32 + 32 * (C)));                            \
+        LO = _mm256_or_si256(_mm256_and_si256(w_, m4), q5k_hbit(QH, 2 * (C)));                                    \
+        HI = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w_, 4), m4), q5k_hbit(QH, 2 * (C) + 1));          \
+    } while (0)
+
+/* One token: the groups in order, each meeting the four 64-value halves of the activation; the eight sub-blocks'
+ * sums part[j] run over four groups at a time (AVX2: int16, <= 4 * 2 * 31 * 127), then go to int32 sums sm[j]. */
+#define KQ_DOT_Q5K(NAME, ATTR, VNNI)                                                                              \
+    ATTR static void NAME(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad, const float *as,       \
+                          float *out) {                                                                           \
+        __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();                                             \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                                  \
+        (void)ones;                                                                                               \
+        for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q5K) {                                                  \
+            const int8_t *a = aq + s * QKK;                                                                       \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));                                \
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 2 * TR)));                  \
+            __m256i sm[8];                                                                                        \
+            for (int j = 0; j < 8; j++) sm[j] = _mm256_setzero_si256();                                           \
+            for (int q0 = 0; q0 < 8; q0 += 4) {                                                                   \
+                __m256i part[8];                                                                                  \
+                for (int j = 0; j < 8; j++) part[j] = _mm256_setzero_si256();                                     \
+                for (int q = q0; q < q0 + 4; q++) {                                                               \
+                    const uint8_t *g = t + KQ_Q5K_BODY + q * KQ_Q5K_GROUP;                                        \
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)g);                                    \
+                    for (int c = 0; c < 4; c++) {                                                                 \
+                        __m256i lo, hi;                                                                           \
+                        KQ_Q5_CODES(g, qh, c, lo, hi);                                                            \
+                        const __m256i xl = _mm256_set1_epi32(load_i32(a + 64 * c + 4 * q));                       \
+                        const __m256i xh = _mm256_set1_epi32(load_i32(a + 64 * c + 32 + 4 * q));                  \
+                        part[2 * c] = VNNI ? _mm256_dpbusd_epi32(part[2 * c], lo, xl)                             \
+                                           : _mm256_add_epi16(part[2 * c], _mm256_maddubs_epi16(lo, xl));         \
+                        part[2 * c + 1] = VNNI ? _mm256_dpbusd_epi32(part[2 * c + 1], hi, xh)                     \
+                                               : _mm256_add_epi16(part[2 * c + 1], _mm256_maddubs_epi16(hi, xh)); \
+                    }                                                                                             \
+                }                                                                                                 \
+                for (int j = 0; j < 8; j++)                                                                       \
+                    sm[j] = _mm256_add_epi32(sm[j], VNNI ? part[j] : _mm256_madd_epi16(part[j], ones));           \
+            }                                                                                                     \
+            for (int j = 0; j < 8; j++) {                                                                         \
+                __m256 dsc, dm;                                                                                   \
+                q4k_scales8(t, j, d, dmin, &dsc, &dm);                                                            \
+                const __m256 scale = _mm256_mul_ps(dsc, _mm256_set1_ps(ad[8 * s + j]));                          \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sm[j]), scale, acc);                                     \
+                corr = _mm256_fmadd_ps(dm, _mm256_set1_ps(as[8 * s + j]), corr);                                  \
+            }                                                                                                     \
+        }                                                                                                         \
+        _mm256_storeu_ps(out, _mm256_sub_ps(acc, corr));                                                          \
+    }
+
+/* Four tokens: one pass over the groups per pair of sub-blocks (2c, 2c + 1), each group's codes unpacked once and
+ * met by the four activation rows (the super-block stays in L1 between passes). */
+#define KQ_DOT4_Q5K(NAME, ATTR, VNNI)                                                                             \
+    ATTR static void NAME(const uint8_t *t, int64_t nb, const int8_t *const *aq, const float *const *ad,          \
+                          const float *const *as, float *const *out) {                                            \
+        __m256 acc[4], corr[4];                                                                                   \
+        for (int i = 0; i < 4; i++) acc[i] = corr[i] = _mm256_setzero_ps();                                       \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                                  \
+        (void)ones;                                                                                               \
+        for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q5K) {                                                  \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));                                \
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 2 * TR)));                  \
+            for (int c = 0; c < 4; c++) {                                                                         \
+                __m256i sm[4][2];                                                                                 \
+                for (int i = 0; i < 4; i++) sm[i][0] = sm[i][1] = _mm256_setzero_si256();                        \
+                for (int q = 0; q < 8; q++) {                                                                     \
+                    const uint8_t *g = t + KQ_Q5K_BODY + q * KQ_Q5K_GROUP;                                        \
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)g);                                    \
+                    __m256i lo, hi;                                                                               \
+                    KQ_Q5_CODES(g, qh, c, lo, hi);                                                                \
+                    for (int i = 0; i < 4; i++) {                                                                 \
+                        const int8_t *a = aq[i] + s * QKK + 64 * c + 4 * q;                                       \
+                        const __m256i xl = _mm256_set1_epi32(load_i32(a)), xh = _mm256_set1_epi32(load_i32(a + 32)); \
+                        sm[i][0] = VNNI ? _mm256_dpbusd_epi32(sm[i][0], lo, xl)                                   \
+                                        : _mm256_add_epi32(sm[i][0],                                              \
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones)); \
+                        sm[i][1] = VNNI ? _mm256_dpbusd_epi32(sm[i][1], hi, xh)                                   \
+                                        : _mm256_add_epi32(sm[i][1],                                              \
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones)); \
+                    }                                                                                             \
+                }                                                                                                 \
+                for (int h = 0; h < 2; h++) {                                                                     \
+                    const int j = 2 * c + h;                                                                      \
+                    __m256 dsc, dm;                                                                               \
+                    q4k_scales8(t, j, d, dmin, &dsc, &dm);                                                        \
+                    for (int i = 0; i < 4; i++) {                                                                 \
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sm[i][h]),                                    \
+                                                 _mm256_mul_ps(dsc, _mm256_set1_ps(ad[i][8 * s + j])), acc[i]);   \
+                        corr[i] = _mm256_fmadd_ps(dm, _mm256_set1_ps(as[i][8 * s + j]), corr[i]);                 \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[i], _mm256_sub_ps(acc[i], corr[i]));                    \
+    }
+
+KQ_DOT_Q5K(tile_dot_q5k_avx2, FT_AVX2, 0)
+KQ_DOT_Q5K(tile_dot_q5k_vnni, FT_VNNI, 1)
+KQ_DOT4_Q5K(tile_dot4_q5k_avx2, FT_AVX2, 0)
+KQ_DOT4_Q5K(tile_dot4_q5k_vnni, FT_VNNI, 1)
 #endif
 
 #endif

@@ -25,7 +25,7 @@
 #define FT_X86 1
 #endif
 
-enum { FT_Q8 = 0, FT_Q4 = 1, FT_Q4K = 2, FT_Q6K = 3 }; /* Q4_K / Q6_K tiles: ft_kquant.h */
+enum { FT_Q8 = 0, FT_Q4 = 1, FT_Q4K = 2, FT_Q6K = 3, FT_Q5K = 4 }; /* the K-quants' tiles: ft_kquant.h */
 enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512VNNI = 2 };
 
 #define QK 32
@@ -33,10 +33,15 @@ enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512VNNI = 2 };
 
 /* Tile bytes per 32 values of K (a K-quant tile's super-block of 256 values is 8 of these). */
 static inline int64_t tile_block_bytes(int fmt) {
-    return fmt == FT_Q6K ? TR * 210 / 8 : fmt == FT_Q8 ? 2 * TR + TR * 32 : 2 * TR + TR * 16;
+    switch (fmt) {
+    case FT_Q8: return 2 * TR + TR * 32;
+    case FT_Q6K: return TR * 210 / 8;
+    case FT_Q5K: return TR * 176 / 8;
+    default: return 2 * TR + TR * 16; /* q4_0, and q4_k (144 bytes per 256 values) */
+    }
 }
 
-static inline int fmt_is_kquant(int fmt) { return fmt == FT_Q4K || fmt == FT_Q6K; }
+static inline int fmt_is_kquant(int fmt) { return fmt == FT_Q4K || fmt == FT_Q5K || fmt == FT_Q6K; }
 
 static inline float fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
@@ -348,28 +353,30 @@ static int g_isa = -1;
 
 static tile_dot_fn pick_tile_dot(int fmt) {
     if (g_isa < 0) g_isa = detect_isa();
+    /* by format code: FT_Q8, FT_Q4, FT_Q4K, FT_Q6K, FT_Q5K */
+    static const tile_dot_fn portable[] = {tile_dot_q8_c, tile_dot_q4_c, tile_dot_q4k_c, tile_dot_q6k_c,
+                                           tile_dot_q5k_c};
 #ifdef FT_X86
-    if (g_isa == FT_ISA_AVX512VNNI)
-        return fmt == FT_Q4 ? tile_dot_q4_vnni : fmt == FT_Q4K ? tile_dot_q4k_vnni : fmt == FT_Q6K ? tile_dot_q6k_vnni
-                                                                                              : tile_dot_q8_vnni;
-    if (g_isa == FT_ISA_AVX2)
-        return fmt == FT_Q4 ? tile_dot_q4_avx2 : fmt == FT_Q4K ? tile_dot_q4k_avx2 : fmt == FT_Q6K ? tile_dot_q6k_avx2
-                                                                                              : tile_dot_q8_avx2;
+    static const tile_dot_fn avx2[] = {tile_dot_q8_avx2, tile_dot_q4_avx2, tile_dot_q4k_avx2, tile_dot_q6k_avx2,
+                                       tile_dot_q5k_avx2};
+    static const tile_dot_fn vnni[] = {tile_dot_q8_vnni, tile_dot_q4_vnni, tile_dot_q4k_vnni, tile_dot_q6k_vnni,
+                                       tile_dot_q5k_vnni};
+    if (g_isa == FT_ISA_AVX512VNNI) return vnni[fmt];
+    if (g_isa == FT_ISA_AVX2) return avx2[fmt];
 #endif
-    return fmt == FT_Q4 ? tile_dot_q4_c : fmt == FT_Q4K ? tile_dot_q4k_c : fmt == FT_Q6K ? tile_dot_q6k_c
-                                                                                      : tile_dot_q8_c;
+    return portable[fmt];
 }
 
 /* The 4-token variant, or NULL on the portable path (callers then loop the 1-token kernel). */
 static tile_dot4_fn pick_tile_dot4(int fmt) {
     if (g_isa < 0) g_isa = detect_isa();
 #ifdef FT_X86
-    if (g_isa == FT_ISA_AVX512VNNI)
-        return fmt == FT_Q4 ? tile_dot4_q4_vnni : fmt == FT_Q4K ? tile_dot4_q4k_vnni : fmt == FT_Q6K ? tile_dot4_q6k_vnni
-                                                                                                : tile_dot4_q8_vnni;
-    if (g_isa == FT_ISA_AVX2)
-        return fmt == FT_Q4 ? tile_dot4_q4_avx2 : fmt == FT_Q4K ? tile_dot4_q4k_avx2 : fmt == FT_Q6K ? tile_dot4_q6k_avx2
-                                                                                                : tile_dot4_q8_avx2;
+    static const tile_dot4_fn avx2[] = {tile_dot4_q8_avx2, tile_dot4_q4_avx2, tile_dot4_q4k_avx2, tile_dot4_q6k_avx2,
+                                        tile_dot4_q5k_avx2};
+    static const tile_dot4_fn vnni[] = {tile_dot4_q8_vnni, tile_dot4_q4_vnni, tile_dot4_q4k_vnni, tile_dot4_q6k_vnni,
+                                        tile_dot4_q5k_vnni};
+    if (g_isa == FT_ISA_AVX512VNNI) return vnni[fmt];
+    if (g_isa == FT_ISA_AVX2) return avx2[fmt];
 #endif
     (void)fmt;
     return NULL;

@@ -36,6 +36,20 @@ def test_inspect_gguf(tmp_path: Path) -> None:
     assert table.returncode == 0 and "tensor formats" in table.stdout
 
 
+def test_inspect_shows_k_quants_as_stored(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"  # a Q5_K_M file's experts: Q5_K gate/up, Q6_K down
+    save_checkpoint("qwen3_moe", folder, seed=6, hidden_size=256, moe_intermediate_size=256, head_dim=64)
+    file = write_gguf(folder, tmp_path / "m.gguf", experts="Q5_K", down="Q6_K")
+    proc = _cli("inspect", str(file), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["tensor_formats"]["experts gate"] == "Q5_K×3" and info["tensor_formats"]["experts down"] == "Q6_K×3"
+    conv = "\n".join(info["expert_conversion"])
+    assert "gate: Q5_K → Q5_K as stored" in conv and "down: Q6_K → Q6_K as stored" in conv
+    assert "requantized" not in conv
+    assert "run as Q5_K+Q6_K" in info["plan"]
+
+
 @pytest.mark.parametrize("kind", ["Q4_0"])
 def test_generate_from_gguf(kind: str, tmp_path: Path) -> None:
     src = builtin_model_dir()

@@ -1,8 +1,9 @@
 """Our engine against llama.cpp (``llama-cpp-python``) on the same GGUF files: greedy top-1 agreement.
 
 Skipped, with the reason printed (``pytest -rs``), where ``llama-cpp-python`` is not installed; written to run as is
-where it is. The trained built-in model is written as GGUF with Q8_0 and Q4_0 experts; both engines score the same
-few hundred positions of a text, and their top-1 predictions must agree on at least 95% of them. Tiny random
+where it is. The trained built-in model is written as GGUF with Q8_0, Q4_0, Q4_K and Q5_K experts (the K-quants' gate/up
+run as stored; their down, 112 values a row, is no whole super-block and stays F16 in the file); both engines score
+the same few hundred positions of a text, and their top-1 predictions must agree on at least 95% of them. Tiny random
 GLM-4.5 and GPT-OSS checkpoints are written without a vocabulary (llama.cpp's ``none`` tokenizer) and scored on
 random token ids the same way.
 """
@@ -28,12 +29,13 @@ TEXT = ("def merge(a, b):\n    out = []\n    while a and b:\n        out.append(
         "\n    def get(self, key, default=None):\n        return self.items.get(key, default)\n") * 3
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K"])
 def test_top1_agreement_with_llama_cpp(kind: str, tmp_path: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason=SKIP)
     src = builtin_model_dir()
     file = write_gguf(src, tmp_path / f"b-{kind}.gguf", experts=kind, tokenizer=src)
     ours = Engine.from_pretrained(file)
+    assert ours.quant.fmt.split("+")[0] == kind.lower()  # gate/up run in the file's format, as stored
     ids = ours.tokenizer.encode(TEXT)[:300]
     mine = ours.logits(ids).argmax(-1).tolist()
     llm = llama_cpp.Llama(model_path=str(file), n_ctx=512, logits_all=True, verbose=False)

@@ -3,9 +3,9 @@
 - F32 files of every mapped architecture: logits within 1e-4 of transformers on the same weights;
 - Q8_0 / Q4_0 experts: loaded as stored (no conversion), logits within 1e-3 of an engine over an F32 GGUF holding
   the same tensors dequantized by the ``gguf`` package (an independent decoder of the blocks);
-- Q4_K gate/up with Q6_K down (a Q4_K_M file's experts): loaded as stored, byte for byte, no conversion; logits within
-  1e-3 of plain torch over our dequantization and over the ``gguf`` package's, and the int8 kernels agree with the
-  int8-activation reference;
+- Q4_K gate/up with Q6_K down (a Q4_K_M file's experts), and Q5_K experts: loaded as stored, byte for byte, no
+  conversion; logits within 1e-3 of plain torch over our dequantization and over the ``gguf`` package's, and the int8
+  kernels agree with the int8-activation reference;
 - other block types (Q4_1, MXFP4, Q5_0): converted at load; the engine equals plain torch over what it runs (≤ 1e-3),
   the reported conversion error equals the error measured here, and ``quant="q8_0"`` converts with less error;
 - a split file loads from its first part or its folder with the same logits; ``resolve_model`` finds the file;
@@ -105,21 +105,23 @@ def _kquant_case(tmp_path: Path, kind: str) -> tuple[Path, Path]:
     return folder, write_gguf(folder, tmp_path / f"{kind}.gguf", experts=kind)
 
 
-def test_k_quant_experts_run_as_stored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kinds", [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K")])
+def test_k_quant_experts_run_as_stored(kinds: tuple[str, str], tmp_path: Path) -> None:
     import gguf
     from freetoken_agent.runtime.kernels import build
     from freetoken_agent.runtime.kernels.accuracy import kl, top1
 
     folder = tmp_path / "hf"
     save_checkpoint("qwen3_moe", folder, seed=2, hidden_size=256, moe_intermediate_size=512, head_dim=64)
-    file = write_gguf(folder, tmp_path / "q4_k_m.gguf", experts="Q4_K", down="Q6_K", dense="Q8_0")
+    file = write_gguf(folder, tmp_path / "k.gguf", experts=kinds[0], down=kinds[1], dense="Q8_0")
     engine = Engine.from_pretrained(file)
-    assert engine.quant.fmt == "q4_k+q6_k" and engine.quant.kernels == (build.load() is not None)
+    formats = tuple(dict.fromkeys(k.lower() for k in kinds))
+    assert engine.quant.fmt == "+".join(formats) and engine.quant.kernels == (build.load() is not None)
     report = engine.quant  # no expert was converted: each backend holds the file's blocks as they are
     reader = gguf.GGUFReader(str(file))
     stored = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
     for i, backend in enumerate(engine.decoder.experts):
-        assert backend.capabilities.formats == ("q4_k", "q6_k") and backend.capabilities.kernels == report.kernels
+        assert backend.capabilities.formats == formats and backend.capabilities.kernels == report.kernels
         b13, b2 = backend.blocks()
         gate_up = torch.cat([stored[f"blk.{i}.ffn_gate_exps.weight"], stored[f"blk.{i}.ffn_up_exps.weight"]], dim=1)
         assert torch.equal(b13.reshape(gate_up.shape), gate_up)

@@ -19,8 +19,8 @@ the per-architecture classes write them.
   squeezed to [C, K], ``in_proj_qkvz`` regrouped into ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z).
 
 Block types: F32/F16/BF16, and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 via
-``gguf.quants.quantize``; Q4_K / Q6_K via our own byte-exact ggml quantizers (``runtime/quant/q4k.py``, ``q6k.py``;
-the ``gguf`` package cannot write K-quants).
+``gguf.quants.quantize``; Q4_K / Q5_K / Q6_K via our own ggml quantizers (``runtime/quant/q4k.py``, ``q5k.py``,
+``q6k.py``; the ``gguf`` package cannot write K-quants).
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def _encode(w: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
         return x, None
     if kind == "F16":
         return x.astype(np.float16), None
-    if kind in ("Q4_K", "Q6_K"):
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
         from freetoken_agent.runtime.quant.formats import block_format
 
         rows = w.reshape(-1, w.shape[-1]).float()
-        blocks = block_format(kind).quantize_rows(rows)  # [N, K/256, 144 | 210]
+        blocks = block_format(kind).quantize_rows(rows)  # [N, K/256, 144 | 176 | 210]
         return blocks.reshape(*w.shape[:-1], -1).numpy(), T[kind]
     qt = T[kind]
     return gguf.quants.quantize(x, qt), qt

@@ -1,4 +1,4 @@
-"""The K-quant kernels (Q4_K, Q6_K tiles: ``csrc/ft_kquant.h``) against the plain-torch reference (dequantize, fp32
+"""The K-quant kernels (Q4_K, Q5_K, Q6_K tiles: ``csrc/ft_kquant.h``) against the plain-torch reference (dequantize, fp32
 matmul), on every ISA path this CPU has, the portable one included: the tile layout round-trips, the C dequantizer
 gives the torch dequantizer's values bit for bit, and the int8-activation GEMV / small-M products and the fused MoE
 step (Q4_K gate/up with Q6_K down, as a Q4_K_M file holds them) agree with the reference to fp32 rounding (1-token and
@@ -14,7 +14,7 @@ from freetoken_agent.runtime.kernels.layout import unpack_blocks
 from freetoken_agent.runtime.kernels.reference import fake_quant_int8, near_ties
 from freetoken_agent.runtime.quant.formats import block_format
 
-KQUANTS = ["q4_k", "q6_k"]
+KQUANTS = ["q4_k", "q5_k", "q6_k"]
 SHAPES = [(64, 256), (37, 768), (5, 1280), (24, 2048)]  # ragged N (padded tiles) and K = 1, 3, 5, 8 super-blocks
 
 
@@ -84,7 +84,8 @@ def test_integer_friendly_inputs_are_exact(isas: list[str]) -> None:
             torch.testing.assert_close(ops.linear(pw, x), want, rtol=0, atol=1e-6 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q4_k", "q4_k"), ("q4_k", "q8_0")])
+@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q4_k", "q4_k"), ("q4_k", "q8_0"),
+                                     ("q5_k", "q6_k"), ("q5_k", "q5_k")])
 def test_fused_moe_step_with_two_formats(formats: tuple[str, str], isas: list[str]) -> None:
     fmt13, fmt2 = formats
     e, d, i, t, top = 6, 512, 256, 9, 2

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import pytest
 import torch
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.quant import dequantize, quantize
 from freetoken_agent.runtime.quant.q4k import Q4_K_BYTES, dequantize_q4_k, quantize_q4_k
+
+from tests.runtime.quant.ggml import ggml_quantize
 
 SC = [1, 17, 33, 63, 5, 20, 40, 62]  # 6-bit scales and mins whose top bits live in the packed high bits
 MN = [0, 63, 2, 31, 16, 47, 1, 60]
@@ -77,23 +76,9 @@ def test_dequantize_equals_gguf_py() -> None:
     assert torch.equal(dequantize_q4_k(blocks), torch.from_numpy(theirs).float())
 
 
-def _ggml_quantize_chunk() -> object:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    lib = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
-    if not lib.exists():
-        pytest.skip(f"no {lib}")
-    fn = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL).ggml_quantize_chunk
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]  # fmt: skip
-    return fn
-
-
 def test_matches_ggml_quantizer() -> None:
-    quantize_chunk = _ggml_quantize_chunk()
     w = torch.randn(32, 1024)
-    theirs = torch.empty(32, 4, Q4_K_BYTES, dtype=torch.uint8)
-    assert quantize_chunk(12, w.data_ptr(), theirs.data_ptr(), 0, 32, 1024, None) == theirs.numel()  # type: ignore[operator]
+    theirs = ggml_quantize(w, "q4_k", Q4_K_BYTES, 256)
     ours = quantize_q4_k(w)
     same = float((ours == theirs).all(-1).float().mean())
     err = lambda b: float((dequantize_q4_k(b) - w).norm() / w.norm())
