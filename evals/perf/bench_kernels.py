@@ -5,10 +5,10 @@ the weight that the working set exceeds the last-level cache, so the numbers are
 streams experts from RAM. Paths are timed round-robin (A/B/C/A/B/C…) and reported as medians, so load from other
 processes hits every path alike. GB/s counts the bytes of the weight as stored (codes + scales).
 
-Our kernels run in each block format they compute in (``FORMATS``: Q4_0, Q8_0, and GGUF's Q4_K / Q5_K / Q6_K as
-Q4_K_M / Q5_K_M files hold them, at 4.5 / 8.5 / 4.5 / 5.5 / 6.56 bits per weight), so the default shapes — a
-2048-hidden, 768-intermediate expert's gate/up and down, the 7.5B benchmark model's — compare the formats at M=1
-(decode) side by side.
+Our kernels run in each block format they compute in (``FORMATS``: Q4_0, Q8_0, GGUF's Q4_K / Q5_K / Q6_K as
+Q4_K_M / Q5_K_M files hold them, and MXFP4 as GPT-OSS files do, at 4.5 / 8.5 / 4.5 / 5.5 / 6.56 / 4.25 bits per
+weight), so the default shapes — a 2048-hidden, 768-intermediate expert's gate/up and down, the 7.5B benchmark
+model's — compare the formats at M=1 (decode) side by side.
 
 Legend: ``N`` weight rows, ``K`` reduction dim, ``M`` tokens, ``T``/``E``/``D``/``I`` as in the MoE layer.
 """
@@ -28,7 +28,7 @@ from freetoken_agent.evals.perf.timing import Spread
 
 SHAPES = ((768, 2048), (2048, 768), (1536, 4096))  # (N, K): gate/up and down of a 2048-hidden model, a larger one
 M_VALUES = (1, 4, 16, 64, 256)
-FORMATS = ("q4", "q8", "q4_k", "q5_k", "q6_k")  # our kernels' formats (K-quants where K is a multiple of 256)
+FORMATS = ("q4", "q8", "q4_k", "q5_k", "q6_k", "mxfp4")  # our kernels' formats (K-quants where 256 divides K)
 FORMAT_ALIASES = {"q4_0": "q4", "q8_0": "q8"}
 WORKING_SET = 256 << 20  # bytes cycled per path: well above the L3 of the CPUs we target
 
@@ -101,7 +101,7 @@ _huge = [True]
 
 
 def _packed(w: torch.Tensor, fmt: str) -> Any:
-    """``w`` in ``fmt`` in the kernels' tiles (Q4_0/Q8_0 by the C quantizer, the K-quants by their torch ones)."""
+    """``w`` in ``fmt`` in the kernels' tiles (Q4_0/Q8_0 by the C quantizer, the others by their torch ones)."""
     from freetoken_agent.runtime.kernels import ops
     from freetoken_agent.runtime.quant import quantize
     from freetoken_agent.runtime.quant.formats import block_format
@@ -321,7 +321,7 @@ def format_markdown(report: Report) -> str:
     """Markdown tables for RESULTS.md: per thread count, one row per (shape, M), one column per kernel path."""
     out = []
     cols = ["freetoken-c/q4", "ggml-q4_0/q4_0", "freetoken-c/q4_k", "ggml-q4_k/q4_k", "freetoken-c/q5_k",
-            "freetoken-c/q6_k", "freetoken-c/q8", "ggml-q8_0/q8_0", "freetoken-dequant-mm/q4",
+            "freetoken-c/q6_k", "freetoken-c/mxfp4", "freetoken-c/q8", "ggml-q8_0/q8_0", "freetoken-dequant-mm/q4",
             "torch-linear/fp32"]  # fmt: skip
     threads = sorted({r.threads for r in report.results})
     for th in threads:

@@ -1,14 +1,14 @@
 """A GGUF model ready to load: config, spec, reader, tokenizer, and the routed experts in the kernels' block formats.
 
 Legend: ``E`` experts per layer, ``I`` expert intermediate size, ``D`` hidden size, ``nb`` blocks per row, ``P``
-bytes per block (Q8_0: 34, Q4_0: 18, Q4_K: 144, Q5_K: 176, Q6_K: 210).
+bytes per block (Q8_0: 34, Q4_0: 18, Q4_K: 144, Q5_K: 176, Q6_K: 210, MXFP4: 17).
 
 Routed experts (what the engine's ``quant`` option is about):
 
-- stored as **Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K** (``quant.formats.GGUF_NATIVE``): the file's blocks are the kernels'
-  blocks byte for byte (``runtime/quant/``), so the expert core (``runtime/experts/core.py``) runs them as stored —
-  nothing is dequantized or requantized;
-- stored in another **block type** (Q2_K/Q3_K, IQ4_XS, MXFP4, Q4_1, Q5_0/Q5_1): dequantized with the ``gguf``
+- stored as **Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K / MXFP4** (``quant.formats.GGUF_NATIVE``): the file's blocks are the
+  kernels' blocks byte for byte (``runtime/quant/``), so the expert core (``runtime/experts/core.py``) runs them as
+  stored — nothing is dequantized or requantized;
+- stored in another **block type** (Q2_K/Q3_K, IQ4_XS, Q4_1, Q5_0/Q5_1): dequantized with the ``gguf``
   package and requantized at load to the nearest format the kernels run (``quant.formats.GGUF_TYPES``: 4-bit types
   → Q4_0, 5-bit → Q8_0), one expert at a time; the relative RMS error of that conversion is measured per tensor and
   reported (``ExpertConversion``, ``freetoken inspect``);
@@ -59,7 +59,7 @@ def _shared_format(tensors: list[Any]) -> str:
     if native is not None:
         return native
     runs = {GGUF_TYPES.get(t) for t in types}
-    return "q4_0" if runs <= {"q4_0", "q4_k"} else "q8_0"
+    return "q4_0" if runs <= {"q4_0", "q4_k", "mxfp4"} else "q8_0"
 
 
 def part_format(formats: tuple[str, str], part: str) -> str:
@@ -81,7 +81,7 @@ class ExpertConversion:
     layer: int
     part: str  # gate, up, gate_up, down
     stored: str  # ggml type
-    runs_as: str  # a kernel format: q8_0 / q4_0 / q4_k / q5_k / q6_k
+    runs_as: str  # a kernel format: q8_0 / q4_0 / q4_k / q5_k / q6_k / mxfp4
     rel_rms_error: float | None
     """||dequant(stored) − dequant(converted)|| / ||dequant(stored)|| over the measured experts (None: as stored)."""
     experts_measured: int = 0

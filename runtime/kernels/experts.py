@@ -1,4 +1,4 @@
-"""``QuantizedExperts``: the MoE layer's routed-expert backend over Q8_0 / Q4_0 / Q4_K / Q6_K weights.
+"""``QuantizedExperts``: the MoE layer's routed-expert backend over Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K / MXFP4 weights.
 
 Legend: ``T`` tokens, ``K`` experts per token, ``E`` experts, ``D`` hidden size, ``I`` expert intermediate size.
 
@@ -35,7 +35,7 @@ import torch
 
 from ..errors import FreeTokenError
 from ..experts.capabilities import PLACEMENTS, Capabilities
-from ..quant.blocks import BLOCK, BlockQuantized, quantize
+from ..quant.blocks import BLOCK_BYTES, BlockQuantized, quantize
 from ..quant.formats import block_format
 from . import build, invariant, ops
 from .torch_fallback import Int4Weight, int4_linear, int4pack
@@ -170,7 +170,7 @@ class QuantizedExperts:
     def quantize(gate_up: torch.Tensor, down: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Float experts ``gate_up [E, 2I, D]``, ``down [E, D, I]`` → their ``fmt`` blocks ``[E, 2I, nb(D), P]``,
         ``[E, D, nb(I), P]`` (Q8_0 / Q4_0: the C quantizer where the kernels load, else the torch one, the same
-        bytes; the K-quants: their plain-torch quantizers)."""
+        bytes; the K-quants and MXFP4: their plain-torch quantizers)."""
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
             raise FreeTokenError(
                 f"experts need gate_up [E, 2I, D] and down [E, D, I], "
@@ -186,7 +186,7 @@ class QuantizedExperts:
         step = max(1, (64 << 20) // max(1, two_i * d * 4))
 
         def quant(w: torch.Tensor, fmt: str) -> BlockQuantized:
-            if f.block_values != BLOCK:  # a K-quant: 256-value super-blocks, quantized in torch
+            if f.name not in BLOCK_BYTES:  # the K-quants and MXFP4: their plain-torch quantizers (C: Q8_0 / Q4_0)
                 return BlockQuantized(f.name, (w.shape[0], w.shape[1]), f.quantize_rows(w))
             return ops.quantize_blocks(w, fmt)
 

@@ -1,4 +1,4 @@
-"""The kernels' repacked weight layout, as pure torch reshapes of GGUF Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks.
+"""The kernels' repacked weight layout, as pure torch reshapes of GGUF Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K / MXFP4 blocks.
 
 Legend: ``N`` rows, ``nb`` blocks per row, ``P`` bytes per GGUF block (34 or 18), ``R`` = 8 rows per tile,
 ``J`` chunks per tile-block (q8: 8, q4: 4).
@@ -15,7 +15,8 @@ rows at a time, each field's bytes interleaved by row (``csrc/ft_kquant.h``): Q4
 [16, 3, 8, 4]`` (``[i, r]``: byte ``i`` of row ``r``; ``[m, r, 4]``: bytes ``4m..4m+3`` of row ``r``). The code
 chunks go in the order the kernel reads them (``CODE_CHUNKS``): Q5_K in groups ``q`` of qh chunk ``q`` and qs chunks
 ``q``, ``8 + q``, ``16 + q``, ``24 + q``; Q6_K in groups ``(n, q)`` of ql chunk ``16n + q``, ql chunk ``16n + 8 + q``
-and qh chunk ``8n + q``. Which layout a block tensor gets follows from ``P``.
+and qh chunk ``8n + q``. MXFP4 blocks (``P`` = 17, 32 values) are tiled by fields too (``csrc/ft_mxfp4.h``): per
+tile-block ``e[8] | qs [4, 8, 4]``. Which layout a block tensor gets follows from ``P``.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ from __future__ import annotations
 import torch
 
 TILE_ROWS = 4 * 2
-KQUANT_FIELDS = {
+FIELDS = {
     144: ((0, 2), (2, 4), (4, 16), (16, 144)),
     176: ((0, 2), (2, 4), (4, 16), (16, 176)),
     210: ((208, 210), (192, 208), (0, 192)),
+    17: ((0, 1), (1, 17)),
 }
-"""K-quant block size → its fields' byte ranges in tile order (Q4_K / Q5_K: d, dmin, scales, codes; Q6_K: d,
-scales, codes); the last field holds the codes, 4 bytes per row at a time."""
+"""Block size of a format tiled field by field → its fields' byte ranges in tile order (Q4_K / Q5_K: d, dmin, scales,
+codes; Q6_K: d, scales, codes; MXFP4: exponent, codes); the last field holds the codes, 4 bytes per row at a time."""
 CODE_CHUNKS: dict[int, tuple[int, ...]] = {
     176: tuple(c for q in range(8) for c in (q, 8 + q, 16 + q, 24 + q, 32 + q)),  # qh chunk q, then 4 qs chunks
     210: tuple(c for n in range(2) for q in range(8) for c in (16 * n + q, 16 * n + 8 + q, 32 + 8 * n + q)),
 }
-"""K-quant block size → the order its code field's 4-byte chunks take in a tile (chunk ``m``: the field's bytes
-``4m..4m+3``; Q4_K keeps them in order). Q5_K's field is ``qh | qs`` (chunks 0-7, 8-39), Q6_K's ``ql | qh`` (0-31,
-32-47)."""
+"""Block size → the order its code field's 4-byte chunks take in a tile (chunk ``m``: the field's bytes
+``4m..4m+3``; Q4_K and MXFP4 keep them in order). Q5_K's field is ``qh | qs`` (chunks 0-7, 8-39), Q6_K's
+``ql | qh`` (0-31, 32-47)."""
 
 
 def _regroup(codes: torch.Tensor, order: tuple[int, ...] | None, inverse: bool = False) -> torch.Tensor:
@@ -80,24 +82,24 @@ def _pad_rows(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks, pad], dim=-3)
 
 
-def _pack_kquant(blocks: torch.Tensor) -> torch.Tensor:
+def _pack_fields(blocks: torch.Tensor) -> torch.Tensor:
     *lead, n, ns, p = blocks.shape
     nt = -(-n // TILE_ROWS)
     t = _pad_rows(blocks).reshape(*lead, nt, TILE_ROWS, ns, p).transpose(-3, -2)  # [..., nt, ns, R, P]
-    fields = KQUANT_FIELDS[p]
+    fields = FIELDS[p]
     parts = [_field_tiles(t[..., a:b], four=False) for a, b in fields[:-1]]
     a, b = fields[-1]
     parts.append(_field_tiles(_regroup(t[..., a:b], CODE_CHUNKS.get(p)), four=True))
     return torch.cat(parts, dim=-1).reshape(*lead, -1).contiguous()
 
 
-def _unpack_kquant(packed: torch.Tensor, n: int, ns: int, p: int) -> torch.Tensor:
+def _unpack_fields(packed: torch.Tensor, n: int, ns: int, p: int) -> torch.Tensor:
     *lead, _ = packed.shape
     nt = -(-n // TILE_ROWS)
     t = packed.reshape(*lead, nt, ns, TILE_ROWS * p)
     out = torch.empty(*lead, nt, ns, TILE_ROWS, p, dtype=torch.uint8)
     at = 0
-    fields = KQUANT_FIELDS[p]
+    fields = FIELDS[p]
     for i, (a, b) in enumerate(fields):
         width, codes = b - a, i == len(fields) - 1
         rows = _field_rows(t[..., at : at + TILE_ROWS * width], TILE_ROWS, width, four=codes)
@@ -116,8 +118,8 @@ def _codes(body: torch.Tensor, q4: bool) -> torch.Tensor:
 def pack_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks ``[..., N, nb, P]`` → flat tiles ``[..., ceil(N/8) * nb * 8P]`` (uint8)."""
     *lead, n, nb, p = blocks.shape
-    if p in KQUANT_FIELDS:
-        return _pack_kquant(blocks)
+    if p in FIELDS:
+        return _pack_fields(blocks)
     q4 = p == 18
     nt = -(-n // TILE_ROWS)
     blocks = _pad_rows(blocks)
@@ -135,8 +137,8 @@ def pack_blocks(blocks: torch.Tensor) -> torch.Tensor:
 
 def unpack_blocks(packed: torch.Tensor, n: int, nb: int, p: int) -> torch.Tensor:
     """The inverse of ``pack_blocks``: flat tiles ``[..., bytes]`` → GGUF blocks ``[..., N, nb, P]``."""
-    if p in KQUANT_FIELDS:
-        return _unpack_kquant(packed, n, nb, p)
+    if p in FIELDS:
+        return _unpack_fields(packed, n, nb, p)
     *lead, _ = packed.shape
     q4 = p == 18
     nt = -(-n // TILE_ROWS)

@@ -23,7 +23,7 @@ from ..quant.formats import block_format
 from . import build
 from .layout import TILE_ROWS, pack_blocks
 
-FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4}
+FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "mxfp4": 5}
 """The C side's code of each format it computes in (``csrc/ft_tiles.h``)."""
 ISA_CODE = {"best": -1, "portable": 0, "avx2": 1, "avx512vnni": 2}
 

@@ -12,9 +12,9 @@ A ``BlockFormat`` is the one place that knows, for its format:
 - **kernel**: whether the C kernels compute in it, and otherwise the format it runs as (``runs_as``).
 
 The math itself lives beside this file (``blocks.py`` for Q8_0/Q4_0, ``q4k.py`` / ``q5k.py`` / ``q6k.py`` for
-GGUF's Q4_K / Q5_K / Q6_K super-blocks of 256 values, whose rows must be whole super-blocks for the kernels);
-checkpoint encodings that are decoded on read (FP8 blocks, MXFP4: ``native.py``) are not block formats the experts
-are stored in. ``GGUF_TYPES`` maps the ggml block types of a GGUF file onto these formats.
+GGUF's Q4_K / Q5_K / Q6_K super-blocks of 256 values, whose rows must be whole super-blocks for the kernels,
+``mxfp4.py`` for GGUF's MXFP4 blocks); checkpoint encodings that are decoded on read (FP8 blocks, a safetensors
+checkpoint's MXFP4 tensors: ``native.py``) are not block formats the experts are stored in. ``GGUF_TYPES`` maps the ggml block types of a GGUF file onto these formats.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 from ..errors import FreeTokenError, OptionError
 from . import blocks as q80
+from .mxfp4 import GROUP, MXFP4_BYTES, dequantize_mxfp4_blocks, quantize_mxfp4_blocks
 from .q4k import Q4_K_BYTES, SUPER, dequantize_q4_k, quantize_q4_k
 from .q5k import Q5_K_BYTES, dequantize_q5_k, quantize_q5_k
 from .q6k import Q6_K_BYTES, dequantize_q6_k, quantize_q6_k
@@ -102,6 +103,7 @@ FORMATS: dict[str, BlockFormat] = {
     "q4_k": BlockFormat("q4_k", SUPER, Q4_K_BYTES, True, "q4_k", quantize_q4_k, dequantize_q4_k),
     "q5_k": BlockFormat("q5_k", SUPER, Q5_K_BYTES, True, "q5_k", quantize_q5_k, dequantize_q5_k),
     "q6_k": BlockFormat("q6_k", SUPER, Q6_K_BYTES, True, "q6_k", quantize_q6_k, dequantize_q6_k),
+    "mxfp4": BlockFormat("mxfp4", GROUP, MXFP4_BYTES, True, "mxfp4", quantize_mxfp4_blocks, dequantize_mxfp4_blocks),
 }
 """Every block format, by canonical name."""
 KERNEL_FORMATS = tuple(name for name, f in FORMATS.items() if f.kernel)
@@ -111,12 +113,12 @@ GGUF_TYPES: dict[str, str] = {
     "Q8_0": "q8_0", "Q4_0": "q4_0",
     "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
     "Q4_1": "q4_0", "Q3_K": "q4_0", "Q2_K": "q4_0", "IQ4_XS": "q4_0", "IQ4_NL": "q4_0",
-    "MXFP4": "q4_0", "IQ3_S": "q4_0", "IQ3_XXS": "q4_0", "IQ2_XXS": "q4_0", "IQ2_XS": "q4_0", "IQ2_S": "q4_0",
+    "MXFP4": "mxfp4", "IQ3_S": "q4_0", "IQ3_XXS": "q4_0", "IQ2_XXS": "q4_0", "IQ2_XS": "q4_0", "IQ2_S": "q4_0",
     "IQ1_S": "q4_0", "IQ1_M": "q4_0", "TQ1_0": "q4_0", "TQ2_0": "q4_0",
     "Q5_0": "q8_0", "Q5_1": "q8_0",
 }  # fmt: skip
 """Stored ggml block type → the kernel format it runs in (the nearest one at least as wide)."""
-GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+GGUF_NATIVE = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}
 """Stored ggml types the kernels run byte for byte as they are."""
 
 

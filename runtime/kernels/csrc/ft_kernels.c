@@ -1,5 +1,5 @@
-/* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights, and
- * one fused call per MoE layer step (gate+up, SiLU(gate)*up, down, weighted sum over the routed experts).
+/* FreeToken CPU expert kernels: int8-activation GEMV/GEMM over repacked Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K / MXFP4
+ * weights, and one fused call per MoE layer step (gate+up, SiLU(gate)*up, down, weighted sum over the routed experts).
  *
  * Plain C, no Python C-API: loaded with ctypes. ISA paths are chosen at run time
  * (AVX-512 VNNI on 256-bit vectors, AVX2+FMA+F16C, else portable C).
@@ -284,13 +284,20 @@ static void kq_dequant_item(void *p, int64_t t) {
     kq_dequant_tile(c->fmt, c->w + t * c->nb * tile_block_bytes(c->fmt), c->nb / 8, rows, c->y + t * TR * c->k, c->k);
 }
 
+static void mx_dequant_item(void *p, int64_t t) {
+    const dequant_ctx *c = (const dequant_ctx *)p;
+    const int rows = c->n - t * TR < TR ? (int)(c->n - t * TR) : TR;
+    mx_dequant_tile(c->w + t * c->nb * MX_TILE, c->nb, rows, c->y + t * TR * c->k, c->k);
+}
+
 /* y[N, K] = the fp32 values of repacked W (the prefill path: dequantize once, then one BLAS matmul). K-quants need
  * K % 256 == 0. */
 void ft_dequant(int fmt, const uint8_t *w, int64_t n, int64_t k, float *y) {
     if (g_isa < 0) g_isa = detect_isa();
     dequant_ctx c = {fmt, w, n, k, (k + QK - 1) / QK, y};
     /* the values go to torch.mm next */
-    ft_parallel_run(fmt_is_kquant(fmt) ? kq_dequant_item : dequant_item, &c, (n + TR - 1) / TR, 1);
+    ft_parallel_run(fmt_is_kquant(fmt) ? kq_dequant_item : fmt == FT_MXFP4 ? mx_dequant_item : dequant_item, &c,
+                    (n + TR - 1) / TR, 1);
 }
 
 /* ---------------------------------------------------------------- public: memory read bandwidth */

@@ -25,7 +25,7 @@
 #define FT_X86 1
 #endif
 
-enum { FT_Q8 = 0, FT_Q4 = 1, FT_Q4K = 2, FT_Q6K = 3, FT_Q5K = 4 }; /* the K-quants' tiles: ft_kquant.h */
+enum { FT_Q8 = 0, FT_Q4 = 1, FT_Q4K = 2, FT_Q6K = 3, FT_Q5K = 4, FT_MXFP4 = 5 }; /* ft_kquant.h, ft_mxfp4.h */
 enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512VNNI = 2 };
 
 #define QK 32
@@ -37,6 +37,7 @@ static inline int64_t tile_block_bytes(int fmt) {
     case FT_Q8: return 2 * TR + TR * 32;
     case FT_Q6K: return TR * 210 / 8;
     case FT_Q5K: return TR * 176 / 8;
+    case FT_MXFP4: return TR * 17;
     default: return 2 * TR + TR * 16; /* q4_0, and q4_k (144 bytes per 256 values) */
     }
 }
@@ -336,6 +337,7 @@ FT_AVX2 static void tile_row_dequant_avx2(int fmt, const uint8_t *tb, int r, flo
 #endif
 
 #include "ft_kquant.h"
+#include "ft_mxfp4.h"
 
 static int detect_isa(void) {
 #ifdef FT_X86
@@ -353,14 +355,14 @@ static int g_isa = -1;
 
 static tile_dot_fn pick_tile_dot(int fmt) {
     if (g_isa < 0) g_isa = detect_isa();
-    /* by format code: FT_Q8, FT_Q4, FT_Q4K, FT_Q6K, FT_Q5K */
+    /* by format code: FT_Q8, FT_Q4, FT_Q4K, FT_Q6K, FT_Q5K, FT_MXFP4 */
     static const tile_dot_fn portable[] = {tile_dot_q8_c, tile_dot_q4_c, tile_dot_q4k_c, tile_dot_q6k_c,
-                                           tile_dot_q5k_c};
+                                           tile_dot_q5k_c, tile_dot_mxfp4_c};
 #ifdef FT_X86
     static const tile_dot_fn avx2[] = {tile_dot_q8_avx2, tile_dot_q4_avx2, tile_dot_q4k_avx2, tile_dot_q6k_avx2,
-                                       tile_dot_q5k_avx2};
+                                       tile_dot_q5k_avx2, tile_dot_mxfp4_avx2};
     static const tile_dot_fn vnni[] = {tile_dot_q8_vnni, tile_dot_q4_vnni, tile_dot_q4k_vnni, tile_dot_q6k_vnni,
-                                       tile_dot_q5k_vnni};
+                                       tile_dot_q5k_vnni, tile_dot_mxfp4_vnni};
     if (g_isa == FT_ISA_AVX512VNNI) return vnni[fmt];
     if (g_isa == FT_ISA_AVX2) return avx2[fmt];
 #endif
@@ -372,9 +374,9 @@ static tile_dot4_fn pick_tile_dot4(int fmt) {
     if (g_isa < 0) g_isa = detect_isa();
 #ifdef FT_X86
     static const tile_dot4_fn avx2[] = {tile_dot4_q8_avx2, tile_dot4_q4_avx2, tile_dot4_q4k_avx2, tile_dot4_q6k_avx2,
-                                        tile_dot4_q5k_avx2};
+                                        tile_dot4_q5k_avx2, tile_dot4_mxfp4_avx2};
     static const tile_dot4_fn vnni[] = {tile_dot4_q8_vnni, tile_dot4_q4_vnni, tile_dot4_q4k_vnni, tile_dot4_q6k_vnni,
-                                        tile_dot4_q5k_vnni};
+                                        tile_dot4_q5k_vnni, tile_dot4_mxfp4_vnni};
     if (g_isa == FT_ISA_AVX512VNNI) return vnni[fmt];
     if (g_isa == FT_ISA_AVX2) return avx2[fmt];
 #endif

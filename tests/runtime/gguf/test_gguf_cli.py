@@ -36,18 +36,20 @@ def test_inspect_gguf(tmp_path: Path) -> None:
     assert table.returncode == 0 and "tensor formats" in table.stdout
 
 
-def test_inspect_shows_k_quants_as_stored(tmp_path: Path) -> None:
-    folder = tmp_path / "hf"  # a Q5_K_M file's experts: Q5_K gate/up, Q6_K down
+@pytest.mark.parametrize(("experts", "down"), [("Q5_K", "Q6_K"), ("MXFP4", "MXFP4")])  # a Q5_K_M file's; GPT-OSS's
+def test_inspect_shows_native_blocks_as_stored(experts: str, down: str, tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
     save_checkpoint("qwen3_moe", folder, seed=6, hidden_size=256, moe_intermediate_size=256, head_dim=64)
-    file = write_gguf(folder, tmp_path / "m.gguf", experts="Q5_K", down="Q6_K")
+    file = write_gguf(folder, tmp_path / "m.gguf", experts=experts, down=down)
     proc = _cli("inspect", str(file), "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["tensor_formats"]["experts gate"] == "Q5_K×3" and info["tensor_formats"]["experts down"] == "Q6_K×3"
+    assert info["tensor_formats"]["experts gate"] == f"{experts}×3"
+    assert info["tensor_formats"]["experts down"] == f"{down}×3"
     conv = "\n".join(info["expert_conversion"])
-    assert "gate: Q5_K → Q5_K as stored" in conv and "down: Q6_K → Q6_K as stored" in conv
+    assert f"gate: {experts} → {experts} as stored" in conv and f"down: {down} → {down} as stored" in conv
     assert "requantized" not in conv
-    assert "run as Q5_K+Q6_K" in info["plan"]
+    assert f"run as {experts if experts == down else experts + '+' + down}" in info["plan"]
 
 
 @pytest.mark.parametrize("kind", ["Q4_0"])

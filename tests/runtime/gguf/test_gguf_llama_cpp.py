@@ -1,11 +1,11 @@
 """Our engine against llama.cpp (``llama-cpp-python``) on the same GGUF files: greedy top-1 agreement.
 
 Skipped, with the reason printed (``pytest -rs``), where ``llama-cpp-python`` is not installed; written to run as is
-where it is. The trained built-in model is written as GGUF with Q8_0, Q4_0, Q4_K and Q5_K experts (the K-quants' gate/up
-run as stored; their down, 112 values a row, is no whole super-block and stays F16 in the file); both engines score
+where it is. The trained built-in model is written as GGUF with Q8_0, Q4_0, Q4_K, Q5_K and MXFP4 experts (gate/up
+run as stored; down, 112 values a row, is no whole number of blocks and stays F16 in the file); both engines score
 the same few hundred positions of a text, and their top-1 predictions must agree on at least 95% of them. Tiny random
-GLM-4.5 and GPT-OSS checkpoints are written without a vocabulary (llama.cpp's ``none`` tokenizer) and scored on
-random token ids the same way.
+GLM-4.5, GPT-OSS (also with MXFP4 experts, the format its GGUF files ship in), DeepSeek and Qwen3-Next checkpoints are
+written without a vocabulary (llama.cpp's ``none`` tokenizer) and scored on random token ids the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ TEXT = ("def merge(a, b):\n    out = []\n    while a and b:\n        out.append(
         "\n    def get(self, key, default=None):\n        return self.items.get(key, default)\n") * 3
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "MXFP4"])
 def test_top1_agreement_with_llama_cpp(kind: str, tmp_path: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason=SKIP)
     src = builtin_model_dir()
@@ -48,8 +48,11 @@ def test_top1_agreement_with_llama_cpp(kind: str, tmp_path: Path) -> None:
     assert agree >= 0.95
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen3_next"])
-@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+TINY = [(arch, kind) for kind in ("F32", "Q8_0") for arch in ("glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                                                                 "qwen3_next")] + [("gpt_oss", "MXFP4")]
+
+
+@pytest.mark.parametrize(("arch", "kind"), TINY)
 def test_tiny_top1_agreement_with_llama_cpp(arch: str, kind: str, tmp_path: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason=SKIP)
     import numpy as np
@@ -58,7 +61,9 @@ def test_tiny_top1_agreement_with_llama_cpp(arch: str, kind: str, tmp_path: Path
     varied_checkpoint(arch, tmp_path / "hf", seed=1, **OVERRIDES.get(arch, {}))
     file = write_gguf(tmp_path / "hf", tmp_path / f"{arch}.gguf", experts=kind, no_vocab=True)
     ids = torch.randint(0, 512, (128,), generator=torch.Generator().manual_seed(7)).tolist()
-    mine = Engine.from_pretrained(file).logits(ids).argmax(-1).tolist()
+    ours = Engine.from_pretrained(file)
+    assert kind == "F32" or ours.quant.fmt == kind.lower()  # the experts run as stored
+    mine = ours.logits(ids).argmax(-1).tolist()
     llm = llama_cpp.Llama(model_path=str(file), n_ctx=256, logits_all=True, verbose=False)
     llm.eval(ids)
     theirs = np.asarray(llm.scores[: len(ids)]).argmax(-1).tolist()

@@ -1,8 +1,8 @@
-"""The K-quant kernels (Q4_K, Q5_K, Q6_K tiles: ``csrc/ft_kquant.h``) against the plain-torch reference (dequantize, fp32
-matmul), on every ISA path this CPU has, the portable one included: the tile layout round-trips, the C dequantizer
-gives the torch dequantizer's values bit for bit, and the int8-activation GEMV / small-M products and the fused MoE
-step (Q4_K gate/up with Q6_K down, as a Q4_K_M file holds them) agree with the reference to fp32 rounding (1-token and
-4-token kernels: M = 1..16)."""
+"""The kernels of GGUF's K-quants (Q4_K, Q5_K, Q6_K tiles: ``csrc/ft_kquant.h``) and MXFP4 (``csrc/ft_mxfp4.h``)
+against the plain-torch reference (dequantize, fp32 matmul), on every ISA path this CPU has, the portable one included:
+the tile layout round-trips, the C dequantizer gives the torch dequantizer's values bit for bit, and the
+int8-activation GEMV / small-M products and the fused MoE step (Q4_K gate/up with Q6_K down, as a Q4_K_M file holds
+them, and the other formats) agree with the reference to fp32 rounding (1-token and 4-token kernels: M = 1..16)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from freetoken_agent.runtime.kernels.layout import unpack_blocks
 from freetoken_agent.runtime.kernels.reference import fake_quant_int8, near_ties
 from freetoken_agent.runtime.quant.formats import block_format
 
-KQUANTS = ["q4_k", "q5_k", "q6_k"]
+KQUANTS = ["q4_k", "q5_k", "q6_k", "mxfp4"]  # the GGUF formats the kernels run as stored, besides Q8_0 / Q4_0
 SHAPES = [(64, 256), (37, 768), (5, 1280), (24, 2048)]  # ragged N (padded tiles) and K = 1, 3, 5, 8 super-blocks
+RAGGED_K = [(13, 352), (8, 300)]  # MXFP4's 32-value blocks: K no multiple of 256, and a zero-padded last block
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +34,23 @@ def _weight(fmt: str, n: int, k: int, seed: int) -> tuple[ops.PackedWeight, torc
     return ops.PackedWeight.from_rows(fmt, blocks, k), blocks, f.dequantize_rows(blocks, k)
 
 
-@pytest.mark.parametrize("fmt", KQUANTS)
-@pytest.mark.parametrize("shape", SHAPES)
+CASES = [(f, s) for f in KQUANTS for s in SHAPES] + [("mxfp4", s) for s in RAGGED_K]
+
+
+@pytest.mark.parametrize(("fmt", "shape"), CASES)
 def test_tiles_round_trip_and_dequantize_exactly(fmt: str, shape: tuple[int, int], isas: list[str]) -> None:
     n, k = shape
     pw, blocks, values = _weight(fmt, n, k, seed=n + k)
     assert pw.nbytes == ops.packed_bytes(fmt, n, k) == ops._lib().ft_packed_bytes(ops.FMT_CODE[fmt], n, k)
     assert pw.nbytes == -(-n // 8) * 8 * blocks.shape[1] * blocks.shape[2]  # the file's bytes, reordered
+    assert values.shape == (n, k)
     assert torch.equal(unpack_blocks(pw.data, n, *blocks.shape[1:]), blocks)
     for isa in isas:
         ops.set_isa(isa)
         assert torch.equal(ops.dequantize(pw), values), isa
 
 
-@pytest.mark.parametrize("fmt", KQUANTS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("fmt", "shape"), CASES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
 def test_linear_matches_the_reference(fmt: str, shape: tuple[int, int], m: int, isas: list[str]) -> None:
     n, k = shape
@@ -85,7 +88,8 @@ def test_integer_friendly_inputs_are_exact(isas: list[str]) -> None:
 
 
 @pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q4_k", "q4_k"), ("q4_k", "q8_0"),
-                                     ("q5_k", "q6_k"), ("q5_k", "q5_k")])
+                                     ("q5_k", "q6_k"), ("q5_k", "q5_k"), ("mxfp4", "mxfp4"),
+                                     ("mxfp4", "q8_0")])
 def test_fused_moe_step_with_two_formats(formats: tuple[str, str], isas: list[str]) -> None:
     fmt13, fmt2 = formats
     e, d, i, t, top = 6, 512, 256, 9, 2
