@@ -51,7 +51,8 @@ class ManagedExperts:
         self.layer, self.spec, self.store, self.planner = layer, spec, store, planner
         self.act = act or {}
         self.next_layer, self.lookahead = next_layer, lookahead
-        self.layout = store.host.layout
+        self.layout = store.layout_of(layer)
+        """This layer's blob layout (a GGUF file's layers may differ: slots are the size of the widest)."""
         self.exact = True
         """False: quantized decode always runs as one fused call over the pool (fp32 sums may reorder: ~1e-7)."""
         self._views: dict[str, tuple[int, SlotViews, QuantizedExperts | None]] = {}
@@ -66,8 +67,8 @@ class ManagedExperts:
         lay = self.layout
         plain = self.spec.activation == "silu" and not self.spec.glu_clamp and not lay.bias
         fused = lay.quantized and lay.packed and plain and not self.exact and self.store.device is None
-        return Capabilities("managed", (lay.fmt,), kernels=lay.quantized and lay.packed, modes=False,
-                            dequantize=False, fused=fused, can_prefetch=self.lookahead is not None)
+        return Capabilities("managed", tuple(dict.fromkeys(lay.formats)), kernels=lay.quantized and lay.packed,
+                            modes=False, dequantize=False, fused=fused, can_prefetch=self.lookahead is not None)
 
     # ---------------------------------------------------------------- views over the pools
 
@@ -86,7 +87,7 @@ class ManagedExperts:
             assert views.w13 is not None and views.w2 is not None
             lay = self.layout
             qe = quantized_experts(lay.fmt, views.w13, views.w2, lay.hidden, self.spec, self.act, lay.packed,
-                                   (views.gate_up_bias, views.down_bias), "managed")
+                                   (views.gate_up_bias, views.down_bias), "managed", lay.down_fmt)
         self._views[tier] = (pool.generation, views, qe)
         return views, qe
 
@@ -119,10 +120,10 @@ class ManagedExperts:
         from freetoken_agent.runtime.quant.formats import block_format
 
         lay = self.layout
-        fmt = block_format(lay.fmt)
+        f13, f2 = (block_format(f) for f in lay.formats)
         assert views.w13 is not None and views.w2 is not None
-        gate_up = fmt.dequantize(views.w13[slot], 2 * lay.intermediate, lay.hidden, lay.packed)
-        return gate_up, fmt.dequantize(views.w2[slot], lay.hidden, lay.intermediate, lay.packed)
+        gate_up = f13.dequantize(views.w13[slot], 2 * lay.intermediate, lay.hidden, lay.packed)
+        return gate_up, f2.dequantize(views.w2[slot], lay.hidden, lay.intermediate, lay.packed)
 
     # ---------------------------------------------------------------- the step
 
@@ -279,7 +280,7 @@ class ManagedExperts:
         """
         _, qe = self._pool_views("host")
         assert qe is not None
-        fmt, w13, w2, dims = qe.fmt, qe.w13, qe.w2, (qe.hidden, qe.intermediate)
+        fmt, down_fmt, w13, w2, dims = qe.fmt, qe.down_fmt, qe.w13, qe.w2, (qe.hidden, qe.intermediate)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.spec.num_experts)  # [E]
         threshold = qe.dequant_threshold if qe.packed else 1
         hit = counts.nonzero().flatten().tolist()
@@ -317,12 +318,12 @@ class ManagedExperts:
                     is_dense = torch.zeros(self.spec.num_experts, dtype=torch.bool)
                     is_dense[dense] = True
                     ids = torch.where(is_dense[topk_ids], torch.full_like(ids, -1), ids)
-                out = ops.moe(fmt, w13, w2, dims, x, ids, topk_weights)
+                out = ops.moe(fmt, w13, w2, dims, x, ids, topk_weights, down_fmt)
             else:
                 for e in light:
                     ids = torch.where(topk_ids == e, torch.full_like(topk_ids, slot(e)), torch.full_like(topk_ids, -1))
                     try:
-                        out += ops.moe(fmt, w13, w2, dims, x, ids, topk_weights)
+                        out += ops.moe(fmt, w13, w2, dims, x, ids, topk_weights, down_fmt)
                     finally:
                         done(e)
             light = []

@@ -3,7 +3,8 @@
 Design. ``build_experts`` is the only place that decides how a model's routed experts are held. From the request's
 format (``quant``), placement (``resident`` / ``mapped`` / ``managed``, or chosen), budget and whether the C kernels
 are available it picks one **source** (``SOURCES``): the float experts as loaded, float experts quantized in
-memory, the expert cache file mapped in, a GGUF file's blocks, or budgeted tiers of slots. Each source reads the
+memory, the expert cache file mapped in, a GGUF file's blocks, or budgeted tiers of slots (filled from the expert
+cache file, which a GGUF file's blocks are written into as a folder's quantized experts are). Each source reads the
 dense weights its own way (only the float ones read the experts as a whole) and hands back one backend per MoE
 layer; quantized ones are all made by one recipe (``quantized.quantized_experts``), and what each block format's
 bytes mean lives in one registry (``runtime/quant/formats.py``). The backends are installed into the decoder once,
@@ -60,9 +61,11 @@ class ExpertsRequest:
 def choose_source(request: ExpertsRequest) -> str:
     """The source (``SOURCES``) a request's experts load from; a clear error for a combination that cannot load.
 
-    Chosen: a budget or residency config → ``managed``; a GGUF file with quantized experts (or ``quant``) on the
-    CPU → ``gguf``; ``quant`` where the experts can be mapped (CPU, gated experts of one shape) → ``mapped``;
-    other ``quant`` → ``quantize``; else ``float``. A forced ``placement`` picks among the same.
+    Chosen: a budget or residency config → ``managed``, for a safetensors folder and a GGUF file alike (a GGUF
+    file's experts go into the expert cache file as the blocks its unbudgeted load runs: ``setup.py``); a GGUF file
+    with quantized experts (or ``quant``) on the CPU → ``gguf``; ``quant`` where the experts can be mapped (CPU, gated
+    experts of one shape) → ``mapped``; other ``quant`` → ``quantize``; else ``float``. A forced ``placement`` picks
+    among the same.
     """
     r = request
     placement = r.placement
@@ -73,9 +76,6 @@ def choose_source(request: ExpertsRequest) -> str:
             raise OptionError(f"a memory budget manages the experts in tiers; it cannot load them {placement}")
         placement = "managed"
     if placement == "managed":
-        if r.gguf is not None:
-            raise OptionError("a memory budget (--budget / residency) is not supported for GGUF files yet; load "
-                              "without one, or convert the model to a safetensors folder")
         return "managed"
     if r.gguf is not None:
         if placement == "mapped":
@@ -139,7 +139,7 @@ def build_experts(request: ExpertsRequest, kernels: bool | None = None) -> Built
         from freetoken_agent.runtime.experts.setup import load_managed
 
         managed = load_managed(r.spec, r.reader, r.path, r.dtype, r.device, r.quant, r.budget, r.residency,
-                               r.dense_quant, kernels)
+                               r.dense_quant, kernels, r.gguf)
         return BuiltExperts(source, managed.weights, managed.backends(), None, managed.dense_quant,
                             managed.store)
     backends: dict[int, Any] = {}

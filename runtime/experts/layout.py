@@ -6,8 +6,9 @@ Every tier holds experts as equal-size blobs, so one read (or one DMA) moves one
 one ``uint8 [S, stride]`` tensor. ``ExpertLayout.views(pool)`` gives typed per-slot views with no copy:
 
 - float formats (``float32``/``bfloat16``/``float16``): ``gate_up [S, 2I, D]``, ``down [S, D, I]`` in that dtype;
-- ``q4_0``/``q8_0``: ``w13 [S, b13]`` and ``w2 [S, b2]`` bytes in the CPU kernels' tile layout (or plain GGUF blocks
-  when the kernels are unavailable), exactly as ``QuantizedExperts`` holds them, so its kernels run on a pool;
+- block formats (``q4_0``/``q8_0``/``q4_k``/``q6_k``): ``w13 [S, b13]`` and ``w2 [S, b2]`` bytes in the CPU kernels'
+  tile layout (or plain GGUF blocks when the kernels are unavailable), exactly as ``QuantizedExperts`` holds them, so
+  its kernels run on a pool; down may have its own format (``down_fmt``: a Q4_K_M GGUF file's Q6_K down);
 - optional biases (``gate_up_bias [S, 2I]``, ``down_bias [S, D]``) after the weights, in fp32 for quantized blobs.
 """
 
@@ -53,22 +54,34 @@ class ExpertLayout:
     bias: bool = False
     packed: bool = False
     """Quantized blobs only: tile layout of the C kernels (True) or plain GGUF blocks (False)."""
+    down_fmt: str | None = None
+    """Quantized blobs only: down's block format where it differs from ``fmt`` (gate/up); ``None``: ``fmt``."""
 
     def __post_init__(self) -> None:
         if self.fmt not in FLOAT_FORMATS and self.fmt not in QUANT_FORMATS:
             raise FreeTokenError(f"unknown expert storage format {self.fmt!r}")
+        if self.down_fmt == self.fmt:  # one spelling per layout: equal layouts compare (and hash) equal
+            object.__setattr__(self, "down_fmt", None)
+        if self.down_fmt is not None and (not self.quantized or self.down_fmt not in QUANT_FORMATS):
+            raise FreeTokenError(f"expert down format {self.down_fmt!r} needs block formats for gate/up and down, "
+                                 f"got {self.fmt!r} gate/up")
 
     @property
     def quantized(self) -> bool:
         return self.fmt in QUANT_FORMATS
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        """(gate/up, down) storage formats."""
+        return self.fmt, self.down_fmt or self.fmt
 
     def _weight_bytes(self) -> tuple[int, int]:
         d, i = self.hidden, self.intermediate
         if not self.quantized:
             es = FLOAT_FORMATS[self.fmt].itemsize
             return 2 * i * d * es, d * i * es
-        fmt = block_format(self.fmt)
-        return fmt.matrix_bytes(2 * i, d, self.packed), fmt.matrix_bytes(d, i, self.packed)
+        f13, f2 = (block_format(f) for f in self.formats)
+        return f13.matrix_bytes(2 * i, d, self.packed), f2.matrix_bytes(d, i, self.packed)
 
     @property
     def _bias_itemsize(self) -> int:
@@ -100,11 +113,9 @@ class ExpertLayout:
 
     def encode(self, t: ExpertTensors) -> torch.Tensor:
         """One normalized expert → its blob (uint8 ``[blob_bytes]``); quantizes when the format says so."""
-        out = torch.zeros(self.blob_bytes, dtype=torch.uint8)
         parts: dict[str, torch.Tensor] = {}
         if self.quantized:
-            fmt = block_format(self.fmt)
-            for name, w in (("gate_up", t.gate_up), ("down", t.down)):
+            for name, w, fmt in zip(("gate_up", "down"), (t.gate_up, t.down), map(block_format, self.formats)):
                 parts[name] = fmt.storage(fmt.quantize_rows(w.float()), self.packed)  # blocks [N, nb, P] → bytes
             bias_dtype = torch.float32
         else:
@@ -116,8 +127,14 @@ class ExpertLayout:
                 raise FreeTokenError("this expert layout stores biases but the expert has none")
             parts["gate_up_bias"] = t.gate_up_bias.to(bias_dtype).contiguous()
             parts["down_bias"] = t.down_bias.to(bias_dtype).contiguous()
+        return self.place(parts)
+
+    def place(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """An expert's parts in their stored form (``offsets``' names: weights as stored bytes, biases in the bias
+        dtype) → its blob (uint8 ``[blob_bytes]``); a clear error for a part of the wrong size."""
+        out = torch.zeros(self.blob_bytes, dtype=torch.uint8)
         for name, (a, b) in self.offsets.items():
-            raw = parts[name].reshape(-1).view(torch.uint8)
+            raw = parts[name].contiguous().reshape(-1).view(torch.uint8)
             if raw.numel() != b - a:
                 raise FreeTokenError(f"expert part {name} has {raw.numel()} bytes, layout expects {b - a}")
             out[a:b] = raw
@@ -143,5 +160,8 @@ class ExpertLayout:
                          gate_up_bias=gub, down_bias=db)
 
     def to_json(self) -> dict[str, object]:
-        return {"fmt": self.fmt, "hidden": self.hidden, "intermediate": self.intermediate, "bias": self.bias,
-                "packed": self.packed}
+        out: dict[str, object] = {"fmt": self.fmt, "hidden": self.hidden, "intermediate": self.intermediate,
+                                  "bias": self.bias, "packed": self.packed}
+        if self.down_fmt is not None:  # absent when it is fmt: the cache keys of one-format layouts stay as they were
+            out["down_fmt"] = self.down_fmt
+        return out

@@ -5,6 +5,11 @@ bytes from the budget, writes/opens the expert-major cache file (one expert in m
 slot pool (and the device pool, real or simulated) from the remaining budget, and returns a ``Managed`` whose
 ``backends()`` are one ``ManagedExperts`` per MoE layer (the expert core, ``core.py``, installs them: its
 ``managed`` placement). The routed experts are never loaded as a whole.
+
+A safetensors folder's experts are quantized into the cache file (``quant``) or stored in the compute dtype; a GGUF
+file's experts that its unbudgeted load runs as blocks go in as those blocks (``gguf_blobs.py``: native block types
+byte for byte, other types converted as that load converts them, each layer in its own formats), so a budgeted GGUF
+load computes what the unbudgeted one does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from freetoken_agent.runtime.experts.cache_file import (
     cache_root,
     open_or_write,
 )
+from freetoken_agent.runtime.experts.gguf_blobs import GGUFExpertReader, gguf_layouts
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.loader import DenseLoader, Packed, tensor_bytes
 from freetoken_agent.runtime.model.weights import check_unused
@@ -133,8 +139,18 @@ def _storage_format(quant: str, dtype: torch.dtype, kernels: bool) -> tuple[str,
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], False
 
 
-def _expert_layout(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: torch.dtype,
-                   kernels: bool) -> ExpertLayout:  # fmt: skip
+def gguf_blocks(gguf: Any, quant: str, device: str, kernels: bool) -> dict[int, ExpertLayout]:
+    """The MoE layers of a GGUF model (``runtime.gguf.GGUFModel``, or ``None``) whose experts go into the cache file
+    as the file's blocks, with their layouts: where the unbudgeted load runs them as blocks (``quantized_experts``)."""
+    if gguf is None or not gguf.quantized_experts(quant, device):
+        return {}
+    return gguf_layouts(gguf, quant, kernels)
+
+
+def expert_layouts(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: torch.dtype, kernels: bool,
+                   blocks: dict[int, ExpertLayout]) -> dict[int, ExpertLayout]:  # fmt: skip
+    """MoE layer → its experts' blob layout: ``blocks``' (a GGUF file's block experts, ``gguf_blocks``), else ``quant``
+    (or the compute dtype's float format) for experts read as floats."""
     first = spec.layers[moe_layers[0]].moe
     assert first is not None
     shapes = {(spec.layers[i].moe.intermediate, spec.layers[i].moe.num_experts, spec.layers[i].moe.expert_bias)  # type: ignore[union-attr]
@@ -142,7 +158,13 @@ def _expert_layout(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: to
     if len(shapes) != 1:
         raise FreeTokenError("expert residency needs every MoE layer to have the same expert shape and count")
     fmt, packed = _storage_format(quant, dtype, kernels)
-    return ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, packed)
+    floats = ExpertLayout(fmt, spec.hidden_size, first.intermediate, first.expert_bias, packed)
+    return {i: blocks.get(i, floats) for i in moe_layers}
+
+
+def slot_layout(layouts: dict[int, ExpertLayout]) -> ExpertLayout:
+    """The layout the slots are sized for: the widest of the layers' (they differ only in a GGUF file's formats)."""
+    return max(layouts.values(), key=lambda lay: lay.blob_bytes)
 
 
 @dataclass(frozen=True)
@@ -184,12 +206,12 @@ class Minimum:
 
 def minimum_memory(
     spec: ModelSpec, reader: CheckpointReader, dtype: torch.dtype, device: str, quant: str,
-    config: ResidencyConfig | None = None, dense_quant: str = "none", kernels: bool | None = None,
+    config: ResidencyConfig | None = None, dense_quant: str = "none", kernels: bool | None = None, gguf: Any = None,
 ) -> Minimum | None:  # fmt: skip
     """What a budgeted load of this checkpoint needs at least, found without reading its weights (a ``meta`` walk
     of the same loader; one expert is read to learn the experts' layout). ``None`` for an architecture whose
     loader computes with tensor values (it cannot run on ``meta`` tensors); the load then checks after the dense
-    weights are read."""
+    weights are read. ``gguf``: the opened ``runtime.gguf.GGUFModel`` when ``reader`` is its reader."""
     config = config or ResidencyConfig()
     used = set(reader.used)
     loader = DenseLoader(reader, dtype, device, check_quant(dense_quant), meta=True)
@@ -205,7 +227,9 @@ def minimum_memory(
     if loader.dense_quant != "none" and isinstance(head, torch.Tensor):  # quantize_dense converts it too
         weights.lm_head = Packed(loader.dense_quant, *head.shape)  # type: ignore[assignment]
     moe_layers = sorted(loader.sources)
-    layout = _expert_layout(spec, moe_layers, quant, dtype, _kernels(kernels))
+    kernels = _kernels(kernels)
+    layout = slot_layout(expert_layouts(spec, moe_layers, quant, dtype, kernels,
+                                        gguf_blocks(gguf, quant, device, kernels)))
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
     on_gpu = torch.device(device).type != "cpu"
     slot_tiers = ("host", "device") if config.simulate_device or (on_gpu and config.device_tier) else ("host",)
@@ -226,10 +250,11 @@ def _report(fmt: str, layers: list[int], rest: DenseQuantReport | None) -> Dense
 def load_managed(
     spec: ModelSpec, reader: CheckpointReader, path: Path, dtype: torch.dtype, device: str, quant: str,
     budget: Budget | None, config: ResidencyConfig | None = None, dense_quant: str = "none",
-    kernels: bool | None = None,
+    kernels: bool | None = None, gguf: Any = None,
 ) -> Managed:  # fmt: skip
     """Dense weights + expert tiers sized from ``budget`` (see the module docstring); quantized experts in the C
-    kernels' tile layout when ``kernels`` (default: whether they load here).
+    kernels' tile layout when ``kernels`` (default: whether they load here). ``gguf``: the opened
+    ``runtime.gguf.GGUFModel`` when the checkpoint is a GGUF file (``reader`` is its reader).
 
     Under a limit the model's ``minimum_memory`` is checked first (``BudgetTooSmallError`` before anything is
     loaded); dense weights are quantized layer by layer as they are read; writing the expert cache file reads the
@@ -244,7 +269,7 @@ def load_managed(
     if budget.host is not None:
         bound_heap()  # the float copies the load drops go back to the OS instead of staying in the heap
     if budget.limited:
-        minimum = minimum_memory(spec, reader, dtype, device, quant, config, dense_quant, kernels)
+        minimum = minimum_memory(spec, reader, dtype, device, quant, config, dense_quant, kernels, gguf)
         if minimum is not None:
             minimum.check(budget)
     loader = DenseLoader(reader, dtype, device, dense_quant)
@@ -267,33 +292,48 @@ def load_managed(
     ledgers[dense_tier].reserve("dense", dense_bytes)
     ledgers["host"].reserve("kv", config.kv_reserve)
 
-    layout = _expert_layout(spec, moe_layers, quant, dtype, _kernels(kernels))
+    kernels = _kernels(kernels)
+    blocks = gguf_blocks(gguf, quant, device, kernels)
+    layouts = expert_layouts(spec, moe_layers, quant, dtype, kernels, blocks)
+    layout = slot_layout(layouts)
     num_experts = spec.layers[moe_layers[0]].moe.num_experts  # type: ignore[union-attr]
-
-    file_path = config.cache_path or cache_root() / f"{cache_key(path, layout)}.ftx"
+    files = None if gguf is None else list(gguf.file.parts)
+    file_path = config.cache_path or cache_root() / f"{cache_key(path, layout, files, layouts)}.ftx"
     # the C quantizer writes the file where the kernels run (~3x faster than the torch one; same rules)
-    encode = encoder(layout) if layout.packed else None
+    encoders = {lay: encoder(lay) if lay.packed else lay.encode for i, lay in layouts.items() if i not in blocks}
+    quantizing = any(lay.packed for lay in encoders)
     # the C quantizer widens bf16/fp16 to fp32 itself, exactly as .to(float32) does: no fp32 copy of each expert
-    as_read = (torch.float32, torch.bfloat16, torch.float16) if encode is not None and dtype == torch.float32 else ()
-
-    def load(layer: int, e: int) -> Any:
-        t = loader.sources[layer].load(e)
-        cast = lambda v: None if v is None else v if v.dtype in as_read else v.to(dtype)
-        return type(t)(cast(t.gate_up), cast(t.down), cast(t.gate_up_bias), cast(t.down_bias))
+    as_read = (torch.float32, torch.bfloat16, torch.float16) if quantizing and dtype == torch.float32 else ()
     # each expert is read once: under a host limit its pages leave the page cache (a cgroup counts them)
-    reader.drop_cache = budget.host is not None
-    try:
-        with ops.pool_carries() if encode is not None else contextlib.nullcontext():
-            disk, written = open_or_write(file_path, layout, moe_layers, num_experts, load, config.drop_page_cache,
-                                          encode=encode)
-    finally:
-        reader.drop_cache = False
+    drop = budget.host is not None
+    with GGUFExpertReader(gguf, blocks, drop) if blocks else contextlib.nullcontext() as from_gguf:
+
+        def blob(layer: int, e: int) -> torch.Tensor:
+            if from_gguf is not None and layer in blocks:
+                return from_gguf.blob(layer, e)
+            t = loader.sources[layer].load(e)
+            cast = lambda v: None if v is None else v if v.dtype in as_read else v.to(dtype)
+            return encoders[layouts[layer]](type(t)(cast(t.gate_up), cast(t.down), cast(t.gate_up_bias),
+                                                    cast(t.down_bias)))
+
+        reader.drop_cache = drop
+        try:
+            with ops.pool_carries() if quantizing else contextlib.nullcontext():
+                disk, written = open_or_write(file_path, layout, moe_layers, num_experts, blob,
+                                              config.drop_page_cache, encode=_as_blob, layouts=layouts)
+        finally:
+            reader.drop_cache = False
     top_k = max(spec.layers[i].moe.top_k for i in moe_layers)  # type: ignore[union-attr]
     store, planner = build_store(disk, ledgers, top_k, device, config)
     if budget.host is not None:
         bound_heap()  # what the heap holds free after the load goes back too
     return Managed(weights, store, planner, ledgers, spec, dense_bytes, written, exact=config.exact,
                    dense_quant=dense_report)
+
+
+def _as_blob(blob: torch.Tensor) -> torch.Tensor:
+    """``open_or_write``'s ``encode`` for a ``load`` that makes each expert's blob itself."""
+    return blob
 
 
 def build_store(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
+from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.policies import Key
 from freetoken_agent.runtime.experts.pool import SlotPool
 from freetoken_agent.runtime.memory import MemoryBudget
@@ -105,6 +106,10 @@ class ExpertStore:
         self._inflight: dict[Key, tuple[object, int]] = {}
         """Device fetches in flight on the side stream: key → (CUDA event, host slot held for the DMA)."""
         self._copy_stream: object = None
+
+    def layout_of(self, layer: int) -> ExpertLayout:
+        """The layout of MoE layer ``layer``'s experts in a slot (the slots are the size of the widest layer's)."""
+        return self.disk.layout_of(layer)
 
     @property
     def prefetching(self) -> bool:

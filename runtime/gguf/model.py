@@ -209,12 +209,23 @@ def _blocks(t: Any, fmt: str, errors: list[float]) -> torch.Tensor:
         return raw.view(e, r, -1, block.block_bytes)
     out = torch.empty(e, r, block.nb(c), block.block_bytes, dtype=torch.uint8)
     for k in range(e):
-        w = dequantize(t, k)
-        blocks, back = _requantize(w, fmt)
-        out[k] = blocks
-        errors[0] += float((w - back).pow(2).sum())
-        errors[1] += float(w.pow(2).sum())
+        out[k] = expert_blocks(t, k, fmt, errors)
     return out
+
+
+def expert_blocks(t: Any, k: int, fmt: str, errors: list[float]) -> torch.Tensor:
+    """Expert ``k`` of stored tensor ``t`` ``[E, R, C]`` as ``fmt`` blocks ``[R, nb, P]``: its stored bytes when they
+    already are ``fmt``, else dequantized and requantized (``errors`` gets ||Δ||², ||w||²). The one conversion of
+    every expert, whether loaded whole (``_blocks``) or into a budgeted load's expert cache file."""
+    import numpy as np
+
+    if GGUF_NATIVE.get(t.type_name) == fmt:
+        return torch.from_numpy(np.array(t.data[k])).view(t.shape[1], -1, block_format(fmt).block_bytes)
+    w = dequantize(t, k)
+    blocks, back = _requantize(w, fmt)
+    errors[0] += float((w - back).pow(2).sum())
+    errors[1] += float(w.pow(2).sum())
+    return blocks
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,31 @@ def test_budgeted_loads_and_generation_fit_under_a_hard_cap(model: Path, tmp_pat
         assert r["peak"] <= BUDGET
 
 
+@pytest.fixture(scope="module")
+def gguf_model(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``model`` as a GGUF file with Q8_0 experts and dense weights (156 MB: its ~107 MB of experts are the
+    experts' blocks the budgeted load streams into the expert cache file)."""
+    pytest.importorskip("gguf")
+    from tests.runtime.gguf.writer import write_gguf
+
+    return write_gguf(model, tmp_path_factory.mktemp("capped-gguf") / "model.gguf", experts="Q8_0", dense="Q8_0")
+
+
+def test_budgeted_gguf_loads_and_generation_fit_under_a_hard_cap(gguf_model: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a GGUF file: the first load writes the expert cache file from the file's Q8_0 blocks (read one
+    expert at a time), the second reuses it."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ftcache"))
+    cache = tmp_path / "experts.ftx"
+    runs, how = _run_capped(gguf_model, cache, BUDGET, PROMPT, tmp_path)
+    reference = Engine.from_pretrained(gguf_model, quant=QUANT, dense_quant=QUANT).generate(
+        PROMPT, max_new_tokens=NEW, stop_token_ids=()).token_ids
+    assert cache.stat().st_size > BUDGET  # the experts did not fit: they streamed from the cache file
+    for r in runs:
+        assert r["tokens"] == reference, f"{r['phase']} load of the GGUF file under {how} generated other tokens"
+        assert r["peak"] <= BUDGET
+
+
 def test_long_prompt_fits_under_a_hard_cap(long_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two prefill chunks and a decode, the KV growing out of the expert pool's bytes as the prompt fills it."""
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ftcache"))

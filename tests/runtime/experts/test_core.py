@@ -151,8 +151,7 @@ def test_gguf_blocks_are_a_source(tmp_path: Path) -> None:
     assert built.report is not None and built.report.fmt == "q4_0"
     caps = {capabilities_of(b) for b in moe_backends(engine)}
     assert {(c.placement, c.formats) for c in caps} == {("resident", ("q4_0",))}
-    with pytest.raises(OptionError, match="not supported for GGUF"):
-        choose_source(replace(req, budget=Budget()))
+    assert choose_source(replace(req, budget=Budget())) == "managed"  # a budget manages a GGUF file's experts too
     with pytest.raises(OptionError, match="not mapped"):
         choose_source(replace(req, placement="mapped"))
     f32 = open_gguf(write_gguf(hf, tmp_path / "f32.gguf"))  # float experts: loaded as a folder's are
