@@ -148,6 +148,10 @@ def build_experts(request: ExpertsRequest, kernels: bool | None = None) -> Built
         load = r.gguf.load_quantized(r.dtype, r.device, r.quant)
         weights = load.weights
         backends, report = from_gguf(r.spec, weights, load, kernels)
+        # dense weights stored in a kernel format run as stored (a Q4_K_M file's Q4_K / Q6_K attention and output)
+        dense = quantize_dense(r.spec, weights, r.dense_quant, stored=load.stored_dense if kernels else None)
+        load.release()
+        return BuiltExperts(source, weights, backends, report, dense)
     elif source == "mapped":
         from freetoken_agent.runtime.experts.mapped import load_mapped
 

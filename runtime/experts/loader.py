@@ -15,8 +15,9 @@ import torch
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
 from freetoken_agent.runtime.errors import MissingTensorError, ShapeMismatchError
-from freetoken_agent.runtime.kernels import ops
-from freetoken_agent.runtime.kernels.dense import ATTENTION_LEAVES, MLP_LEAVES, QuantLinear
+from freetoken_agent.runtime.gguf.reader import StoredWeights
+from freetoken_agent.runtime.kernels import build, ops
+from freetoken_agent.runtime.kernels.dense import ATTENTION_LEAVES, MLP_LEAVES, STORED, QuantLinear
 from freetoken_agent.runtime.model import weights as weights_mod
 from freetoken_agent.runtime.model.moe import TorchExperts
 from freetoken_agent.runtime.model.spec import MoESpec, WeightNames
@@ -38,16 +39,37 @@ class DenseLoader(weights_mod.TensorLoader):
         self._pending: list[tuple[dict[str, Any], tuple[str, ...]]] = []
         self.quantized = [0, 0, 0]
         """Weights converted layer by layer: count, float bytes, packed bytes."""
+        self.formats: set[str] = set()
+        """What they were converted to: ``dense_quant``, and ``STORED`` for weights kept in their stored blocks."""
+        on_kernels = torch.device(device).type == "cpu" and build.load() is not None
+        self.stored = StoredWeights(reader if on_kernels else None)
+        """Weights read from a GGUF file's kernel-format tensors: they run as stored, whatever ``dense_quant``."""
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         if not self.meta:
-            return super().take(name, shape, dtype)
+            t = super().take(name, shape, dtype)
+            self.stored.note(name, t)
+            return t
         if name not in self.reader:
             raise MissingTensorError(f"missing tensor {name} (expected shape {list(shape)})")
         if self.reader.shape(name) != shape:
             raise ShapeMismatchError(f"tensor {name} has shape {list(self.reader.shape(name))}, expected {list(shape)}")
         self.mark_used(name)
-        return torch.empty(shape, dtype=dtype or self.dtype, device="meta")
+        t = torch.empty(shape, dtype=dtype or self.dtype, device="meta")
+        self.stored.note(name, t)
+        return t
+
+    def packed(self, w: torch.Tensor) -> Any:
+        """``w`` as the kernels will hold it: its stored blocks, else quantized to ``dense_quant``, else ``None``
+        (it stays float). ``meta``: a ``Packed`` of the right size."""
+        fmt = self.stored.format(w)
+        if fmt is not None:
+            self.formats.add(STORED)
+            return Packed(fmt, *w.shape) if self.meta else QuantLinear.from_packed(self.stored.packed(w))
+        if self.dense_quant == "none":
+            return None
+        self.formats.add(self.dense_quant)
+        return Packed(self.dense_quant, *w.shape) if self.meta else QuantLinear(w, self.dense_quant)
 
     def stored_dtype(self, name: str) -> torch.dtype | None:
         return self.reader.dtype(name) if name in self.reader else None
@@ -81,15 +103,19 @@ class DenseLoader(weights_mod.TensorLoader):
         return w
 
     def on_layer(self, layer: int) -> None:
-        """Quantize the dense weights of the layer just read (``walk_weights``'s per-layer callback)."""
+        """Quantize the dense weights of the layer just read (``walk_weights``'s per-layer callback), or put the
+        ones stored in a kernel format in the kernels' tiles as they are."""
         pending, self._pending = self._pending, []
-        if self.dense_quant == "none":
+        if self.dense_quant == "none" and not self.stored.by_id:
             return
         for table, leaves in pending:
             for leaf in leaves:
                 w = table.get(f"{leaf}.weight")
                 if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    q: Any = Packed(self.dense_quant, *w.shape) if self.meta else QuantLinear(w, self.dense_quant)
+                    q = self.packed(w)
+                    self.stored.by_id.pop(id(w), None)
+                    if q is None:
+                        continue
                     table[f"{leaf}.weight"] = q
                     self.quantized[0] += 1
                     self.quantized[1] += w.numel() * w.element_size()

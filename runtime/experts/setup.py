@@ -224,8 +224,8 @@ def minimum_memory(
     if not loader.sources:
         return None
     head = weights.lm_head
-    if loader.dense_quant != "none" and isinstance(head, torch.Tensor):  # quantize_dense converts it too
-        weights.lm_head = Packed(loader.dense_quant, *head.shape)  # type: ignore[assignment]
+    if isinstance(head, torch.Tensor) and (packed := loader.packed(head)) is not None:  # quantize_dense converts it too
+        weights.lm_head = packed
     moe_layers = sorted(loader.sources)
     kernels = _kernels(kernels)
     layout = slot_layout(expert_layouts(spec, moe_layers, quant, dtype, kernels,
@@ -237,14 +237,14 @@ def minimum_memory(
                    top_k + len(config.pin), layout.stride, slot_tiers)
 
 
-def _report(fmt: str, layers: list[int], rest: DenseQuantReport | None) -> DenseQuantReport | None:
-    """One report for the dense weights quantized layer by layer (``layers``: count, bytes) and the rest."""
-    if fmt == "none":
-        return None
+def _report(formats: set[str], layers: list[int], rest: DenseQuantReport | None) -> DenseQuantReport | None:
+    """One report for the dense weights converted layer by layer (``formats``; ``layers``: count, bytes) and the
+    rest (the lm_head)."""
     count, before, after = layers
     if rest is not None:
         count, before, after = count + rest.weights, before + rest.float_bytes, after + rest.quant_bytes
-    return DenseQuantReport(fmt, count, before, after)
+        formats = formats | set(rest.fmt.split("+"))
+    return DenseQuantReport("+".join(sorted(formats)), count, before, after) if count else None
 
 
 def load_managed(
@@ -275,7 +275,9 @@ def load_managed(
     loader = DenseLoader(reader, dtype, device, dense_quant)
     weights = weights_mod.walk_weights(spec, loader, loader.on_layer)
     # the lm_head (the layers are done): before the dense bytes are claimed
-    dense_report = _report(dense_quant, loader.quantized, quantize_dense(spec, weights, dense_quant))
+    dense_report = _report(loader.formats, loader.quantized,
+                           quantize_dense(spec, weights, dense_quant, stored=loader.stored.packed))
+    loader.stored.clear()
     check_unused(spec, reader)
     moe_layers = sorted(loader.sources)
     if not moe_layers:

@@ -18,7 +18,10 @@ Routed experts (what the engine's ``quant`` option is about):
 (``layer_formats``: a Q4_K_M layer runs Q4_K gate/up and Q6_K down as stored; gate and up, which the kernels hold as
 one matrix, share one format, the wider one where they differ); ``q8_0`` / ``q4_0`` converts every expert to that
 format (a Q5_K file loaded with ``q8_0`` keeps far more of its precision than with ``q4_0``, and as stored all of it).
-Dense weights (attention, embeddings, norms, router, shared experts) are dequantized to the compute dtype.
+Dense weights: the 2-D projections the kernels can carry (attention, dense and shared-expert MLPs, the lm_head:
+``runtime.kernels.dense``) run as stored where their block type is a kernel format (``quantize_dense``'s ``stored``:
+a Q4_K_M file's Q4_K / Q6_K attention and output), the rest (embeddings, norms, routers, other block types) are
+dequantized to the compute dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ import torch
 
 from freetoken_agent.runtime.gguf.arch import ArchMap, arch_map, expert_prefix
 from freetoken_agent.runtime.gguf.file import GGUFFile
-from freetoken_agent.runtime.gguf.reader import FLOAT_TYPES, ExpertTensorsGGUF, GGUFCheckpointReader, dequantize
+from freetoken_agent.runtime.gguf.reader import (
+    FLOAT_TYPES,
+    ExpertTensorsGGUF,
+    GGUFCheckpointReader,
+    StoredWeights,
+    dequantize,
+)
 from freetoken_agent.runtime.gguf.tokenizer import chat_template_from_metadata, stop_token_ids, tokenizer_from_metadata
 from freetoken_agent.runtime.model.moe import TorchExperts
 from freetoken_agent.runtime.model.spec import ModelSpec, MoESpec, WeightNames
@@ -176,11 +185,21 @@ class GGUFModel:
                 full = TensorLoader(self.reader, dtype, device).experts(
                     expert_prefix(spec, i), moe, spec.layers[i].names or spec.names, spec.hidden_size)
                 te.gate_up, te.down = full.gate_up, full.down
-        return GGUFExpertLoad(self, weights, quant)
+        return GGUFExpertLoad(self, weights, quant, loader.stored)
 
 
 class _DenseOnly(TensorLoader):
-    """The strict loader, except that routed experts are only marked used (``load_quantized`` reads them)."""
+    """The strict loader, except that routed experts are only marked used (``load_quantized`` reads them), and 2-D
+    weights stored in a kernel format are remembered (``stored``: they run as stored)."""
+
+    def __init__(self, reader: GGUFCheckpointReader, dtype: torch.dtype, device: Any) -> None:
+        super().__init__(reader, dtype, device)
+        self.stored = StoredWeights(reader)
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = super().take(name, shape, dtype)
+        self.stored.note(name, t)
+        return t
 
     def experts(self, prefix: str, m: MoESpec, names: WeightNames, d: int) -> TorchExperts:  # noqa: ARG002
         self.reader.used.update(n for n in self.reader.infos if n.startswith(f"{prefix}.experts."))
@@ -253,7 +272,18 @@ class GGUFExpertLoad:
     model: GGUFModel
     weights: Any
     quant: str
+    stored: StoredWeights | None = None
+    """The dense weights read from kernel-format tensors (``stored_dense``)."""
     conversions: list[ExpertConversion] = field(default_factory=list)
+
+    def stored_dense(self, w: torch.Tensor) -> Any:
+        """``quantize_dense``'s ``stored``: a dense weight's blocks as stored, in the kernels' tiles, or ``None``."""
+        return self.stored.packed(w) if self.stored is not None else None
+
+    def release(self) -> None:
+        """Forget the dense weights as read (after ``quantize_dense`` replaced the ones it runs as stored)."""
+        if self.stored is not None:
+            self.stored.clear()
 
     def layers(self) -> Iterator[GGUFExpertLayer]:
         """The quantized MoE layers' experts in layer order (float layers were read by ``load_quantized``)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -379,6 +380,68 @@ class GGUFCheckpointReader(CheckpointReader):
     def total_bytes(self) -> int:
         return self.file.total_bytes()
 
+    def stored_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """The Hugging Face 2-D weight ``name`` as the kernel-format blocks it is stored in: ``(format, blocks [N, nb,
+        P])`` (a copy of the file's bytes, rows in the checkpoint's order), or ``None`` where it is not one stored
+        tensor of a kernel format with whole blocks per row (float, converted types, composed tensors)."""
+        from freetoken_agent.runtime.quant.formats import GGUF_NATIVE, block_format
+
+        src = self.sources.get(name)
+        info = self.infos.get(name)
+        if src is None or info is None or src.compose or src.undo or src.expert is not None or len(info.shape) != 2:
+            return None
+        fmt = GGUF_NATIVE.get(src.tensor.type_name)
+        if fmt is None:
+            return None
+        n, k = info.shape
+        block = block_format(fmt)
+        if k % block.block_values:
+            return None
+        data = src.tensor.data if src.rows is None else src.tensor.data[src.rows[0] : src.rows[1]]
+        blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).view(n, k // block.block_values, block.block_bytes)
+        self.used.add(name)
+        return fmt, unpermute_rope(blocks, src.heads) if src.heads else blocks
+
     def gguf_type(self, name: str) -> str:
         """The ggml type the Hugging Face tensor ``name`` is stored in."""
         return self.sources[name].tensor.type_name
+
+
+class StoredWeights:
+    """The weights a loader read from kernel-format tensors of a GGUF file, by identity, so they can run as stored
+    (``quantize_dense``'s ``stored``) instead of in the float they were dequantized to."""
+
+    def __init__(self, reader: CheckpointReader | None) -> None:
+        self.reader = reader if isinstance(reader, GGUFCheckpointReader) else None  # others: nothing is remembered
+        self.by_id: dict[int, tuple[str, torch.Tensor]] = {}
+        """id(weight as read) → (its name, the weight: held, so the id stays its own)."""
+
+    def note(self, name: str, t: torch.Tensor) -> None:
+        """Remember ``t``, read as ``name``, when it is 2-D and stored in a kernel format."""
+        from freetoken_agent.runtime.quant.formats import GGUF_NATIVE
+
+        src = self.reader.sources.get(name) if self.reader is not None else None
+        if t.dim() == 2 and src is not None and src.tensor.type_name in GGUF_NATIVE:
+            self.by_id[id(t)] = (name, t)
+
+    def format(self, w: torch.Tensor) -> str | None:
+        """The kernel format ``w`` is stored in (``None``: not remembered); reads nothing."""
+        from freetoken_agent.runtime.quant.formats import GGUF_NATIVE, block_format
+
+        entry = self.by_id.get(id(w))
+        if entry is None or entry[1] is not w or self.reader is None:
+            return None
+        fmt = GGUF_NATIVE[self.reader.sources[entry[0]].tensor.type_name]
+        return fmt if w.shape[1] % block_format(fmt).block_values == 0 else None
+
+    def packed(self, w: torch.Tensor) -> Any:
+        """``w``'s stored blocks in the kernels' tiles (``runtime.kernels.ops.PackedWeight``), or ``None``."""
+        from freetoken_agent.runtime.kernels.ops import PackedWeight
+
+        if self.format(w) is None or self.reader is None:
+            return None
+        got = self.reader.stored_blocks(self.by_id[id(w)][0])
+        return None if got is None else PackedWeight.from_rows(got[0], got[1], w.shape[1])
+
+    def clear(self) -> None:
+        self.by_id.clear()

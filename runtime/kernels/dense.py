@@ -13,10 +13,12 @@ Recurrent mixers, routers, norms and the embedding stay as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import FreeTokenError
 from ..model.spec import ModelSpec
@@ -41,12 +43,26 @@ class QuantLinear:
         self.shape = tuple(weight.shape)
         self.packed = ops.PackedWeight.from_blocks(ops.quantize(weight.float(), self.fmt))
 
+    @classmethod
+    def from_packed(cls, packed: ops.PackedWeight) -> QuantLinear:
+        """A weight already in the kernels' tiles (any kernel format: a GGUF file's Q4_K / Q6_K / ... blocks as
+        stored, repacked)."""
+        ql = cls.__new__(cls)
+        ql.fmt, ql.shape, ql.packed = packed.fmt, (packed.n, packed.k), packed
+        return ql
+
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    exact: torch.Tensor | None = None
+    """Set by ``set_dense_mode(..., "exact")``: the dequantized weight, multiplied in fp32 instead of the int8 kernel
+    (the reference the oracle tests compare with)."""
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
+        if self.exact is not None:
+            return F.linear(x, self.exact.to(x.dtype), bias)
         y = ops.linear(self.packed, x.reshape(-1, k))
         if bias is not None:
             y += bias.float()
@@ -56,6 +72,24 @@ class QuantLinear:
     def dequantize(self) -> torch.Tensor:
         """The fp32 values the kernel multiplies with (tests and reference engines)."""
         return ops.dequantize(self.packed)
+
+
+def dense_weights(weights: ModelWeights) -> list[QuantLinear]:
+    """Every ``QuantLinear`` in loaded weights (attention, MLPs, shared experts, lm_head)."""
+    tables = [t for lw in weights.layers for t in (lw.attn, lw.mlp, lw.moe.shared if lw.moe else None) if t]
+    found = [w for t in tables for w in t.values() if isinstance(w, QuantLinear)]
+    return found + ([weights.lm_head] if isinstance(weights.lm_head, QuantLinear) else [])
+
+
+def set_dense_mode(weights: ModelWeights, mode: str) -> int:
+    """``exact``: the quantized dense weights multiply dequantized in fp32 (values exactly as stored, activations not
+    rounded); ``int8`` / ``auto``: the kernels (default). Returns how many weights it set."""
+    if mode not in ("auto", "exact", "int8"):
+        raise FreeTokenError(f"unknown dense mode {mode!r}; expected auto, exact or int8")
+    found = dense_weights(weights)
+    for ql in found:
+        ql.exact = ql.dequantize() if mode == "exact" else None
+    return len(found)
 
 
 @dataclass(frozen=True)
@@ -68,27 +102,55 @@ class DenseQuantReport:
     quant_bytes: int
 
 
-def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQuantReport | None:
-    """Convert the dense weights of loaded ``ModelWeights`` in place (``fmt`` ``none``/``q8``/``q4``)."""
+STORED = "as stored"
+"""``DenseQuantReport.fmt`` when every converted weight kept the block type it was stored in (a GGUF file's)."""
+
+
+def quantize_dense(
+    spec: ModelSpec, weights: ModelWeights, fmt: str,
+    stored: Callable[[torch.Tensor], ops.PackedWeight | None] | None = None,
+) -> DenseQuantReport | None:  # fmt: skip
+    """Convert the dense weights of loaded ``ModelWeights`` in place (``fmt`` ``none``/``q8``/``q4``).
+
+    ``stored``: for a weight read from blocks a kernel computes in (a GGUF file's Q8_0 / Q4_0 / K-quant / MXFP4
+    tensors), those blocks in the kernels' tiles — the weight then runs as stored, not requantized and not in
+    float; ``None`` for a weight that has none (it is quantized to ``fmt``, or stays float with ``none``)."""
     from ..quant.formats import check_quant
     from . import build
 
     fmt = check_quant(fmt)
-    if fmt == "none":
+    if fmt == "none" and stored is None:
         return None
     if build.load() is None:
+        if fmt == "none":
+            return None  # the stored blocks were dequantized: float weights, as without kernels anywhere
         raise FreeTokenError(f"dense quantization needs the CPU kernels ({build.status().reason}); use dense_quant=none")
     if weights.embed.device.type != "cpu":
+        if fmt == "none":
+            return None
         raise FreeTokenError("quantized dense weights run on the CPU kernels; load with device='cpu'")
     count = before = after = 0
     made: list[QuantLinear] = []
+    formats: set[str] = set()
+
+    def quant(w: torch.Tensor) -> QuantLinear | None:
+        packed = stored(w) if stored is not None else None
+        if packed is not None:
+            formats.add(STORED)
+            return QuantLinear.from_packed(packed)
+        if fmt == "none":
+            return None
+        formats.add(fmt)
+        return QuantLinear(w, fmt)
 
     def convert(table: dict[str, Any], leaves: tuple[str, ...]) -> None:
         nonlocal count, before, after
         for leaf in leaves:
             w = table.get(f"{leaf}.weight")
             if isinstance(w, torch.Tensor) and w.dim() == 2:
-                ql = QuantLinear(w, fmt)
+                ql = quant(w)
+                if ql is None:
+                    continue
                 table[f"{leaf}.weight"] = ql
                 made.append(ql)
                 count, before, after = count + 1, before + w.nbytes, after + ql.nbytes
@@ -102,12 +164,15 @@ def quantize_dense(spec: ModelSpec, weights: ModelWeights, fmt: str) -> DenseQua
             convert(lw.moe.shared, MLP_LEAVES)
     head = weights.lm_head
     if isinstance(head, torch.Tensor):
-        ql = QuantLinear(head, fmt)
-        weights.lm_head = ql  # type: ignore[assignment]
-        made.append(ql)
-        count, before, after = count + 1, before + head.nbytes * (head is not weights.embed), after + ql.nbytes
+        ql = quant(head)
+        if ql is not None:
+            weights.lm_head = ql  # type: ignore[assignment]
+            made.append(ql)
+            count, before, after = count + 1, before + head.nbytes * (head is not weights.embed), after + ql.nbytes
+    if not made:
+        return None
     # every packed weight in one allocation of 2 MiB pages (hugepages.py): a decode step streams them all
     if hugepages.enabled() and hugepages.fits(after):
         for ql, data in zip(made, hugepages.arena([ql.packed.data for ql in made])):
             ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
-    return DenseQuantReport(fmt, count, before, after)
+    return DenseQuantReport("+".join(sorted(formats)), count, before, after)

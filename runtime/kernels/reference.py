@@ -102,15 +102,49 @@ class Int8ActExperts:
     __call__ = forward
 
 
-def dequantized_reference(decoder: Any, activations: str = "fp32") -> None:
-    """Replace every MoE layer's backend that can dequantize (``capabilities.dequantize``) by a plain-torch
-    reference over the fp32 experts its bytes stand for (tests and verification).
+@dataclass
+class Int8ActLinear:
+    """Reference for a dense weight on the int8 kernels (``QuantLinear``): the dequantized fp32 weight, the input
+    rounded like the kernels round it."""
 
-    ``activations="fp32"``: plain ``TorchExperts`` (the reference for exact mode and prefill); ``"int8"``:
-    ``Int8ActExperts``, which also rounds matmul inputs like the C decode kernels.
+    weight: torch.Tensor  # [N, K] fp32 (dequantized)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = fake_quant_int8(x.reshape(-1, x.shape[-1]).float()) @ self.weight.T
+        if bias is not None:
+            y = y + bias.float()
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def _dense_references(weights: Any, activations: str) -> None:
+    """Every ``QuantLinear`` of ``weights`` → its dequantized fp32 weight (``fp32``) or ``Int8ActLinear``."""
+    from .dense import QuantLinear
+
+    def ref(w: Any) -> Any:
+        if not isinstance(w, QuantLinear):
+            return w
+        return w.dequantize() if activations == "fp32" else Int8ActLinear(w.dequantize())
+
+    for lw in weights.layers:
+        for table in (lw.attn, lw.mlp, lw.moe.shared if lw.moe is not None else None):
+            if table:
+                table.update({k: ref(v) for k, v in table.items()})
+    weights.lm_head = ref(weights.lm_head)
+
+
+def dequantized_reference(decoder: Any, activations: str = "fp32", dense: bool = True) -> None:
+    """Replace every MoE layer's backend that can dequantize (``capabilities.dequantize``) by a plain-torch
+    reference over the fp32 experts its bytes stand for (tests and verification), and with ``dense`` every
+    quantized dense weight (``QuantLinear``: ``dense_quant``, or a GGUF file's blocks kept as stored) too.
+
+    ``activations="fp32"``: plain ``TorchExperts`` and fp32 dense weights (the reference for exact mode and
+    prefill); ``"int8"``: ``Int8ActExperts`` and ``Int8ActLinear``, which also round matmul inputs like the C
+    decode kernels.
     """
     if activations not in ("fp32", "int8"):
         raise FreeTokenError(f"unknown reference activations {activations!r}; expected fp32 or int8")
+    if dense:
+        _dense_references(decoder.weights, activations)
     for i, lw in enumerate(decoder.weights.layers):
         backend = decoder.experts[i]
         if not capabilities_of(backend).dequantize:

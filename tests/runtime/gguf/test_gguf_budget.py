@@ -178,7 +178,7 @@ def test_too_small_a_budget_is_the_folders_one_line_error(folder: Path, files: d
         assert not (tmp_path / "experts.ftx").exists()  # refused before the expert cache file was written
         message = str(info.value)
         assert "\n" not in message
-        return re.sub(r"\d+(\.\d+)?", "#", message)
+        return re.sub(r"\d+(\.\d+)?( ?[KMGT]i?B)?", "#", message)  # sizes differ: the dense weights stay blocks
 
     file = files["q4_k_m"]
     model = open_gguf(file)
@@ -186,7 +186,8 @@ def test_too_small_a_budget_is_the_folders_one_line_error(folder: Path, files: d
     folder_min = minimum_memory(spec_from_config(load_config(folder)), CheckpointReader(folder), torch.float32,
                                 "cpu", "none")
     assert gguf_need is not None and folder_min is not None
-    assert gguf_need.dense_bytes == folder_min.dense_bytes  # the same dense weights, dequantized to fp32
+    # the dense projections stay in their stored Q8_0 blocks (~1/4 of fp32), the rest is the folder's fp32
+    assert folder_min.dense_bytes / 4 < gguf_need.dense_bytes < folder_min.dense_bytes / 2
     assert gguf_need.slot_bytes < folder_min.slot_bytes / 4  # slots sized for the file's blocks, not fp32 experts
     for gguf_host, folder_host in ((gguf_need.need("host") - 1, folder_min.need("host") - 1),
                                    (gguf_need.dense_bytes // 2, folder_min.dense_bytes // 2)):

@@ -25,6 +25,7 @@ import torch
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.errors import ConfigError
 from freetoken_agent.runtime.experts.core import set_expert_mode
+from freetoken_agent.runtime.kernels.dense import set_dense_mode
 from freetoken_agent.runtime.kernels.reference import dequantized_reference
 from freetoken_agent.runtime.models import resolve_model
 
@@ -38,6 +39,12 @@ ARCHS = {  # overrides: llama.cpp's qwen2moe has an MoE FFN in every layer; Deep
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, "qwen3_next": {},
 }
 PROMPT = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(5)).tolist()  # < Mixtral's window 16
+
+
+def set_mode(engine: Engine, mode: str) -> None:
+    """Experts and the dense weights kept in their stored blocks: ``exact`` (dequantized, fp32) or ``int8``."""
+    set_expert_mode(engine.decoder, mode)
+    set_dense_mode(engine.decoder.weights, mode)
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
@@ -93,7 +100,7 @@ def test_block_experts_load_as_stored(arch: str, kind: str, checkpoints: dict, t
     file = write_gguf(folder, tmp_path / "q.gguf", experts=kind, dense="Q8_0")
     engine = Engine.from_pretrained(file)
     assert engine.quant is not None and engine.quant.fmt == kind.lower()
-    set_expert_mode(engine.decoder, "exact")
+    set_mode(engine, "exact")
     ref = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))
     assert ref.quant is None  # float experts: plain torch
     assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
@@ -127,7 +134,7 @@ def test_native_block_experts_run_as_stored(kinds: tuple[str, str], tmp_path: Pa
         assert torch.equal(b13.reshape(gate_up.shape), gate_up)
         assert torch.equal(b2.reshape(stored[f"blk.{i}.ffn_down_exps.weight"].shape),
                            stored[f"blk.{i}.ffn_down_exps.weight"])
-    set_expert_mode(engine.decoder, "exact")
+    set_mode(engine, "exact")
     ours = engine.logits(PROMPT)
     ref = Engine.from_pretrained(file)
     dequantized_reference(ref.decoder)  # plain torch over our dequantization of the stored blocks
@@ -136,7 +143,7 @@ def test_native_block_experts_run_as_stored(kinds: tuple[str, str], tmp_path: Pa
     assert independent.quant is None
     assert float((ours - independent.logits(PROMPT)).abs().max()) <= 1e-3
     if build.load() is not None:  # the int8-activation kernels (decode's path) against their plain-torch reference
-        set_expert_mode(engine.decoder, "int8")
+        set_mode(engine, "int8")
         int8_ref = Engine.from_pretrained(file)
         dequantized_reference(int8_ref.decoder, activations="int8")
         logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
@@ -154,7 +161,7 @@ def test_converted_experts(kind: str, tmp_path: Path) -> None:
     expected_fmt = "q8_0" if kind == "Q5_0" else "q4_0"
     engine = Engine.from_pretrained(file)
     assert engine.quant.fmt == expected_fmt
-    set_expert_mode(engine.decoder, "exact")
+    set_mode(engine, "exact")
     ours = engine.logits(PROMPT)
     ref = Engine.from_pretrained(file)
     dequantized_reference(ref.decoder)  # plain torch over the weights the engine runs
@@ -183,7 +190,7 @@ def test_converted_experts(kind: str, tmp_path: Path) -> None:
         assert wide[("gate", 0)].rel_rms_error < c.rel_rms_error / 4
         q8 = Engine.from_pretrained(file, quant="q8_0")
         assert q8.quant.fmt == "q8_0"
-        set_expert_mode(q8.decoder, "exact")
+        set_mode(q8, "exact")
         rel8 = float((q8.logits(PROMPT) - exact).norm() / exact.norm())
         print(f"{kind} loaded as q8_0: logits relative error {rel8:.4f}")
         assert rel8 < rel / 4
@@ -233,7 +240,7 @@ def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
     file = write_gguf(folder, tmp_path / "mxfp4.gguf", experts="MXFP4")
     engine = Engine.from_pretrained(file)
     assert engine.quant is not None and engine.quant.fmt == "mxfp4"  # as stored: no conversion
-    set_expert_mode(engine.decoder, "exact")
+    set_mode(engine, "exact")
     ref = Engine.from_pretrained(file)
     dequantized_reference(ref.decoder)  # plain torch over the weights (and biases) the engine runs
     ours, ref_logits = engine.logits(PROMPT), ref.logits(PROMPT)
@@ -241,7 +248,7 @@ def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
     exact = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))  # the file's values, by gguf
     assert exact.quant is None and float((ours - exact.logits(PROMPT)).abs().max()) <= 1e-3
     if build.load() is not None:  # the int8-activation kernels (per-expert calls: biases, GPT-OSS's activation)
-        set_expert_mode(engine.decoder, "int8")
+        set_mode(engine, "int8")
         int8_ref = Engine.from_pretrained(file)
         dequantized_reference(int8_ref.decoder, activations="int8")
         logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
@@ -266,7 +273,7 @@ def test_deepseek_split_kv_b_in_block_types(tmp_path: Path) -> None:
     expected = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(heads * 64, 32)
     assert torch.equal(model.reader.read(name), expected)
     engine = Engine.from_pretrained(file)
-    set_expert_mode(engine.decoder, "exact")
+    set_mode(engine, "exact")
     ref = Engine.from_pretrained(dequantized_copy(file, tmp_path / "deq.gguf"))
     assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
 
@@ -335,7 +342,7 @@ def test_mixed_layer_runs_each_part_as_stored(tmp_path: Path) -> None:
     assert engine.quant.fmt == "q4_0+q8_0"
     assert all(c.rel_rms_error is None for c in GGUFModel(file).measure_conversion())
     assert {f for _, f in GGUFModel(file).expert_plan()} == {"q4_0+q8_0"}
-    set_expert_mode(engine.decoder, "exact")
+    set_mode(engine, "exact")
     ref = Engine.from_pretrained(file)
     dequantized_reference(ref.decoder)
     assert float((engine.logits(PROMPT) - ref.logits(PROMPT)).abs().max()) <= 1e-3
