@@ -1,6 +1,7 @@
 """Rows ``decode`` and ``long-context``: decode tok/s of our engine against a peer on the same weights.
 
-- ``--peer llama.cpp`` (default): q4 experts, the same Q4_0 blocks in a GGUF for llama.cpp (``bench_gguf_decode``);
+- ``--peer llama.cpp`` (default): q4 experts, the same Q4_0 blocks in a GGUF for llama.cpp (``bench_gguf_decode``),
+  or ``--model file.gguf``: that file on both sides as it is (e.g. Q4_K_M from ``llama-quantize``);
   decode tok/s = N / the time of N single-token steps after the prompt (ours: the scheduler's clock from the first
   token to the last), ``--prompt-len`` tokens of context before them (``long-context``: 4,096 by default).
 - ``--peer transformers``: fp32 checkpoints built with transformers (random weights, cached); each run times
@@ -9,6 +10,7 @@
 Rounds alternate ours / peer (``timing.alternate``); medians; the ratio is ours / peer.
 
     freetoken bench decode [--peer llama.cpp|transformers] [--model M] [--threads 1,2] [--tokens 16] [--json]
+    freetoken bench decode --model file.gguf --prefill-len 512  # both sides load the same GGUF as it is
     freetoken bench long-context [--prompt-len 4096,8192]
 """
 
@@ -87,8 +89,11 @@ def options(p: argparse.ArgumentParser, prompt_len: str = "32") -> None:
     p.add_argument("--peer", default="llama.cpp", choices=("llama.cpp", "transformers"),
                    help="llama.cpp: q4 on the same GGUF weights (bench_gguf_decode); transformers: fp32 generate")
     p.add_argument("--model", default=None,
-                   help="llama.cpp: an existing qwen3_moe folder (default: the 1.3B synthetic one); transformers: "
-                        f"comma-separated presets of {', '.join(MODELS)} (default tiny,mid)")
+                   help="llama.cpp: an existing qwen3_moe folder (default: the 1.3B synthetic one), or a .gguf file "
+                        "both sides load as it is (e.g. written by llama-quantize); transformers: comma-separated "
+                        f"presets of {', '.join(MODELS)} (default tiny,mid)")
+    p.add_argument("--prefill-len", type=int, default=0,
+                   help="llama.cpp: also time the prefill of a prompt this long, one call per side (0: skip)")
     p.add_argument("--threads", default="1", help="comma-separated thread counts")
     p.add_argument("--tokens", type=int, default=16, help="decode tokens per run")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
@@ -130,6 +135,14 @@ def decode_report(args: argparse.Namespace) -> dict[str, Any]:
                     configure_threads(t)
                     r = measure(build(name, Path(args.dir) / "decode"), args.rounds, args.tokens, n)
                     runs.append({"model": name, "prompt_len": n, "peer_tok_s": r.pop("transformers_tok_s"), **r})
+    elif args.model is not None and Path(args.model).suffix == ".gguf":
+        if not Path(args.model).is_file():
+            raise BenchError(f"--model {args.model}: no such file")
+        for t in threads:
+            for n in prompts:
+                r = bench_gguf_decode.measure_file(Path(args.model), t, args.tokens, args.rounds, n,
+                                                   prefill_len=args.prefill_len)
+                runs.append({"model": str(args.model), "peer_tok_s": r.pop("llama_cpp_tok_s"), **r})
     else:
         if args.model is not None and not (Path(args.model) / "config.json").is_file():
             raise BenchError(f"--model {args.model}: no config.json there")
@@ -138,7 +151,8 @@ def decode_report(args: argparse.Namespace) -> dict[str, Any]:
         for d in args.dense.split(","):
             for t in threads:
                 for n in prompts:
-                    r = bench_gguf_decode.measure(folder, t, args.tokens, args.rounds, n, dense=d)
+                    r = bench_gguf_decode.measure(folder, t, args.tokens, args.rounds, n, dense=d,
+                                                  prefill_len=args.prefill_len)
                     runs.append({"model": str(folder), "peer_tok_s": r.pop("llama_cpp_tok_s"), **r})
     for r in runs:
         r["ratio"] = round(r["ours_tok_s"] / r["peer_tok_s"], 3)
@@ -153,6 +167,12 @@ def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> 
         lines.append(f"| {Path(str(x['model'])).name} | {x['params'] / 1e9:.2f}B | {x.get('dense', 'fp32')} | "
                      f"{x['threads']} | {x['prompt_len']} | {x['ours_tok_s']:.2f} | {x['peer_tok_s']:.2f} | "
                      f"{x['ratio']:.2f}x |")
+    pre = [x for x in r["runs"] if x.get("prefill_len")]
+    if pre:
+        lines += ["", "prefill tok/s (one call per side)", "| model | threads | prompt | ours | peer | ours / peer |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {Path(str(x['model'])).name} | {x['threads']} | {x['prefill_len']} | {x['ours_prefill_tok_s']} | "
+                  f"{x['llama_cpp_prefill_tok_s']} | {x['prefill_ratio']:.2f}x |" for x in pre]
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -203,11 +204,11 @@ def ensure_gguf(folder: Path, threads: int = 1, dense: str = "none") -> Path:
 
 
 def measure(
-    folder: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32, dense: str = "none"
+    folder: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32, dense: str = "none",
+    prefill_len: int = 0,
 ) -> dict[str, Any]:
     """Load both engines, then alternate decode timings; also compare their first greedy tokens. ``dense``: both
     sides' dense weights (``none`` = fp32 / F32, ``q8`` / ``q4`` = the same Q8_0 / Q4_0 blocks)."""
-    import llama_cpp
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.kernels import ops
 
@@ -217,12 +218,63 @@ def measure(
     ops.set_threads(threads)
     load_s = time.perf_counter() - t0
     gguf_path = ensure_gguf(folder, threads, dense)
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, prompt_len + tokens + 64), n_batch=64,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
-    prompt = torch.randint(259, vocab, (prompt_len,), generator=gen).tolist()
-    follow = torch.randint(259, vocab, (tokens + 1,), generator=gen).tolist()
+    r = compare(ours, gguf_path, vocab, threads, tokens, rounds, prompt_len, prefill_len)
+    return {
+        "dense_float_bytes": ours.dense_quant.float_bytes if ours.dense_quant else 0,
+        "dense_quant_bytes": ours.dense_quant.quant_bytes if ours.dense_quant else 0,
+        "params": param_count(folder), "dense": dense, "load_s": round(load_s, 1), **r,
+    }  # fmt: skip
+
+
+def measure_file(gguf_path: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32,
+                 prefill_len: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Both sides load the same GGUF file (e.g. one ``llama-quantize`` wrote as Q4_K_M): ours runs its block
+    types as stored (or converted where no kernel exists: ``freetoken inspect`` reports it), llama.cpp as always."""
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.kernels import ops
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    ours = Engine.from_pretrained(gguf_path, threads=threads, speculate=False, require_tokenizer=False)
+    ops.set_threads(threads)
+    load_s = time.perf_counter() - t0
+    r = compare(ours, gguf_path, ours.spec.vocab_size, threads, tokens, rounds, prompt_len, prefill_len)
+    return {"params": gguf_param_count(gguf_path), "dense": "as stored", "load_s": round(load_s, 1),
+            "formats": gguf_formats(gguf_path), **r}
+
+
+def gguf_param_count(path: Path) -> int:
+    """Parameters in a GGUF file (all its parts), from the tensor headers."""
+    from freetoken_agent.runtime.gguf.file import GGUFFile
+
+    return sum(math.prod(t.shape) for t in GGUFFile(path).tensors.values())
+
+
+def gguf_formats(path: Path) -> dict[str, int]:
+    """Stored ggml type → tensors of that type in a GGUF file."""
+    from freetoken_agent.runtime.gguf.file import GGUFFile
+
+    out: dict[str, int] = {}
+    for t in GGUFFile(path).tensors.values():
+        out[t.type_name] = out.get(t.type_name, 0) + 1
+    return out
+
+
+def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, rounds: int, prompt_len: int,
+            prefill_len: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Decode tok/s of our loaded engine and llama.cpp on ``gguf_path`` in alternating rounds (medians), the greedy
+    tokens both produce, and with ``prefill_len`` the prefill tok/s of a prompt that long (one call each side)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, prompt_len + tokens + 64, prefill_len + 16),
+                          n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    low = min(259, vocab // 2)  # past the special and byte tokens of the vocabularies written here
+    prompt = torch.randint(low, vocab, (prompt_len,), generator=gen).tolist()
+    follow = torch.randint(low, vocab, (tokens + 1,), generator=gen).tolist()
+    long_prompt = torch.randint(low, vocab, (prefill_len,), generator=gen).tolist()
 
     def decode_ours(n: int) -> float:
         """Seconds of ``n`` decode steps after the prompt, on the scheduler's clock from the first token to the
@@ -241,11 +293,24 @@ def measure(
             llm.eval([tok])
         return time.perf_counter() - t0
 
+    def prefill_ours() -> float:
+        return ours.generate(long_prompt, max_new_tokens=1, stop_token_ids=[]).prefill_s
+
+    def prefill_llama() -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(long_prompt)
+        return time.perf_counter() - t0
+
     decode_ours(2), decode_llama(2)
     rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
-    for _ in range(rounds):
-        for label, fn in (("ours", decode_ours), ("llama.cpp", decode_llama)):
-            rates[label].append(tokens / fn(tokens))
+    prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+    for i in range(rounds):
+        sides = (("ours", decode_ours, prefill_ours), ("llama.cpp", decode_llama, prefill_llama))
+        for label, decode, pre in sides if i % 2 == 0 else sides[::-1]:
+            rates[label].append(tokens / decode(tokens))
+            if prefill_len and i == 0:
+                prefill[label].append(prefill_len / pre())
     # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
     ours_ids = ours.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids
     llm.reset()
@@ -255,17 +320,18 @@ def measure(
         if len(theirs_ids) == 8:
             break
     agree = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b), 8)
-    params = param_count(folder)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    return {
-        "dense_float_bytes": ours.dense_quant.float_bytes if ours.dense_quant else 0,
-        "dense_quant_bytes": ours.dense_quant.quant_bytes if ours.dense_quant else 0,
-        "params": params, "dense": dense, "prompt_len": prompt_len, "threads": threads, "tokens": tokens, "rounds": rounds,
-        "load_s": round(load_s, 1),
+    out = {
+        "prompt_len": prompt_len, "threads": threads, "tokens": tokens, "rounds": rounds,
         "ours_tok_s": round(med["ours"], 2), "llama_cpp_tok_s": round(med["llama.cpp"], 2),
         "ratio": round(med["ours"] / med["llama.cpp"], 3), "rates": rates,
         "greedy_prefix_agreement": agree, "ours_ids": ours_ids, "llama_ids": theirs_ids,
     }  # fmt: skip
+    if prefill_len:
+        out.update(prefill_len=prefill_len, ours_prefill_tok_s=round(prefill["ours"][0], 1),
+                   llama_cpp_prefill_tok_s=round(prefill["llama.cpp"][0], 1),
+                   prefill_ratio=round(prefill["ours"][0] / prefill["llama.cpp"][0], 3))
+    return out
 
 
 def _params(folder: Path) -> list[torch.Tensor]:
