@@ -26,6 +26,7 @@ from freetoken_agent.runtime.model.adapters import spec_from_config
 from freetoken_agent.runtime.model.compressed import cached_width
 from freetoken_agent.runtime.model.decoder import Decoder
 from freetoken_agent.runtime.model.spec import ModelSpec
+from freetoken_agent.runtime.model.workspace import PREFILL_CHUNK
 from freetoken_agent.runtime.phase import Phase
 from freetoken_agent.runtime.runner import ModelRunner
 from freetoken_agent.runtime.scheduler import (
@@ -46,9 +47,6 @@ __all__ = ["ContextLengthError", "Engine", "GenerationResult", "Request", "Reque
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-PREFILL_CHUNK = 512
-"""Tokens per scheduler step (decode tokens of running sequences + prefill chunks): bounds the attention score
-matrix and how long one step keeps other sessions waiting."""
 
 
 @dataclass

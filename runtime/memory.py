@@ -10,8 +10,9 @@ free the bytes first (the expert pool evicts slots), so the limit holds at every
 ``Budget.from_strings`` or from the hardware probe. ``None`` limits mean "unlimited" (still accounted).
 
 What the host budget does not cover is the process itself: the interpreter, torch, the runtime's modules and C
-kernels, a tokenizer, and the working memory of a step (activations, logits). ``PROCESS_FLOOR_MB`` is that floor as
-measured (``evals/perf/load_memory.py``: peak resident memory of a process that imported all of it and loaded a
+kernels, a tokenizer. (A step's working memory — activations, attention score blocks, the kernels' scratch, logits —
+is in the budget: the ``step`` reservation, ``runtime.model.workspace.step_bytes``.) ``PROCESS_FLOOR_MB`` is that
+floor as measured (``evals/perf/load_memory.py``: peak resident memory of a process that imported all of it and loaded a
 tokenizer); a whole budgeted process — first load, later loads, prefill and decode — fits in the host budget plus
 it (``tests/runtime/test_memory_cap.py`` runs one under a hard cap of exactly that plus a stated margin). A budget
 below what a model needs to run at all (``runtime.experts.setup.minimum_memory``) is refused before anything is
@@ -42,8 +43,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 PROCESS_FLOOR_MB = 260
 """Host memory a budgeted process takes beyond its budget: measured 230-250 MiB peak RSS with Python 3.11, torch
 2.13 (CPU), the runtime and its C kernels and a tokenizer loaded (``python -m freetoken_agent.evals.perf.load_memory``
-prints it as ``floor``); a generation's activations add a few MB on small models, and ~40 MiB (not in the ledger)
-during a 512-token prefill chunk over 1.5k cached tokens of a hidden-2048 model (16/4 heads of 128, 64 experts)."""
+prints it as ``floor``). A step's working memory is not part of it: the budget sets it aside (measured ~40 MiB for a
+512-token prefill chunk of a hidden-2048 model with 16/4 heads of 128 and 64 experts, bounded at 63-90 MiB)."""
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter

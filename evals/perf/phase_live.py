@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     full = Engine.from_pretrained(model, threads=1, budget=Budget(), residency=ResidencyConfig())
     ledger = full.residency.ledgers["host"]
     dense, experts = ledger.reservations["dense"].nbytes, ledger.reservations["experts"].nbytes
-    host = dense + int(args.budget * experts)
+    host = dense + ledger.reservations["step"].nbytes + int(args.budget * experts)  # + a step's working memory
     for f in split.train[: args.warm_sessions]:
         run_session(model, tokenizer, f, "phase+pause", True, host, args.max_tokens)
     rows = []

@@ -35,6 +35,7 @@ from freetoken_agent.runtime.experts.gguf_blobs import GGUFExpertReader, gguf_la
 from freetoken_agent.runtime.experts.layout import ExpertLayout
 from freetoken_agent.runtime.experts.loader import DenseLoader, Packed, tensor_bytes
 from freetoken_agent.runtime.model.weights import check_unused
+from freetoken_agent.runtime.model.workspace import step_bytes
 from freetoken_agent.runtime.experts.mapped import encoder
 from freetoken_agent.runtime.experts.policies import Key, make_policy
 from freetoken_agent.runtime.experts.pool import SlotPool
@@ -178,10 +179,12 @@ class Minimum:
     slots: int
     slot_bytes: int
     slot_tiers: tuple[str, ...]
+    step_bytes: int = 0
+    """A step's working memory (``workspace.step_bytes``), in the dense tier (where the step computes)."""
 
     def need(self, tier: str) -> int:
         """Bytes ``tier`` must hold at least."""
-        return (self.dense_bytes * (tier == self.dense_tier) + self.kv_reserve * (tier == "host")
+        return ((self.dense_bytes + self.step_bytes) * (tier == self.dense_tier) + self.kv_reserve * (tier == "host")
                 + self.slots * self.slot_bytes * (tier in self.slot_tiers))
 
     def check(self, budget: Budget) -> None:
@@ -190,14 +193,17 @@ class Minimum:
             need = self.need(tier)
             if limit is None or limit >= need:
                 continue
-            parts = [f"dense weights {format_bytes(self.dense_bytes)}"] if tier == self.dense_tier else []
+            parts = ([f"dense weights {format_bytes(self.dense_bytes)}", f"a step's working memory "
+                      f"{format_bytes(self.step_bytes)}"] if tier == self.dense_tier else [])
             if tier in self.slot_tiers:
                 parts.append(f"{self.slots} expert slots of {format_bytes(self.slot_bytes)} for one MoE step")
             if tier == "host" and self.kv_reserve:
                 parts.append(f"KV reserve {format_bytes(self.kv_reserve)}")
-            dense_only = tier == self.dense_tier and self.dense_bytes + self.kv_reserve * (tier == "host") > limit
+            dense_only = tier == self.dense_tier and self.dense_bytes + self.step_bytes + \
+                self.kv_reserve * (tier == "host") > limit
             why = (f": the dense weights alone (attention, embeddings, routers, shared experts) take "
-                   f"{format_bytes(self.dense_bytes)}" if dense_only else " for this model")
+                   f"{format_bytes(self.dense_bytes)}, and a step works in {format_bytes(self.step_bytes)}"
+                   if dense_only else " for this model")
             raise BudgetTooSmallError(
                 f"{tier} memory budget {format_bytes(limit)} is too small{why}; it needs at least {format_bytes(need)} "
                 f"({', '.join(parts)}): raise --{tier}-memory to {-(-need // 10**6)}MB or more"
@@ -234,7 +240,7 @@ def minimum_memory(
     on_gpu = torch.device(device).type != "cpu"
     slot_tiers = ("host", "device") if config.simulate_device or (on_gpu and config.device_tier) else ("host",)
     return Minimum("device" if on_gpu else "host", tensor_bytes(weights), config.kv_reserve,
-                   top_k + len(config.pin), layout.stride, slot_tiers)
+                   top_k + len(config.pin), layout.stride, slot_tiers, step_bytes(spec))
 
 
 def _report(formats: set[str], layers: list[int], rest: DenseQuantReport | None) -> DenseQuantReport | None:
@@ -285,13 +291,16 @@ def load_managed(
     dense_tier = "host" if torch.device(device).type == "cpu" else "device"
     dense_bytes = tensor_bytes(weights)
     limit = ledgers[dense_tier].limit
-    if limit is not None and dense_bytes + config.kv_reserve * (dense_tier == "host") > limit:
+    step = step_bytes(spec)
+    if limit is not None and dense_bytes + step + config.kv_reserve * (dense_tier == "host") > limit:
         flag = "--host-memory" if dense_tier == "host" else "--device-memory"
         raise BudgetTooSmallError(
             f"{dense_tier} memory budget {format_bytes(limit)} is too small: the dense weights alone (attention, "
-            f"embeddings, routers, shared experts) take {format_bytes(dense_bytes)}; raise {flag}"
+            f"embeddings, routers, shared experts) take {format_bytes(dense_bytes)}, and a step works in "
+            f"{format_bytes(step)}; raise {flag}"
         )
     ledgers[dense_tier].reserve("dense", dense_bytes)
+    ledgers[dense_tier].reserve("step", step)  # activations, score blocks, kernel scratch: not in the pools
     ledgers["host"].reserve("kv", config.kv_reserve)
 
     kernels = _kernels(kernels)

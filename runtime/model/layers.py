@@ -362,7 +362,9 @@ def _causal_attention(
             seen = torch.arange(s, device=q.device)[None, :] <= q_pos[a:b, None]
             scores.masked_fill_(~seen, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        del scores  # a block's scores and probabilities are the step's biggest tensors: never two blocks' at once
         o = torch.matmul(probs.view(hkv, g * tb, s), vh)  # [Hkv, G*Tb, Dv]
+        del probs
         out[a:b] = o.view(hkv, g, tb, dv).permute(2, 0, 1, 3).reshape(tb, h, dv)
     return out.reshape(t, h * dv)
 

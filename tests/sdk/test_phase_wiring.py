@@ -20,7 +20,7 @@ from freetoken_agent import Agent, Limits, LocalEngine
 from freetoken_agent.events import PhaseChanged, TextDelta, ToolCallFinished
 
 MODEL = builtin_model_dir()
-DENSE, EXPERTS = 13221888, 33030144  # the built-in model's dense and routed-expert bytes (float32)
+from tests.runtime.experts.builtin_budget import DENSE, EXPERTS  # dense + a step's memory, experts
 TASK = "<pr_description>\nThe test in calc.py fails; fix add().\n</pr_description>"  # the training sessions' task form
 calls: list[str] = []
 

@@ -14,8 +14,9 @@ import pytest
 from freetoken_agent.evals.perf import agent_session, harness, llama_server
 from freetoken_agent.evals.perf.agent_session import Workload, load_workload
 
-HOST = "29MB"
-"""The tiny model's dense weights (18.4 MB) + KV + about half of its 14.2 MB of q4 experts."""
+HOST = "62MB"
+"""The tiny model's dense weights (18.4 MB) + a step's working memory (32.5 MB) + KV + about half of its 14.2 MB of
+q4 experts."""
 
 
 def _trajectory(folder: Path, name: str, turns: int) -> None:

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from freetoken_agent.runtime.checkpoint.reader import load_config
+from freetoken_agent.runtime.model.adapters import spec_from_config
+from freetoken_agent.runtime.model.workspace import step_bytes
 
 from tests.runtime.checkpoints import save_checkpoint
 
@@ -41,15 +44,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_generate_under_a_host_budget_matches_and_reports(model: Path, tmp_path: Path) -> None:
     args = ("generate", "--model", str(model), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8", "--json")
     plain = json.loads(_cli(*args, cache=tmp_path).stdout)
-    r = _cli(*args, "--host-memory", "3MB", "--residency-policy", "heat", cache=tmp_path)
+    host = 3_000_000 + step_bytes(spec_from_config(load_config(model)))  # + a step's working memory
+    r = _cli(*args, "--host-memory", f"{host}B", "--residency-policy", "heat", cache=tmp_path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == plain["token_ids"]
     res = out["stats"]["residency"]
-    assert res["policy"] == "heat" and res["tiers"]["host"]["peak"] <= 3_000_000
+    assert res["policy"] == "heat" and res["tiers"]["host"]["peak"] <= host
     assert res["tiers"]["disk"]["bytes_read"] > 0
     text = _cli("generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--stats",
-                "--host-memory", "3MB", cache=tmp_path)
+                "--host-memory", f"{host}B", cache=tmp_path)
     assert "hit rate" in text.stderr and "prefetch" in text.stderr
     bad = _cli(*args, "--host-memory", "lots", cache=tmp_path)
     assert bad.returncode == 2 and "cannot read memory size" in bad.stderr and "Traceback" not in bad.stderr

@@ -157,7 +157,8 @@ def test_two_tiers_any_budget_same_tokens(model: Path, tmp_path_factory: pytest.
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path_factory.getbasetemp() / "two-tiers"))
     ref = Engine.from_pretrained(model)
     experts = sum(b.gate_up.nbytes + b.down.nbytes for b in ref.decoder.experts if b is not None)
-    dense = Engine.from_pretrained(model, budget=Budget()).residency.ledgers["host"].reservations["dense"].nbytes
+    held = Engine.from_pretrained(model, budget=Budget()).residency.ledgers["host"].reservations
+    dense = held["dense"].nbytes + held["step"].nbytes  # dense weights + a step's working memory
     rates = Rates(**{**vars(LAPTOP), "copy_gbps": copy_gbps})
     cfg = ResidencyConfig(policy=policy, simulate_device=True, rates=rates)
     budget = Budget(device=int(device_fraction * experts), host=dense + int(host_fraction * experts))

@@ -8,9 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from freetoken_agent.runtime.builtin import builtin_model_dir
+from freetoken_agent.runtime.checkpoint.reader import load_config
+from freetoken_agent.runtime.model.adapters import spec_from_config
+from freetoken_agent.runtime.model.workspace import step_bytes
 
 MODEL = builtin_model_dir()
-DENSE, EXPERTS = 13221888, 33030144  # the built-in model's dense and routed-expert bytes (float32)
+DENSE = 13221888 + step_bytes(spec_from_config(load_config(MODEL)))
+"""The built-in model's dense weights (float32) and a step's working memory: what a budget holds besides experts."""
+EXPERTS = 33030144  # its routed-expert bytes (float32)
 
 
 def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

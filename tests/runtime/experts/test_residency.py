@@ -44,8 +44,10 @@ def expert_bytes(engine: Engine) -> int:
 
 
 def dense_bytes(model: Path) -> int:
+    """The dense weights and a step's working memory: what the budget holds besides experts and KV."""
     e = Engine.from_pretrained(model, budget=Budget())
-    return e.residency.ledgers["host"].reservations["dense"].nbytes
+    held = e.residency.ledgers["host"].reservations
+    return held["dense"].nbytes + held["step"].nbytes
 
 
 def kv_room(model: Path) -> int:

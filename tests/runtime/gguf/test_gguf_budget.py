@@ -94,12 +94,13 @@ def retype_down(src: Path, dst: Path, layer: int, kind: str) -> Path:
 
 
 def host_budget(file: Path, quant: str = "none", slots: int = SLOTS) -> int:
-    """Host bytes for the dense weights, the KV pool's first growth step and ``slots`` expert slots."""
+    """Host bytes for the dense weights, a step's working memory, the KV pool's first growth step and ``slots``
+    expert slots."""
     model = open_gguf(file)
     need = minimum_memory(model.spec, model.reader, torch.float32, "cpu", quant, gguf=model)
     assert need is not None
     kv = Engine.from_pretrained(file).kv_bytes_per_token() * 16 * 16
-    return need.dense_bytes + kv + slots * need.slot_bytes
+    return need.dense_bytes + need.step_bytes + kv + slots * need.slot_bytes
 
 
 def budgeted(file: Path, host: int | None, cache: Path, quant: str = "none") -> Engine:

@@ -22,8 +22,8 @@ def test_long_session_on_a_fixed_budget(tmp_path: Path, monkeypatch: pytest.Monk
     save_checkpoint("qwen3_moe", tmp_path / "m", seed=3)
     reference = Engine.from_pretrained(tmp_path / "m")
     experts = sum(b.gate_up.nbytes + b.down.nbytes for b in reference.decoder.experts if b is not None)
-    dense = Engine.from_pretrained(tmp_path / "m", budget=Budget()).residency.ledgers["host"].reservations["dense"]
-    limit = dense.nbytes + int(0.8 * experts)
+    held = Engine.from_pretrained(tmp_path / "m", budget=Budget()).residency.ledgers["host"].reservations
+    limit = held["dense"].nbytes + held["step"].nbytes + int(0.8 * experts)
     engine = Engine.from_pretrained(tmp_path / "m", budget=Budget(host=limit),
                                     residency=ResidencyConfig(policy="lru", kv_reserve=0))
     manager = engine.kv_manager(KVConfig(page_size=4))
