@@ -5,7 +5,8 @@ expert cache file (every routed expert read from the checkpoint, quantized by th
 pool, written) — timed around ``open_or_write`` in a fresh process. llama.cpp: the same checkpoint as a BF16 GGUF
 (written like ``convert_hf_to_gguf.py`` by ``tests/runtime/gguf/writer.py``), then ``llama-quantize --pure`` to the
 same format with the same thread count (every tensor, dense ones included: it quantizes ~2% more parameters on the
-small model, ~4% on the 7.5B). Reports wall and CPU seconds and routed-expert parameters per second for both.
+small model, ~4% on the 7.5B). Reports wall and CPU seconds and routed-expert parameters per second for both; each side's source file is dropped
+from the page cache first (both read it from disk).
 
     PYTHONPATH=. python -m freetoken_agent.evals.perf.quantize_rate --quant q4 --threads 2 \\
         --llama-quantize /tmp/freetoken-llama-server/build/bin/llama-quantize [--model DIR]
@@ -52,7 +53,19 @@ print("RESULT " + json.dumps(timing))
 """
 
 
+def drop_cached(files: list[Path]) -> None:
+    """Drop ``files``' clean pages from the page cache, so each side reads its source from disk (cold), not from
+    what the other side or an earlier run left in memory."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def ours(model: Path, quant: str, threads: int) -> dict[str, float]:
+    drop_cached(sorted(model.glob("*.safetensors")))
     with tempfile.TemporaryDirectory() as tmp:
         payload = json.dumps([str(model), str(Path(tmp) / "experts.ftx"), quant, threads])
         proc = subprocess.run([sys.executable, "-c", CHILD, payload], capture_output=True, text=True)
@@ -69,6 +82,7 @@ def llama(binary: Path, model: Path, quant: str, threads: int) -> dict[str, floa
     src = model / "model-bf16.gguf"
     if not src.is_file():
         write_gguf(model, src, experts="BF16", dense="BF16")
+    drop_cached([src])
     with tempfile.TemporaryDirectory() as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()

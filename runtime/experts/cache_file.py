@@ -29,6 +29,7 @@ import struct
 import sys
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,8 @@ def write_cache_file(
     encode: Callable[[Any], torch.Tensor] | None = None,
     layouts: dict[int, ExpertLayout] | None = None,
 ) -> Path:
-    """Write the cache file: ``load(layer, e)`` gives each expert, normalized; one expert in memory at a time.
+    """Write the cache file: ``load(layer, e)`` gives each expert, normalized; two experts in memory at a time (the
+    next one is read on a second thread while this one is encoded, so ``load`` must be safe to call from it).
 
     ``encode`` turns what ``load`` gives into its blob (default ``layout.encode``; the quantized full-RAM path passes
     the C quantizer's twin, same format; a source that makes its blobs itself passes them through). ``layouts``:
@@ -207,13 +209,20 @@ def write_cache_file(
             fh.write(b"\0" * (data_start - fh.tell()))
             crc = 0
             synced = 0
-            for layer in layers:
-                pad = b"\0" * (stride - sizes[layer])
-                for e in range(num_experts):
-                    blob = encode(load(layer, e)).numpy().tobytes()
+            order = [(layer, e) for layer in layers for e in range(num_experts)]
+            # the next expert is read (pread, torch: no GIL) while this one is encoded on the kernels' pool
+            with ThreadPoolExecutor(1, thread_name_prefix="freetoken-cache-read") as reader:
+                ahead = reader.submit(load, *order[0]) if order else None
+                for i, (layer, e) in enumerate(order):
+                    assert ahead is not None
+                    expert = ahead.result()
+                    ahead = reader.submit(load, *order[i + 1]) if i + 1 < len(order) else None
+                    blob = memoryview(encode(expert).contiguous().numpy()).cast("B")
+                    del expert
                     if len(blob) != sizes[layer]:
                         raise FreeTokenError(f"expert {e} of layer {layer} encoded to {len(blob)} bytes, its layout "
                                              f"holds {sizes[layer]}")
+                    pad = b"\0" * (stride - sizes[layer])
                     fh.write(blob)
                     fh.write(pad)
                     crc = zlib.crc32(pad, zlib.crc32(blob, crc))

@@ -9,7 +9,7 @@ makes one expert's blob. GGUF stacks experts outermost, so one expert's rows of 
 run of the file: it is read with ``pread`` (the file's mapping is not touched, and with ``drop_cache`` the pages read
 leave the page cache), converted exactly as the unbudgeted load converts it (``gguf.model.expert_blocks``: native
 block types byte for byte, others dequantized and requantized) and laid out in the tiles. Writing the expert cache
-file from it holds one expert in memory.
+file from it holds two experts in memory (one read ahead).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Legend: ``L`` MoE layers, ``E`` experts per layer, ``S`` blob stride in the file (bytes).
 
-The first load quantizes and repacks every expert once — one expert in memory at a time, never the float
+The first load quantizes and repacks every expert once — two experts in memory at a time, never the float
 checkpoint as a whole — into the expert-major cache file of ``cache_file.py`` (the residency path's file: same key,
 checkpoint files + blob layout, so a changed checkpoint or format gets a new file). Every later load checks the file
 (header, size, CRC-32 of the data) and reads it into 2 MiB pages (``kernels/hugepages.py``; a copy-on-write mapping

@@ -1,7 +1,7 @@
 """Load a model under a memory budget: dense weights first, then the expert tiers in what is left.
 
 ``load_managed`` reads the dense weights (attention, embeddings, norms, routers, shared experts) and claims their
-bytes from the budget, writes/opens the expert-major cache file (one expert in memory at a time), sizes the host
+bytes from the budget, writes/opens the expert-major cache file (two experts in memory at a time), sizes the host
 slot pool (and the device pool, real or simulated) from the remaining budget, and returns a ``Managed`` whose
 ``backends()`` are one ``ManagedExperts`` per MoE layer (the expert core, ``core.py``, installs them: its
 ``managed`` placement). The routed experts are never loaded as a whole.

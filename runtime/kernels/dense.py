@@ -25,6 +25,7 @@ from ..model.spec import ModelSpec
 from ..model.weights import ModelWeights
 from ..quant.blocks import canonical_format
 from . import hugepages, ops
+from .layout import TILE_ROWS
 
 # leaves read only through ``layers.linear`` (see gqa_attention / mla_attention / output_gate / mlp)
 ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
@@ -55,6 +56,8 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    fused: FusedRows | None = None
+    """Set when this weight's tiles lie right after or before others of the same input (``FusedRows``)."""
     exact: torch.Tensor | None = None
     """Set by ``set_dense_mode(..., "exact")``: the dequantized weight, multiplied in fp32 instead of the int8 kernel
     (the reference the oracle tests compare with)."""
@@ -175,4 +178,51 @@ def quantize_dense(
     if hugepages.enabled() and hugepages.fits(after):
         for ql, data in zip(made, hugepages.arena([ql.packed.data for ql in made])):
             ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
+    for lw in weights.layers:  # q|k|v (and gate|up) that lie back to back: one kernel call for all of them
+        for table, leaves in ((lw.attn, ("q_proj", "k_proj", "v_proj")), (lw.mlp, ("gate_proj", "up_proj")),
+                              (lw.moe.shared if lw.moe is not None else None, ("gate_proj", "up_proj"))):
+            if table:
+                FusedRows.join([table.get(f"{leaf}.weight") for leaf in leaves])
     return DenseQuantReport("+".join(sorted(formats)), count, before, after)
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """Quantized weights of one input whose tiles lie back to back in memory (``parts``, in order): one
+    ``ops.linear`` over all their rows, split into each one's output — the same values as one call each (every
+    row's dot product is the same), one hand-out to the kernels' pool instead of one per weight."""
+
+    packed: ops.PackedWeight
+    parts: tuple[QuantLinear, ...]
+
+    @classmethod
+    def join(cls, weights: list[Any]) -> FusedRows | None:
+        """Fuse ``weights`` when they are ``QuantLinear`` of one format and width, each a whole number of tiles,
+        each starting where the one before ends (the hugepage arena lays them out so); sets their ``fused``."""
+        if len(weights) < 2 or not all(isinstance(w, QuantLinear) for w in weights):
+            return None
+        first = weights[0].packed
+        datas = [w.packed.data for w in weights]
+        if any(w.packed.fmt != first.fmt or w.packed.k != first.k or w.packed.n % TILE_ROWS for w in weights):
+            return None
+        if any(a.data_ptr() + a.numel() != b.data_ptr() for a, b in zip(datas, datas[1:])):
+            return None
+        if any(d.untyped_storage().data_ptr() != datas[0].untyped_storage().data_ptr() for d in datas):
+            return None
+        span = torch.empty(0, dtype=torch.uint8).set_(datas[0].untyped_storage(), datas[0].storage_offset(),
+                                                      (sum(d.numel() for d in datas),))
+        fused = cls(ops.PackedWeight(first.fmt, sum(w.packed.n for w in weights), first.k, span), tuple(weights))
+        for w in weights:
+            w.fused = fused
+        return fused
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        k = self.packed.k
+        y = ops.linear(self.packed, x.reshape(-1, k))
+        outs, at = [], 0
+        for w in self.parts:
+            n = w.packed.n
+            part = y[:, at : at + n].contiguous().view(*x.shape[:-1], n)
+            outs.append(part if part.dtype == x.dtype else part.to(x.dtype))
+            at += n
+        return outs

@@ -104,9 +104,13 @@ def on_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def projections(x: torch.Tensor, w: Weights, names: tuple[str, ...]) -> list[torch.Tensor]:
     """``[linear(x, w, name) for name in names]``; when every one of them would run on the kernels' fp32 linear,
     they run as one call (``ops.linear_f32_parts``: one hand-out to the pool instead of one per weight, the same
-    bits)."""
+    bits), and so do quantized weights laid out back to back (``FusedRows``)."""
     weights = [w[f"{name}.weight"] for name in names]
     biases = [w.get(f"{name}.bias") for name in names]
+    fused = getattr(weights[0], "fused", None)  # quantized weights back to back (runtime/kernels/dense.py)
+    if (fused is not None and len(fused.parts) == len(weights) and all(a is b for a, b in zip(fused.parts, weights))
+            and all(b is None for b in biases) and all(q.exact is None for q in fused.parts)):
+        return fused(x)
     if len(names) <= 4 and all(
         isinstance(wt, torch.Tensor) and (b is None or isinstance(b, torch.Tensor)) and on_kernels(x, wt, b)
         for wt, b in zip(weights, biases)
@@ -145,7 +149,7 @@ def _mlp(x: torch.Tensor, w: Weights, spec: MLPSpec) -> torch.Tensor:
             glu = gate * elementwise(torch.sigmoid, gate * spec.swiglu_alpha)
             return linear((up + 1.0) * glu, w, "output_linear")
         return linear(elementwise(act, gate) * up, w, "output_linear")
-    gate, up = linear(x, w, "gate_proj"), linear(x, w, "up_proj")
+    gate, up = projections(x, w, ("gate_proj", "up_proj"))
     if spec.glu_clamp:  # DeepSeek-V4's shared expert: gate clamped from above, up on both sides
         gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
     return linear(elementwise(act, gate) * up, w, "down_proj")
