@@ -36,6 +36,46 @@ def test_quant_linear_is_int8_rounded_input_times_dequantized_weight(fmt: str, s
     assert ql(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_fused_rows_equal_one_call_per_weight_bit_for_bit(fmt: str) -> None:
+    """q|k|v laid out back to back run as one kernel call: each output is what its own call gives, exactly."""
+    from freetoken_agent.runtime.kernels import hugepages, ops
+    from freetoken_agent.runtime.kernels.dense import FusedRows
+
+    gen = torch.Generator().manual_seed(1)
+    parts = [QuantLinear(torch.randn(n, 128, generator=gen), fmt) for n in (64, 16, 16)]
+    x = torch.randn(3, 128, generator=gen)
+    alone = [ql(x) for ql in parts]
+    assert FusedRows.join(parts) is None  # separate allocations: nothing to fuse
+    for ql, data in zip(parts, hugepages.arena([ql.packed.data for ql in parts])):  # back to back, as the load does
+        ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
+    fused = FusedRows.join(parts)
+    assert fused is not None and all(ql.fused is fused for ql in parts) and fused.packed.n == 96
+    for got, want in zip(fused(x), alone):
+        assert torch.equal(got, want)
+    odd = [QuantLinear(torch.randn(n, 128, generator=gen), fmt) for n in (60, 16)]  # 60 rows: not whole tiles
+    for ql, data in zip(odd, hugepages.arena([ql.packed.data for ql in odd])):
+        ql.packed = ops.PackedWeight(ql.packed.fmt, ql.packed.n, ql.packed.k, data)
+    assert FusedRows.join(odd) is None
+
+
+def test_an_engines_attention_projections_run_fused(tmp_path: Path) -> None:
+    from freetoken_agent.runtime.kernels import hugepages
+
+    if not hugepages.enabled():
+        pytest.skip("weights are not laid out in one arena here (FREETOKEN_HUGEPAGES=0 or not Linux)")
+    folder = write_synthetic("qwen3_moe", tmp_path / "m", seed=2)
+    q8 = Engine.from_pretrained(folder, dense_quant="q8")
+    attn = q8.decoder.weights.layers[0].attn
+    assert attn["q_proj.weight"].fused is not None and attn["q_proj.weight"].fused is attn["v_proj.weight"].fused
+    prompt = list(range(5, 25))
+    out = q8.generate(prompt, max_new_tokens=4, stop_token_ids=[])
+    for table in (lw.attn for lw in q8.decoder.weights.layers):
+        for leaf in ("q_proj", "k_proj", "v_proj"):
+            table[f"{leaf}.weight"].fused = None  # one call per weight: the same tokens
+    assert q8.generate(prompt, max_new_tokens=4, stop_token_ids=[]).token_ids == out.token_ids
+
+
 def _divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[float, float]:
     kl = F.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="batchmean")
     return float(kl), float((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean())
