@@ -5,6 +5,10 @@
 
 Each row first checks the kernel against its plain-torch reference (relative error printed), then times it
 (``timing.repeat``, synchronized after every call, median of ``--reps``). GB/s counts quantized weight bytes (codes + scales).
+
+Reusable parts: ``cases(device, interpret)`` builds every (kernel, format, shape, M) case with its call and its
+reference; ``errors(out, ref)`` measures their agreement; ``check(interpret)`` gives the agreement rows with a
+pass/fail against ``REL_TOL`` and no timings (what ``gpu_check`` reports).
 """
 
 from __future__ import annotations
@@ -13,21 +17,47 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from freetoken_agent.evals.perf.harness import row, run_json_main
 from freetoken_agent.evals.perf.timing import repeat
 
-
-def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
-    """Median seconds per call (one warm-up call); on CUDA every call is synchronized inside the timing."""
-    sync = torch.cuda.synchronize if device == "cuda" else None
-    return lambda fn, reps: repeat(fn, reps, warmup=1, sync=sync).median
+REL_TOL = 5e-3
+"""A case passes when ‖kernel − reference‖ / ‖reference‖ is at most this (fp32 accumulation; tl.dot may use TF32)."""
 
 
-def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Case:
+    """One kernel call and its plain-torch reference on the same inputs."""
+
+    kernel: str
+    fmt: str
+    shape: str
+    m: int
+    """Rows of the activation (GEMM) or tokens (grouped MoE)."""
+    call: Callable[[], torch.Tensor]
+    reference: Callable[[], torch.Tensor]
+    weight_bytes: int | None = None
+    """Quantized weight bytes one call streams (codes + scales), for GB/s; None where not counted."""
+    dense: Callable[[], torch.Tensor] | None = None
+    """The same product as a dense fp16 (fp32 on the CPU) ``torch.mm``, for comparison timings."""
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """``max_abs_err`` (max |out − ref|), ``max_rel_err`` (max |out − ref| / max |ref|) and ``rel_err``
+    (‖out − ref‖₂ / ‖ref‖₂)."""
+    diff = (out.float() - ref.float()).abs()
+    scale = float(ref.abs().max()) or 1.0
+    return {"max_abs_err": float(diff.max()), "max_rel_err": float(diff.max()) / scale,
+            "rel_err": float(diff.norm() / (ref.float().norm() or 1.0))}
+
+
+def cases(device: str, interpret: bool) -> Iterator[Case]:
+    """Every case, inputs built fresh (random, seeded by the caller's torch RNG) on ``device``; tiny shapes when
+    ``interpret`` (the kernels run in the Triton interpreter on the CPU)."""
     from freetoken_agent.runtime.kernels.triton import (
         TritonQuantExperts,
         TritonQuantWeight,
@@ -38,11 +68,8 @@ def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
     )
     from freetoken_agent.runtime.quant import quantize
 
-    device = "cpu" if interpret else "cuda"
-    timed = _timer(device)
     shapes = [(64, 128)] if interpret else [(1536, 2048), (2048, 768), (3072, 4096)]
     ms = [1, 16] if interpret else [1, 16, 256]
-    rows: list[dict[str, Any]] = []
     for n, k in shapes:
         w = torch.randn(n, k)
         dense = w.to(device=device, dtype=torch.float16 if device == "cuda" else torch.float32)
@@ -51,13 +78,10 @@ def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
             nbytes = qw.codes.numel() * qw.codes.element_size() + qw.scales.numel() * 2
             for m in ms:
                 x = torch.randn(m, k, device=device)
-                err = float((dequant_matmul(x, qw) - reference_matmul(x, qw)).norm() / reference_matmul(x, qw).norm())
-                t = timed(lambda: dequant_matmul(x, qw), reps)
                 xd = x.to(dense.dtype)
-                t_ref = timed(lambda: torch.mm(xd, dense.t()), reps)
-                rows.append({"kernel": "triton-dequant-gemm", "format": fmt, "shape": f"{n}x{k}", "M": m,
-                             "seconds": t, "gbps": nbytes / t / 1e9, "rel_err": err,
-                             "dense_fp16_seconds": t_ref})  # fmt: skip
+                yield Case("triton-dequant-gemm", fmt, f"{n}x{k}", m,
+                           lambda x=x, qw=qw: dequant_matmul(x, qw), lambda x=x, qw=qw: reference_matmul(x, qw),
+                           nbytes, lambda xd=xd, dense=dense: torch.mm(xd, dense.t()))  # fmt: skip
     e, d, i, top_k = (4, 64, 32, 2) if interpret else (64, 2048, 768, 8)
     for fmt in ("q4", "q8"):
         w13 = TritonQuantExperts.from_float(torch.randn(e, 2 * i, d) / d**0.5, fmt, device)
@@ -66,11 +90,41 @@ def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
             x = torch.randn(t_tokens, d, device=device)
             ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t_tokens)]).to(device)
             wts = torch.softmax(torch.randn(t_tokens, top_k), -1).to(device)
-            ref = reference_moe_forward(x, w13, w2, ids, wts)
-            err = float((moe_forward(x, w13, w2, ids, wts) - ref).norm() / ref.norm())
-            t = timed(lambda: moe_forward(x, w13, w2, ids, wts), reps)
-            rows.append({"kernel": "triton-grouped-moe", "format": fmt, "shape": f"E{e} top{top_k} D{d} I{i}",
-                         "M": t_tokens, "seconds": t, "rel_err": err})  # fmt: skip
+            yield Case("triton-grouped-moe", fmt, f"E{e} top{top_k} D{d} I{i}", t_tokens,
+                       lambda x=x, ids=ids, wts=wts, w13=w13, w2=w2: moe_forward(x, w13, w2, ids, wts),
+                       lambda x=x, ids=ids, wts=wts, w13=w13, w2=w2: reference_moe_forward(x, w13, w2, ids, wts))
+
+
+def check(interpret: bool) -> list[dict[str, Any]]:
+    """Agreement of every case with its reference: kernel, format, shape, M, the ``errors`` keys and ``passed``
+    (``rel_err <= REL_TOL``). On CUDA unless ``interpret`` (set ``TRITON_INTERPRET=1`` before triton is imported)."""
+    out = []
+    for c in cases("cpu" if interpret else "cuda", interpret):
+        err = errors(c.call(), c.reference())
+        out.append({"kernel": c.kernel, "format": c.fmt, "shape": c.shape, "M": c.m, **err,
+                    "passed": err["rel_err"] <= REL_TOL})
+    return out
+
+
+def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
+    """Median seconds per call (one warm-up call); on CUDA every call is synchronized inside the timing."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return lambda fn, reps: repeat(fn, reps, warmup=1, sync=sync).median
+
+
+def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
+    device = "cpu" if interpret else "cuda"
+    timed = _timer(device)
+    rows: list[dict[str, Any]] = []
+    for c in cases(device, interpret):
+        t = timed(c.call, reps)
+        r: dict[str, Any] = {"kernel": c.kernel, "format": c.fmt, "shape": c.shape, "M": c.m, "seconds": t}
+        if c.weight_bytes is not None:
+            r["gbps"] = c.weight_bytes / t / 1e9
+        r["rel_err"] = errors(c.call(), c.reference())["rel_err"]
+        if c.dense is not None:
+            r["dense_fp16_seconds"] = timed(c.dense, reps)
+        rows.append(r)
     return rows
 
 

@@ -6,7 +6,7 @@ to turn, as it is in trained models. Each turn: a ``plan`` hint, the tool output
 ``--phase-plan`` plan tokens and, after a ``code`` hint, ``--phase-code`` code tokens fed one at a time (decode
 steps), then a ``tool`` hint and a real pause (``--phase-pause`` seconds, the engine idle). The host tier holds
 ``--phase-host`` × the expert bytes, so experts stream from the cache file and the scheduler's staging (disk → host
-slots) matters; the device tier is the GPU's (simulated in CPU memory on ``--cpu-dry-run``).
+slots) matters; the device tier is the GPU's (simulated in CPU memory on ``--dry-run``).
 
 Rows, same session, same engine build, in one process: ``agent-lru`` (LRU, a scheduler that only measures: no
 staging, no pause prefetch) and ``agent-phase`` (``PhaseScheduler``: profile-blended eviction, staging on hints,
@@ -36,13 +36,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--phase-code", type=int, default=12, help="code tokens per turn")
     g.add_argument("--phase-output", type=int, default=48, help="tool output + framing tokens per turn")
     g.add_argument("--phase-pause", type=float, default=None,
-                   help="seconds each tool pause lasts (default 0.3; 0.05 on --cpu-dry-run)")
+                   help="seconds each tool pause lasts (default 0.3; 0.05 on --dry-run)")
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """One-line errors for bad phase flags (before anything is built); fills in the pause default."""
     if args.phase_pause is None:
-        args.phase_pause = 0.05 if args.cpu_dry_run else 0.3
+        args.phase_pause = 0.05 if args.dry_run else 0.3
     if args.phase_turns and args.phase_warm >= args.phase_turns:
         raise SystemExit("gpu_check: error: --phase-warm must be smaller than --phase-turns")
     if not 0 < args.phase_host < 1:
@@ -149,7 +149,7 @@ def run(spec: Any, weights: Any, disk_path: Path, args: argparse.Namespace, devi
     host = int(args.phase_host * experts_bytes) + (dense if device == "cpu" else 0)
 
     def build(policy: str) -> Any:
-        cfg = ResidencyConfig(policy=policy, prefetch=True, simulate_device=args.cpu_dry_run)
+        cfg = ResidencyConfig(policy=policy, prefetch=True, simulate_device=args.dry_run)
         ledgers = Budget(device=parse_bytes(args.device_memory), host=host).ledgers()
         ledgers["host" if device == "cpu" else "device"].reserve("dense", dense)
         ledgers["host"].reserve("kv", 0)

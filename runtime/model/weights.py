@@ -461,13 +461,14 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
     Computed by walking the same loader over a recorder, so it can never disagree with ``load_weights``.
     """
-    recorder = _Recorder()
+    recorder = ShapeRecorder()
     walk_weights(spec, recorder, None)
     return recorder.shapes
 
 
-class _Recorder(TensorLoader):
-    """A loader that records the (name, shape) it is asked for and returns empty meta tensors."""
+class ShapeRecorder(TensorLoader):
+    """A loader that records the (name, shape) it is asked for and returns empty meta tensors; a subclass that
+    overrides ``take``/``experts`` synthesizes weights with the loader's exact names and shapes (no checkpoint)."""
 
     def __init__(self) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
