@@ -95,13 +95,15 @@ def install_mmap(engine: Any, file: Any) -> Any:
 
 
 def host_budget(model: Path, quant: str, ratio: float) -> tuple[int, int, int]:
-    """(host budget, dense bytes, expert bytes) such that the quantized experts are ``ratio`` x the budget's expert
-    share; loading the probe writes the expert cache file once."""
+    """(host budget, fixed bytes, expert bytes) such that the quantized experts are ``ratio`` x the budget's expert
+    share; the fixed bytes are the dense weights and a step's working memory (the ledger's ``dense`` and ``step``).
+    Loading the probe writes the expert cache file once."""
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.memory import Budget
 
     probe = Engine.from_pretrained(model, quant=quant, budget=Budget())
-    dense = probe.residency.ledgers["host"].reservations["dense"].nbytes
+    held = probe.residency.ledgers["host"].reservations
+    dense = held["dense"].nbytes + held["step"].nbytes
     experts = probe.residency.disk.nbytes
     probe.residency.close()
     return dense + int(experts / ratio), dense, experts

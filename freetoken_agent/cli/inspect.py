@@ -88,6 +88,8 @@ def describe_gguf(gguf: Any, dense_bytes: int, expert_bytes: int) -> dict[str, A
     reach the kernels (as stored, or converted with the measured error) and the plan."""
     from collections import Counter
 
+    from freetoken_agent.runtime.quant.formats import GGUF_NATIVE
+
     reader = gguf.reader
     groups: dict[str, Counter] = {}
     for name, src in reader.sources.items():
@@ -108,14 +110,16 @@ def describe_gguf(gguf: Any, dense_bytes: int, expert_bytes: int) -> dict[str, A
                               f"(measured on {c.experts_measured} experts)"))
     plan_layers = gguf.expert_plan()
     run = sorted({f or "float" for _, f in plan_layers})
+    native = ", ".join(GGUF_NATIVE)
     return {
         "format": f"GGUF ({len(gguf.file.parts)} file{'s' if len(gguf.file.parts) > 1 else ''}, llama.cpp "
                   f"architecture {gguf.architecture})",
         "tensor_formats": formats,
         "expert_conversion": conversions or ["experts are float: loaded as stored (--quant q8/q4 quantizes them)"],
-        "plan": (f"memory-map the file; dense weights ({dense_bytes / 2**20:.1f} MiB stored) dequantized to the "
-                 f"compute dtype; routed experts ({expert_bytes / 2**20:.1f} MiB stored) run as {' + '.join(run).upper()} "
-                 "on the CPU kernels (Q8_0, Q4_0, Q4_K and Q6_K as stored, other block types converted at load)"),
+        "plan": (f"memory-map the file; dense weights ({dense_bytes / 2**20:.1f} MiB stored): projections stored in "
+                 f"{native} run as stored, the rest dequantized to the compute dtype; routed experts "
+                 f"({expert_bytes / 2**20:.1f} MiB stored) run as {' + '.join(run).upper()} on the CPU kernels "
+                 f"({native} as stored, other block types converted at load)"),
         "tokenizer": str(gguf.file.metadata.get("tokenizer.ggml.model", "none"))
         + (f" (pre-tokenizer {gguf.file.metadata['tokenizer.ggml.pre']})" if "tokenizer.ggml.pre" in gguf.file.metadata
            else ""),
