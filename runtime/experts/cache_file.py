@@ -169,6 +169,10 @@ class ExpertCacheFile:
         return None if crc == want else "expert data does not match its checksum"
 
 
+READ_AHEAD = int(os.environ.get("FREETOKEN_CACHE_READ_AHEAD", "2"))
+"""Experts read ahead on their own threads while one is encoded: reads in flight keep the disk's queue busy."""
+
+
 def write_cache_file(
     path: Path,
     layout: ExpertLayout,
@@ -211,12 +215,12 @@ def write_cache_file(
             synced = 0
             order = [(layer, e) for layer in layers for e in range(num_experts)]
             # the next expert is read (pread, torch: no GIL) while this one is encoded on the kernels' pool
-            with ThreadPoolExecutor(1, thread_name_prefix="freetoken-cache-read") as reader:
-                ahead = reader.submit(load, *order[0]) if order else None
+            with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="freetoken-cache-read") as reader:
+                ahead = [reader.submit(load, *key) for key in order[:READ_AHEAD]]
                 for i, (layer, e) in enumerate(order):
-                    assert ahead is not None
-                    expert = ahead.result()
-                    ahead = reader.submit(load, *order[i + 1]) if i + 1 < len(order) else None
+                    expert = ahead.pop(0).result()
+                    if i + READ_AHEAD < len(order):
+                        ahead.append(reader.submit(load, *order[i + READ_AHEAD]))
                     blob = memoryview(encode(expert).contiguous().numpy()).cast("B")
                     del expert
                     if len(blob) != sizes[layer]:

@@ -208,12 +208,15 @@ def pool_carries() -> Iterator[None]:
     expert cache write: quantize on the pool, torch concatenates and copies): torch on one thread. Its OpenMP
     workers otherwise spin after every small op on the cores the pool is using (a 2-thread cache write took 1.9
     CPU-s where 1 thread took 1.33; torch on one thread: 1.36, and faster in wall time). Not for concurrent torch
-    work in other Python threads (the setting is process-wide); restores the count on exit."""
+    work in other Python threads (the setting is process-wide); restores the count (and the pool's polling, which it
+    turns off meanwhile: 5% of a 7.5B cache write's CPU was idle workers polling) on exit."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    spin = set_spin_us(0)  # and the pool's workers sleep between its calls: the cores go to the reads meanwhile
     try:
         yield
     finally:
+        set_spin_us(spin)
         torch.set_num_threads(before)
 
 
