@@ -102,6 +102,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_read_bandwidth": (f64, [p, i64, i32]),
         "ft_moe": (i32, [i32, i32, p, i64, p, i64, i64, i64, i64, p, i64, p, p, i64, p]),
         "ft_moe_set_pass_bytes": (ctypes.c_size_t, [ctypes.c_size_t]),
+        "ft_amx_set_min_tokens": (i64, [i64]),
+        "ft_amx_calls": (i64, []),
         "ft_gemm_f32": (i32, [p, p, i64, i64, p, i64, p, p]),
         "ft_gemm_f32_parts": (i32, [i32, p, p, i64, p, i64, p, p]),
         "ft_rms_norm": (None, [p, p, i64, i64, ctypes.c_float, p]),
@@ -151,7 +153,7 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
-ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512vnni"}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512vnni", 3: "amx"}
 
 
 def status() -> KernelStatus:

@@ -25,7 +25,7 @@ from .layout import TILE_ROWS, pack_blocks
 
 FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "mxfp4": 5}
 """The C side's code of each format it computes in (``csrc/ft_tiles.h``)."""
-ISA_CODE = {"best": -1, "portable": 0, "avx2": 1, "avx512vnni": 2}
+ISA_CODE = {"best": -1, "portable": 0, "avx2": 1, "avx512vnni": 2, "amx": 3}
 
 
 _loaded: list[ctypes.CDLL] = []  # the library once loaded: saves the lock and lookups on every call
@@ -243,7 +243,11 @@ def deterministic() -> bool:
 
 
 def set_isa(name: str) -> str:
-    """Force an ISA path (``best``, ``portable``, ``avx2``, ``avx512vnni``); raises if this CPU lacks it."""
+    """Force an ISA path (``best``, ``portable``, ``avx2``, ``avx512vnni``, ``amx``); raises if this CPU lacks it.
+
+    ``amx`` is AVX-512 VNNI plus Intel AMX tiles for q4/q8 weights against several tokens at once (a prefill
+    step's experts, a quantized linear at M > 1), bit-identical to ``avx512vnni``; Linux must grant the process
+    the tile state (asked at detection)."""
     if name not in ISA_CODE:
         raise FreeTokenError(f"unknown ISA {name!r}; expected one of {', '.join(ISA_CODE)}")
     got = _lib().ft_set_isa(ISA_CODE[name])
@@ -521,6 +525,18 @@ def set_moe_pass_bytes(nbytes: int) -> int:
     prefill step's (token, expert) slots run in passes of whole experts so its working memory stays bounded; the
     result is the same bit for bit for any value (tests use a small one to force many passes)."""
     return int(_lib().ft_moe_set_pass_bytes(max(0, int(nbytes))))
+
+
+def set_amx_min_tokens(n: int) -> int:
+    """Tokens on one weight from which the ``amx`` ISA path runs its tiles (0: the default, 10); fewer run the
+    AVX-512 VNNI tile kernels. Returns the previous value. Either way the results are the same bit for bit."""
+    return int(_lib().ft_amx_set_min_tokens(max(0, int(n))))
+
+
+def amx_calls() -> int:
+    """How many 16-row pieces of work the ``amx`` path has computed since the library loaded (0 where it never
+    ran): proof in tests and benchmarks that the tiles, not the fallback, did the work."""
+    return int(_lib().ft_amx_calls())
 
 
 QUANT_INPUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # read as is (widened per block in C)

@@ -110,6 +110,8 @@ static int qact_alloc(qact *a, int64_t m, int64_t k) {
 
 static void qact_free(qact *a) { free(a->q); free(a->d); free(a->s); }
 
+#include "ft_amx.h"
+
 /* ---------------------------------------------------------------- public: configuration */
 
 int ft_best_isa(void) { return detect_isa(); }
@@ -162,12 +164,14 @@ static void dot_rows(tile_dot_fn dot, tile_dot4_fn dot4, const uint8_t *tile, in
 #define ROWS_PER_ITEM 16 /* 2 tiles: ~5-10 us of work at K=2048, enough to amortize the item hand-out */
 
 typedef struct {
+    int fmt;
     const uint8_t *w;
     int64_t n, k, m, nb, tile_stride;
     const qact *a;
     float *y;
     tile_dot_fn dot;
     tile_dot4_fn dot4;
+    const amx_panel *panel; /* the activations gathered for AMX, or NULL */
 } linear_ctx;
 
 static void linear_item(void *p, int64_t item) {
@@ -175,6 +179,10 @@ static void linear_item(void *p, int64_t item) {
     float o[64 * TR];
     int64_t t0 = item * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR, ntiles = (c->n + TR - 1) / TR;
     if (t1 > ntiles) t1 = ntiles;
+    if (c->panel && amx_rows(c->fmt, c->w + t0 * c->tile_stride, c->tile_stride, (int)(t1 - t0),
+                             (int)(c->n - t0 * TR < ROWS_PER_ITEM ? c->n - t0 * TR : ROWS_PER_ITEM), c->panel, 0,
+                             c->m, c->y + t0 * TR, c->n))
+        return;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = c->w + t * c->tile_stride;
         for (int64_t i0 = 0; i0 < c->m; i0 += 64) {
@@ -229,8 +237,22 @@ int ft_linear(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, i
     }
     for (int64_t i = 0; i < m; i++)
         quantize_row(x + i * k, k, a.nb, a.q + i * a.nb * QK, a.d + i * a.nb, a.s + i * a.nb);
-    linear_ctx c = {w, n, k, m, a.nb, a.nb * tile_block_bytes(fmt), &a, y, pick_tile_dot(fmt), pick_tile_dot4(fmt)};
+    linear_ctx c = {fmt, w, n, k, m, a.nb, a.nb * tile_block_bytes(fmt), &a, y, pick_tile_dot(fmt), pick_tile_dot4(fmt),
+                    NULL};
+    amx_panel panel;
+    uint8_t *panel_mem = NULL;
+    if (amx_takes(fmt, m)) { /* gathered once here, read by every 16-row item (without memory: the tile kernels) */
+        const int64_t chunks = (m + AMX_TOKENS - 1) / AMX_TOKENS;
+        panel_mem = (uint8_t *)aligned_alloc(64, (amx_chunk_bytes(a.nb) * (size_t)chunks + 63) / 64 * 64);
+        if (panel_mem) {
+            amx_panel_at(&panel, panel_mem, chunks, a.nb);
+            amx_fill_ctx f = {fmt, &a, NULL, NULL, NULL, m, &panel};
+            ft_parallel_for(amx_fill_item, &f, chunks);
+            c.panel = &panel;
+        }
+    }
     ft_parallel_for(linear_item, &c, (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
+    free(panel_mem);
     if (!keep) qact_free(&a);
     return 0;
 }

@@ -24,6 +24,8 @@ typedef struct {
     int64_t *t_next;            /* token t's first slot not yet added to out (advances pass by pass) */
     int64_t g_base, s_base, s_end; /* the current pass: groups from g_base, slots [s_base, s_end) */
     float *out; /* [T, D] */
+    int64_t *g_chunk;    /* AMX: group g's first chunk in the pass's panels, -1 where the tile kernels run it */
+    amx_panel px, pa;    /* the pass's activations gathered for AMX: gate|up's (x), down's (SiLU(gate) * up) */
 } moe_ctx;
 
 static void moe_gate_up_item(void *p, int64_t item) {
@@ -33,11 +35,14 @@ static void moe_gate_up_item(void *p, int64_t item) {
     int64_t tile_stride = c->nbD * tile_block_bytes(c->fmt), ntiles = c->n13 / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
-    for (int64_t t = t0; t < t1; t++) {
-        int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+    const int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+    if (c->g_chunk[g] >= 0 && amx_takes(c->fmt, n) &&
+        amx_rows(c->fmt, base + t0 * tile_stride, tile_stride, (int)(t1 - t0), (int)(TR * (t1 - t0)), &c->px,
+                 c->g_chunk[g], n, c->h + (s0 - c->s_base) * c->n13 + t0 * TR, c->n13))
+        return;
+    for (int64_t t = t0; t < t1; t++)
         dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbD, &c->qx, c->s_token + s0, 0, n,
                  c->h + (s0 - c->s_base) * c->n13 + t * TR, c->n13);
-    }
 }
 
 static void moe_act_item(void *p, int64_t s) { /* s: a row of the pass (slot s_base + s) */
@@ -69,11 +74,14 @@ static void moe_down_item(void *p, int64_t item) {
     int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt2), ntiles = c->nD / TR;
     int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
     if (t1 > ntiles) t1 = ntiles;
-    for (int64_t t = t0; t < t1; t++) {
-        int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+    const int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
+    if (c->g_chunk[g] >= 0 && amx_takes(c->fmt2, n) &&
+        amx_rows(c->fmt2, base + t0 * tile_stride, tile_stride, (int)(t1 - t0), (int)(TR * (t1 - t0)), &c->pa,
+                 c->g_chunk[g], n, c->y + (s0 - c->s_base) * c->nD + t0 * TR, c->nD))
+        return;
+    for (int64_t t = t0; t < t1; t++)
         dot_rows(c->dot2, c->dot4_2, base + t * tile_stride, c->nbI, &c->qa, NULL, s0 - c->s_base, n,
                  c->y + (s0 - c->s_base) * c->nD + t * TR, c->nD);
-    }
 }
 
 /* out[t, :] += weight * y[s, :] over t's slots in the current pass, in slot order; item = one token. Passes run in
@@ -150,12 +158,13 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     memset(out, 0, sizeof(float) * (size_t)(T * D));
     const size_t TK = (size_t)(T * KT + 1);
     uint8_t *own_index = NULL, *own_work = NULL;
-    uint8_t *at = moe_scratch(&tl_moe_index, moe_lines(8 * ((size_t)E + 1)) * 2 + moe_lines(8 * ((size_t)E + 2)) +
+    uint8_t *at = moe_scratch(&tl_moe_index, moe_lines(8 * ((size_t)E + 1)) * 3 + moe_lines(8 * ((size_t)E + 2)) +
                               moe_lines(8 * TK) + moe_lines(4 * TK), &own_index);
     int rc = 0;
     if (!at) return -1;
     int64_t *count = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
     int64_t *g_expert = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
+    int64_t *g_chunk = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
     int64_t *g_start = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 2));
     int64_t *s_token = (int64_t *)moe_carve(&at, 8 * TK);
     float *s_weight = (float *)moe_carve(&at, 4 * TK);
@@ -197,21 +206,34 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     c.nD = (D + TR - 1) / TR * TR;
     c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     c.n_slots = S;
+    c.g_chunk = g_chunk;
     {
+        /* AMX groups (enough tokens on one expert) also hold their tokens' activations gathered, 16 rows per chunk
+         * (amx_panel): padded rows of either matmul's panel, sharing one buffer */
+        const int amx13 = amx_takes(fmt, 1 << 30), amx2 = amx_takes(fmt2, 1 << 30);
+        const int64_t nbP = c.nbD > c.nbI ? c.nbD : c.nbI;
+        const size_t per_pad = amx13 || amx2 ? amx_chunk_bytes(nbP) / AMX_TOKENS : 0;
+#define MOE_PADDED(n) ((amx_takes(fmt, (n)) || amx_takes(fmt2, (n))) ? ((n) + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS : 0)
         /* slots per pass: whole experts, up to moe_pass_bytes of work buffers (at least the biggest expert) */
         const size_t per_slot = 4 * (size_t)c.n13 + 4 * (size_t)c.nD + (size_t)(c.nbI * QK) + 8 * (size_t)c.nbI;
-        int64_t cap = (int64_t)(moe_pass_bytes / per_slot), pass_slots = 0;
+        int64_t cap = (int64_t)(moe_pass_bytes / (per_slot + per_pad)), pass_slots = 0, cap_pad = cap, all_pad = 0;
         for (int64_t g = 0; g < G; g++) {
             int64_t n = g_start[g + 1] - g_start[g];
             if (n > cap) cap = n;
+            if (MOE_PADDED(n) > cap_pad) cap_pad = MOE_PADDED(n);
+            all_pad += MOE_PADDED(n);
         }
         if (cap > S) cap = S;
+        if (cap_pad > all_pad) cap_pad = all_pad;
+        const int64_t max_chunks = cap_pad / AMX_TOKENS + 1;
         const size_t t1 = 8 * ((size_t)T + 1), s1 = 8 * ((size_t)S + 1);
         const size_t hq = 4 * (size_t)(cap * c.n13), yq = 4 * (size_t)(cap * c.nD);
         const size_t xq = (size_t)(T * c.nbD * QK), xb = 4 * (size_t)(T * c.nbD + 1);
         const size_t aq = (size_t)(cap * c.nbI * QK), ab = 4 * (size_t)(cap * c.nbI + 1);
+        const size_t pq = per_pad ? amx_chunk_bytes(nbP) * (size_t)max_chunks : 0, cq = 8 * (size_t)max_chunks;
         uint8_t *w = moe_scratch(&tl_moe_work, 3 * moe_lines(t1) + moe_lines(s1) + moe_lines(hq) + moe_lines(yq) +
-                                 moe_lines(xq) + 2 * moe_lines(xb) + moe_lines(aq) + 2 * moe_lines(ab), &own_work);
+                                 moe_lines(xq) + 2 * moe_lines(xb) + moe_lines(aq) + 2 * moe_lines(ab) +
+                                 moe_lines(pq) + 2 * moe_lines(cq), &own_work);
         if (!w) { rc = -1; goto done; }
         c.t_start = (int64_t *)moe_carve(&w, t1);
         int64_t *cursor = (int64_t *)moe_carve(&w, t1);
@@ -227,6 +249,10 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         c.qa.q = (int8_t *)moe_carve(&w, aq);
         c.qa.d = (float *)moe_carve(&w, ab);
         c.qa.s = (float *)moe_carve(&w, ab);
+        uint8_t *panel = (uint8_t *)moe_carve(&w, pq);
+        int64_t *c_i0 = (int64_t *)moe_carve(&w, cq), *c_n = (int64_t *)moe_carve(&w, cq);
+        amx_panel_at(&c.px, panel, max_chunks, c.nbD);
+        amx_panel_at(&c.pa, panel, max_chunks, c.nbI);
         memset(c.t_start, 0, t1);
         for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
         for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
@@ -236,20 +262,42 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         for (int64_t t = 0; t < T; t++)
             quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
         for (int64_t g0 = 0; g0 < G;) { /* one pass: groups [g0, g1), slots [s_base, s_end) */
-            int64_t g1 = g0 + 1;
-            while (g1 < G && g_start[g1 + 1] - g_start[g0] <= cap) g1++;
+            int64_t g1 = g0 + 1, padded = MOE_PADDED(g_start[g0 + 1] - g_start[g0]);
+            while (g1 < G && g_start[g1 + 1] - g_start[g0] <= cap &&
+                   padded + MOE_PADDED(g_start[g1 + 1] - g_start[g1]) <= cap_pad)
+                padded += MOE_PADDED(g_start[g1 + 1] - g_start[g1]), g1++;
             c.g_base = g0;
             c.s_base = g_start[g0];
             c.s_end = g_start[g1];
             pass_slots = c.s_end - c.s_base;
+            /* chunks of the AMX groups: gate|up's panel holds x's rows of their tokens, down's their slot rows */
+            int64_t chunks = 0;
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t n = g_start[g + 1] - g_start[g];
+                g_chunk[g] = MOE_PADDED(n) ? chunks : -1;
+                for (int64_t i = 0; MOE_PADDED(n) && i < n; i += AMX_TOKENS, chunks++) {
+                    c_i0[chunks] = g_start[g] + i;
+                    c_n[chunks] = n - i < AMX_TOKENS ? n - i : AMX_TOKENS;
+                }
+            }
+            if (chunks && amx13) {
+                amx_fill_ctx f = {fmt, &c.qx, s_token, c_i0, c_n, 0, &c.px};
+                ft_parallel_for(amx_fill_item, &f, chunks);
+            }
             ft_parallel_for(moe_gate_up_item, &c, (g1 - g0) * c.chunks13);
             if (pass_slots >= 8) ft_parallel_for(moe_act_item, &c, pass_slots);
             else for (int64_t s = 0; s < pass_slots; s++) moe_act_item(&c, s);
+            if (chunks && amx2) {
+                for (int64_t k = 0; k < chunks; k++) c_i0[k] -= c.s_base; /* down's rows: slots of the pass */
+                amx_fill_ctx f = {fmt2, &c.qa, NULL, c_i0, c_n, 0, &c.pa};
+                ft_parallel_for(amx_fill_item, &f, chunks);
+            }
             ft_parallel_for(moe_down_item, &c, (g1 - g0) * c.chunks2);
             if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);
             else for (int64_t t = 0; t < T; t++) moe_combine_item(&c, t);
             g0 = g1;
         }
+#undef MOE_PADDED
     }
 done:
     free(own_index);

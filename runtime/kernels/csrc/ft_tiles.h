@@ -26,7 +26,7 @@
 #endif
 
 enum { FT_Q8 = 0, FT_Q4 = 1, FT_Q4K = 2, FT_Q6K = 3, FT_Q5K = 4, FT_MXFP4 = 5 }; /* ft_kquant.h, ft_mxfp4.h */
-enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512VNNI = 2 };
+enum { FT_ISA_PORTABLE = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512VNNI = 2, FT_ISA_AMX = 3 };
 
 #define QK 32
 #define TR 8
@@ -339,13 +339,35 @@ FT_AVX2 static void tile_row_dequant_avx2(int fmt, const uint8_t *tb, int r, flo
 #include "ft_kquant.h"
 #include "ft_mxfp4.h"
 
+#if defined(FT_X86) && defined(__linux__)
+#define FT_HAVE_AMX 1 /* ft_amx.h */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX-TILE and AMX-INT8 in cpuid, and Linux grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM
+ * for XFEATURE_XTILEDATA; asked once, a no-op when granted already). */
+static int amx_supported(void) {
+    static int cached = -1;
+    if (cached >= 0) return cached;
+    unsigned a, b, c, d;
+    cached = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1) && ((d >> 25) & 1) &&
+             syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return cached;
+}
+#endif
+
 static int detect_isa(void) {
 #ifdef FT_X86
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw"))
+        __builtin_cpu_supports("avx512bw")) {
+#ifdef FT_HAVE_AMX
+        if (__builtin_cpu_supports("avx512f") && amx_supported()) return FT_ISA_AMX;
+#endif
         return FT_ISA_AVX512VNNI;
+    }
     if (avx2) return FT_ISA_AVX2;
 #endif
     return FT_ISA_PORTABLE;
@@ -363,7 +385,7 @@ static tile_dot_fn pick_tile_dot(int fmt) {
                                        tile_dot_q5k_avx2, tile_dot_mxfp4_avx2};
     static const tile_dot_fn vnni[] = {tile_dot_q8_vnni, tile_dot_q4_vnni, tile_dot_q4k_vnni, tile_dot_q6k_vnni,
                                        tile_dot_q5k_vnni, tile_dot_mxfp4_vnni};
-    if (g_isa == FT_ISA_AVX512VNNI) return vnni[fmt];
+    if (g_isa >= FT_ISA_AVX512VNNI) return vnni[fmt];
     if (g_isa == FT_ISA_AVX2) return avx2[fmt];
 #endif
     return portable[fmt];
@@ -377,7 +399,7 @@ static tile_dot4_fn pick_tile_dot4(int fmt) {
                                         tile_dot4_q5k_avx2, tile_dot4_mxfp4_avx2};
     static const tile_dot4_fn vnni[] = {tile_dot4_q8_vnni, tile_dot4_q4_vnni, tile_dot4_q4k_vnni, tile_dot4_q6k_vnni,
                                         tile_dot4_q5k_vnni, tile_dot4_mxfp4_vnni};
-    if (g_isa == FT_ISA_AVX512VNNI) return vnni[fmt];
+    if (g_isa >= FT_ISA_AVX512VNNI) return vnni[fmt];
     if (g_isa == FT_ISA_AVX2) return avx2[fmt];
 #endif
     (void)fmt;

@@ -1,0 +1,294 @@
+/* AMX (Intel Advanced Matrix Extensions) for many tokens against the same weight rows: a prefill step's experts,
+ * a quantized linear at M > 1. Included once, by ft_kernels.c, after the tile kernels and `qact`.
+ *
+ * One call computes 16 weight rows (two 8-row tiles of the repacked layout, ft_tiles.h) against any number of
+ * activation rows, 16 tokens at a time. Per 32-value block b:
+ *   A (16 tokens x 32 int8): the tokens' quantized activations, gathered into one buffer (row stride nb * 32);
+ *   B0, B1 (8 x 32 bytes each: K/4 rows of 4 bytes per weight row = the "VNNI" layout AMX wants): q8 tiles are
+ *     already that layout and load straight from the weights; q4 codes are unpacked to one byte each (low
+ *     nibbles of the 4 chunks, then high nibbles), and the activation block's 4-byte groups are permuted to match;
+ *   C0, C1 (16 tokens x 8 rows int32) = A . B0, A . B1 (TDPBSSD for signed q8 codes, TDPBSUD for unsigned q4).
+ * The int32 sums are the ones the 1-token AVX-512 VNNI kernels compute (q8: + 128 * sum(a), their flipped
+ * codes), and the fp32 epilogue applies the scales in the same order (acc = fma(s, dw * da, acc); corr = fma(dw,
+ * sa, corr) over blocks; out = acc - zero * corr), so every output is bit-identical to that path: the batch
+ * invariance of the quantized kernels (invariant.py) holds with AMX on.
+ *
+ * Linux gives a process AMX's 8 KB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM): detection asks
+ * once; where the kernel refuses (old kernel, a VM without it), the ISA stays AVX-512 VNNI.
+ */
+#ifndef FT_AMX_H
+#define FT_AMX_H
+
+#define AMX_TOKENS 16
+
+/* Activations gathered for AMX, 16 tokens per chunk: chunk k's int8 rows at a + k * 16 * nb * 32 (row stride
+ * nb * 32, rows past the chunk's tokens zero), its scales transposed per block (da[k * 16 * nb + b * 16 + m], sa
+ * and q128 likewise) so a block's 16 values are one vector. Built once per call (or per MoE pass), read by every
+ * 16-row item. */
+typedef struct {
+    int8_t *a;
+    float *da, *sa;
+    int32_t *q128;
+    int64_t nb;
+} amx_panel;
+
+/* Bytes of one chunk of a panel of `nb` blocks. */
+static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * nb * (QK + 12)); }
+
+/* Carve a panel of `chunks` chunks out of `mem` (amx_chunk_bytes(nb) * chunks bytes, 64-byte aligned). */
+static inline void amx_panel_at(amx_panel *p, uint8_t *mem, int64_t chunks, int64_t nb) {
+    const int64_t rows = chunks * AMX_TOKENS;
+    p->nb = nb;
+    p->a = (int8_t *)mem;
+    p->da = (float *)(mem + rows * nb * QK);
+    p->sa = p->da + rows * nb;
+    p->q128 = (int32_t *)(p->sa + rows * nb);
+}
+
+#ifdef FT_HAVE_AMX
+#define FT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define AMX_MIN_DEFAULT 10
+
+/* Tokens per call below which the tile kernels run instead (AMX pads a 16-token block). */
+static int64_t amx_min_tokens = AMX_MIN_DEFAULT;
+static _Atomic int64_t amx_calls; /* 16-row items run through AMX since load (tests: proof the path ran) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+/* Per-thread buffers of the weight side: dw per block, unpacked q4 codes. */
+static _Thread_local struct {
+    float *dw;
+    uint8_t *b;
+    int64_t cap_nb;
+} tl_amx;
+
+static int amx_scratch(int64_t nb) {
+    if (nb <= tl_amx.cap_nb) return 1;
+    free(tl_amx.dw);
+    free(tl_amx.b);
+    tl_amx.dw = (float *)aligned_alloc(64, (size_t)(4 * 16 * nb));
+    tl_amx.b = (uint8_t *)aligned_alloc(64, (size_t)(512 * nb));
+    tl_amx.cap_nb = tl_amx.dw && tl_amx.b ? nb : 0;
+    return tl_amx.cap_nb > 0;
+}
+
+/* Whether `fmt` with `count` tokens runs here through AMX. */
+static inline int amx_takes(int fmt, int64_t count) {
+    return g_isa >= FT_ISA_AMX && (fmt == FT_Q8 || fmt == FT_Q4) && count >= amx_min_tokens;
+}
+
+/* Chunk `k` of panel p: the activation rows of tokens [i0, i0 + n) (row = tok ? tok[i] : first + i), n <= 16;
+ * q4: each block's 4-byte groups in the unpacked codes' order (0, 2, 4, 6, 1, 3, 5, 7). */
+FT_AMX static void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_t first, int64_t i0, int64_t n,
+                              const amx_panel *p, int64_t k) {
+    const int64_t nb = p->nb;
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i ones = _mm256_set1_epi8(1);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    int8_t *rows = p->a + k * AMX_TOKENS * nb * QK;
+    float *da = p->da + k * AMX_TOKENS * nb, *sa = p->sa + k * AMX_TOKENS * nb;
+    int32_t *q128 = p->q128 + k * AMX_TOKENS * nb;
+    for (int64_t m = 0; m < AMX_TOKENS; m++) {
+        int8_t *dst = rows + m * nb * QK;
+        if (m >= n) {
+            memset(dst, 0, (size_t)(nb * QK));
+            for (int64_t b = 0; b < nb; b++) da[b * AMX_TOKENS + m] = sa[b * AMX_TOKENS + m] = 0.f;
+            for (int64_t b = 0; b < nb; b++) q128[b * AMX_TOKENS + m] = 0;
+            continue;
+        }
+        const int64_t r = tok ? tok[i0 + m] : first + i0 + m;
+        const int8_t *src = a->q + r * nb * QK;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(src + b * QK));
+            if (fmt == FT_Q4) v = _mm256_permutevar8x32_epi32(v, perm);
+            _mm256_storeu_si256((__m256i *)(dst + b * QK), v);
+            da[b * AMX_TOKENS + m] = a->d[r * nb + b];
+            sa[b * AMX_TOKENS + m] = a->s[r * nb + b];
+            int32_t sum = 0;
+            if (fmt == FT_Q8) { /* 128 * sum(a): the VNNI kernel's flipped codes (c + 128) add it to each sum */
+                const __m256i w32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), ones16); /* |a| <= 127 */
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(w32), _mm256_extracti128_si256(w32, 1));
+                s4 = _mm_hadd_epi32(s4, s4);
+                s4 = _mm_hadd_epi32(s4, s4);
+                sum = 128 * _mm_cvtsi128_si32(s4);
+            }
+            q128[b * AMX_TOKENS + m] = sum;
+        }
+    }
+}
+
+/* out[i * out_stride + j] = row j of the 16 rows starting at tile `tile` (tiles `tile_stride` bytes apart; `ntiles`
+ * 1 or 2 of them) . token i's activations (panel chunks from `chunk` on), for i < count and j < ncols (<= 8 *
+ * ntiles). Returns 0 (nothing written) when its scratch cannot be allocated: the caller runs the tile kernels. */
+FT_AMX static int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
+                           const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
+    const int64_t nb = p->nb;
+    if (!amx_scratch(nb)) return 0;
+    const int64_t tbb = tile_block_bytes(fmt);
+    const uint8_t *t1 = ntiles > 1 ? tile + tile_stride : NULL;
+    float *const dws = tl_amx.dw; /* thread-locals read once: in a shared library each access is a call */
+    uint8_t *const bs = tl_amx.b;
+    /* Once per call, for every block: dw[b][16], both tiles' scales as fp32, and B[b]: 8 rows of 64 bytes, row j
+     * = 4 bytes of each of the 16 weight rows (the first tile's 8, then the second's; a missing second tile:
+     * zeros). q8: row j = chunk j of each tile; q4: codes one byte each, rows 0-3 the 4 chunks' low nibbles, rows
+     * 4-7 their high nibbles (the panel's activations are permuted to match). */
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *s0 = tile + b * tbb, *s1 = t1 ? t1 + b * tbb : NULL;
+        const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
+        const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
+        _mm512_store_ps(dws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
+        uint8_t *dst = bs + b * 512;
+        const int chunks = fmt == FT_Q8 ? 8 : 4;
+        for (int j = 0; j < chunks; j++) {
+            const __m256i c0 = _mm256_loadu_si256((const __m256i *)(s0 + 2 * TR + 32 * j));
+            const __m256i c1 = s1 ? _mm256_loadu_si256((const __m256i *)(s1 + 2 * TR + 32 * j)) : _mm256_setzero_si256();
+            if (fmt == FT_Q8) {
+                _mm256_store_si256((__m256i *)(dst + 64 * j), c0);
+                _mm256_store_si256((__m256i *)(dst + 64 * j + 32), c1);
+            } else {
+                _mm256_store_si256((__m256i *)(dst + 64 * j), _mm256_and_si256(c0, m4));
+                _mm256_store_si256((__m256i *)(dst + 64 * j + 32), _mm256_and_si256(c1, m4));
+                _mm256_store_si256((__m256i *)(dst + 64 * (j + 4)), _mm256_and_si256(_mm256_srli_epi16(c0, 4), m4));
+                _mm256_store_si256((__m256i *)(dst + 64 * (j + 4) + 32), _mm256_and_si256(_mm256_srli_epi16(c1, 4), m4));
+            }
+        }
+    }
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) { /* C, a ring of 4: 16 tokens x 16 rows int32 */
+        cfg.rows[t] = AMX_TOKENS;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[4] = AMX_TOKENS; /* A: 16 tokens x 32 int8 */
+    cfg.colsb[4] = QK;
+    cfg.rows[5] = QK / 4; /* B: 8 rows of 4 bytes x 16 weight rows */
+    cfg.colsb[5] = 64;
+    _tile_loadconfig(&cfg);
+    int32_t cbuf[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
+    float corr[AMX_TOKENS][16] __attribute__((aligned(64)));
+    const __m512 zero = _mm512_set1_ps(fmt == FT_Q4 ? 8.f : 128.f);
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int64_t i0 = 0; i0 < count; i0 += AMX_TOKENS) {
+        const int64_t n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS, k = chunk + i0 / AMX_TOKENS;
+        const int8_t *rows = p->a + k * AMX_TOKENS * nb * QK;
+        const float *das = p->da + k * AMX_TOKENS * nb, *sas = p->sa + k * AMX_TOKENS * nb;
+        const int32_t *q128s = p->q128 + k * AMX_TOKENS * nb;
+        /* corr[m] = sum over blocks, in order, of dw * sa[m]: 8 tokens' chains at a time (one chain alone waits on
+         * each fma's latency) */
+        for (int h = 0; h < 2; h++) {
+            __m512 cr[8];
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) cr[u] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m512 dw = _mm512_load_ps(dws + 16 * b);
+#pragma GCC unroll 8
+                for (int u = 0; u < 8; u++) cr[u] = _mm512_fmadd_ps(dw, _mm512_set1_ps(sas[b * AMX_TOKENS + 8 * h + u]), cr[u]);
+            }
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) _mm512_store_ps(corr[8 * h + u], cr[u]);
+        }
+        __m512 acc[AMX_TOKENS];
+#pragma GCC unroll 16
+        for (int m = 0; m < AMX_TOKENS; m++) acc[m] = _mm512_setzero_ps();
+        /* software-pipelined, three blocks in flight: block b's product is computed while block b - 1's is stored
+         * and block b - 2's read back (a tile store waits for its product, and vector loads of a tile store's
+         * data wait for it to reach the cache: in sequence each stalls) */
+        for (int64_t b = 0; b < nb + 2; b++) {
+            if (b < nb) { /* block b's product into C tile b % 4 */
+                _tile_loadd(4, rows + b * QK, (long)(nb * QK));
+                _tile_loadd(5, bs + b * 512, 64);
+                switch (b & 3) { /* tile numbers are immediates */
+#define AMX_STEP(C)                                                                                            \
+    _tile_zero(C);                                                                                             \
+    if (fmt == FT_Q8) _tile_dpbssd(C, 4, 5);                                                                   \
+    else _tile_dpbsud(C, 4, 5);                                                                                \
+    break;
+                case 0: AMX_STEP(0)
+                case 1: AMX_STEP(1)
+                case 2: AMX_STEP(2)
+                default: AMX_STEP(3)
+#undef AMX_STEP
+                }
+            }
+            if (b >= 1 && b <= nb) { /* block b - 1's product, issued an iteration ago, to memory */
+                int32_t *cb = cbuf[(b - 1) & 3];
+                switch ((b - 1) & 3) {
+                case 0: _tile_stored(0, cb, 64); break;
+                case 1: _tile_stored(1, cb, 64); break;
+                case 2: _tile_stored(2, cb, 64); break;
+                default: _tile_stored(3, cb, 64); break;
+                }
+            }
+            if (b < 2) continue;
+            const int64_t e = b - 2; /* the epilogue of block e, stored an iteration ago */
+            const int32_t *cb = cbuf[e & 3];
+            const __m512 dw = _mm512_load_ps(dws + 16 * e);
+            const float *da = das + e * AMX_TOKENS;
+            const int32_t *q128 = q128s + e * AMX_TOKENS;
+#pragma GCC unroll 16
+            for (int m = 0; m < AMX_TOKENS; m++) { /* all 16 (rows past n are zeros): acc stays in registers */
+                __m512i s = _mm512_load_si512(cb + 16 * m);
+                if (fmt == FT_Q8) s = _mm512_add_epi32(s, _mm512_set1_epi32(q128[m]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(da[m])), acc[m]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < AMX_TOKENS; m++)
+            if (m < n)
+                _mm512_mask_storeu_ps(out + (i0 + m) * out_stride, keep,
+                                      _mm512_fnmadd_ps(zero, _mm512_load_ps(corr[m]), acc[m]));
+    }
+    _tile_release();
+    atomic_fetch_add_explicit(&amx_calls, 1, memory_order_relaxed);
+    return 1;
+}
+
+/* 16-row items computed through AMX since the library loaded. */
+int64_t ft_amx_calls(void) { return atomic_load(&amx_calls); }
+
+/* Tokens per call from which AMX runs (<= 0: the default); returns the previous value. */
+int64_t ft_amx_set_min_tokens(int64_t n) {
+    int64_t old = amx_min_tokens;
+    amx_min_tokens = n > 0 ? n : AMX_MIN_DEFAULT;
+    return old;
+}
+#else
+static inline int amx_takes(int fmt, int64_t count) { (void)fmt; (void)count; return 0; }
+static inline void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_t first, int64_t i0, int64_t n,
+                              const amx_panel *p, int64_t k) {
+    (void)fmt; (void)a; (void)tok; (void)first; (void)i0; (void)n; (void)p; (void)k;
+}
+static inline int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
+                           const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
+    (void)fmt; (void)tile; (void)tile_stride; (void)ntiles; (void)ncols; (void)p; (void)chunk; (void)count;
+    (void)out; (void)out_stride;
+    return 0;
+}
+int64_t ft_amx_set_min_tokens(int64_t n) { (void)n; return 0; }
+int64_t ft_amx_calls(void) { return 0; }
+#endif
+
+/* Fill a panel, one chunk per item: chunk k holds tokens [c_i0[k], c_i0[k] + c_n[k]) (without the arrays:
+ * [16k, min(16k + 16, m))) of `a` (row = tok ? tok[i] : i). */
+typedef struct {
+    int fmt;
+    const qact *a;
+    const int64_t *tok, *c_i0, *c_n;
+    int64_t m;
+    const amx_panel *p;
+} amx_fill_ctx;
+
+static void amx_fill_item(void *ctx, int64_t k) {
+    const amx_fill_ctx *f = (const amx_fill_ctx *)ctx;
+    const int64_t i0 = f->c_i0 ? f->c_i0[k] : k * AMX_TOKENS;
+    const int64_t n = f->c_n ? f->c_n[k] : (f->m - i0 < AMX_TOKENS ? f->m - i0 : AMX_TOKENS);
+    amx_gather(f->fmt, f->a, f->tok, 0, i0, n, f->p, k);
+}
+
+#endif

@@ -1,0 +1,98 @@
+"""The AMX path (Intel AMX tiles for q4/q8 weights against many tokens) against the AVX-512 VNNI tile kernels: the
+same int32 block sums and the same fp32 order, so every output must be bit-identical. Runs only on CPUs with AMX
+(and a Linux kernel that grants the tile state); elsewhere `available_isas()` has no "amx" and these skip."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.kernels import build, ops
+from freetoken_agent.runtime.quant import quantize
+from freetoken_agent.runtime.quant.formats import block_format
+
+
+@pytest.fixture
+def amx() -> Iterator[None]:
+    if build.load() is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    if "amx" not in ops.available_isas():
+        pytest.skip("this CPU (or its kernel) has no AMX")
+    before = ops.set_amx_min_tokens(1)  # every call with tokens runs on the tiles
+    yield
+    ops.set_amx_min_tokens(before)
+    ops.set_isa("best")
+
+
+def _both(fn):
+    """fn() on the AVX-512 VNNI path and on the AMX path; asserts the AMX path ran."""
+    ops.set_isa("avx512vnni")
+    vnni = fn()
+    ops.set_isa("amx")
+    calls = ops.amx_calls()
+    tiles = fn()
+    assert ops.amx_calls() > calls, "the AMX path did not run"
+    return vnni, tiles
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("shape", [(64, 256), (37, 100), (8, 64), (200, 96), (24, 2048)])  # ragged N, a lone tile, K % 32
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 70])  # one token, < 16, one whole chunk, a chunk + 1, several
+def test_linear_is_bit_identical_to_vnni(fmt: str, shape: tuple[int, int], m: int, amx: None) -> None:
+    torch.manual_seed(m * 1000 + shape[0])
+    n, k = shape
+    pw = ops.PackedWeight.from_blocks(quantize(torch.randn(n, k), fmt))
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4  # rows of different scales
+    vnni, tiles = _both(lambda: ops.linear(pw, x))
+    assert torch.equal(tiles, vnni)
+
+
+def _packed(fmt: str, n: int, k: int) -> torch.Tensor:
+    return ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(n, k)), k).data
+
+
+# q4_k gate|up: only down runs on the tiles (K-quants keep their own kernels)
+@pytest.mark.parametrize("fmts", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q4_k", "q8_0")])
+@pytest.mark.parametrize("tokens", [3, 40, 130])
+def test_moe_is_bit_identical_to_vnni(fmts: tuple[str, str], tokens: int, amx: None) -> None:
+    torch.manual_seed(tokens)
+    fmt, down_fmt = fmts
+    d, i, e, k = 256, 96 if fmt != "q4_k" else 256, 6, 3
+    w13 = torch.stack([_packed(fmt, 2 * i, d) for _ in range(e)])
+    w2 = torch.stack([_packed(down_fmt, d, i) for _ in range(e)])
+    x = torch.randn(tokens, d)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)])
+    ids[0, 0] = -1  # a skipped slot
+    wts = torch.rand(tokens, k)
+    vnni, tiles = _both(lambda: ops.moe(fmt, w13, w2, (d, i), x, ids, wts, down_fmt=down_fmt))
+    assert torch.equal(tiles, vnni)
+
+
+def test_moe_in_many_passes_is_bit_identical(amx: None) -> None:
+    # a small work-buffer budget cuts the step into many passes of whole experts, each with its own panels
+    torch.manual_seed(1)
+    d, i, e, k, t = 128, 64, 8, 2, 200
+    w13 = torch.stack([ops.quantize_packed(torch.randn(2 * i, d), "q4") for _ in range(e)])
+    w2 = torch.stack([ops.quantize_packed(torch.randn(d, i), "q4") for _ in range(e)])
+    x, ids, wts = torch.randn(t, d), torch.stack([torch.randperm(e)[:k] for _ in range(t)]), torch.rand(t, k)
+    whole = _both(lambda: ops.moe("q4", w13, w2, (d, i), x, ids, wts))[1]
+    before = ops.set_moe_pass_bytes(64 << 10)
+    try:
+        passes = _both(lambda: ops.moe("q4", w13, w2, (d, i), x, ids, wts))
+    finally:
+        ops.set_moe_pass_bytes(before)
+    assert torch.equal(passes[1], passes[0]) and torch.equal(passes[1], whole)
+
+
+def test_threshold_sends_small_calls_to_the_tile_kernels(amx: None) -> None:
+    pw = ops.PackedWeight.from_blocks(quantize(torch.randn(32, 64), "q8"))
+    ops.set_isa("amx")
+    ops.set_amx_min_tokens(8)
+    calls = ops.amx_calls()
+    ops.linear(pw, torch.randn(7, 64))
+    assert ops.amx_calls() == calls
+    ops.linear(pw, torch.randn(8, 64))
+    assert ops.amx_calls() == calls + 2  # 32 rows: two 16-row items
+    assert ops.set_amx_min_tokens(0) == 8  # 0: back to the default
