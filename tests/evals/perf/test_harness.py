@@ -15,7 +15,7 @@ from freetoken_agent.evals.perf import harness, history, machine
 PERF = Path(harness.__file__).parent
 CLI = [sys.executable, "-m", "freetoken_agent.cli", "bench"]
 LIBRARIES = {"concurrent_load", "concurrent_model", "feeding", "ggml_peer", "llama_server", "phase_sim", "phase_trace",
-             "phase_gpu", "phase_kv", "suite_llama", "harness", "history", "machine", "timing"}
+             "phase_gpu", "phase_kv", "suite_llama", "harness", "history", "machine", "timing", "kt_peer"}
 """Modules of evals/perf that are parts of rows (workloads, peers, simulators), not benchmarks of their own."""
 RUN_BY = {"bench_gguf_decode": ("decode", "long-context")}
 """Benchmark modules whose measurement another module's row runs (``bench_decode``'s rows call its ``measure``)."""
@@ -41,7 +41,8 @@ def test_every_benchmark_module_registers_a_row() -> None:
     rows = harness.load_rows()
     expected = {"kernels", "decode", "long-context", "prefill", "agent-replay", "over-budget", "suite", "serve",
                 "kv-reuse", "residency", "kv-dtype", "phase-replay", "phase-live", "phase-kv", "speculative",
-                "constrained", "overhead", "batch", "load-memory", "quantize-rate", "triton", "gpu-check", "routing"}
+                "constrained", "overhead", "batch", "load-memory", "quantize-rate", "triton", "gpu-check", "routing",
+                "moe-layer"}
     assert expected <= set(rows)
     registering = {r.module.rsplit(".", 1)[-1] for r in rows.values()}
     for file in PERF.glob("*.py"):
