@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_moe_set_pass_bytes": (ctypes.c_size_t, [ctypes.c_size_t]),
         "ft_amx_set_min_tokens": (i64, [i64]),
         "ft_amx_calls": (i64, []),
+        "ft_amx_set_exact": (i32, [i32]),
         "ft_gemm_f32": (i32, [p, p, i64, i64, p, i64, p, p]),
         "ft_gemm_f32_parts": (i32, [i32, p, p, i64, p, i64, p, p]),
         "ft_rms_norm": (None, [p, p, i64, i64, ctypes.c_float, p]),

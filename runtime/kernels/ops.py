@@ -221,6 +221,7 @@ def pool_carries() -> Iterator[None]:
 
 
 _deterministic = [False]
+_amx_exact_before = [True]  # the AMX mode set_deterministic(True) replaced
 
 
 def set_deterministic(on: bool) -> None:
@@ -234,6 +235,12 @@ def set_deterministic(on: bool) -> None:
     """
     if on:
         _lib()
+    lib = _loaded[0] if _loaded else build.loaded()
+    if lib is not None and bool(on) != _deterministic[0]:  # AMX's bf16 mode is not bit-identical: exact while on
+        if on:
+            _amx_exact_before[0] = bool(lib.ft_amx_set_exact(1))
+        else:
+            lib.ft_amx_set_exact(int(_amx_exact_before[0]))
     _deterministic[0] = bool(on)
 
 
@@ -531,6 +538,15 @@ def set_amx_min_tokens(n: int) -> int:
     """Tokens on one weight from which the ``amx`` ISA path runs its tiles (0: the default, 10); fewer run the
     AVX-512 VNNI tile kernels. Returns the previous value. Either way the results are the same bit for bit."""
     return int(_lib().ft_amx_set_min_tokens(max(0, int(n))))
+
+
+def set_amx_exact(on: bool) -> bool:
+    """The ``amx`` path's mode; returns the previous one. Exact (int8 tiles, the default): every output bit-identical
+    to the AVX-512 VNNI kernels, as batch invariance needs; ``set_deterministic(True)`` turns it back on. Off (or
+    ``$FREETOKEN_AMX_BF16=1`` at load; needs AMX-BF16 and AVX512-BF16): weights dequantized to bf16 once per 16 rows,
+    activations rounded to bf16 instead of int8, fp32 sums over all of K in the tiles, no per-block scaling: closer
+    to the fp32 product, a little faster at M >= 64 tokens per weight, not bit-identical."""
+    return bool(_lib().ft_amx_set_exact(int(bool(on))))
 
 
 def amx_calls() -> int:

@@ -21,19 +21,25 @@
 
 #define AMX_TOKENS 16
 
-/* Activations gathered for AMX, 16 tokens per chunk: chunk k's int8 rows at a + k * 16 * nb * 32 (row stride
- * nb * 32, rows past the chunk's tokens zero), its scales transposed per block (da[k * 16 * nb + b * 16 + m], sa
- * and q128 likewise) so a block's 16 values are one vector. Built once per call (or per MoE pass), read by every
- * 16-row item. */
+/* Activations gathered for AMX, 16 tokens per chunk, built once per call (or per MoE pass), read by every 16-row
+ * item. Exact mode (int8): chunk k's int8 rows at a + k * 16 * nb * 32 (row stride nb * 32, rows past the chunk's
+ * tokens zero), its scales transposed per block (da[k * 16 * nb + b * 16 + m], sa and q128 likewise) so a block's
+ * 16 values are one vector. bf16 mode: chunk k's rows as bf16 at bf + k * 16 * ld (row stride ld = amx_bf16_ld). */
 typedef struct {
     int8_t *a;
     float *da, *sa;
     int32_t *q128;
+    uint16_t *bf;
     int64_t nb;
+    int bf16;
 } amx_panel;
 
-/* Bytes of one chunk of a panel of `nb` blocks. */
-static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * nb * (QK + 12)); }
+/* Bytes of one chunk of a panel of `nb` blocks (either mode). */
+static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * (nb * 2 * QK + 64)); }
+
+/* A bf16 panel's row stride in elements: one cache line more than the row, so a tile's 16 rows do not all fall in
+ * one L1 set (K = 2048: rows 4 KB apart would, and every tile load would miss). */
+static inline int64_t amx_bf16_ld(int64_t nb) { return nb * QK + 32; }
 
 /* Carve a panel of `chunks` chunks out of `mem` (amx_chunk_bytes(nb) * chunks bytes, 64-byte aligned). */
 static inline void amx_panel_at(amx_panel *p, uint8_t *mem, int64_t chunks, int64_t nb) {
@@ -43,15 +49,38 @@ static inline void amx_panel_at(amx_panel *p, uint8_t *mem, int64_t chunks, int6
     p->da = (float *)(mem + rows * nb * QK);
     p->sa = p->da + rows * nb;
     p->q128 = (int32_t *)(p->sa + rows * nb);
+    p->bf = (uint16_t *)mem;
+    p->bf16 = 0;
 }
 
 #ifdef FT_HAVE_AMX
-#define FT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define FT_AMX __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512vl,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")))
 #define AMX_MIN_DEFAULT 10
 
 /* Tokens per call below which the tile kernels run instead (AMX pads a 16-token block). */
 static int64_t amx_min_tokens = AMX_MIN_DEFAULT;
 static _Atomic int64_t amx_calls; /* 16-row items run through AMX since load (tests: proof the path ran) */
+
+/* bf16 mode (opt-in: $FREETOKEN_AMX_BF16=1 or ft_amx_set_exact(0), where the CPU has AMX-BF16 and AVX512-BF16):
+ * weights dequantized to bf16 once per 16-row item, activations rounded to bf16 (not int8), TDPBF16PS accumulating
+ * fp32 over all of K in the tile, no per-block epilogue. Closer to the fp32 product than the int8 path, but not
+ * bit-identical to the VNNI kernels (a token's bits would depend on how many tokens share its expert), so the
+ * default is exact mode. -1: not yet decided. */
+static int amx_bf16 = -1;
+
+static int amx_bf16_supported(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1)) return 0; /* AMX-BF16 */
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);        /* AVX512_BF16 */
+}
+
+static inline int amx_bf16_on(void) {
+    if (amx_bf16 < 0) {
+        const char *env = getenv("FREETOKEN_AMX_BF16");
+        amx_bf16 = env && env[0] == '1' && amx_bf16_supported();
+    }
+    return amx_bf16;
+}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -71,7 +100,7 @@ static int amx_scratch(int64_t nb) {
     free(tl_amx.dw);
     free(tl_amx.b);
     tl_amx.dw = (float *)aligned_alloc(64, (size_t)(4 * 16 * nb));
-    tl_amx.b = (uint8_t *)aligned_alloc(64, (size_t)(512 * nb));
+    tl_amx.b = (uint8_t *)aligned_alloc(64, (size_t)(1024 * nb)); /* int8 mode: 512 per block, bf16: 1024 */
     tl_amx.cap_nb = tl_amx.dw && tl_amx.b ? nb : 0;
     return tl_amx.cap_nb > 0;
 }
@@ -121,11 +150,15 @@ FT_AMX static void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_
     }
 }
 
+FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
+                                const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride);
+
 /* out[i * out_stride + j] = row j of the 16 rows starting at tile `tile` (tiles `tile_stride` bytes apart; `ntiles`
  * 1 or 2 of them) . token i's activations (panel chunks from `chunk` on), for i < count and j < ncols (<= 8 *
  * ntiles). Returns 0 (nothing written) when its scratch cannot be allocated: the caller runs the tile kernels. */
 FT_AMX static int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
                            const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
+    if (p->bf16) return amx_rows_bf16(fmt, tile, tile_stride, ntiles, ncols, p, chunk, count, out, out_stride);
     const int64_t nb = p->nb;
     if (!amx_scratch(nb)) return 0;
     const int64_t tbb = tile_block_bytes(fmt);
@@ -249,8 +282,141 @@ FT_AMX static int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, in
     return 1;
 }
 
+/* Row `c` = 0..15 of a block's 16 weight rows as fp32, 4 values of K per 32-bit lane: lane c of the result holds
+ * codes for K = 4j..4j+3 (q8: chunk j of the tiles; the caller splits the bytes). */
+FT_AMX static inline __m512i amx_chunk16(const uint8_t *s0, const uint8_t *s1, int j) {
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)(s0 + 2 * TR + 32 * j));
+    const __m256i c1 = s1 ? _mm256_loadu_si256((const __m256i *)(s1 + 2 * TR + 32 * j)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+}
+
+/* Two fp32 vectors (value 2p and 2p + 1 of K for the 16 weight rows) as one bf16 B row: lane c = the pair. */
+FT_AMX static inline void amx_pair_row(__m512 even, __m512 odd, uint8_t *dst) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* 0-15: even, 16-31: odd */
+    _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, both));
+}
+
+/* bf16 mode: out = the 16 rows . token rows as in amx_rows, weights dequantized to bf16 (value d * (c - 8) for q4,
+ * d * c for q8, rounded once), activations the panel's bf16 rows; fp32 sums over all of K in two tiles (even and
+ * odd blocks), added at the end. */
+FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
+                                const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
+    const int64_t nb = p->nb;
+    if (!amx_scratch(nb)) return 0;
+    const int64_t tbb = tile_block_bytes(fmt);
+    const uint8_t *t1 = ntiles > 1 ? tile + tile_stride : NULL;
+    uint8_t *const bs = tl_amx.b; /* per block: 16 B rows of 64 bytes (pairs of K for the 16 weight rows) */
+    const __m512i m4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *s0 = tile + b * tbb, *s1 = t1 ? t1 + b * tbb : NULL;
+        const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
+        const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
+        const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
+        uint8_t *dst = bs + b * 1024;
+        if (fmt == FT_Q8) {
+            for (int j = 0; j < 8; j++) { /* K = 4j..4j+3: B rows 2j, 2j + 1 */
+                const __m512i v = amx_chunk16(s0, s1, j);
+                __m512 f[4];
+                for (int q = 0; q < 4; q++)
+                    f[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * q), 24)), d);
+                amx_pair_row(f[0], f[1], dst + 64 * (2 * j));
+                amx_pair_row(f[2], f[3], dst + 64 * (2 * j + 1));
+            }
+        } else {
+            for (int j = 0; j < 4; j++) { /* low nibbles: K = 8j..8j+3, high: 8j+4..8j+7 → B rows 4j..4j+3 */
+                const __m512i v = amx_chunk16(s0, s1, j);
+                __m512 f[8];
+                for (int q = 0; q < 4; q++) {
+                    const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(v, 8 * q), _mm512_set1_epi32(0xff));
+                    f[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(byte, m4), eight)), d);
+                    f[4 + q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(byte, 4), eight)), d);
+                }
+                amx_pair_row(f[0], f[1], dst + 64 * (4 * j));
+                amx_pair_row(f[2], f[3], dst + 64 * (4 * j + 1));
+                amx_pair_row(f[4], f[5], dst + 64 * (4 * j + 2));
+                amx_pair_row(f[6], f[7], dst + 64 * (4 * j + 3));
+            }
+        }
+    }
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) { /* 0, 1: C (16 tokens x 16 rows fp32); 2, 3: A (16 x 32 bf16); 4, 5: B */
+        cfg.rows[t] = AMX_TOKENS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    float cbuf[2][AMX_TOKENS * 16] __attribute__((aligned(64)));
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    const long astride = (long)(amx_bf16_ld(nb) * 2);
+    for (int64_t i0 = 0; i0 < count; i0 += AMX_TOKENS) {
+        const int64_t n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS, k = chunk + i0 / AMX_TOKENS;
+        const uint16_t *rows = p->bf + k * AMX_TOKENS * amx_bf16_ld(nb);
+        _tile_zero(0);
+        _tile_zero(1);
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) { /* two chains: one tile's sum waits on its last product */
+            _tile_loadd(2, rows + b * QK, astride);
+            _tile_loadd(4, bs + b * 1024, 64);
+            _tile_loadd(3, rows + (b + 1) * QK, astride);
+            _tile_loadd(5, bs + (b + 1) * 1024, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 3, 5);
+        }
+        if (b < nb) {
+            _tile_loadd(2, rows + b * QK, astride);
+            _tile_loadd(4, bs + b * 1024, 64);
+            _tile_dpbf16ps(0, 2, 4);
+        }
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+        for (int m = 0; m < n; m++)
+            _mm512_mask_storeu_ps(out + (i0 + m) * out_stride, keep,
+                                  _mm512_add_ps(_mm512_load_ps(cbuf[0] + 16 * m), _mm512_load_ps(cbuf[1] + 16 * m)));
+    }
+    _tile_release();
+    atomic_fetch_add_explicit(&amx_calls, 1, memory_order_relaxed);
+    return 1;
+}
+
+/* Chunk `k` of a bf16 panel: fp32 rows (src + row * ld, K = k_valid values, zero past it up to nb * 32) of tokens
+ * [i0, i0 + n), row = tok ? tok[i] : i; rows n..15 zero. */
+FT_AMX static void amx_gather_bf16(const float *src, int64_t ld, int64_t k_valid, const int64_t *tok, int64_t i0,
+                                   int64_t n, const amx_panel *p, int64_t k) {
+    const int64_t kp = p->nb * QK, row_ld = amx_bf16_ld(p->nb);
+    uint16_t *rows = p->bf + k * AMX_TOKENS * row_ld;
+    for (int64_t m = 0; m < AMX_TOKENS; m++) {
+        uint16_t *dst = rows + m * row_ld;
+        if (m >= n) {
+            memset(dst, 0, (size_t)(2 * kp));
+            continue;
+        }
+        const float *x = src + (tok ? tok[i0 + m] : i0 + m) * ld;
+        int64_t j = 0;
+        for (; j + 16 <= k_valid; j += 16)
+            _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)));
+        if (j < kp) {
+            const __mmask16 tail = (__mmask16)(k_valid - j >= 16 ? 0xffff : (1u << (k_valid - j)) - 1);
+            for (; j < kp; j += 16) {
+                const __mmask16 mk = j < k_valid ? tail : 0;
+                _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, x + j)));
+            }
+        }
+    }
+}
+
 /* 16-row items computed through AMX since the library loaded. */
 int64_t ft_amx_calls(void) { return atomic_load(&amx_calls); }
+
+/* Exact (int8, bit-identical to the VNNI kernels) mode on or off; returns whether it was on. bf16 mode needs
+ * AMX-BF16 and AVX512-BF16: without them exact mode stays on. */
+int ft_amx_set_exact(int on) {
+    const int was = !amx_bf16_on();
+    amx_bf16 = on ? 0 : amx_bf16_supported();
+    return was;
+}
 
 /* Tokens per call from which AMX runs (<= 0: the default); returns the previous value. */
 int64_t ft_amx_set_min_tokens(int64_t n) {
@@ -272,6 +438,12 @@ static inline int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, in
 }
 int64_t ft_amx_set_min_tokens(int64_t n) { (void)n; return 0; }
 int64_t ft_amx_calls(void) { return 0; }
+int ft_amx_set_exact(int on) { (void)on; return 1; }
+static inline int amx_bf16_on(void) { return 0; }
+static inline void amx_gather_bf16(const float *src, int64_t ld, int64_t k_valid, const int64_t *tok, int64_t i0,
+                                   int64_t n, const amx_panel *p, int64_t k) {
+    (void)src; (void)ld; (void)k_valid; (void)tok; (void)i0; (void)n; (void)p; (void)k;
+}
 #endif
 
 /* Fill a panel, one chunk per item: chunk k holds tokens [c_i0[k], c_i0[k] + c_n[k]) (without the arrays:
@@ -282,13 +454,16 @@ typedef struct {
     const int64_t *tok, *c_i0, *c_n;
     int64_t m;
     const amx_panel *p;
+    const float *src; /* bf16 panels: the fp32 rows (row stride ld, k values) */
+    int64_t ld, k;
 } amx_fill_ctx;
 
 static void amx_fill_item(void *ctx, int64_t k) {
     const amx_fill_ctx *f = (const amx_fill_ctx *)ctx;
     const int64_t i0 = f->c_i0 ? f->c_i0[k] : k * AMX_TOKENS;
     const int64_t n = f->c_n ? f->c_n[k] : (f->m - i0 < AMX_TOKENS ? f->m - i0 : AMX_TOKENS);
-    amx_gather(f->fmt, f->a, f->tok, 0, i0, n, f->p, k);
+    if (f->p->bf16) amx_gather_bf16(f->src, f->ld, f->k, f->tok, i0, n, f->p, k);
+    else amx_gather(f->fmt, f->a, f->tok, 0, i0, n, f->p, k);
 }
 
 #endif

@@ -26,6 +26,7 @@ typedef struct {
     float *out; /* [T, D] */
     int64_t *g_chunk;    /* AMX: group g's first chunk in the pass's panels, -1 where the tile kernels run it */
     amx_panel px, pa;    /* the pass's activations gathered for AMX: gate|up's (x), down's (SiLU(gate) * up) */
+    int act_back;        /* AMX bf16 panels: SiLU(gate) * up also goes back into h (fp32, over gate's columns) */
 } moe_ctx;
 
 static void moe_gate_up_item(void *p, int64_t item) {
@@ -47,7 +48,7 @@ static void moe_gate_up_item(void *p, int64_t item) {
 
 static void moe_act_item(void *p, int64_t s) { /* s: a row of the pass (slot s_base + s) */
     const moe_ctx *c = (const moe_ctx *)p;
-    const float *h = c->h + s * c->n13;
+    float *h = c->h + s * c->n13;
     float buf[QK];
     for (int64_t b = 0; b < c->nbI; b++) {
         int64_t j0 = b * QK;
@@ -62,6 +63,8 @@ static void moe_act_item(void *p, int64_t s) { /* s: a row of the pass (slot s_b
         }
         quantize_row(buf, QK, 1, c->qa.q + (s * c->nbI + b) * QK, c->qa.d + s * c->nbI + b,
                      c->qa.s + s * c->nbI + b);
+        if (c->act_back) /* gate's columns of this block are read: down's bf16 panel is filled from here */
+            for (int j = 0; j < QK && j0 + j < c->I; j++) h[j0 + j] = buf[j];
     }
 }
 
@@ -253,6 +256,7 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         int64_t *c_i0 = (int64_t *)moe_carve(&w, cq), *c_n = (int64_t *)moe_carve(&w, cq);
         amx_panel_at(&c.px, panel, max_chunks, c.nbD);
         amx_panel_at(&c.pa, panel, max_chunks, c.nbI);
+        c.px.bf16 = c.pa.bf16 = c.act_back = per_pad && amx_bf16_on();
         memset(c.t_start, 0, t1);
         for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
         for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
@@ -281,7 +285,7 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
                 }
             }
             if (chunks && amx13) {
-                amx_fill_ctx f = {fmt, &c.qx, s_token, c_i0, c_n, 0, &c.px};
+                amx_fill_ctx f = {fmt, &c.qx, s_token, c_i0, c_n, 0, &c.px, x, D, D};
                 ft_parallel_for(amx_fill_item, &f, chunks);
             }
             ft_parallel_for(moe_gate_up_item, &c, (g1 - g0) * c.chunks13);
@@ -289,7 +293,7 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
             else for (int64_t s = 0; s < pass_slots; s++) moe_act_item(&c, s);
             if (chunks && amx2) {
                 for (int64_t k = 0; k < chunks; k++) c_i0[k] -= c.s_base; /* down's rows: slots of the pass */
-                amx_fill_ctx f = {fmt2, &c.qa, NULL, c_i0, c_n, 0, &c.pa};
+                amx_fill_ctx f = {fmt2, &c.qa, NULL, c_i0, c_n, 0, &c.pa, c.h, c.n13, I};
                 ft_parallel_for(amx_fill_item, &f, chunks);
             }
             ft_parallel_for(moe_down_item, &c, (g1 - g0) * c.chunks2);

@@ -1,6 +1,8 @@
-"""The AMX path (Intel AMX tiles for q4/q8 weights against many tokens) against the AVX-512 VNNI tile kernels: the
-same int32 block sums and the same fp32 order, so every output must be bit-identical. Runs only on CPUs with AMX
-(and a Linux kernel that grants the tile state); elsewhere `available_isas()` has no "amx" and these skip."""
+"""The AMX path (Intel AMX tiles for q4/q8 weights against many tokens) against the AVX-512 VNNI tile kernels. Exact
+mode (the default): the same int32 block sums and the same fp32 order, so every output must be bit-identical. bf16
+mode (opt-in): weights dequantized to bf16, activations rounded to bf16: checked against the fp32 product of the
+dequantized weights. Runs only on CPUs with AMX (and a Linux kernel that grants the tile state); elsewhere
+`available_isas()` has no "amx" and these skip."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ def amx() -> Iterator[None]:
     if "amx" not in ops.available_isas():
         pytest.skip("this CPU (or its kernel) has no AMX")
     before = ops.set_amx_min_tokens(1)  # every call with tokens runs on the tiles
+    exact = ops.set_amx_exact(True)
     yield
+    ops.set_amx_exact(exact)
     ops.set_amx_min_tokens(before)
     ops.set_isa("best")
 
@@ -96,3 +100,70 @@ def test_threshold_sends_small_calls_to_the_tile_kernels(amx: None) -> None:
     ops.linear(pw, torch.randn(8, 64))
     assert ops.amx_calls() == calls + 2  # 32 rows: two 16-row items
     assert ops.set_amx_min_tokens(0) == 8  # 0: back to the default
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture
+def bf16(amx: None) -> Iterator[None]:
+    if ops.set_amx_exact(False) is not True or ops.set_amx_exact(False) is not False:
+        pytest.skip("this CPU has no AMX-BF16 / AVX512-BF16")  # the mode stayed exact
+    yield
+    ops.set_amx_exact(True)
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("shape", [(64, 256), (37, 100), (8, 64), (24, 2048)])
+@pytest.mark.parametrize("m", [1, 17, 70])
+def test_bf16_mode_linear_tracks_the_fp32_product(fmt: str, shape: tuple[int, int], m: int, bf16: None) -> None:
+    torch.manual_seed(m + shape[1])
+    n, k = shape
+    q = quantize(torch.randn(n, k), fmt)
+    pw = ops.PackedWeight.from_blocks(q)
+    x = torch.randn(m, k)
+    ref = x @ q.dequantize().T
+    ops.set_isa("avx512vnni")
+    int8 = ops.linear(pw, x)
+    ops.set_isa("amx")
+    calls = ops.amx_calls()
+    out = ops.linear(pw, x)
+    assert ops.amx_calls() > calls
+    # bf16 activations and weights: ~0.3% relative error on random data, under the int8 path's ~0.5%; a wrong
+    # layout, pairing or scale gives O(1)
+    assert _rel(out, ref) < 0.006 and _rel(out, ref) < _rel(int8, ref) * 1.2
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_bf16_mode_moe_tracks_the_int8_path_and_is_the_same_in_any_passes(fmt: str, bf16: None) -> None:
+    torch.manual_seed(3)
+    d, i, e, k, t = 256, 96, 6, 2, 90
+    w13 = torch.stack([ops.quantize_packed(torch.randn(2 * i, d), fmt) for _ in range(e)])
+    w2 = torch.stack([ops.quantize_packed(torch.randn(d, i), fmt) for _ in range(e)])
+    x, ids, wts = torch.randn(t, d), torch.stack([torch.randperm(e)[:k] for _ in range(t)]), torch.rand(t, k)
+    ops.set_isa("avx512vnni")
+    int8 = ops.moe(fmt, w13, w2, (d, i), x, ids, wts)
+    ops.set_isa("amx")
+    out = ops.moe(fmt, w13, w2, (d, i), x, ids, wts)
+    assert _rel(out, int8) < 0.02  # two roundings of each path's activations apart
+    before = ops.set_moe_pass_bytes(32 << 10)
+    try:
+        assert torch.equal(ops.moe(fmt, w13, w2, (d, i), x, ids, wts), out)
+    finally:
+        ops.set_moe_pass_bytes(before)
+
+
+def test_deterministic_mode_runs_amx_exact(bf16: None) -> None:
+    pw = ops.PackedWeight.from_blocks(quantize(torch.randn(48, 128), "q4"))
+    x = torch.randn(33, 128)
+    ops.set_isa("avx512vnni")
+    vnni = ops.linear(pw, x)
+    ops.set_isa("amx")
+    assert not torch.equal(ops.linear(pw, x), vnni)  # bf16 mode
+    ops.set_deterministic(True)
+    try:
+        assert torch.equal(ops.linear(pw, x), vnni)
+    finally:
+        ops.set_deterministic(False)
+    assert not torch.equal(ops.linear(pw, x), vnni)  # the mode it replaced comes back
