@@ -20,11 +20,13 @@
 #define FT_AMX_H
 
 #define AMX_TOKENS 16
+#define AMX_ROWS 32 /* weight rows per work item on the AMX path (4 tiles) */
 
 /* Activations gathered for AMX, 16 tokens per chunk, built once per call (or per MoE pass), read by every 16-row
  * item. Exact mode (int8): chunk k's int8 rows at a + k * 16 * nb * 32 (row stride nb * 32, rows past the chunk's
  * tokens zero), its scales transposed per block (da[k * 16 * nb + b * 16 + m], sa and q128 likewise) so a block's
- * 16 values are one vector. bf16 mode: chunk k's rows as bf16 at bf + k * 16 * ld (row stride ld = amx_bf16_ld). */
+ * 16 values are one vector. bf16 mode: block-major, one 1 KB tile per (chunk, block): block b of chunk k's row m
+ * at bf + ((k * nb + b) * 16 + m) * 32 (a tile load reads 1 KB in a row). */
 typedef struct {
     int8_t *a;
     float *da, *sa;
@@ -35,11 +37,9 @@ typedef struct {
 } amx_panel;
 
 /* Bytes of one chunk of a panel of `nb` blocks (either mode). */
-static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * (nb * 2 * QK + 64)); }
+static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * nb * 2 * QK); }
 
-/* A bf16 panel's row stride in elements: one cache line more than the row, so a tile's 16 rows do not all fall in
- * one L1 set (K = 2048: rows 4 KB apart would, and every tile load would miss). */
-static inline int64_t amx_bf16_ld(int64_t nb) { return nb * QK + 32; }
+
 
 /* Carve a panel of `chunks` chunks out of `mem` (amx_chunk_bytes(nb) * chunks bytes, 64-byte aligned). */
 static inline void amx_panel_at(amx_panel *p, uint8_t *mem, int64_t chunks, int64_t nb) {
@@ -100,7 +100,7 @@ static int amx_scratch(int64_t nb) {
     free(tl_amx.dw);
     free(tl_amx.b);
     tl_amx.dw = (float *)aligned_alloc(64, (size_t)(4 * 16 * nb));
-    tl_amx.b = (uint8_t *)aligned_alloc(64, (size_t)(1024 * nb)); /* int8 mode: 512 per block, bf16: 1024 */
+    tl_amx.b = (uint8_t *)aligned_alloc(64, (size_t)(2048 * nb)); /* int8 mode: 512 per block, bf16: 2048 */
     tl_amx.cap_nb = tl_amx.dw && tl_amx.b ? nb : 0;
     return tl_amx.cap_nb > 0;
 }
@@ -150,15 +150,11 @@ FT_AMX static void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_
     }
 }
 
-FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
-                                const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride);
-
-/* out[i * out_stride + j] = row j of the 16 rows starting at tile `tile` (tiles `tile_stride` bytes apart; `ntiles`
- * 1 or 2 of them) . token i's activations (panel chunks from `chunk` on), for i < count and j < ncols (<= 8 *
- * ntiles). Returns 0 (nothing written) when its scratch cannot be allocated: the caller runs the tile kernels. */
-FT_AMX static int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
-                           const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
-    if (p->bf16) return amx_rows_bf16(fmt, tile, tile_stride, ntiles, ncols, p, chunk, count, out, out_stride);
+/* Exact mode, 16 weight rows: out[i * out_stride + j] = row j of the rows starting at tile `tile` (tiles
+ * `tile_stride` bytes apart; `ntiles` 1 or 2 of them) . token i's activations (panel chunks from `chunk` on), for
+ * i < count and j < ncols (<= 8 * ntiles). Returns 0 (nothing written) when its scratch cannot be allocated. */
+FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
+                                  const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
     const int64_t nb = p->nb;
     if (!amx_scratch(nb)) return 0;
     const int64_t tbb = tile_block_bytes(fmt);
@@ -298,86 +294,116 @@ FT_AMX static inline void amx_pair_row(__m512 even, __m512 odd, uint8_t *dst) {
     _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, both));
 }
 
-/* bf16 mode: out = the 16 rows . token rows as in amx_rows, weights dequantized to bf16 (value d * (c - 8) for q4,
- * d * c for q8, rounded once), activations the panel's bf16 rows; fp32 sums over all of K in two tiles (even and
- * odd blocks), added at the end. */
+/* bf16 mode, up to 32 weight rows (`ntiles` <= 4) as in amx_rows: weights dequantized to bf16 (value d * (c - 8) for
+ * q4, d * c for q8, rounded once), activations the panel's bf16 tiles; fp32 sums over all of K in the C tiles. Two
+ * chunks of tokens x two 16-row halves at a time (4 C tiles): every A and B tile loaded feeds two products, which
+ * halves what streams from L2 per product. */
 FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
                                 const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
     const int64_t nb = p->nb;
     if (!amx_scratch(nb)) return 0;
     const int64_t tbb = tile_block_bytes(fmt);
-    const uint8_t *t1 = ntiles > 1 ? tile + tile_stride : NULL;
-    uint8_t *const bs = tl_amx.b; /* per block: 16 B rows of 64 bytes (pairs of K for the 16 weight rows) */
-    const __m512i m4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *s0 = tile + b * tbb, *s1 = t1 ? t1 + b * tbb : NULL;
-        const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
-        const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
-        const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
-        uint8_t *dst = bs + b * 1024;
-        if (fmt == FT_Q8) {
-            for (int j = 0; j < 8; j++) { /* K = 4j..4j+3: B rows 2j, 2j + 1 */
-                const __m512i v = amx_chunk16(s0, s1, j);
-                __m512 f[4];
-                for (int q = 0; q < 4; q++)
-                    f[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * q), 24)), d);
-                amx_pair_row(f[0], f[1], dst + 64 * (2 * j));
-                amx_pair_row(f[2], f[3], dst + 64 * (2 * j + 1));
-            }
-        } else {
-            for (int j = 0; j < 4; j++) { /* low nibbles: K = 8j..8j+3, high: 8j+4..8j+7 → B rows 4j..4j+3 */
-                const __m512i v = amx_chunk16(s0, s1, j);
-                __m512 f[8];
-                for (int q = 0; q < 4; q++) {
-                    const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(v, 8 * q), _mm512_set1_epi32(0xff));
-                    f[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(byte, m4), eight)), d);
-                    f[4 + q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(byte, 4), eight)), d);
+    const int halves = (ntiles + 1) / 2;
+    uint8_t *const bs = tl_amx.b; /* block b, half h: 16 B rows of 64 bytes (pairs of K for 16 weight rows) */
+    const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    for (int h = 0; h < halves; h++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *s0 = tile + 2 * h * tile_stride + b * tbb;
+            const uint8_t *s1 = 2 * h + 1 < ntiles ? s0 + tile_stride : NULL;
+            const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
+            const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
+            const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
+            uint8_t *dst = bs + (b * 2 + h) * 1024;
+            if (fmt == FT_Q8) {
+                for (int j = 0; j < 8; j++) { /* K = 4j..4j+3: B rows 2j, 2j + 1 */
+                    const __m512i v = amx_chunk16(s0, s1, j);
+                    __m512 f[4];
+                    for (int q = 0; q < 4; q++)
+                        f[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * q), 24)), d);
+                    amx_pair_row(f[0], f[1], dst + 64 * (2 * j));
+                    amx_pair_row(f[2], f[3], dst + 64 * (2 * j + 1));
                 }
-                amx_pair_row(f[0], f[1], dst + 64 * (4 * j));
-                amx_pair_row(f[2], f[3], dst + 64 * (4 * j + 1));
-                amx_pair_row(f[4], f[5], dst + 64 * (4 * j + 2));
-                amx_pair_row(f[6], f[7], dst + 64 * (4 * j + 3));
+            } else {
+                for (int j = 0; j < 4; j++) { /* low nibbles: K = 8j..8j+3, high: 8j+4..8j+7 → B rows 4j..4j+3 */
+                    const __m512i v = amx_chunk16(s0, s1, j);
+                    __m512 f[8];
+                    for (int q = 0; q < 4; q++) { /* a code c picks c - 8 from the table (vpermps reads 4 bits) */
+                        f[q] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * q), lut), d);
+                        f[4 + q] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * q + 4), lut), d);
+                    }
+                    amx_pair_row(f[0], f[1], dst + 64 * (4 * j));
+                    amx_pair_row(f[2], f[3], dst + 64 * (4 * j + 1));
+                    amx_pair_row(f[4], f[5], dst + 64 * (4 * j + 2));
+                    amx_pair_row(f[6], f[7], dst + 64 * (4 * j + 3));
+                }
             }
         }
-    }
     amx_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) { /* 0, 1: C (16 tokens x 16 rows fp32); 2, 3: A (16 x 32 bf16); 4, 5: B */
+    for (int t = 0; t < 8; t++) { /* 0-3: C (chunk c / c + 1 x half 0 / 1: 16 tokens x 16 rows fp32); 4, 5: A; 6, 7: B */
         cfg.rows[t] = AMX_TOKENS;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    float cbuf[2][AMX_TOKENS * 16] __attribute__((aligned(64)));
-    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
-    const long astride = (long)(amx_bf16_ld(nb) * 2);
-    for (int64_t i0 = 0; i0 < count; i0 += AMX_TOKENS) {
-        const int64_t n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS, k = chunk + i0 / AMX_TOKENS;
-        const uint16_t *rows = p->bf + k * AMX_TOKENS * amx_bf16_ld(nb);
+    float cbuf[AMX_TOKENS * 16] __attribute__((aligned(64)));
+    const int64_t nchunks = (count + AMX_TOKENS - 1) / AMX_TOKENS, cstride = nb * AMX_TOKENS * QK;
+    for (int64_t c0 = 0; c0 < nchunks; c0 += 2) {
+        const int two = c0 + 1 < nchunks;
+        const uint16_t *base = p->bf + (chunk + c0) * cstride; /* block-major: 1 KB tiles */
         _tile_zero(0);
         _tile_zero(1);
-        int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) { /* two chains: one tile's sum waits on its last product */
-            _tile_loadd(2, rows + b * QK, astride);
-            _tile_loadd(4, bs + b * 1024, 64);
-            _tile_loadd(3, rows + (b + 1) * QK, astride);
-            _tile_loadd(5, bs + (b + 1) * 1024, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_dpbf16ps(1, 3, 5);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t *at = base + b * AMX_TOKENS * QK;
+            _tile_loadd(6, bs + b * 2048, 64);
+            _tile_loadd(4, at, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (halves > 1) {
+                _tile_loadd(7, bs + b * 2048 + 1024, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two) {
+                _tile_loadd(5, at + cstride, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                if (halves > 1) _tile_dpbf16ps(3, 5, 7);
+            }
         }
-        if (b < nb) {
-            _tile_loadd(2, rows + b * QK, astride);
-            _tile_loadd(4, bs + b * 1024, 64);
-            _tile_dpbf16ps(0, 2, 4);
+        for (int q = 0; q < 4; q++) {
+            const int c = q >> 1, h = q & 1;
+            if ((c && !two) || h >= halves) continue;
+            switch (q) {
+            case 0: _tile_stored(0, cbuf, 64); break;
+            case 1: _tile_stored(1, cbuf, 64); break;
+            case 2: _tile_stored(2, cbuf, 64); break;
+            default: _tile_stored(3, cbuf, 64); break;
+            }
+            const int cols = ncols - 16 * h < 16 ? ncols - 16 * h : 16;
+            const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+            const int64_t i0 = (c0 + c) * AMX_TOKENS, n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS;
+            for (int m = 0; m < n; m++)
+                _mm512_mask_storeu_ps(out + (i0 + m) * out_stride + 16 * h, keep, _mm512_load_ps(cbuf + 16 * m));
         }
-        _tile_stored(0, cbuf[0], 64);
-        _tile_stored(1, cbuf[1], 64);
-        for (int m = 0; m < n; m++)
-            _mm512_mask_storeu_ps(out + (i0 + m) * out_stride, keep,
-                                  _mm512_add_ps(_mm512_load_ps(cbuf[0] + 16 * m), _mm512_load_ps(cbuf[1] + 16 * m)));
     }
     _tile_release();
     atomic_fetch_add_explicit(&amx_calls, 1, memory_order_relaxed);
+    return 1;
+}
+
+/* out[i * out_stride + j] = row j of the rows starting at tile `tile` (tiles `tile_stride` bytes apart; `ntiles`
+ * <= 4 of them, AMX_ROWS rows) . token i's activations (panel chunks from `chunk` on), for i < count and j < ncols
+ * (<= 8 * ntiles). Returns 0 (nothing written) when its scratch cannot be allocated: the caller runs the tile
+ * kernels. */
+FT_AMX static int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
+                           const amx_panel *p, int64_t chunk, int64_t count, float *out, int64_t out_stride) {
+    if (p->bf16) return amx_rows_bf16(fmt, tile, tile_stride, ntiles, ncols, p, chunk, count, out, out_stride);
+    for (int h = 0; 2 * h < ntiles; h++) { /* exact mode: 16 rows at a time (its epilogue holds 16 accumulators) */
+        const int nt = ntiles - 2 * h < 2 ? ntiles - 2 * h : 2, cols = ncols - 16 * h < 16 ? ncols - 16 * h : 16;
+        if (!amx_rows16_int8(fmt, tile + 2 * h * tile_stride, tile_stride, nt, cols, p, chunk, count, out + 16 * h,
+                             out_stride))
+            return 0; /* the caller computes every row again with the tile kernels */
+    }
     return 1;
 }
 
@@ -385,23 +411,17 @@ FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_strid
  * [i0, i0 + n), row = tok ? tok[i] : i; rows n..15 zero. */
 FT_AMX static void amx_gather_bf16(const float *src, int64_t ld, int64_t k_valid, const int64_t *tok, int64_t i0,
                                    int64_t n, const amx_panel *p, int64_t k) {
-    const int64_t kp = p->nb * QK, row_ld = amx_bf16_ld(p->nb);
-    uint16_t *rows = p->bf + k * AMX_TOKENS * row_ld;
+    const int64_t nb = p->nb;
+    uint16_t *tiles = p->bf + k * nb * AMX_TOKENS * QK; /* block b of row m at tiles + (b * 16 + m) * 32 */
     for (int64_t m = 0; m < AMX_TOKENS; m++) {
-        uint16_t *dst = rows + m * row_ld;
-        if (m >= n) {
-            memset(dst, 0, (size_t)(2 * kp));
-            continue;
-        }
-        const float *x = src + (tok ? tok[i0 + m] : i0 + m) * ld;
-        int64_t j = 0;
-        for (; j + 16 <= k_valid; j += 16)
-            _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)));
-        if (j < kp) {
-            const __mmask16 tail = (__mmask16)(k_valid - j >= 16 ? 0xffff : (1u << (k_valid - j)) - 1);
-            for (; j < kp; j += 16) {
-                const __mmask16 mk = j < k_valid ? tail : 0;
-                _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, x + j)));
+        const float *x = m < n ? src + (tok ? tok[i0 + m] : i0 + m) * ld : NULL;
+        for (int64_t b = 0; b < nb; b++) {
+            uint16_t *dst = tiles + (b * AMX_TOKENS + m) * QK;
+            for (int h = 0; h < 2; h++) {
+                const int64_t j = b * QK + 16 * h;
+                const __mmask16 mk = !x || j >= k_valid ? 0 : (k_valid - j >= 16 ? 0xffff : (__mmask16)((1u << (k_valid - j)) - 1));
+                _mm256_storeu_si256((__m256i *)(dst + 16 * h),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, x ? x + j : NULL)));
             }
         }
     }

@@ -177,11 +177,12 @@ typedef struct {
 static void linear_item(void *p, int64_t item) {
     const linear_ctx *c = (const linear_ctx *)p;
     float o[64 * TR];
-    int64_t t0 = item * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR, ntiles = (c->n + TR - 1) / TR;
+    const int64_t rows = c->panel ? AMX_ROWS : ROWS_PER_ITEM;
+    int64_t t0 = item * (rows / TR), t1 = t0 + rows / TR, ntiles = (c->n + TR - 1) / TR;
     if (t1 > ntiles) t1 = ntiles;
     if (c->panel && amx_rows(c->fmt, c->w + t0 * c->tile_stride, c->tile_stride, (int)(t1 - t0),
-                             (int)(c->n - t0 * TR < ROWS_PER_ITEM ? c->n - t0 * TR : ROWS_PER_ITEM), c->panel, 0,
-                             c->m, c->y + t0 * TR, c->n))
+                             (int)(c->n - t0 * TR < rows ? c->n - t0 * TR : rows), c->panel, 0, c->m,
+                             c->y + t0 * TR, c->n))
         return;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = c->w + t * c->tile_stride;
@@ -252,7 +253,8 @@ int ft_linear(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, i
             c.panel = &panel;
         }
     }
-    ft_parallel_for(linear_item, &c, (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
+    const int64_t rows = c.panel ? AMX_ROWS : ROWS_PER_ITEM;
+    ft_parallel_for(linear_item, &c, (n + rows - 1) / rows);
     free(panel_mem);
     if (!keep) qact_free(&a);
     return 0;

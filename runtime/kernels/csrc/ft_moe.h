@@ -27,6 +27,7 @@ typedef struct {
     int64_t *g_chunk;    /* AMX: group g's first chunk in the pass's panels, -1 where the tile kernels run it */
     amx_panel px, pa;    /* the pass's activations gathered for AMX: gate|up's (x), down's (SiLU(gate) * up) */
     int act_back;        /* AMX bf16 panels: SiLU(gate) * up also goes back into h (fp32, over gate's columns) */
+    int64_t rows_item;   /* weight rows per gate|up / down work item: ROWS_PER_ITEM, AMX_ROWS where AMX may run */
 } moe_ctx;
 
 static void moe_gate_up_item(void *p, int64_t item) {
@@ -34,7 +35,7 @@ static void moe_gate_up_item(void *p, int64_t item) {
     int64_t g = c->g_base + item / c->chunks13, chunk = item % c->chunks13;
     const uint8_t *base = c->w13 + c->g_expert[g] * c->w13_stride;
     int64_t tile_stride = c->nbD * tile_block_bytes(c->fmt), ntiles = c->n13 / TR;
-    int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
+    int64_t t0 = chunk * (c->rows_item / TR), t1 = t0 + c->rows_item / TR;
     if (t1 > ntiles) t1 = ntiles;
     const int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
     if (c->g_chunk[g] >= 0 && amx_takes(c->fmt, n) &&
@@ -75,7 +76,7 @@ static void moe_down_item(void *p, int64_t item) {
     int64_t g = c->g_base + item / c->chunks2, chunk = item % c->chunks2;
     const uint8_t *base = c->w2 + c->g_expert[g] * c->w2_stride;
     int64_t tile_stride = c->nbI * tile_block_bytes(c->fmt2), ntiles = c->nD / TR;
-    int64_t t0 = chunk * (ROWS_PER_ITEM / TR), t1 = t0 + ROWS_PER_ITEM / TR;
+    int64_t t0 = chunk * (c->rows_item / TR), t1 = t0 + c->rows_item / TR;
     if (t1 > ntiles) t1 = ntiles;
     const int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
     if (c->g_chunk[g] >= 0 && amx_takes(c->fmt2, n) &&
@@ -203,11 +204,12 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     c.w13 = w13; c.w2 = w2; c.w13_stride = w13_stride; c.w2_stride = w2_stride;
     c.D = D; c.I = I; c.nbD = (D + QK - 1) / QK; c.nbI = (I + QK - 1) / QK;
     c.n13 = (2 * I + TR - 1) / TR * TR;
-    c.chunks13 = (c.n13 + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    c.rows_item = amx_takes(fmt, 1 << 30) || amx_takes(fmt2, 1 << 30) ? AMX_ROWS : ROWS_PER_ITEM;
+    c.chunks13 = (c.n13 + c.rows_item - 1) / c.rows_item;
     c.n_groups = G; c.g_expert = g_expert; c.g_start = g_start; c.s_token = s_token; c.s_weight = s_weight;
     c.out = out;
     c.nD = (D + TR - 1) / TR * TR;
-    c.chunks2 = (c.nD + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    c.chunks2 = (c.nD + c.rows_item - 1) / c.rows_item;
     c.n_slots = S;
     c.g_chunk = g_chunk;
     {
