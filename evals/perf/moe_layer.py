@@ -5,7 +5,8 @@ and the same routing, and quantize the weights themselves. Ours: ``QuantizedExpe
 packing: gate rows then up rows as one ``w13 [2I, D]`` per expert) in each ``--formats`` format, timed as one
 ``ops.moe`` call (the fused step the engine runs while no expert reaches the dequantize crossover, reported as
 ``engine_crossover_tokens``) on every ISA path from ``avx512vnni`` up that ``ops.available_isas()`` lists (the best
-one where the CPU has no AVX-512). The peer: ``kt_peer.py`` under kt-kernel's own interpreter (``--peer-python``;
+one where the CPU has no AVX-512), the ``amx`` path in its default exact mode and, where the CPU has AMX-BF16, in
+its opt-in bf16 mode too (``amx-bf16``, ``ops.set_amx_exact(False)``). The peer: ``kt_peer.py`` under kt-kernel's own interpreter (``--peer-python``;
 it pins another torch), one subprocess per method (``AMXInt4``, ``AMXInt8``, ``AMXInt4_KGroup``).
 
 Routing: per token, top-k distinct experts drawn from a Zipf-like popularity (expert of rank r has weight
@@ -111,6 +112,19 @@ def _entry(m: int, side: str, path: str, seconds: dict[str, Any], cpu_s: float, 
             "tok_s": round(m / med, 1) if med else None, "cpu_ms": round(cpu_s * 1e3, 3), "error": round(error, 5)}
 
 
+def _variants(isas: list[str]) -> list[tuple[str, bool]]:
+    """(ISA, exact) pairs to time: every ISA as it runs by default (exact), and the ``amx`` path's opt-in bf16 mode
+    too where this CPU has it (``ops.set_amx_exact``)."""
+    from freetoken_agent.runtime.kernels import ops
+
+    out = [(isa, True) for isa in isas]
+    if "amx" in isas:
+        before = ops.set_amx_exact(False)
+        if ops.set_amx_exact(before) is False:  # bf16 mode took: the CPU has AMX-BF16
+            out.append(("amx", False))
+    return out
+
+
 def run_ours(weights: dict[str, torch.Tensor], shape: Shape, inputs: dict[int, dict[str, torch.Tensor]],
              refs: dict[int, torch.Tensor], formats: list[str], isas: list[str], repeats: int) -> list[dict[str, Any]]:
     """Our fused step per format, ISA and M."""
@@ -121,8 +135,10 @@ def run_ours(weights: dict[str, torch.Tensor], shape: Shape, inputs: dict[int, d
     gate_up = torch.cat([weights["gate"], weights["up"]], dim=1)  # [E, 2I, D]: gate rows, then up rows
     for fmt in formats:
         qe = QuantizedExperts.from_float(gate_up, weights["down"], fmt, use_kernels=True)
-        for isa in isas:
+        for isa, exact in _variants(isas):
             ops.set_isa(isa)
+            before = ops.set_amx_exact(exact) if isa == "amx" else None
+            label = isa if exact else f"{isa}-bf16"
             for m, t in inputs.items():
                 x, ids, wts = t["x"].float(), t["ids"], t["weights"]
 
@@ -136,7 +152,10 @@ def run_ours(weights: dict[str, torch.Tensor], shape: Shape, inputs: dict[int, d
                 c1 = resource.getrusage(resource.RUSAGE_SELF)
                 cpu_s = (c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) / repeats
                 error = kt_peer.relative_error(y, refs[m])
-                out.append(_entry(m, "ours", f"{fmt} {isa}", spread.to_json(), cpu_s, error, format=fmt, isa=isa))
+                out.append(_entry(m, "ours", f"{fmt} {label}", spread.to_json(), cpu_s, error, format=fmt,
+                                  isa=label))
+            if before is not None:
+                ops.set_amx_exact(before)
         del qe
     return out
 
@@ -247,7 +266,8 @@ def measure(shape: Shape, tokens: list[int], *, threads: int = 2, repeats: int =
             "tokens": tokens, "threads": threads, "repeats": repeats,
             "routing": {"skew": skew, "seed": seed,
                         **{f"M{m}": load_stats(t["ids"], shape.experts) for m, t in inputs.items()}},
-            "ours": {"isas": isa_list, "formats": formats, "engine_crossover_tokens": crossover_tokens()},
+            "ours": {"isas": [isa if exact else f"{isa}-bf16" for isa, exact in _variants(isa_list)],
+                     "formats": formats, "engine_crossover_tokens": crossover_tokens()},
             "peer": facts, "results": results, "ratios": ratios(results, tokens),
             "notes": ["sides run one after the other (ours, then one kt-kernel process per method), not alternated",
                       "error: max |out - ref| / max |ref|, ref = plain fp32 torch over the same bf16 weights"]}
