@@ -92,6 +92,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs: dict[str, tuple[object, list[object]]] = {
         "ft_packed_bytes": (i64, [i32, i64, i64]),
         "ft_best_isa": (i32, []),
+        "ft_get_isa": (i32, []),
         "ft_set_isa": (i32, [i32]),
         "ft_set_threads": (i32, [i32]),
         "ft_get_threads": (i32, []),
@@ -147,6 +148,7 @@ def load() -> ctypes.CDLL | None:
                 spin = os.environ.get("FREETOKEN_CPU_SPIN_US", "")
                 if spin.isdigit():  # how long idle workers poll before sleeping (default 5 ms)
                     lib.ft_set_spin_us(int(spin))
+                _pin_isa(lib, os.environ.get("FREETOKEN_ISA", ""))
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 lib = None
                 _state["reason"] = str(exc)
@@ -155,6 +157,21 @@ def load() -> ctypes.CDLL | None:
 
 
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512vnni", 3: "amx"}
+
+
+def _pin_isa(lib: ctypes.CDLL, name: str) -> None:
+    """``$FREETOKEN_ISA`` (``portable``, ``avx2``, ``avx512vnni``, ``amx``): run that path instead of the best one,
+    e.g. to compare paths in whole-model benchmarks. One this CPU lacks, or a misspelt one, warns and keeps the best."""
+    name = name.strip().lower()
+    if not name or name == "best":
+        return
+    code = {v: k for k, v in ISA_NAMES.items()}.get(name)
+    if code is None or lib.ft_set_isa(code) < 0:
+        import warnings
+
+        why = "unknown" if code is None else "not supported by this CPU"
+        warnings.warn(f"FREETOKEN_ISA={name!r} is {why}; running {ISA_NAMES.get(lib.ft_best_isa(), '?')} "
+                      f"(choices: {', '.join(ISA_NAMES.values())})", stacklevel=2)
 
 
 def status() -> KernelStatus:

@@ -263,6 +263,11 @@ def set_isa(name: str) -> str:
     return build.ISA_NAMES[got]
 
 
+def current_isa() -> str:
+    """The ISA path the kernels run now (``set_isa``, ``$FREETOKEN_ISA`` at load, else the best available)."""
+    return build.ISA_NAMES[_lib().ft_get_isa()]
+
+
 def available_isas() -> list[str]:
     """ISA paths this CPU can run, portable first."""
     best = _lib().ft_best_isa()

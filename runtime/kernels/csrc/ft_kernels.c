@@ -116,6 +116,12 @@ static void qact_free(qact *a) { free(a->q); free(a->d); free(a->s); }
 
 int ft_best_isa(void) { return detect_isa(); }
 
+/* The ISA path in use (ft_set_isa, $FREETOKEN_ISA, else the best). */
+int ft_get_isa(void) {
+    if (g_isa < 0) g_isa = detect_isa();
+    return g_isa;
+}
+
 /* Force an ISA path (-1 = best available); returns the one in use, or -1 if this CPU lacks it. */
 int ft_set_isa(int isa) {
     int best = detect_isa();

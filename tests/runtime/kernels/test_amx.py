@@ -167,3 +167,4 @@ def test_deterministic_mode_runs_amx_exact(bf16: None) -> None:
     finally:
         ops.set_deterministic(False)
     assert not torch.equal(ops.linear(pw, x), vnni)  # the mode it replaced comes back
+

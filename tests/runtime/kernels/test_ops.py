@@ -501,3 +501,21 @@ def test_odd_rotary_dim_matches_transformers_in_c_and_torch(dim: int, isas: list
         assert torch.allclose(got, want[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     with pytest.raises(FreeTokenError):  # the kernel itself takes only whole pairs
         ops.rope(torch.randn(2, 4, 16), cos[:2, :2], sin[:2, :2], 5, True)
+
+
+def test_freetoken_isa_pins_a_path_at_load_and_a_bad_name_warns() -> None:
+    import os
+    import subprocess
+    import sys
+
+    if build.load() is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    code = ("import warnings; warnings.simplefilter('always');"
+            "from freetoken_agent.runtime.kernels import ops; print(ops.current_isa(), ops.available_isas()[-1])")
+    for env, want in (("portable", "portable"), ("avx512-typo", None)):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "FREETOKEN_ISA": env})
+        assert proc.returncode == 0, proc.stderr
+        now, best = proc.stdout.split()
+        assert now == (want or best)
+        assert ("FREETOKEN_ISA='avx512-typo' is unknown" in proc.stderr) == (want is None)
