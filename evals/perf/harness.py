@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shlex
 import sys
 import time
@@ -180,8 +181,10 @@ def run_row(r: Row, args: argparse.Namespace, command: str,
     if bandwidth is not None or getattr(args, "record", True):
         facts.update((bandwidth or machine.bandwidth)())
     options = {k: _jsonable(v) for k, v in vars(args).items() if k not in ("json", "record", "history", "func")}
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FREETOKEN_")}  # e.g. a pinned ISA path
     return Record(r.name, command, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), facts, options,
-                  _jsonable((r.headline or default_headline)(report)), _jsonable(report), round(wall, 2))
+                  _jsonable((r.headline or default_headline)(report)), _jsonable(report), round(wall, 2),
+                  tags={"env": env} if env else {})
 
 
 def run_json_main(main: Callable[[list[str]], int | None], argv: list[str]) -> Report:

@@ -54,13 +54,19 @@ def read(path: Path | None = None) -> list[dict[str, Any]]:
 
 
 def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest record of each (row, machine), ordered by row then machine."""
-    best: dict[tuple[str, str], dict[str, Any]] = {}
+    """The newest record of each (row, machine, ``FREETOKEN_*`` settings it ran with), ordered by row then machine."""
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
     for rec in records:
-        key = (rec["row"], rec["machine"]["key"])
+        key = (rec["row"], rec["machine"]["key"], env_prefix(rec))
         if key not in best or rec["date"] >= best[key]["date"]:
             best[key] = rec
     return [best[k] for k in sorted(best)]
+
+
+def env_prefix(rec: dict[str, Any]) -> str:
+    """The ``FREETOKEN_*`` variables a run was made with (``tags.env``) as a shell prefix, or ''."""
+    env = (rec.get("tags") or {}).get("env") or {}
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items()))
 
 
 def _machine(m: dict[str, Any]) -> str:
@@ -91,7 +97,7 @@ def render(records: list[dict[str, Any]], source: str = "results.jsonl") -> str:
     for rec in latest(records):
         head = "; ".join(f"{k} {_value(v)}" for k, v in rec.get("headline", {}).items()) or "-"
         lines.append(f"| {rec['row']} | {_value(_machine(rec['machine']))} | {rec['date'][:16].replace('T', ' ')} | "
-                     f"{head} | `{rec['command']}` |")
+                     f"{head} | `{(env_prefix(rec) + ' ' + rec['command']).strip()}` |")
     if len(lines) == 8:
         lines.append("| (no results recorded yet) | | | | |")
     return "\n".join(lines) + "\n"

@@ -109,6 +109,25 @@ def test_latest_keeps_one_result_per_row_and_machine(tmp_path: Path) -> None:
         history.read(hist)
 
 
+def test_runs_with_freetoken_settings_are_tagged_and_kept_apart(square_row: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    hist = tmp_path / "results.jsonl"
+    bandwidth = lambda: {"read_gbps": 1.0, "read_threads": 1}  # noqa: E731
+    for env in (None, "avx512vnni"):
+        if env:
+            monkeypatch.setenv("FREETOKEN_ISA", env)
+        else:
+            monkeypatch.delenv("FREETOKEN_ISA", raising=False)
+        assert harness.cli(square_row, ["--n", "3", "--history", str(hist)], "freetoken bench test-square", True,
+                           bandwidth) == 0
+    recs = history.read(hist)
+    assert recs[0]["tags"].get("env", {}).get("FREETOKEN_ISA") is None
+    assert recs[1]["tags"]["env"]["FREETOKEN_ISA"] == "avx512vnni"
+    assert len(history.latest(recs)) == 2  # one latest result per setting, not one overwriting the other
+    table = (tmp_path / "LATEST.md").read_text()
+    assert "`FREETOKEN_ISA=avx512vnni freetoken bench test-square" in table
+
+
 def test_bad_input_is_one_error(square_row: str) -> None:
     with pytest.raises(harness.BenchError, match="--n must be >= 0"):
         harness.cli(square_row, ["--n", "-1", "--no-record"], "x", True)
