@@ -194,10 +194,10 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
         cfg.rows[t] = AMX_TOKENS;
         cfg.colsb[t] = 64;
     }
-    cfg.rows[4] = AMX_TOKENS; /* A: 16 tokens x 32 int8 */
-    cfg.colsb[4] = QK;
-    cfg.rows[5] = QK / 4; /* B: 8 rows of 4 bytes x 16 weight rows */
-    cfg.colsb[5] = 64;
+    cfg.rows[4] = cfg.rows[6] = AMX_TOKENS; /* A: 16 tokens x 32 int8 */
+    cfg.colsb[4] = cfg.colsb[6] = QK;
+    cfg.rows[5] = cfg.rows[7] = QK / 4; /* B: 8 rows of 4 bytes x 16 weight rows */
+    cfg.colsb[5] = cfg.colsb[7] = 64;
     _tile_loadconfig(&cfg);
     int32_t cbuf[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
     float corr[AMX_TOKENS][16] __attribute__((aligned(64)));
@@ -230,18 +230,20 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
          * data wait for it to reach the cache: in sequence each stalls) */
         for (int64_t b = 0; b < nb + 2; b++) {
             if (b < nb) { /* block b's product into C tile b % 4 */
-                _tile_loadd(4, rows + b * QK, (long)(nb * QK));
-                _tile_loadd(5, bs + b * 512, 64);
+                /* A and B double-buffered (tiles 4, 5 for even blocks, 6, 7 for odd ones): tiles are not renamed,
+                 * so a load into the tile the last product reads would wait for that product */
                 switch (b & 3) { /* tile numbers are immediates */
-#define AMX_STEP(C)                                                                                            \
+#define AMX_STEP(C, A, B)                                                                                      \
+    _tile_loadd(A, rows + b * QK, (long)(nb * QK));                                                            \
+    _tile_loadd(B, bs + b * 512, 64);                                                                          \
     _tile_zero(C);                                                                                             \
-    if (fmt == FT_Q8) _tile_dpbssd(C, 4, 5);                                                                   \
-    else _tile_dpbsud(C, 4, 5);                                                                                \
+    if (fmt == FT_Q8) _tile_dpbssd(C, A, B);                                                                   \
+    else _tile_dpbsud(C, A, B);                                                                                \
     break;
-                case 0: AMX_STEP(0)
-                case 1: AMX_STEP(1)
-                case 2: AMX_STEP(2)
-                default: AMX_STEP(3)
+                case 0: AMX_STEP(0, 4, 5)
+                case 1: AMX_STEP(1, 6, 7)
+                case 2: AMX_STEP(2, 4, 5)
+                default: AMX_STEP(3, 6, 7)
 #undef AMX_STEP
                 }
             }

@@ -146,8 +146,22 @@ def test_native_block_experts_run_as_stored(kinds: tuple[str, str], tmp_path: Pa
         set_mode(engine, "int8")
         int8_ref = Engine.from_pretrained(file)
         dequantized_reference(int8_ref.decoder, activations="int8")
-        logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
-        assert top1(logits, want) >= 0.95 and kl(want, logits) <= 1e-3
+        # batch-invariant ops on both sides (the reference's torch GEMMs otherwise change algorithm with the row
+        # count). Still, an activation whose int8 rounding lies on a tie may round the other way in the kernels'
+        # fp32 order than in the reference's (reference.near_ties), and on this tiny random model one such flip
+        # moves the later logits by ~0.05-0.1: a position whose reference top-2 margin is within twice its logit
+        # difference may flip (a Xeon flipped two, at margins 0.001 and 0.004); every clear position must agree
+        from freetoken_agent.runtime.kernels import ops
+
+        ops.set_deterministic(True)
+        try:
+            logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
+        finally:
+            ops.set_deterministic(False)
+        top2 = want.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - want).abs().amax(-1)
+        assert int(clear.sum()) >= want.shape[0] // 2 and top1(logits[clear], want[clear]) == 1.0
+        assert kl(want, logits) <= 1e-3
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0"])
@@ -251,8 +265,22 @@ def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
         set_mode(engine, "int8")
         int8_ref = Engine.from_pretrained(file)
         dequantized_reference(int8_ref.decoder, activations="int8")
-        logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
-        assert top1(logits, want) >= 0.95 and kl(want, logits) <= 1e-3
+        # batch-invariant ops on both sides (the reference's torch GEMMs otherwise change algorithm with the row
+        # count). Still, an activation whose int8 rounding lies on a tie may round the other way in the kernels'
+        # fp32 order than in the reference's (reference.near_ties), and on this tiny random model one such flip
+        # moves the later logits by ~0.05-0.1: a position whose reference top-2 margin is within twice its logit
+        # difference may flip (a Xeon flipped two, at margins 0.001 and 0.004); every clear position must agree
+        from freetoken_agent.runtime.kernels import ops
+
+        ops.set_deterministic(True)
+        try:
+            logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
+        finally:
+            ops.set_deterministic(False)
+        top2 = want.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - want).abs().amax(-1)
+        assert int(clear.sum()) >= want.shape[0] // 2 and top1(logits[clear], want[clear]) == 1.0
+        assert kl(want, logits) <= 1e-3
 
 
 def test_deepseek_split_kv_b_in_block_types(tmp_path: Path) -> None:
