@@ -88,6 +88,11 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
+/* [a | b]: two tiles' 8 row values as one vector (AVX-512F only) */
+FT_AMX static inline __m512 amx_join8(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
+
 /* Per-thread buffers of the weight side: dw per block, unpacked q4 codes. */
 static _Thread_local struct {
     float *dw;
@@ -99,7 +104,7 @@ static int amx_scratch(int64_t nb) {
     if (nb <= tl_amx.cap_nb) return 1;
     free(tl_amx.dw);
     free(tl_amx.b);
-    tl_amx.dw = (float *)aligned_alloc(64, (size_t)(4 * 16 * nb));
+    tl_amx.dw = (float *)aligned_alloc(64, (size_t)(4 * 32 * nb)); /* dw, and q4_k's dmin * m */
     tl_amx.b = (uint8_t *)aligned_alloc(64, (size_t)(2048 * nb)); /* int8 mode: 512 per block, bf16: 2048 */
     tl_amx.cap_nb = tl_amx.dw && tl_amx.b ? nb : 0;
     return tl_amx.cap_nb > 0;
@@ -107,7 +112,7 @@ static int amx_scratch(int64_t nb) {
 
 /* Whether `fmt` with `count` tokens runs here through AMX. */
 static inline int amx_takes(int fmt, int64_t count) {
-    return g_isa >= FT_ISA_AMX && (fmt == FT_Q8 || fmt == FT_Q4) && count >= amx_min_tokens;
+    return g_isa >= FT_ISA_AMX && (fmt == FT_Q8 || fmt == FT_Q4 || fmt == FT_Q4K) && count >= amx_min_tokens;
 }
 
 /* Chunk `k` of panel p: the activation rows of tokens [i0, i0 + n) (row = tok ? tok[i] : first + i), n <= 16;
@@ -166,7 +171,36 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
      * zeros). q8: row j = chunk j of each tile; q4: codes one byte each, rows 0-3 the 4 chunks' low nibbles, rows
      * 4-7 their high nibbles (the panel's activations are permuted to match). */
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
+    float *const dms = dws + 16 * nb; /* q4_k: dmin * m per block, what the correction sums (q4 / q8: dw) */
+    if (fmt == FT_Q4K) /* per 32-value sub-block j of super-block sb: d * sc_j and dmin * m_j of each row (the
+                        * VNNI kernel's products), and B rows q = 0..7 = chunk 8 (j / 2) + q's low (j even) or
+                        * high (j odd) nibbles: K in natural order */
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t sb = b / 8;
+            const int j = (int)(b % 8);
+            const uint8_t *g0 = tile + sb * KQ_TILE_Q4K, *g1 = t1 ? t1 + sb * KQ_TILE_Q4K : NULL;
+            __m256 dsc0, dm0, dsc1 = _mm256_setzero_ps(), dm1 = _mm256_setzero_ps();
+            q4k_scales8(g0, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0)),
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g0 + 2 * TR))), &dsc0, &dm0);
+            if (g1)
+                q4k_scales8(g1, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)),
+                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g1 + 2 * TR))), &dsc1, &dm1);
+            _mm512_store_ps(dws + 16 * b, amx_join8(dsc0, dsc1));
+            _mm512_store_ps(dms + 16 * b, amx_join8(dm0, dm1));
+            uint8_t *dst = bs + b * 512;
+            for (int q = 0; q < 8; q++) {
+                const int64_t at = 16 * TR + (8 * (j / 2) + q) * 32;
+                __m256i c0 = _mm256_loadu_si256((const __m256i *)(g0 + at));
+                __m256i c1 = g1 ? _mm256_loadu_si256((const __m256i *)(g1 + at)) : _mm256_setzero_si256();
+                if (j & 1) {
+                    c0 = _mm256_srli_epi16(c0, 4);
+                    c1 = _mm256_srli_epi16(c1, 4);
+                }
+                _mm256_store_si256((__m256i *)(dst + 64 * q), _mm256_and_si256(c0, m4));
+                _mm256_store_si256((__m256i *)(dst + 64 * q + 32), _mm256_and_si256(c1, m4));
+            }
+        }
+    for (int64_t b = 0; fmt != FT_Q4K && b < nb; b++) {
         const uint8_t *s0 = tile + b * tbb, *s1 = t1 ? t1 + b * tbb : NULL;
         const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
         const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
@@ -201,7 +235,8 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
     _tile_loadconfig(&cfg);
     int32_t cbuf[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
     float corr[AMX_TOKENS][16] __attribute__((aligned(64)));
-    const __m512 zero = _mm512_set1_ps(fmt == FT_Q4 ? 8.f : 128.f);
+    const __m512 zero = _mm512_set1_ps(fmt == FT_Q4 ? 8.f : fmt == FT_Q4K ? 1.f : 128.f);
+    const float *const cws = fmt == FT_Q4K ? dms : dws; /* what multiplies sa in the correction */
     const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
     for (int64_t i0 = 0; i0 < count; i0 += AMX_TOKENS) {
         const int64_t n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS, k = chunk + i0 / AMX_TOKENS;
@@ -215,7 +250,7 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
 #pragma GCC unroll 8
             for (int u = 0; u < 8; u++) cr[u] = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
-                const __m512 dw = _mm512_load_ps(dws + 16 * b);
+                const __m512 dw = _mm512_load_ps(cws + 16 * b);
 #pragma GCC unroll 8
                 for (int u = 0; u < 8; u++) cr[u] = _mm512_fmadd_ps(dw, _mm512_set1_ps(sas[b * AMX_TOKENS + 8 * h + u]), cr[u]);
             }

@@ -57,13 +57,26 @@ def _packed(fmt: str, n: int, k: int) -> torch.Tensor:
     return ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(n, k)), k).data
 
 
-# q4_k gate|up: only down runs on the tiles (K-quants keep their own kernels)
-@pytest.mark.parametrize("fmts", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q4_k", "q8_0")])
+@pytest.mark.parametrize("shape", [(40, 256), (8, 512), (24, 2048)])
+@pytest.mark.parametrize("m", [5, 17, 70])
+def test_q4_k_linear_is_bit_identical_to_vnni(shape: tuple[int, int], m: int, amx: None) -> None:
+    # GGUF Q4_K (a Q4_K_M file's experts and projections): each 32-value sub-block its own scale and min
+    torch.manual_seed(m + shape[0])
+    n, k = shape
+    pw = ops.PackedWeight.from_rows("q4_k", block_format("q4_k").quantize_rows(torch.randn(n, k)), k)
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    vnni, tiles = _both(lambda: ops.linear(pw, x))
+    assert torch.equal(tiles, vnni)
+
+
+# q6_k down: only gate|up runs on the tiles (Q6_K keeps its own kernels)
+@pytest.mark.parametrize("fmts", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q4_k", "q8_0"),
+                                  ("q4_k", "q6_k")])
 @pytest.mark.parametrize("tokens", [3, 40, 130])
 def test_moe_is_bit_identical_to_vnni(fmts: tuple[str, str], tokens: int, amx: None) -> None:
     torch.manual_seed(tokens)
     fmt, down_fmt = fmts
-    d, i, e, k = 256, 96 if fmt != "q4_k" else 256, 6, 3
+    d, i, e, k = 256, 96 if fmt != "q4_k" and down_fmt != "q6_k" else 256, 6, 3
     w13 = torch.stack([_packed(fmt, 2 * i, d) for _ in range(e)])
     w2 = torch.stack([_packed(down_fmt, d, i) for _ in range(e)])
     x = torch.randn(tokens, d)
@@ -168,3 +181,11 @@ def test_deterministic_mode_runs_amx_exact(bf16: None) -> None:
         ops.set_deterministic(False)
     assert not torch.equal(ops.linear(pw, x), vnni)  # the mode it replaced comes back
 
+
+
+def test_bf16_mode_leaves_q4_k_exact(bf16: None) -> None:
+    # bf16 mode has a dequantizing B fill for q4 / q8 only: Q4_K still runs the exact tiles
+    pw = ops.PackedWeight.from_rows("q4_k", block_format("q4_k").quantize_rows(torch.randn(32, 512)), 512)
+    x = torch.randn(40, 512)
+    vnni, tiles = _both(lambda: ops.linear(pw, x))
+    assert torch.equal(tiles, vnni)
