@@ -37,7 +37,7 @@ typedef struct {
 } amx_panel;
 
 /* Bytes of one chunk of a panel of `nb` blocks (either mode). */
-static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * nb * 2 * QK); }
+static inline size_t amx_chunk_bytes(int64_t nb) { return (size_t)(AMX_TOKENS * nb * 2 * QK); } /* >= 32 + 16 */
 
 
 
@@ -112,7 +112,8 @@ static int amx_scratch(int64_t nb) {
 
 /* Whether `fmt` with `count` tokens runs here through AMX. */
 static inline int amx_takes(int fmt, int64_t count) {
-    return g_isa >= FT_ISA_AMX && (fmt == FT_Q8 || fmt == FT_Q4 || fmt == FT_Q4K) && count >= amx_min_tokens;
+    return g_isa >= FT_ISA_AMX && (fmt == FT_Q8 || fmt == FT_Q4 || fmt == FT_Q4K || fmt == FT_Q6K) &&
+           count >= amx_min_tokens;
 }
 
 /* Chunk `k` of panel p: the activation rows of tokens [i0, i0 + n) (row = tok ? tok[i] : first + i), n <= 16;
@@ -125,13 +126,13 @@ FT_AMX static void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_
     const __m256i ones16 = _mm256_set1_epi16(1);
     int8_t *rows = p->a + k * AMX_TOKENS * nb * QK;
     float *da = p->da + k * AMX_TOKENS * nb, *sa = p->sa + k * AMX_TOKENS * nb;
-    int32_t *q128 = p->q128 + k * AMX_TOKENS * nb;
+    int32_t *q128 = p->q128 + k * AMX_TOKENS * nb * 2;
     for (int64_t m = 0; m < AMX_TOKENS; m++) {
         int8_t *dst = rows + m * nb * QK;
         if (m >= n) {
             memset(dst, 0, (size_t)(nb * QK));
             for (int64_t b = 0; b < nb; b++) da[b * AMX_TOKENS + m] = sa[b * AMX_TOKENS + m] = 0.f;
-            for (int64_t b = 0; b < nb; b++) q128[b * AMX_TOKENS + m] = 0;
+            for (int64_t b = 0; b < 2 * nb; b++) q128[b * AMX_TOKENS + m] = 0;
             continue;
         }
         const int64_t r = tok ? tok[i0 + m] : first + i0 + m;
@@ -143,6 +144,13 @@ FT_AMX static void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_
             da[b * AMX_TOKENS + m] = a->d[r * nb + b];
             sa[b * AMX_TOKENS + m] = a->s[r * nb + b];
             int32_t sum = 0;
+            if (fmt == FT_Q6K) { /* 32 * each 16-value half's sum (the codes' offset of 32), two per block */
+                int32_t hsum[2] = {0, 0};
+                for (int j = 0; j < QK; j++) hsum[j / 16] += src[b * QK + j];
+                q128[b * AMX_TOKENS + m] = 32 * hsum[0];
+                q128[(nb + b) * AMX_TOKENS + m] = 32 * hsum[1];
+                continue;
+            }
             if (fmt == FT_Q8) { /* 128 * sum(a): the VNNI kernel's flipped codes (c + 128) add it to each sum */
                 const __m256i w32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), ones16); /* |a| <= 127 */
                 __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(w32), _mm256_extracti128_si256(w32, 1));
@@ -242,7 +250,7 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
         const int64_t n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS, k = chunk + i0 / AMX_TOKENS;
         const int8_t *rows = p->a + k * AMX_TOKENS * nb * QK;
         const float *das = p->da + k * AMX_TOKENS * nb, *sas = p->sa + k * AMX_TOKENS * nb;
-        const int32_t *q128s = p->q128 + k * AMX_TOKENS * nb;
+        const int32_t *q128s = p->q128 + k * AMX_TOKENS * nb * 2;
         /* corr[m] = sum over blocks, in order, of dw * sa[m]: 8 tokens' chains at a time (one chain alone waits on
          * each fma's latency) */
         for (int h = 0; h < 2; h++) {
@@ -309,6 +317,113 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
             if (m < n)
                 _mm512_mask_storeu_ps(out + (i0 + m) * out_stride, keep,
                                       _mm512_fnmadd_ps(zero, _mm512_load_ps(corr[m]), acc[m]));
+    }
+    _tile_release();
+    atomic_fetch_add_explicit(&amx_calls, 1, memory_order_relaxed);
+    return 1;
+}
+
+/* Exact mode for Q6_K, 16 weight rows, as amx_rows16_int8: each 16-value half of a 32-value block has its own
+ * int8 scale, so one tile product per half (K = 16: A 16 x 16 bytes, B 4 rows of 64); the epilogue follows the
+ * VNNI kernel (tile_dot_q6k_vnni) exactly: per super-block, halves in the order (n, h, k) = 128-value half n,
+ * 16-value half h, 32-value block 4n + k; acc = fma(s - 32 * half_sum(a), (sc * d) * da, acc); no correction. */
+FT_AMX static int amx_rows16_q6k(const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols, const amx_panel *p,
+                                 int64_t chunk, int64_t count, float *out, int64_t out_stride) {
+    const int64_t nb = p->nb, ns = nb / 8, nh = 2 * nb;
+    if (!amx_scratch(nb)) return 0;
+    const uint8_t *t1 = ntiles > 1 ? tile + tile_stride : NULL;
+    float *const scd = tl_amx.dw; /* [super-block][16 halves][16 rows]: sc_i * d, the VNNI kernel's product */
+    uint8_t *const bs = tl_amx.b; /* [half u in epilogue order]: 4 B rows of 64 bytes */
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    for (int64_t sb = 0; sb < ns; sb++) {
+        const uint8_t *g0 = tile + sb * KQ_TILE_Q6K, *g1 = t1 ? t1 + sb * KQ_TILE_Q6K : NULL;
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0));
+        const __m256 d1 = g1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)) : _mm256_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            const __m256 c0 = _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g0 + 2 * TR + TR * i)), d0);
+            const __m256 c1 = g1 ? _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g1 + 2 * TR + TR * i)), d1) : _mm256_setzero_ps();
+            _mm512_store_ps(scd + (sb * 16 + i) * 16, amx_join8(c0, c1));
+        }
+        for (int n = 0; n < 2; n++)
+            for (int g = 0; g < 8; g++) { /* group g: values 128n + 32k + 4g + (0..3) of block 4n + k, half g / 4 */
+                __m256i c0[4], c1[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                        _mm256_setzero_si256()};
+                KQ_Q6_CODES(g0, n, g, c0);
+                if (g1) KQ_Q6_CODES(g1, n, g, c1);
+                const int h = g / 4;
+                for (int k = 0; k < 4; k++) {
+                    const int64_t u = sb * 16 + n * 8 + h * 4 + k; /* the half's place in epilogue order */
+                    uint8_t *dst = bs + u * 256 + 64 * (g % 4);
+                    _mm256_store_si256((__m256i *)dst, c0[k]);
+                    _mm256_store_si256((__m256i *)(dst + 32), c1[k]);
+                }
+            }
+    }
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) { /* C ring: 16 tokens x 16 rows int32 */
+        cfg.rows[t] = AMX_TOKENS;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[4] = cfg.rows[6] = AMX_TOKENS; /* A: 16 tokens x 16 int8 (one half) */
+    cfg.colsb[4] = cfg.colsb[6] = 16;
+    cfg.rows[5] = cfg.rows[7] = 4; /* B: 4 rows of 4 bytes x 16 weight rows */
+    cfg.colsb[5] = cfg.colsb[7] = 64;
+    _tile_loadconfig(&cfg);
+    int32_t cbuf[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int64_t i0 = 0; i0 < count; i0 += AMX_TOKENS) {
+        const int64_t n = count - i0 < AMX_TOKENS ? count - i0 : AMX_TOKENS, k = chunk + i0 / AMX_TOKENS;
+        const int8_t *rows = p->a + k * AMX_TOKENS * nb * QK;
+        const float *das = p->da + k * AMX_TOKENS * nb;
+        const int32_t *hss = p->q128 + k * AMX_TOKENS * nb * 2;
+        __m512 acc[AMX_TOKENS];
+#pragma GCC unroll 16
+        for (int m = 0; m < AMX_TOKENS; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < nh + 2; u++) { /* three halves in flight, as in amx_rows16_int8 */
+            if (u < nh) {
+                const int64_t r = u % 16, blk = (u / 16) * 8 + 4 * (r / 8) + r % 4, h = (r / 4) % 2;
+                const int8_t *a = rows + blk * QK + 16 * h;
+                switch (u & 3) {
+#define AMX_HALF(C, A, B)                                                                                      \
+    _tile_loadd(A, a, (long)(nb * QK));                                                                        \
+    _tile_loadd(B, bs + u * 256, 64);                                                                          \
+    _tile_zero(C);                                                                                             \
+    _tile_dpbsud(C, A, B);                                                                                     \
+    break;
+                case 0: AMX_HALF(0, 4, 5)
+                case 1: AMX_HALF(1, 6, 7)
+                case 2: AMX_HALF(2, 4, 5)
+                default: AMX_HALF(3, 6, 7)
+#undef AMX_HALF
+                }
+            }
+            if (u >= 1 && u <= nh) {
+                int32_t *cb = cbuf[(u - 1) & 3];
+                switch ((u - 1) & 3) {
+                case 0: _tile_stored(0, cb, 64); break;
+                case 1: _tile_stored(1, cb, 64); break;
+                case 2: _tile_stored(2, cb, 64); break;
+                default: _tile_stored(3, cb, 64); break;
+                }
+            }
+            if (u < 2) continue;
+            const int64_t e = u - 2, r = e % 16, sb = e / 16;
+            const int64_t blk = sb * 8 + 4 * (r / 8) + r % 4, h = (r / 4) % 2, i = 2 * (4 * (r / 8) + r % 4) + h;
+            const int32_t *cb = cbuf[e & 3];
+            const __m512 sc = _mm512_load_ps(scd + (sb * 16 + i) * 16);
+            const float *da = das + blk * AMX_TOKENS;
+            const int32_t *hs = hss + (h * nb + blk) * AMX_TOKENS;
+#pragma GCC unroll 16
+            for (int m = 0; m < AMX_TOKENS; m++) {
+                const __m512i isum = _mm512_sub_epi32(_mm512_load_si512(cb + 16 * m), _mm512_set1_epi32(hs[m]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(da[m])), acc[m]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < AMX_TOKENS; m++)
+            if (m < n) _mm512_mask_storeu_ps(out + (i0 + m) * out_stride, keep, acc[m]);
     }
     _tile_release();
     atomic_fetch_add_explicit(&amx_calls, 1, memory_order_relaxed);
@@ -437,8 +552,10 @@ FT_AMX static int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, in
     if (p->bf16) return amx_rows_bf16(fmt, tile, tile_stride, ntiles, ncols, p, chunk, count, out, out_stride);
     for (int h = 0; 2 * h < ntiles; h++) { /* exact mode: 16 rows at a time (its epilogue holds 16 accumulators) */
         const int nt = ntiles - 2 * h < 2 ? ntiles - 2 * h : 2, cols = ncols - 16 * h < 16 ? ncols - 16 * h : 16;
-        if (!amx_rows16_int8(fmt, tile + 2 * h * tile_stride, tile_stride, nt, cols, p, chunk, count, out + 16 * h,
-                             out_stride))
+        if (!(fmt == FT_Q6K ? amx_rows16_q6k(tile + 2 * h * tile_stride, tile_stride, nt, cols, p, chunk, count,
+                                             out + 16 * h, out_stride)
+                            : amx_rows16_int8(fmt, tile + 2 * h * tile_stride, tile_stride, nt, cols, p, chunk, count,
+                                              out + 16 * h, out_stride)))
             return 0; /* the caller computes every row again with the tile kernels */
     }
     return 1;

@@ -258,9 +258,9 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         int64_t *c_i0 = (int64_t *)moe_carve(&w, cq), *c_n = (int64_t *)moe_carve(&w, cq);
         amx_panel_at(&c.px, panel, max_chunks, c.nbD);
         amx_panel_at(&c.pa, panel, max_chunks, c.nbI);
-        /* bf16 mode where the format has its dequantizing B fill (q4, q8); q4_k runs exact */
-        c.px.bf16 = per_pad && amx_bf16_on() && fmt != FT_Q4K;
-        c.pa.bf16 = c.act_back = per_pad && amx_bf16_on() && fmt2 != FT_Q4K;
+        /* bf16 mode where the format has its dequantizing B fill (q4, q8); K-quants run exact */
+        c.px.bf16 = per_pad && amx_bf16_on() && !fmt_is_kquant(fmt);
+        c.pa.bf16 = c.act_back = per_pad && amx_bf16_on() && !fmt_is_kquant(fmt2);
         memset(c.t_start, 0, t1);
         for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
         for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];

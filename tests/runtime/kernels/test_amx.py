@@ -57,19 +57,19 @@ def _packed(fmt: str, n: int, k: int) -> torch.Tensor:
     return ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(n, k)), k).data
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("shape", [(40, 256), (8, 512), (24, 2048)])
 @pytest.mark.parametrize("m", [5, 17, 70])
-def test_q4_k_linear_is_bit_identical_to_vnni(shape: tuple[int, int], m: int, amx: None) -> None:
-    # GGUF Q4_K (a Q4_K_M file's experts and projections): each 32-value sub-block its own scale and min
+def test_k_quant_linear_is_bit_identical_to_vnni(fmt: str, shape: tuple[int, int], m: int, amx: None) -> None:
+    # a Q4_K_M file's formats: Q4_K (a scale and a min per 32 values), Q6_K (a scale per 16 values, codes - 32)
     torch.manual_seed(m + shape[0])
     n, k = shape
-    pw = ops.PackedWeight.from_rows("q4_k", block_format("q4_k").quantize_rows(torch.randn(n, k)), k)
+    pw = ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(n, k)), k)
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     vnni, tiles = _both(lambda: ops.linear(pw, x))
     assert torch.equal(tiles, vnni)
 
 
-# q6_k down: only gate|up runs on the tiles (Q6_K keeps its own kernels)
 @pytest.mark.parametrize("fmts", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q4_k", "q8_0"),
                                   ("q4_k", "q6_k")])
 @pytest.mark.parametrize("tokens", [3, 40, 130])
@@ -183,9 +183,10 @@ def test_deterministic_mode_runs_amx_exact(bf16: None) -> None:
 
 
 
-def test_bf16_mode_leaves_q4_k_exact(bf16: None) -> None:
-    # bf16 mode has a dequantizing B fill for q4 / q8 only: Q4_K still runs the exact tiles
-    pw = ops.PackedWeight.from_rows("q4_k", block_format("q4_k").quantize_rows(torch.randn(32, 512)), 512)
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_bf16_mode_leaves_k_quants_exact(fmt: str, bf16: None) -> None:
+    # bf16 mode has a dequantizing B fill for q4 / q8 only: K-quants still run the exact tiles
+    pw = ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(32, 512)), 512)
     x = torch.randn(40, 512)
     vnni, tiles = _both(lambda: ops.linear(pw, x))
     assert torch.equal(tiles, vnni)
