@@ -112,11 +112,31 @@ def _kquant_case(tmp_path: Path, kind: str) -> tuple[Path, Path]:
     return folder, write_gguf(folder, tmp_path / f"{kind}.gguf", experts=kind)
 
 
+def assert_int8_matches(engine: Engine, int8_ref: Engine) -> None:
+    """The int8-activation kernels' logits against their plain-torch reference, both under batch-invariant ops (the
+    reference's torch GEMMs otherwise change algorithm with the row count). Still, an activation whose int8 rounding
+    lies on a tie may round the other way in the kernels' fp32 order than in the reference's (reference.near_ties),
+    and on these tiny random models one such flip moves the later logits by ~0.05-0.1: a position whose reference
+    top-2 margin is within twice its logit difference may flip (a Xeon flipped two, at margins 0.001 and 0.004);
+    every clear position must agree."""
+    from freetoken_agent.runtime.kernels import ops
+    from freetoken_agent.runtime.kernels.accuracy import kl, top1
+
+    ops.set_deterministic(True)
+    try:
+        logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
+    finally:
+        ops.set_deterministic(False)
+    top2 = want.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - want).abs().amax(-1)
+    assert int(clear.sum()) >= want.shape[0] // 2 and top1(logits[clear], want[clear]) == 1.0
+    assert kl(want, logits) <= 1e-3
+
+
 @pytest.mark.parametrize("kinds", [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K"), ("MXFP4", "MXFP4")])
 def test_native_block_experts_run_as_stored(kinds: tuple[str, str], tmp_path: Path) -> None:
     import gguf
     from freetoken_agent.runtime.kernels import build
-    from freetoken_agent.runtime.kernels.accuracy import kl, top1
 
     folder = tmp_path / "hf"
     save_checkpoint("qwen3_moe", folder, seed=2, hidden_size=256, moe_intermediate_size=512, head_dim=64)
@@ -146,22 +166,7 @@ def test_native_block_experts_run_as_stored(kinds: tuple[str, str], tmp_path: Pa
         set_mode(engine, "int8")
         int8_ref = Engine.from_pretrained(file)
         dequantized_reference(int8_ref.decoder, activations="int8")
-        # batch-invariant ops on both sides (the reference's torch GEMMs otherwise change algorithm with the row
-        # count). Still, an activation whose int8 rounding lies on a tie may round the other way in the kernels'
-        # fp32 order than in the reference's (reference.near_ties), and on this tiny random model one such flip
-        # moves the later logits by ~0.05-0.1: a position whose reference top-2 margin is within twice its logit
-        # difference may flip (a Xeon flipped two, at margins 0.001 and 0.004); every clear position must agree
-        from freetoken_agent.runtime.kernels import ops
-
-        ops.set_deterministic(True)
-        try:
-            logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
-        finally:
-            ops.set_deterministic(False)
-        top2 = want.topk(2, -1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - want).abs().amax(-1)
-        assert int(clear.sum()) >= want.shape[0] // 2 and top1(logits[clear], want[clear]) == 1.0
-        assert kl(want, logits) <= 1e-3
+        assert_int8_matches(engine, int8_ref)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0"])
@@ -248,7 +253,6 @@ def test_glm4_mtp_layer_is_not_read(checkpoints: dict, tmp_path: Path) -> None:
 
 def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
     from freetoken_agent.runtime.kernels import build
-    from freetoken_agent.runtime.kernels.accuracy import kl, top1
 
     folder, _ = checkpoints["gpt_oss"]
     file = write_gguf(folder, tmp_path / "mxfp4.gguf", experts="MXFP4")
@@ -265,22 +269,7 @@ def test_gpt_oss_mxfp4_experts(checkpoints: dict, tmp_path: Path) -> None:
         set_mode(engine, "int8")
         int8_ref = Engine.from_pretrained(file)
         dequantized_reference(int8_ref.decoder, activations="int8")
-        # batch-invariant ops on both sides (the reference's torch GEMMs otherwise change algorithm with the row
-        # count). Still, an activation whose int8 rounding lies on a tie may round the other way in the kernels'
-        # fp32 order than in the reference's (reference.near_ties), and on this tiny random model one such flip
-        # moves the later logits by ~0.05-0.1: a position whose reference top-2 margin is within twice its logit
-        # difference may flip (a Xeon flipped two, at margins 0.001 and 0.004); every clear position must agree
-        from freetoken_agent.runtime.kernels import ops
-
-        ops.set_deterministic(True)
-        try:
-            logits, want = engine.logits(PROMPT), int8_ref.logits(PROMPT)
-        finally:
-            ops.set_deterministic(False)
-        top2 = want.topk(2, -1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - want).abs().amax(-1)
-        assert int(clear.sum()) >= want.shape[0] // 2 and top1(logits[clear], want[clear]) == 1.0
-        assert kl(want, logits) <= 1e-3
+        assert_int8_matches(engine, int8_ref)
 
 
 def test_deepseek_split_kv_b_in_block_types(tmp_path: Path) -> None:
