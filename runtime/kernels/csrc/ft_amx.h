@@ -1,17 +1,24 @@
 /* AMX (Intel Advanced Matrix Extensions) for many tokens against the same weight rows: a prefill step's experts,
  * a quantized linear at M > 1. Included once, by ft_kernels.c, after the tile kernels and `qact`.
  *
- * One call computes 16 weight rows (two 8-row tiles of the repacked layout, ft_tiles.h) against any number of
- * activation rows, 16 tokens at a time. Per 32-value block b:
- *   A (16 tokens x 32 int8): the tokens' quantized activations, gathered into one buffer (row stride nb * 32);
- *   B0, B1 (8 x 32 bytes each: K/4 rows of 4 bytes per weight row = the "VNNI" layout AMX wants): q8 tiles are
- *     already that layout and load straight from the weights; q4 codes are unpacked to one byte each (low
- *     nibbles of the 4 chunks, then high nibbles), and the activation block's 4-byte groups are permuted to match;
- *   C0, C1 (16 tokens x 8 rows int32) = A . B0, A . B1 (TDPBSSD for signed q8 codes, TDPBSUD for unsigned q4).
- * The int32 sums are the ones the 1-token AVX-512 VNNI kernels compute (q8: + 128 * sum(a), their flipped
- * codes), and the fp32 epilogue applies the scales in the same order (acc = fma(s, dw * da, acc); corr = fma(dw,
- * sa, corr) over blocks; out = acc - zero * corr), so every output is bit-identical to that path: the batch
- * invariance of the quantized kernels (invariant.py) holds with AMX on.
+ * A work item is 32 weight rows (four 8-row tiles of the repacked layout, ft_tiles.h) against every token of the call
+ * (of one expert, for the fused MoE step), 16 tokens at a time: the tokens' activations are gathered once per call
+ * (per MoE pass) into 16-token panels (amx_panel), the item's weights are unpacked once into B tiles.
+ *
+ * Exact mode (the default), per 16 weight rows and 32-value block b (Q6_K: per 16-value half):
+ *   A (16 tokens x 32 int8): the block's quantized activations, straight from the panel (row stride nb * 32);
+ *   B (8 rows x 64 bytes: 4 bytes of K for each of the 16 weight rows, the layout AMX multiplies): q8 codes as
+ *     stored; q4 codes unpacked to one byte each (low nibbles of the 4 chunks, then high nibbles; the panel's
+ *     activation groups permuted to match); q4_k one nibble half of eight chunks; q6_k codes of one half;
+ *   C (16 tokens x 16 rows int32) = A . B (TDPBSSD for signed q8 codes, TDPBSUD for unsigned ones).
+ * The int32 sums are the ones the 1-token AVX-512 VNNI kernels compute (q8: + 128 * sum(a), their flipped codes;
+ * q6_k: - 32 * the half's sum(a)), and the fp32 epilogue applies the scales in the same order (acc = fma(s, dw *
+ * da, acc); corr = fma(dw, sa, corr) over blocks; out = acc - zero * corr), so every output is bit-identical to that
+ * path: the batch invariance of the quantized kernels (invariant.py) holds with AMX on. C tiles rotate through four
+ * registers so a block's product, the previous block's store and the one before's read-back overlap.
+ *
+ * bf16 mode (opt-in, q4 / q8): the weights dequantized to bf16, the activations rounded to bf16, TDPBF16PS summing
+ * all of K in fp32 with no per-block epilogue; two token chunks x two 16-row halves per block (amx_rows_bf16).
  *
  * Linux gives a process AMX's 8 KB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM): detection asks
  * once; where the kernel refuses (old kernel, a VM without it), the ISA stays AVX-512 VNNI.
