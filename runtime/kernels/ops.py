@@ -252,9 +252,9 @@ def deterministic() -> bool:
 def set_isa(name: str) -> str:
     """Force an ISA path (``best``, ``portable``, ``avx2``, ``avx512vnni``, ``amx``); raises if this CPU lacks it.
 
-    ``amx`` is AVX-512 VNNI plus Intel AMX tiles for q4/q8 weights against several tokens at once (a prefill
-    step's experts, a quantized linear at M > 1), bit-identical to ``avx512vnni``; Linux must grant the process
-    the tile state (asked at detection)."""
+    ``amx`` is AVX-512 VNNI plus Intel AMX tiles for Q4_0, Q8_0, Q4_K and Q6_K weights against several tokens at
+    once (a prefill step's experts, a quantized linear at M > 1), bit-identical to ``avx512vnni`` by default
+    (``set_amx_exact``); Linux must grant the process the tile state (asked at detection)."""
     if name not in ISA_CODE:
         raise FreeTokenError(f"unknown ISA {name!r}; expected one of {', '.join(ISA_CODE)}")
     got = _lib().ft_set_isa(ISA_CODE[name])
@@ -541,22 +541,25 @@ def set_moe_pass_bytes(nbytes: int) -> int:
 
 def set_amx_min_tokens(n: int) -> int:
     """Tokens on one weight from which the ``amx`` ISA path runs its tiles (0: the default, 10); fewer run the
-    AVX-512 VNNI tile kernels. Returns the previous value. Either way the results are the same bit for bit."""
+    AVX-512 VNNI tile kernels. Returns the previous value. In exact mode the results are the same bit for bit
+    either way."""
     return int(_lib().ft_amx_set_min_tokens(max(0, int(n))))
 
 
 def set_amx_exact(on: bool) -> bool:
     """The ``amx`` path's mode; returns the previous one. Exact (int8 tiles, the default): every output bit-identical
     to the AVX-512 VNNI kernels, as batch invariance needs; ``set_deterministic(True)`` turns it back on. Off (or
-    ``$FREETOKEN_AMX_BF16=1`` at load; needs AMX-BF16 and AVX512-BF16): weights dequantized to bf16 once per 16 rows,
-    activations rounded to bf16 instead of int8, fp32 sums over all of K in the tiles, no per-block scaling: closer
-    to the fp32 product, a little faster at M >= 64 tokens per weight, not bit-identical."""
+    ``$FREETOKEN_AMX_BF16=1`` at load; needs AMX-BF16 and AVX512-BF16; Q4_0 / Q8_0 only, K-quants stay exact):
+    weights dequantized to bf16 once per 32-row work item, activations rounded to bf16 instead of int8, fp32 sums
+    over all of K in the tiles, no per-block scaling: closer to the fp32 product, faster from ~64 tokens per weight
+    (a 512-token MoE layer of the 7.5B benchmark model: 48 vs 66 ms), not bit-identical."""
     return bool(_lib().ft_amx_set_exact(int(bool(on))))
 
 
 def amx_calls() -> int:
-    """How many 16-row pieces of work the ``amx`` path has computed since the library loaded (0 where it never
-    ran): proof in tests and benchmarks that the tiles, not the fallback, did the work."""
+    """How many pieces of work (16 weight rows in exact mode, a 32-row item in bf16 mode) the ``amx`` path has
+    computed since the library loaded (0 where it never ran): proof in tests and benchmarks that the tiles, not the
+    fallback, did the work."""
     return int(_lib().ft_amx_calls())
 
 

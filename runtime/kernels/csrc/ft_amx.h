@@ -66,7 +66,7 @@ static inline void amx_panel_at(amx_panel *p, uint8_t *mem, int64_t chunks, int6
 
 /* Tokens per call below which the tile kernels run instead (AMX pads a 16-token block). */
 static int64_t amx_min_tokens = AMX_MIN_DEFAULT;
-static _Atomic int64_t amx_calls; /* 16-row items run through AMX since load (tests: proof the path ran) */
+static _Atomic int64_t amx_calls; /* pieces of work run through AMX since load (tests: proof the path ran) */
 
 /* bf16 mode (opt-in: $FREETOKEN_AMX_BF16=1 or ft_amx_set_exact(0), where the CPU has AMX-BF16 and AVX512-BF16):
  * weights dequantized to bf16 once per 16-row item, activations rounded to bf16 (not int8), TDPBF16PS accumulating
