@@ -339,7 +339,9 @@ FT_AVX2 static void tile_row_dequant_avx2(int fmt, const uint8_t *tb, int r, flo
 #include "ft_kquant.h"
 #include "ft_mxfp4.h"
 
-#if defined(FT_X86) && defined(__linux__)
+/* AMX intrinsics need GCC 11 or clang 12; an older compiler builds everything else (the ISA stays AVX-512 VNNI) */
+#if defined(FT_X86) && defined(__linux__) &&                                                                      \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define FT_HAVE_AMX 1 /* ft_amx.h */
 #include <cpuid.h>
 #include <sys/syscall.h>
