@@ -158,7 +158,9 @@ def test_bf16_mode_moe_tracks_the_int8_path_and_is_the_same_in_any_passes(fmt: s
     ops.set_isa("avx512vnni")
     int8 = ops.moe(fmt, w13, w2, (d, i), x, ids, wts)
     ops.set_isa("amx")
+    calls = ops.amx_calls()
     out = ops.moe(fmt, w13, w2, (d, i), x, ids, wts)
+    assert ops.amx_calls() > calls and not torch.equal(out, int8)  # the bf16 tiles ran, not the int8 path
     assert _rel(out, int8) < 0.02  # two roundings of each path's activations apart
     before = ops.set_moe_pass_bytes(32 << 10)
     try:
