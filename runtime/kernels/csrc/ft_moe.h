@@ -204,7 +204,8 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     c.w13 = w13; c.w2 = w2; c.w13_stride = w13_stride; c.w2_stride = w2_stride;
     c.D = D; c.I = I; c.nbD = (D + QK - 1) / QK; c.nbI = (I + QK - 1) / QK;
     c.n13 = (2 * I + TR - 1) / TR * TR;
-    c.rows_item = amx_takes(fmt, 1 << 30) || amx_takes(fmt2, 1 << 30) ? AMX_ROWS : ROWS_PER_ITEM;
+    const int amx13 = amx_takes(fmt, 1 << 30), amx2 = amx_takes(fmt2, 1 << 30); /* formats AMX may run here */
+    c.rows_item = amx13 || amx2 ? AMX_ROWS : ROWS_PER_ITEM;
     c.chunks13 = (c.n13 + c.rows_item - 1) / c.rows_item;
     c.n_groups = G; c.g_expert = g_expert; c.g_start = g_start; c.s_token = s_token; c.s_weight = s_weight;
     c.out = out;
@@ -215,7 +216,6 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     {
         /* AMX groups (enough tokens on one expert) also hold their tokens' activations gathered, 16 rows per chunk
          * (amx_panel): padded rows of either matmul's panel, sharing one buffer */
-        const int amx13 = amx_takes(fmt, 1 << 30), amx2 = amx_takes(fmt2, 1 << 30);
         const int64_t nbP = c.nbD > c.nbI ? c.nbD : c.nbI;
         const size_t per_pad = amx13 || amx2 ? amx_chunk_bytes(nbP) / AMX_TOKENS : 0;
 #define MOE_PADDED(n) ((amx_takes(fmt, (n)) || amx_takes(fmt2, (n))) ? ((n) + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS : 0)
