@@ -267,8 +267,11 @@ def test_a_client_leaving_an_n_stream_stops_every_choice(served) -> None:
     client, backend = served
     scheduler = lambda: backend.engine.stats()["scheduler"]  # noqa: E731
     before = scheduler()["cancelled"]
+    # End-of-sequence is banned so that no choice can finish on its own before the client leaves: each of the three
+    # must be stopped by the cancellation (a sampled EOS once made this count 2 of 3 on CI).
+    no_eos = {str(t): -100 for t in backend.engine.eos_token_ids}
     stream = client.chat.completions.create(model="builtin", messages=HI, max_tokens=1000, temperature=1.0, n=3,
-                                            stream=True)
+                                            stream=True, logit_bias=no_eos)
     for n, _chunk in enumerate(stream):
         if n >= 6:
             break
