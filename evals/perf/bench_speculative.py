@@ -5,7 +5,8 @@ and labelled per token by phase as ``phase_trace`` does: ``plan`` text, ``code``
 
 1. **Built-in model, real decode.** For each assistant span of a phase (``code``: the tool call; ``plan``: the
    thought before it), the prompt is the ``--window`` tokens before the span; the model decodes ``--max-new`` tokens
-   greedily with speculation off and on (defaults of ``SpeculationConfig``). Decode tok/s = generated tokens after
+   greedily with speculation off and on (defaults of ``SpeculationConfig``), the request tagged with its phase as
+   the SDK's ``Agent`` tags it. Decode tok/s = generated tokens after
    the first / seconds after the first (``RequestResult.decode_s``), summed over the turns; the outputs with and
    without are compared token for token.
 2. **Oracle acceptance** (model-free; what a model that writes exactly the recorded reply would accept): at each
@@ -140,7 +141,7 @@ def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new:
     for i, p in enumerate(prompts):  # modes interleaved per turn (and their order alternated): the same load
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
             engine.speculation = mode == "on"
-            r = engine.generate(p, params)
+            r = engine.generate(p, params, phase=phase)  # the phase an agent announces for the turn
             results[mode].append(r.token_ids)
             if len(r.token_ids) > 1:
                 totals[mode][0] += len(r.token_ids) - 1

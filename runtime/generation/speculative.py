@@ -11,9 +11,9 @@ rule when sampled), so the output is distributed exactly as without speculation.
 How many tokens to draft is decided per sequence and step by ``DraftPolicy``: the acceptance of a draft token is
 modelled as a coin with probability a (drafts of k tokens then give 1 + a + ... + a^k tokens per step), estimated
 from the sequence's own recent verifications, pulled toward the acceptance measured in its phase (``code`` turns
-copy more than ``plan`` turns); a verified row of k + 1 tokens is priced at 1 + ``verify_cost`` · k decode steps,
-``verify_cost`` measured while decoding (``StepCost``: step seconds fitted against step tokens; on a q4 MoE a draft
-token costs ~0.2 of a step, on the built-in model ~0.1: ``evals/perf/bench_speculative.py``). The policy picks the k with the most tokens per unit of cost, and
+copy more than ``plan`` turns); a verified row of k + 1 tokens is priced at what steps of k + 1 tokens measured
+while decoding cost against 1-token steps (``StepCost``: mean seconds per step size; ``verify_cost`` fixes a linear
+price instead). The policy picks the k with the most tokens per unit of cost, and
 k = 0 — plain decode, nothing drafted, nothing verified — when no draft pays. A sequence that stops speculating
 forgets its failures slowly (``idle_decay`` per step), so it tries again later.
 
@@ -108,7 +108,7 @@ class SpeculationConfig:
     q4 MoE, ``evals/perf/bench_speculative.py``)."""
     verify_cost: float | None = None
     """Cost of each draft token of a row, in 1-token decode steps (1 + verify_cost · k for a row of k + 1); None:
-    measured on this machine and model while decoding (``StepCost``), 0.1 until enough steps were seen."""
+    what rows of each size cost, measured on this machine and model while decoding (``StepCost.relative``)."""
     key: int = 2
     """Tokens of the n-gram looked up in the context."""
     prior: float = 0.35
@@ -163,39 +163,92 @@ def expected_tokens(accept: float, k: int) -> float:
     return (1.0 - accept ** (k + 1)) / (1.0 - accept)
 
 
-def best_draft_length(accept: float, max_draft: int, verify_cost: float) -> int:
-    """The k in 0..``max_draft`` with the most tokens per unit of step cost (0 when no draft pays)."""
+def best_draft_length(accept: float, max_draft: int, verify_cost: float | Callable[[int], float]) -> int:
+    """The k in 0..``max_draft`` with the most tokens per unit of step cost (0 when no draft pays). ``verify_cost``:
+    each draft token's cost in 1-token steps (a row of k + 1 costs 1 + verify_cost · k), or the relative cost of a
+    row of k + 1 tokens as a function of k (``StepCost.relative``)."""
+    rel = verify_cost if callable(verify_cost) else (lambda k: 1.0 + verify_cost * k)
     best_k, best = 0, 1.0
     for k in range(1, max_draft + 1):
-        gain = expected_tokens(accept, k) / (1.0 + verify_cost * k)
+        gain = expected_tokens(accept, k) / max(rel(k), 1e-9)
         if gain > best + 1e-9:
             best_k, best = k, gain
     return best_k
 
 
 class StepCost:
-    """The measured cost of a draft token: a decode step's seconds fitted as a + b · T over its T tokens
-    (least squares over exponentially decayed sums), so a row of k + 1 costs 1 + k · b / (a + b) one-token steps."""
+    """What a decode step of T tokens costs on this machine and model, measured while decoding.
 
-    def __init__(self, decay: float = 0.98, default: float = 0.1) -> None:
-        self.decay, self.default = decay, default
+    Two views of the same observations (decode steps' seconds against their tokens, exponentially decayed):
+    a table of mean seconds per step size T, and a least-squares line a + b · T through all of them. The table is
+    what prices a draft: the cost of a step does not grow linearly with its tokens — the first draft token moves a
+    row off the single-token paths (attention over several queries, more experts read), later ones add less
+    (built-in model: 1.12x a 1-token step for 2 tokens, 1.60x for 8; 7.5B q4 MoE: 1.61x, 4.14x for 9) — and a
+    line fitted through mostly 1- and 2-token steps priced 8 tokens at 3x. Sizes never seen are interpolated
+    between their nearest seen neighbours and extrapolated above the largest with the line's slope."""
+
+    MIN_WEIGHT = 3.0
+    """Decayed observations a step size needs before its mean is used."""
+
+    def __init__(self, decay: float = 0.98, default: float = 0.1, max_tokens: int = 64) -> None:
+        self.decay, self.default, self.max_tokens = decay, default, max_tokens
         self._sums = [0.0] * 5  # n, Σt, Σs, Σt², Σts
+        self._by_size: dict[int, list[float]] = {}  # T → [decayed weight, decayed Σ seconds]
 
     def observe(self, tokens: int, seconds: float) -> None:
         d = self.decay
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self._sums[i] = self._sums[i] * d + v
+        if 1 <= tokens <= self.max_tokens:
+            entry = self._by_size.setdefault(tokens, [0.0, 0.0])
+            entry[0] += 1.0
+            entry[1] += seconds
+            if entry[0] > 50.0:  # a running mean over about the last 50 steps of this size
+                entry[0], entry[1] = entry[0] * 0.98, entry[1] * 0.98
 
-    def estimate(self) -> float:
+    def _line(self) -> tuple[float, float] | None:
         n, st, ss, stt, sts = self._sums
         var = n * stt - st * st
         if n < 8 or var <= 1e-9 * max(n * stt, 1.0):  # too few steps, or all of one size: nothing to fit
-            return self.default
+            return None
         b = (n * sts - st * ss) / var
         a = (ss - b * st) / n
-        if a + b <= 0:
+        return (a, b) if a + b > 0 else None
+
+    def estimate(self) -> float:
+        """The line's cost of one more token in 1-token steps (``default`` until it can be fitted)."""
+        line = self._line()
+        if line is None:
             return self.default
+        a, b = line
         return min(max(b / (a + b), 0.03), 4.0)  # a floor: timing noise never makes drafts look free
+
+    def seconds(self) -> dict[int, float]:
+        """Mean seconds of each step size seen often enough."""
+        return {t: s / w for t, (w, s) in sorted(self._by_size.items()) if w >= self.MIN_WEIGHT}
+
+    def relative(self, k: int) -> float:
+        """Cost of a step of 1 + k tokens in 1-token steps (never below 1 + 0.03 · k: noise never makes drafts free;
+        ``1 + estimate() · k`` until 1-token steps were measured)."""
+        floor = 1.0 + 0.03 * k
+        if k <= 0:
+            return 1.0
+        seen = self.seconds()
+        one = seen.get(1)
+        if one is None or one <= 0:
+            return max(1.0 + self.estimate() * k, floor)
+        t = 1 + k
+        if t in seen:
+            return max(seen[t] / one, floor)
+        below = max(s for s in seen if s < t)
+        above = min((s for s in seen if s > t), default=None)
+        if above is not None:  # between two measured sizes
+            w = (t - below) / (above - below)
+            return max((seen[below] * (1 - w) + seen[above] * w) / one, floor)
+        slope = self.estimate() * one if self._line() is not None else self.default * one
+        if below > 1:  # above the largest measured size: the measured slope between sizes, at least
+            slope = max(slope, (seen[below] - one) / (below - 1))
+        return max((seen[below] + slope * (t - below)) / one, floor)
 
 
 class PhaseAcceptance:
@@ -238,7 +291,7 @@ class DraftPolicy:
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
-        cost = self.config.verify_cost if self.config.verify_cost is not None else self.cost.estimate()
+        cost = self.config.verify_cost if self.config.verify_cost is not None else self.cost.relative
         k = min(limit, best_draft_length(self.acceptance(phase), self.config.max_draft, cost))
         if k <= 0:
             d = self.config.idle_decay

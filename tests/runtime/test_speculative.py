@@ -289,3 +289,31 @@ def test_step_cost_is_fitted_from_decode_steps() -> None:
     for _ in range(20):
         flat.observe(1, 0.01)  # one size only: nothing to fit
     assert flat.estimate() == flat.default
+
+
+def test_step_cost_prices_rows_from_the_sizes_it_measured() -> None:
+    """A concave cost profile (the first draft token costs most) is priced as measured, not by a line through it."""
+    cost = StepCost()
+    assert cost.relative(3) == 1 + cost.default * 3  # nothing measured: the default line
+    profile = {1: 0.010, 2: 0.0112, 3: 0.0118, 5: 0.0130, 8: 0.0160}
+    for _ in range(10):
+        for t, sec in profile.items():
+            cost.observe(t, sec)
+    assert cost.seconds() == pytest.approx(profile)
+    assert cost.relative(0) == 1.0
+    assert cost.relative(1) == pytest.approx(1.12) and cost.relative(7) == pytest.approx(1.6)
+    assert cost.relative(3) == pytest.approx((0.0118 * 0.5 + 0.0130 * 0.5) / 0.010)  # between 3 and 5 tokens
+    # above the largest size seen: at least the measured slope from 1 token to it
+    assert cost.relative(9) >= (0.0160 + (0.0160 - 0.010) / 7 * 2) / 0.010 - 1e-9
+    # with this profile a draft accepted 60% of the time pays at a longer length than the fitted line allows
+    assert best_draft_length(0.6, 7, cost.relative) > best_draft_length(0.6, 7, cost.estimate())
+    skewed = StepCost()  # what a policy drafting one token at a time sees: 1- and 2-token steps only
+    for _ in range(20):
+        skewed.observe(1, 0.010)
+        skewed.observe(2, 0.0112)
+    assert skewed.relative(7) == pytest.approx(1 + 0.12 * 7)  # the measured slope carried on
+    noisy = StepCost()
+    for _ in range(10):
+        noisy.observe(1, 0.010)
+        noisy.observe(4, 0.009)  # noise: a bigger step measured faster
+    assert noisy.relative(3) >= 1 + 0.03 * 3  # drafts never look free
