@@ -235,6 +235,136 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
 FT_ATTN_LOOPS(avx2, float, FT_LOAD_F32, FT_SAME_F32)
 FT_ATTN_LOOPS(f16_avx2, uint16_t, FT_LOAD_F16, fp16_to_fp32)
 FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
+
+/* The same loops in 512-bit registers (the AVX-512 ISA settings), bitwise equal to the AVX2 ones: qk puts two
+ * keys' 8-value pieces side by side in one register against the query piece broadcast to both halves, so each half
+ * is exactly an AVX2 accumulator (4 rows x 4 keys per tile, reduced by the same hsum8x8 tree); pv is one FMA chain
+ * per output value in key order whatever the width. Half the instructions for the same arithmetic. */
+#define FT_ATTN_LOOPS512(SUF, T, LOAD2X8, LOAD16, SCALAR)                                                          \
+    FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
+                                         int64_t dh, float scale, float *sc) {                                \
+        const int64_t d8 = dh / 8 * 8;                                                                         \
+        for (int64_t i = 0; i < n; i += 4) {                                                                   \
+            const T *kk[4];                                                                                    \
+            for (int j = 0; j < 4; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                     \
+            if (i + ATTN_AHEAD + 3 < n)                                                                        \
+                for (int64_t b = 0; b < dh * (int64_t)sizeof(T); b += 64)                                      \
+                    for (int j = 0; j < 4; j++)                                                                \
+                        _mm_prefetch((const char *)(kk[j] + ATTN_AHEAD * stride) + b, _MM_HINT_T0);            \
+            for (int64_t r = 0; r < R; r += 4) {                                                               \
+                const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                for (int64_t d = 0; d < d8; d += 8) {                                                          \
+                    const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);       \
+                    __m512 qv = ft_bcast8x2(q0 + d);                                                           \
+                    a0 = _mm512_fmadd_ps(qv, x0, a0);                                                          \
+                    a1 = _mm512_fmadd_ps(qv, x1, a1);                                                          \
+                    qv = ft_bcast8x2(q1 + d);                                                                  \
+                    a2 = _mm512_fmadd_ps(qv, x0, a2);                                                          \
+                    a3 = _mm512_fmadd_ps(qv, x1, a3);                                                          \
+                    qv = ft_bcast8x2(q2 + d);                                                                  \
+                    a4 = _mm512_fmadd_ps(qv, x0, a4);                                                          \
+                    a5 = _mm512_fmadd_ps(qv, x1, a5);                                                          \
+                    qv = ft_bcast8x2(q3 + d);                                                                  \
+                    a6 = _mm512_fmadd_ps(qv, x0, a6);                                                          \
+                    a7 = _mm512_fmadd_ps(qv, x1, a7);                                                          \
+                }                                                                                              \
+                /* keys 0, 1 of each row, then keys 2, 3: the AVX2 tile's (row, key) accumulator order */       \
+                const __m256 lo[8] = {ft_lo8(a0), ft_hi8(a0), ft_lo8(a2), ft_hi8(a2),                          \
+                                      ft_lo8(a4), ft_hi8(a4), ft_lo8(a6), ft_hi8(a6)};                         \
+                const __m256 hi[8] = {ft_lo8(a1), ft_hi8(a1), ft_lo8(a3), ft_hi8(a3),                          \
+                                      ft_lo8(a5), ft_hi8(a5), ft_lo8(a7), ft_hi8(a7)};                         \
+                float s8[16];                                                                                  \
+                _mm256_storeu_ps(s8, hsum8x8(lo));                                                             \
+                _mm256_storeu_ps(s8 + 8, hsum8x8(hi));                                                         \
+                for (int u = 0; u < 4; u++)                                                                    \
+                    for (int j = 0; j < 4; j++) {                                                              \
+                        float x = s8[(j / 2) * 8 + 2 * u + j % 2];                                             \
+                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);         \
+                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                          \
+                    }                                                                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
+                                         int64_t dv, float *const *o) {                                       \
+        const int64_t d32 = dv / 32 * 32, d16 = dv / 16 * 16;                                                  \
+        for (int64_t d0 = 0; d0 < d16; d0 += d0 < d32 ? 32 : 16) {                                             \
+            const int two = d0 < d32;                                                                          \
+            for (int64_t r = 0; r < R; r += 4) {                                                               \
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                const float *p0 = p + r * ATTN_BLOCK, *p1 = p0 + ATTN_BLOCK, *p2 = p1 + ATTN_BLOCK,            \
+                            *p3 = p2 + ATTN_BLOCK;                                                             \
+                const T *vr = v + d0;                                                                          \
+                for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
+                    if (d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                               \
+                        for (int64_t b = 0; b < dv * (int64_t)sizeof(T); b += 64)                              \
+                            _mm_prefetch((const char *)(vr + ATTN_AHEAD * stride) + b, _MM_HINT_T0);           \
+                    const __m512 x0 = LOAD16(vr), x1 = two ? LOAD16(vr + 16) : x0;                             \
+                    __m512 pb = _mm512_set1_ps(p0[i]);                                                         \
+                    a0 = _mm512_fmadd_ps(pb, x0, a0);                                                          \
+                    a1 = _mm512_fmadd_ps(pb, x1, a1);                                                          \
+                    pb = _mm512_set1_ps(p1[i]);                                                                \
+                    a2 = _mm512_fmadd_ps(pb, x0, a2);                                                          \
+                    a3 = _mm512_fmadd_ps(pb, x1, a3);                                                          \
+                    pb = _mm512_set1_ps(p2[i]);                                                                \
+                    a4 = _mm512_fmadd_ps(pb, x0, a4);                                                          \
+                    a5 = _mm512_fmadd_ps(pb, x1, a5);                                                          \
+                    pb = _mm512_set1_ps(p3[i]);                                                                \
+                    a6 = _mm512_fmadd_ps(pb, x0, a6);                                                          \
+                    a7 = _mm512_fmadd_ps(pb, x1, a7);                                                          \
+                }                                                                                              \
+                _mm512_storeu_ps(o[r] + d0, a0);                                                               \
+                _mm512_storeu_ps(o[r + 1] + d0, a2);                                                           \
+                _mm512_storeu_ps(o[r + 2] + d0, a4);                                                           \
+                _mm512_storeu_ps(o[r + 3] + d0, a6);                                                           \
+                if (two) {                                                                                     \
+                    _mm512_storeu_ps(o[r] + d0 + 16, a1);                                                      \
+                    _mm512_storeu_ps(o[r + 1] + d0 + 16, a3);                                                  \
+                    _mm512_storeu_ps(o[r + 2] + d0 + 16, a5);                                                  \
+                    _mm512_storeu_ps(o[r + 3] + d0 + 16, a7);                                                  \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t r = 0; r < R; r++)                                                                        \
+            for (int64_t d = d16; d < dv; d++) {                                                               \
+                float x = 0.f;                                                                                 \
+                for (int64_t i = 0; i < n; i++) x = fmaf(p[r * ATTN_BLOCK + i], SCALAR(v[i * stride + d]), x); \
+                o[r][d] = x;                                                                                   \
+            }                                                                                                  \
+    }
+
+FT_VNNI static inline __m256 ft_lo8(__m512 z) { return _mm512_castps512_ps256(z); }
+FT_VNNI static inline __m256 ft_hi8(__m512 z) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)); }
+/* 8 floats at p in both halves */
+FT_VNNI static inline __m512 ft_bcast8x2(const float *p) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+/* 8 values at a in the low half, 8 at b in the high half, widened to fp32 */
+FT_VNNI static inline __m512 ft_pair_f32(const float *a, const float *b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+FT_VNNI static inline __m256i ft_pair_u16(const uint16_t *a, const uint16_t *b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+FT_VNNI static inline __m512 ft_pair_f16(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(ft_pair_u16(a, b));
+}
+FT_VNNI static inline __m512 ft_widen_bf16x16(__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+FT_VNNI static inline __m512 ft_pair_bf16(const uint16_t *a, const uint16_t *b) {
+    return ft_widen_bf16x16(ft_pair_u16(a, b));
+}
+#define FT_LOAD16_F32(p) _mm512_loadu_ps(p)
+#define FT_LOAD16_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define FT_LOAD16_BF16(p) ft_widen_bf16x16(_mm256_loadu_si256((const __m256i *)(p)))
+
+FT_ATTN_LOOPS512(f32, float, ft_pair_f32, FT_LOAD16_F32, FT_SAME_F32)
+FT_ATTN_LOOPS512(f16, uint16_t, ft_pair_f16, FT_LOAD16_F16, fp16_to_fp32)
+FT_ATTN_LOOPS512(bf16, uint16_t, ft_pair_bf16, FT_LOAD16_BF16, bf16_to_f32)
 #endif
 
 #define ATTN_QUERIES_PER_ITEM 8 /* queries of a chunk that share an item: its key block is read once for them */
@@ -286,12 +416,14 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         }
         const void *kb = (const char *)c->k + (size_t)(s0 * c->k_stride + hk * c->dh) * es;
         const void *vb = (const char *)c->v + (size_t)(s0 * c->v_stride + hk * c->dv) * es;
+        const int wide = g_isa >= FT_ISA_AVX512VNNI;
         if (c->kv_type == FT_KV_F16)
-            qk_rows_f16_avx2(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc);
+            (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc);
         else if (c->kv_type == FT_KV_BF16)
-            qk_rows_bf16_avx2(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc);
+            (wide ? qk_rows512_bf16 : qk_rows_bf16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale,
+                                                          sc);
         else
-            qk_rows_avx2(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc);
+            (wide ? qk_rows512_f32 : qk_rows_avx2)(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc);
         for (int64_t r = 0; r < R4; r++) {
             float *row = sc + r * ATTN_BLOCK;
             if (r < R) {
@@ -303,11 +435,11 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
             for (int64_t i = nrow[r]; i < n; i++) row[i] = 0.f;
         }
         if (c->kv_type == FT_KV_F16)
-            pv_rows_f16_avx2(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow);
+            (wide ? pv_rows512_f16 : pv_rows_f16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow);
         else if (c->kv_type == FT_KV_BF16)
-            pv_rows_bf16_avx2(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow);
+            (wide ? pv_rows512_bf16 : pv_rows_bf16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow);
         else
-            pv_rows_avx2(sc, R4, (const float *)vb, c->v_stride, n, c->dv, orow);
+            (wide ? pv_rows512_f32 : pv_rows_avx2)(sc, R4, (const float *)vb, c->v_stride, n, c->dv, orow);
         tq = te;
     }
 }

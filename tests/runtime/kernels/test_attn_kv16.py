@@ -135,3 +135,30 @@ def test_engine_attention_over_a_16bit_cache_equals_the_widened_cache(dtype: tor
             got = layers.attention_scores(q, k16, v16, q_pos, spec, sinks)
             want = layers.attention_scores(q, k16.float(), v16.float(), q_pos, spec, sinks)
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5), (isa, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dims", [(133, 8, 2, 64, 64), (70, 6, 2, 36, 20)])
+def test_a_verify_row_reads_its_keys_once_and_matches_decoding_alone(dims: tuple[int, ...], dtype: torch.dtype,
+                                                                       isas: list[str]) -> None:
+    """A row of consecutive queries over one key range (speculative decoding's last token and drafts, a causal
+    chunk) runs as one pass per block for all of them; the ranges end on both sides of a block boundary, so the
+    last block has fewer queries than the first. Each query is bitwise what it is decoded alone."""
+    s, h, hkv, dh, dv = dims
+    k32, v32, k16, v16 = _paged(s, hkv, dh, dv, dtype if dtype != torch.float32 else torch.float16, seed=s)
+    k, v = (k32, v32) if dtype == torch.float32 else (k16, v16)
+    for t in (3, 11):  # one item's queries, and more than one item
+        q = torch.randn(t, h, dh, generator=torch.Generator().manual_seed(t))
+        hi = torch.arange(s - t, s) + 1
+        lo = torch.zeros_like(hi)
+        vector: dict[str, torch.Tensor] = {}
+        with every_path(isas) as paths:
+            for isa, threads in paths:
+                out = ops.attn_queries(q, k, v, lo, hi, 0.15, None)
+                if isa != "portable":  # the AVX2 loops and their 512-bit form: the same arithmetic, the same bits
+                    assert torch.equal(vector.setdefault("any", out), out), (isa, threads, t)
+                for i in range(t):
+                    b = int(hi[i])
+                    assert torch.equal(out[i], ops.attn_decode(q[i], k[:b], v[:b], 0.15)), (isa, threads, t, i)
+                    ref = _reference(q[i], k.float(), v.float(), 0, b, 0.15, None)
+                    assert torch.allclose(out[i], ref, rtol=1e-5, atol=1e-5), (isa, threads, t, i)
