@@ -912,8 +912,9 @@ class Scheduler:
         return {"enabled": cfg.enabled and self.speculation_unsupported is None,
                 "unsupported": self.speculation_unsupported, "max_draft": cfg.max_draft,
                 "verify_cost": cfg.verify_cost if cfg.verify_cost is not None else round(self.step_cost.estimate(), 4),
-                "row_cost": {k: round(1 + cfg.verify_cost * k if cfg.verify_cost is not None
-                                      else self.step_cost.relative(k), 3) for k in range(1, cfg.max_draft + 1)},
+                # a row of k + 1 tokens in 1-token steps, k = 1..max_draft: what the policy prices drafts at
+                "row_cost": [round(1 + cfg.verify_cost * k if cfg.verify_cost is not None
+                                   else self.step_cost.relative(k), 3) for k in range(1, cfg.max_draft + 1)],
                 **self.spec_stats.snapshot()}
 
     def snapshot(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from freetoken_agent.evals.perf.timing import DecodeTiming
 CONFIG: dict[str, Any] = dict(
     vocab_size=8192, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4, num_attention_heads=16,
     num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
-    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=16384, rms_norm_eps=1e-6,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False, hidden_act="silu",
     model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
 )  # fmt: skip

@@ -17,8 +17,9 @@ from typing import Any
 
 from freetoken_agent.evals.perf.bench_gguf_decode import CONFIG, ensure_gguf, write_checkpoint
 
-MODEL_CONFIG: dict[str, Any] = {**CONFIG, "num_hidden_layers": 24, "eos_token_id": 2}
-"""``eos_token_id`` 2 is ``<|im_end|>`` in the built-in tokenizer."""
+MODEL_CONFIG: dict[str, Any] = {**CONFIG, "num_hidden_layers": 24, "eos_token_id": 2, "max_position_embeddings": 16384}
+"""``eos_token_id`` 2 is ``<|im_end|>`` in the built-in tokenizer; 16k positions so the long-context row can decode
+after 8,192 tokens (random weights: the position count only bounds the prompt)."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -65,7 +65,7 @@ class SDKAgent:
 
 
 # Engine statistics that are not cumulative counters: kept as they are at the task's end, never subtracted.
-_NOT_COUNTERS = ("_rate", "_ratio", "_tok_s", "_per_s", "threads", "phase")
+_NOT_COUNTERS = ("_rate", "_ratio", "_tok_s", "_per_s", "_cost", "threads", "phase")
 
 
 def _stats(backend: Any) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
         if isinstance(value, dict) and isinstance(old, dict):
             out[key] = stats_delta(old, value)
         elif (isinstance(value, (int, float)) and isinstance(old, (int, float)) and not isinstance(value, bool)
-              and not key.endswith(_NOT_COUNTERS)):
+              and not str(key).endswith(_NOT_COUNTERS)):  # keys may be ints (speculation's k_hist)
             out[key] = round(value - old, 6)
         else:
             out[key] = value
@@ -96,7 +96,7 @@ def _task_rates(delta: dict[str, Any], before: dict[str, Any]) -> None:
     """Recompute ``<name>_hit_rate`` over the task from its counters when the engine reports them:
     ``<name>_hits`` / ``<name>_misses``, or ``<name>_hit_tokens`` / ``prefill_tokens`` (tokens reused vs computed)."""
     for key in list(delta):
-        if not key.endswith("_hit_rate") or not before:
+        if not str(key).endswith("_hit_rate") or not before:
             continue
         name = key[: -len("_hit_rate")]
         pairs = [(f"{name}_hits", f"{name}_misses"), (f"{name}_hit_tokens", "prefill_tokens")]

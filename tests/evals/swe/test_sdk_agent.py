@@ -101,6 +101,11 @@ def test_engine_stats_become_per_task_differences() -> None:
         "experts": {"expert_hits": 9, "expert_misses": 1, "expert_hit_rate": 0.9},
         "phase_hints": {"plan": 2, "tool": 1}}
     assert stats_delta({}, after) == after  # the first task on a fresh engine: the totals are the task's
+    # speculation's statistics: int keys (a histogram per draft length), a cost that is no counter, a list
+    spec_before = {"speculation": {"drafted": 4, "verify_cost": 0.2, "k_hist": {1: 2, 3: 1}, "row_cost": [1.1, 1.2]}}
+    spec_after = {"speculation": {"drafted": 10, "verify_cost": 0.15, "k_hist": {1: 3, 3: 2}, "row_cost": [1.1, 1.3]}}
+    assert stats_delta(spec_before, spec_after) == {
+        "speculation": {"drafted": 6, "verify_cost": 0.15, "k_hist": {1: 1, 3: 1}, "row_cost": [1.1, 1.3]}}
 
 
 def test_agent_timeout_becomes_the_agents_wall_limit(tmp_path: Path) -> None:

@@ -118,7 +118,11 @@ def assert_int8_matches(engine: Engine, int8_ref: Engine) -> None:
     lies on a tie may round the other way in the kernels' fp32 order than in the reference's (reference.near_ties),
     and on these tiny random models one such flip moves the later logits by ~0.05-0.1: a position whose reference
     top-2 margin is within twice its logit difference may flip (a Xeon flipped two, at margins 0.001 and 0.004);
-    every clear position must agree."""
+    every clear position must agree. Such a flip at one position also moves every later one (they attend to its
+    keys and values), so the KL over all positions is bounded at 5e-3 (an MXFP4 model flipped one activation at
+    position 6 of 14 once the attention kernel's summation order changed: KL 1.6e-3, later logits off by 0.1-0.8),
+    while the positions before the first flip must agree to fp32 noise. A wrong scale or block layout moves every
+    position by whole units."""
     from freetoken_agent.runtime.kernels import ops
     from freetoken_agent.runtime.kernels.accuracy import kl, top1
 
@@ -130,7 +134,10 @@ def assert_int8_matches(engine: Engine, int8_ref: Engine) -> None:
     top2 = want.topk(2, -1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits - want).abs().amax(-1)
     assert int(clear.sum()) >= want.shape[0] // 2 and top1(logits[clear], want[clear]) == 1.0
-    assert kl(want, logits) <= 1e-3
+    diff = (logits - want).abs().amax(-1)
+    first = int((diff > 1e-3).nonzero()[0]) if bool((diff > 1e-3).any()) else diff.shape[0]
+    assert first >= 1 and float(diff[:first].max()) <= 1e-3  # up to the first flip: the same logits
+    assert kl(want, logits) <= 5e-3
 
 
 @pytest.mark.parametrize("kinds", [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K"), ("MXFP4", "MXFP4")])
