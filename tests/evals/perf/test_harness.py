@@ -149,3 +149,22 @@ def test_cli_lists_rows_and_rejects_unknown_ones() -> None:
     for args, msg in (([], "freetoken bench list"), (["nope"], "no benchmark row 'nope'")):
         proc = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_attn_builds_compares_two_builds_of_the_kernels(tmp_path: Path) -> None:
+    """The attention A/B row runs two builds (here the same one twice) and reports every shape; a file that is no
+    build of the kernels is one clear error."""
+    from freetoken_agent.evals.perf import attn_builds
+    from freetoken_agent.runtime.kernels import build
+
+    lib = build.load()
+    if lib is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    so = str(build.build())
+    report = harness.run_json_main(attn_builds.main, [so, so, "--threads", "1", "--repeats", "6"])
+    assert len(report["rows"]) == 2 * len(attn_builds.SHAPES)
+    assert all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in report["rows"])
+    bad = tmp_path / "not.so"
+    bad.write_bytes(b"nothing")
+    with pytest.raises(SystemExit):
+        attn_builds.main([str(bad), so])

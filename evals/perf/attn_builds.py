@@ -1,0 +1,94 @@
+"""Two builds of the C library's attention kernel side by side in one process: old vs new ``ft_attn_queries_kv``.
+
+Each build is loaded with ctypes (its own pool of ``--threads``, idle spinning off so the two pools do not steal
+from each other) and called alternately on the same random cache, for decode steps (1 query) and short rows (a
+verify row of speculative decoding); prints a markdown table of median milliseconds and the speed-up. The builds
+are ``.so`` files from ``~/.cache/freetoken/kernels`` (``ops.build`` names them by a hash of the sources: build the
+old sources, note the file, build the new ones).
+
+    python -m freetoken_agent.evals.perf.attn_builds OLD.so NEW.so [--threads 2] [--repeats 40] [--json]
+    freetoken bench attn-builds -- OLD.so NEW.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from freetoken_agent.evals.perf.harness import row, run_json_main
+
+SHAPES = [(16, 4, 128, 4096, 1), (32, 4, 128, 4096, 1), (16, 4, 128, 8192, 1), (16, 16, 128, 4096, 1),
+          (16, 4, 128, 32, 1), (16, 4, 128, 4096, 8), (4, 2, 64, 1024, 8)]
+"""(query heads, kv heads, head dim, keys, queries)."""
+
+
+def load(path: str, threads: int) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ft_attn_queries_kv.argtypes = [p, i64, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, i64, i64,
+                                       ctypes.c_float, p, p]
+    lib.ft_set_threads.argtypes = lib.ft_set_spin_us.argtypes = [ctypes.c_int]
+    lib.ft_set_threads(threads)
+    lib.ft_set_spin_us(0)
+    return lib
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads < 1 or args.repeats < 6:
+        ap.error("--threads must be at least 1 and --repeats at least 6")
+    try:
+        libs = {"old": load(args.old, args.threads), "new": load(args.new, args.threads)}
+    except (OSError, AttributeError) as exc:
+        ap.error(f"not a build of the kernels library: {exc}")
+    rows: list[dict[str, Any]] = []
+    if not args.json:
+        print("| cache | heads (q/kv x dim) | keys | queries | old ms | new ms | speed-up |")
+        print("|---|---|---|---|---|---|---|")
+    for dtype, code in ((torch.float32, 0), (torch.float16, 1)):
+        for h, hkv, dh, s, t in SHAPES:
+            k, v = torch.randn(s, hkv, dh).to(dtype), torch.randn(s, hkv, dh).to(dtype)
+            q, out = torch.randn(t, h, dh), torch.empty(t, h, dh)
+            hi = torch.arange(s - t, s) + 1
+            lo = torch.zeros_like(hi)
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            for r in range(args.repeats):
+                for name in ("old", "new") if r % 2 else ("new", "old"):
+                    t0 = time.perf_counter()
+                    rc = libs[name].ft_attn_queries_kv(q.data_ptr(), t, k.data_ptr(), v.data_ptr(), code,
+                                                       lo.data_ptr(), hi.data_ptr(), h, hkv, dh, dh, hkv * dh,
+                                                       hkv * dh, ctypes.c_float(0.1), None, out.data_ptr())
+                    times[name].append(time.perf_counter() - t0)
+                    if rc != 0:
+                        raise SystemExit(f"{name}: ft_attn_queries_kv returned {rc}")
+            old, new = (statistics.median(times[n][5:]) * 1e3 for n in ("old", "new"))
+            name = str(dtype).split(".")[-1]
+            rows.append({"cache": name, "heads": h, "kv_heads": hkv, "head_dim": dh, "keys": s, "queries": t,
+                         "old_ms": round(old, 4), "new_ms": round(new, 4), "speedup": round(old / new, 3)})
+            if not args.json:
+                print(f"| {name} | {h}/{hkv} x {dh} | {s} | {t} | {old:.3f} | {new:.3f} | {old / new:.2f}x |")
+    if args.json:
+        print(json.dumps({"threads": args.threads, "repeats": args.repeats, "rows": rows}))
+    return 0
+
+
+@row("attn-builds", "two builds of the C attention kernel side by side (old vs new .so): decode steps and short rows, "
+     "ms and speed-up; flags are attn_builds'", passthrough=True)
+def attn_builds_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
