@@ -132,6 +132,24 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
 /* The loops that read the cache, one set per element type: T the stored type, LOAD8(p) 8 of them as fp32 (fp32: a
  * load; fp16: F16C's _mm256_cvtph_ps; bf16: a 16-bit shift), SCALAR(x) one. The same products and sums in the
  * same order for every type: a 16-bit cache gives the bits an fp32 one holding the widened values gives. */
+/* The 4 rows x 2 vectors tile of the loops below: a0..a7 += BCAST(row u's factor) * X0, X1 for rows P0..P3 (a query
+ * piece against two keys' pieces, or a probability against two pieces of a value row) */
+#define FT_TILE4X2(VEC, FMA, BCAST, P0, P1, P2, P3, X0, X1)                                                          \
+    do {                                                                                                             \
+        VEC f_ = BCAST(P0);                                                                                          \
+        a0 = FMA(f_, X0, a0);                                                                                        \
+        a1 = FMA(f_, X1, a1);                                                                                        \
+        f_ = BCAST(P1);                                                                                              \
+        a2 = FMA(f_, X0, a2);                                                                                        \
+        a3 = FMA(f_, X1, a3);                                                                                        \
+        f_ = BCAST(P2);                                                                                              \
+        a4 = FMA(f_, X0, a4);                                                                                        \
+        a5 = FMA(f_, X1, a5);                                                                                        \
+        f_ = BCAST(P3);                                                                                              \
+        a6 = FMA(f_, X0, a6);                                                                                        \
+        a7 = FMA(f_, X1, a7);                                                                                        \
+    } while (0)
+
 #define FT_ATTN_LOOPS(SUF, T, LOAD8, SCALAR)                                                                       \
     /* sc[r * ATTN_BLOCK + i] = q[r] . k[i] * scale for R query rows (R a multiple of 4) and n keys, each key's   \
      * 8-value vector loaded (and widened) once for a tile of 4 rows x 2 keys. Every (row, key) is one FMA chain  \
@@ -152,18 +170,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
                     const __m256 x0 = LOAD8(k0 + d), x1 = LOAD8(k1 + d);                                       \
-                    __m256 qv = _mm256_loadu_ps(q0 + d);                                                       \
-                    a0 = _mm256_fmadd_ps(qv, x0, a0);                                                          \
-                    a1 = _mm256_fmadd_ps(qv, x1, a1);                                                          \
-                    qv = _mm256_loadu_ps(q1 + d);                                                              \
-                    a2 = _mm256_fmadd_ps(qv, x0, a2);                                                          \
-                    a3 = _mm256_fmadd_ps(qv, x1, a3);                                                          \
-                    qv = _mm256_loadu_ps(q2 + d);                                                              \
-                    a4 = _mm256_fmadd_ps(qv, x0, a4);                                                          \
-                    a5 = _mm256_fmadd_ps(qv, x1, a5);                                                          \
-                    qv = _mm256_loadu_ps(q3 + d);                                                              \
-                    a6 = _mm256_fmadd_ps(qv, x0, a6);                                                          \
-                    a7 = _mm256_fmadd_ps(qv, x1, a7);                                                          \
+                    FT_TILE4X2(__m256, _mm256_fmadd_ps, _mm256_loadu_ps, q0 + d, q1 + d, q2 + d, q3 + d, x0, x1); \
                 }                                                                                              \
                 const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};                                        \
                 float s8[8];                                                                                   \
@@ -198,18 +205,8 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                         for (int64_t b = 0; b < dv * (int64_t)sizeof(T); b += 64)                              \
                             _mm_prefetch((const char *)(vr + ATTN_AHEAD * stride) + b, _MM_HINT_T0);           \
                     const __m256 x0 = LOAD8(vr), x1 = LOAD8(vr + 8);                                           \
-                    __m256 pb = _mm256_broadcast_ss(p0 + i);                                                   \
-                    a0 = _mm256_fmadd_ps(pb, x0, a0);                                                          \
-                    a1 = _mm256_fmadd_ps(pb, x1, a1);                                                          \
-                    pb = _mm256_broadcast_ss(p1 + i);                                                          \
-                    a2 = _mm256_fmadd_ps(pb, x0, a2);                                                          \
-                    a3 = _mm256_fmadd_ps(pb, x1, a3);                                                          \
-                    pb = _mm256_broadcast_ss(p2 + i);                                                          \
-                    a4 = _mm256_fmadd_ps(pb, x0, a4);                                                          \
-                    a5 = _mm256_fmadd_ps(pb, x1, a5);                                                          \
-                    pb = _mm256_broadcast_ss(p3 + i);                                                          \
-                    a6 = _mm256_fmadd_ps(pb, x0, a6);                                                          \
-                    a7 = _mm256_fmadd_ps(pb, x1, a7);                                                          \
+                    FT_TILE4X2(__m256, _mm256_fmadd_ps, _mm256_broadcast_ss, p0 + i, p1 + i, p2 + i, p3 + i, x0,  \
+                               x1);                                                                            \
                 }                                                                                              \
                 _mm256_storeu_ps(o[r] + d0, a0);                                                               \
                 _mm256_storeu_ps(o[r] + d0 + 8, a1);                                                           \
@@ -256,18 +253,7 @@ FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
                     const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);       \
-                    __m512 qv = ft_bcast8x2(q0 + d);                                                           \
-                    a0 = _mm512_fmadd_ps(qv, x0, a0);                                                          \
-                    a1 = _mm512_fmadd_ps(qv, x1, a1);                                                          \
-                    qv = ft_bcast8x2(q1 + d);                                                                  \
-                    a2 = _mm512_fmadd_ps(qv, x0, a2);                                                          \
-                    a3 = _mm512_fmadd_ps(qv, x1, a3);                                                          \
-                    qv = ft_bcast8x2(q2 + d);                                                                  \
-                    a4 = _mm512_fmadd_ps(qv, x0, a4);                                                          \
-                    a5 = _mm512_fmadd_ps(qv, x1, a5);                                                          \
-                    qv = ft_bcast8x2(q3 + d);                                                                  \
-                    a6 = _mm512_fmadd_ps(qv, x0, a6);                                                          \
-                    a7 = _mm512_fmadd_ps(qv, x1, a7);                                                          \
+                    FT_TILE4X2(__m512, _mm512_fmadd_ps, ft_bcast8x2, q0 + d, q1 + d, q2 + d, q3 + d, x0, x1);  \
                 }                                                                                              \
                 /* keys 0, 1 of each row, then keys 2, 3: the AVX2 tile's (row, key) accumulator order */       \
                 const __m256 lo[8] = {ft_lo8(a0), ft_hi8(a0), ft_lo8(a2), ft_hi8(a2),                          \
@@ -301,18 +287,7 @@ FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
                         for (int64_t b = 0; b < dv * (int64_t)sizeof(T); b += 64)                              \
                             _mm_prefetch((const char *)(vr + ATTN_AHEAD * stride) + b, _MM_HINT_T0);           \
                     const __m512 x0 = LOAD16(vr), x1 = two ? LOAD16(vr + 16) : x0;                             \
-                    __m512 pb = _mm512_set1_ps(p0[i]);                                                         \
-                    a0 = _mm512_fmadd_ps(pb, x0, a0);                                                          \
-                    a1 = _mm512_fmadd_ps(pb, x1, a1);                                                          \
-                    pb = _mm512_set1_ps(p1[i]);                                                                \
-                    a2 = _mm512_fmadd_ps(pb, x0, a2);                                                          \
-                    a3 = _mm512_fmadd_ps(pb, x1, a3);                                                          \
-                    pb = _mm512_set1_ps(p2[i]);                                                                \
-                    a4 = _mm512_fmadd_ps(pb, x0, a4);                                                          \
-                    a5 = _mm512_fmadd_ps(pb, x1, a5);                                                          \
-                    pb = _mm512_set1_ps(p3[i]);                                                                \
-                    a6 = _mm512_fmadd_ps(pb, x0, a6);                                                          \
-                    a7 = _mm512_fmadd_ps(pb, x1, a7);                                                          \
+                    FT_TILE4X2(__m512, _mm512_fmadd_ps, ft_bcast1, p0 + i, p1 + i, p2 + i, p3 + i, x0, x1);    \
                 }                                                                                              \
                 _mm512_storeu_ps(o[r] + d0, a0);                                                               \
                 _mm512_storeu_ps(o[r + 1] + d0, a2);                                                           \
@@ -336,6 +311,8 @@ FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
 
 FT_VNNI static inline __m256 ft_lo8(__m512 z) { return _mm512_castps512_ps256(z); }
 FT_VNNI static inline __m256 ft_hi8(__m512 z) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)); }
+/* the float at p in every lane */
+FT_VNNI static inline __m512 ft_bcast1(const float *p) { return _mm512_set1_ps(*p); }
 /* 8 floats at p in both halves */
 FT_VNNI static inline __m512 ft_bcast8x2(const float *p) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
