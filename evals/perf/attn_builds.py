@@ -4,7 +4,8 @@ Each build is loaded with ctypes (its own pool of ``--threads``, idle spinning o
 from each other) and called alternately on the same random cache, for decode steps (1 query) and short rows (a
 verify row of speculative decoding); prints a markdown table of median milliseconds and the speed-up. The builds
 are ``.so`` files from ``~/.cache/freetoken/kernels`` (``ops.build`` names them by a hash of the sources: build the
-old sources, note the file, build the new ones).
+old sources, note the file, build the new ones). Two paths are two libraries with their own pools; a path the
+process has loaded already (the engine's own build) would share that library's settings, so copy it first.
 
     python -m freetoken_agent.evals.perf.attn_builds OLD.so NEW.so [--threads 2] [--repeats 40] [--json]
     freetoken bench attn-builds -- OLD.so NEW.so

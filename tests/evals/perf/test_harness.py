@@ -155,16 +155,25 @@ def test_attn_builds_compares_two_builds_of_the_kernels(tmp_path: Path) -> None:
     """The attention A/B row runs two builds (here the same one twice) and reports every shape; a file that is no
     build of the kernels is one clear error."""
     from freetoken_agent.evals.perf import attn_builds
-    from freetoken_agent.runtime.kernels import build
+    from freetoken_agent.runtime.kernels import build, ops
 
     lib = build.load()
     if lib is None:
         pytest.skip(f"C kernels unavailable here: {build.status().reason}")
-    so = str(build.build())
-    report = harness.run_json_main(attn_builds.main, [so, so, "--threads", "1", "--repeats", "6"])
+    import shutil
+
+    # copies under other paths: each is loaded as its own library (its own pool and settings), as two builds are;
+    # the engine's loaded library is never touched
+    old, new = tmp_path / "old.so", tmp_path / "new.so"
+    shutil.copyfile(build.build(), old)
+    shutil.copyfile(build.build(), new)
+    spin = ops.set_spin_us(ops.HANDOFF_SPIN_US)
+    ops.set_spin_us(spin)
+    report = harness.run_json_main(attn_builds.main, [str(old), str(new), "--threads", "1", "--repeats", "6"])
+    assert ops.set_spin_us(spin) == spin  # the library in use kept its settings
     assert len(report["rows"]) == 2 * len(attn_builds.SHAPES)
     assert all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in report["rows"])
     bad = tmp_path / "not.so"
     bad.write_bytes(b"nothing")
     with pytest.raises(SystemExit):
-        attn_builds.main([str(bad), so])
+        attn_builds.main([str(bad), str(new)])
