@@ -100,6 +100,17 @@ FT_AMX static inline __m512 amx_join8(__m256 a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
 }
 
+/* C tile (e & 3) of the 4-tile ring to cb (16 x 16 int32): product e, issued an iteration ago, to memory (tile
+ * numbers are immediates) */
+FT_AMX static inline void amx_store_ring(int64_t e, int32_t *cb) {
+    switch (e & 3) {
+    case 0: _tile_stored(0, cb, 64); break;
+    case 1: _tile_stored(1, cb, 64); break;
+    case 2: _tile_stored(2, cb, 64); break;
+    default: _tile_stored(3, cb, 64); break;
+    }
+}
+
 /* Per-thread buffers of the weight side: dw per block, unpacked q4 codes. */
 static _Thread_local struct {
     float *dw;
@@ -297,15 +308,7 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
 #undef AMX_STEP
                 }
             }
-            if (b >= 1 && b <= nb) { /* block b - 1's product, issued an iteration ago, to memory */
-                int32_t *cb = cbuf[(b - 1) & 3];
-                switch ((b - 1) & 3) {
-                case 0: _tile_stored(0, cb, 64); break;
-                case 1: _tile_stored(1, cb, 64); break;
-                case 2: _tile_stored(2, cb, 64); break;
-                default: _tile_stored(3, cb, 64); break;
-                }
-            }
+            if (b >= 1 && b <= nb) amx_store_ring(b - 1, cbuf[(b - 1) & 3]); /* block b - 1's product */
             if (b < 2) continue;
             const int64_t e = b - 2; /* the epilogue of block e, stored an iteration ago */
             const int32_t *cb = cbuf[e & 3];
@@ -406,15 +409,7 @@ FT_AMX static int amx_rows16_q6k(const uint8_t *tile, int64_t tile_stride, int n
 #undef AMX_HALF
                 }
             }
-            if (u >= 1 && u <= nh) {
-                int32_t *cb = cbuf[(u - 1) & 3];
-                switch ((u - 1) & 3) {
-                case 0: _tile_stored(0, cb, 64); break;
-                case 1: _tile_stored(1, cb, 64); break;
-                case 2: _tile_stored(2, cb, 64); break;
-                default: _tile_stored(3, cb, 64); break;
-                }
-            }
+            if (u >= 1 && u <= nh) amx_store_ring(u - 1, cbuf[(u - 1) & 3]);
             if (u < 2) continue;
             const int64_t e = u - 2, r = e % 16, sb = e / 16;
             const int64_t blk = sb * 8 + 4 * (r / 8) + r % 4, h = (r / 4) % 2, i = 2 * (4 * (r / 8) + r % 4) + h;
