@@ -150,6 +150,15 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
         a7 = FMA(f_, X1, a7);                                                                                        \
     } while (0)
 
+/* pv's values from D0 on, one scalar fmaf chain each in key order: the bits the vector lanes give */
+#define FT_PV_TAIL(SCALAR, D0)                                                                                       \
+    for (int64_t r = 0; r < R; r++)                                                                                  \
+        for (int64_t d = (D0); d < dv; d++) {                                                                        \
+            float x = 0.f;                                                                                           \
+            for (int64_t i = 0; i < n; i++) x = fmaf(p[r * ATTN_BLOCK + i], SCALAR(v[i * stride + d]), x);           \
+            o[r][d] = x;                                                                                             \
+        }
+
 #define FT_ATTN_LOOPS(SUF, T, LOAD8, SCALAR)                                                                       \
     /* sc[r * ATTN_BLOCK + i] = q[r] . k[i] * scale for R query rows (R a multiple of 4) and n keys, each key's   \
      * 8-value vector loaded (and widened) once for a tile of 4 rows x 2 keys. Every (row, key) is one FMA chain  \
@@ -217,12 +226,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 _mm256_storeu_ps(o[r + 3] + d0, a6);                                                           \
                 _mm256_storeu_ps(o[r + 3] + d0 + 8, a7);                                                       \
             }                                                                                                  \
-        for (int64_t r = 0; r < R; r++)                                                                        \
-            for (int64_t d = d16; d < dv; d++) {                                                               \
-                float x = 0.f;                                                                                 \
-                for (int64_t i = 0; i < n; i++) x = fmaf(p[r * ATTN_BLOCK + i], SCALAR(v[i * stride + d]), x); \
-                o[r][d] = x;                                                                                   \
-            }                                                                                                  \
+        FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
 #define FT_LOAD_F32(p) _mm256_loadu_ps(p)
@@ -301,12 +305,7 @@ FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        for (int64_t r = 0; r < R; r++)                                                                        \
-            for (int64_t d = d16; d < dv; d++) {                                                               \
-                float x = 0.f;                                                                                 \
-                for (int64_t i = 0; i < n; i++) x = fmaf(p[r * ATTN_BLOCK + i], SCALAR(v[i * stride + d]), x); \
-                o[r][d] = x;                                                                                   \
-            }                                                                                                  \
+        FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
 FT_VNNI static inline __m256 ft_lo8(__m512 z) { return _mm512_castps512_ps256(z); }
