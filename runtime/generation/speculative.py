@@ -196,8 +196,10 @@ class StepCost:
         self.decay, self.default, self.max_tokens = decay, default, max_tokens
         self._sums = [0.0] * 5  # n, Σt, Σs, Σt², Σts
         self._by_size: dict[int, list[float]] = {}  # T → [decayed weight, decayed Σ seconds]
+        self._seen: dict[int, float] | None = None  # seconds() until the next observation
 
     def observe(self, tokens: int, seconds: float) -> None:
+        self._seen = None
         d = self.decay
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self._sums[i] = self._sums[i] * d + v
@@ -227,7 +229,9 @@ class StepCost:
 
     def seconds(self) -> dict[int, float]:
         """Mean seconds of each step size seen often enough."""
-        return {t: s / w for t, (w, s) in sorted(self._by_size.items()) if w >= self.MIN_WEIGHT}
+        if self._seen is None:  # once per step: every sequence's draft prices up to max_draft lengths from it
+            self._seen = {t: s / w for t, (w, s) in sorted(self._by_size.items()) if w >= self.MIN_WEIGHT}
+        return self._seen
 
     def relative(self, k: int) -> float:
         """Cost of a step of 1 + k tokens in 1-token steps (never below 1 + 0.03 · k: noise never makes drafts free;
@@ -247,7 +251,7 @@ class StepCost:
         if above is not None:  # between two measured sizes
             w = (t - below) / (above - below)
             return max((seen[below] * (1 - w) + seen[above] * w) / one, floor)
-        slope = self.estimate() * one if self._line() is not None else self.default * one
+        slope = self.estimate() * one  # the fitted line's (``default`` until it can be fitted)
         if below > 1:  # above the largest measured size: the measured slope between sizes, at least
             slope = max(slope, (seen[below] - one) / (below - 1))
         return max((seen[below] + slope * (t - below)) / one, floor)
