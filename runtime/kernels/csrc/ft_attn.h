@@ -2,9 +2,11 @@
  *
  * q [T, H, Dh]; keys k[s] = k + s * k_stride (Hkv rows of Dh floats each, contiguous), values likewise [Hkv, Dv];
  * query head h reads kv head h / (H / Hkv); query t sees keys [lo[t], hi[t]) (causal, sliding window, chunk).
- * Items are (a few queries, kv head, block of ATTN_BLOCK keys counted from each query's lo[t]): for each query, the
- * G query heads' scores against its keys, their block max, exp-sum and exp-weighted value sum, written to a scratch
- * row; then each query's blocks are merged in block order (the split-K "flash decoding" combine) in fp32. So a
+ * Items are (a few queries, block of ATTN_BLOCK keys counted from each query's lo[t], kv heads): for each query,
+ * the G query heads' scores against its keys, their block max, exp-sum and exp-weighted value sum, written to a
+ * scratch row; then each query's blocks are merged in block order (the split-K "flash decoding" combine) in fp32.
+ * The vector loops take the G heads of every query that shares a block start as rows of one pass (attn_item_rows),
+ * each key and value piece loaded once for 4 rows; no row's arithmetic depends on the others. So a
  * query's bits depend only on its own q, keys and range: the same whether it is decoded alone (T = 1, a decode
  * step) or one of a prefill chunk (batch invariance). K and V are read by every pool thread at once — torch runs
  * the two matmuls on one thread, through a permuted (copied) view of K. exp is a vectorized polynomial (Cephes'
@@ -14,10 +16,10 @@
  * are read as they are: the AVX2 loops widen 8 values at a time in registers (F16C _mm256_cvtph_ps; bf16: a 16-bit
  * shift) right where the fp32 loops load them, and the portable path widens each block into a per-thread fp32
  * scratch first. Widening is exact and the arithmetic after it is the fp32 code's, so a 16-bit cache gives bitwise
- * what the fp32 kernel gives on the widened cache, on every path, at half the bytes streamed from memory (the
- * block comes from DRAM once; the G query heads of a kv head reread it from L1/L2 and convert again: widening 8 rows
- * once into L1 for all G heads measured 1.3-2x slower on an AVX2 EPYC, the loads and stores of the widened rows
- * costing more than the conversions). The AVX-512 ISA setting runs these AVX2 loops, as it does for an fp32 cache.
+ * what the fp32 kernel gives on the widened cache, on every path, at half the bytes streamed from memory (widening a
+ * block into L1 once for all G heads measured 1.3-2x slower on an AVX2 EPYC than widening in registers; sharing each
+ * widened register between 4 rows is what pays). The AVX-512 settings run the same arithmetic in 512-bit registers
+ * (FT_ATTN_LOOPS512), bitwise equal to the AVX2 loops.
  */
 #ifndef FT_ATTN_H
 #define FT_ATTN_H
@@ -129,9 +131,6 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* The loops that read the cache, one set per element type: T the stored type, LOAD8(p) 8 of them as fp32 (fp32: a
- * load; fp16: F16C's _mm256_cvtph_ps; bf16: a 16-bit shift), SCALAR(x) one. The same products and sums in the
- * same order for every type: a 16-bit cache gives the bits an fp32 one holding the widened values gives. */
 /* The 4 rows x 2 vectors tile of the loops below: a0..a7 += BCAST(row u's factor) * X0, X1 for rows P0..P3 (a query
  * piece against two keys' pieces, or a probability against two pieces of a value row) */
 #define FT_TILE4X2(VEC, FMA, BCAST, P0, P1, P2, P3, X0, X1)                                                          \
@@ -159,6 +158,9 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
             o[r][d] = x;                                                                                             \
         }
 
+/* The loops that read the cache, one set per element type: T the stored type, LOAD8(p) 8 of them as fp32 (fp32: a
+ * load; fp16: F16C's _mm256_cvtph_ps; bf16: a 16-bit shift), SCALAR(x) one. The same products and sums in the
+ * same order for every type: a 16-bit cache gives the bits an fp32 one holding the widened values gives. */
 #define FT_ATTN_LOOPS(SUF, T, LOAD8, SCALAR)                                                                       \
     /* sc[r * ATTN_BLOCK + i] = q[r] . k[i] * scale for R query rows (R a multiple of 4) and n keys, each key's   \
      * 8-value vector loaded (and widened) once for a tile of 4 rows x 2 keys. Every (row, key) is one FMA chain  \
@@ -348,8 +350,8 @@ FT_ATTN_LOOPS512(bf16, uint16_t, ft_pair_bf16, FT_LOAD16_BF16, bf16_to_f32)
 #ifdef FT_X86
 /* attn_item on the AVX2 path. The rows of one pass are the G query heads of kv head hk for a run of the item's
  * queries whose block starts at the same key (queries with the same lo: a decode step's one query, a verify row of
- * speculative decoding, a causal chunk), so each key and value vector is loaded and widened once for all of them
- * (the per-query loops loaded it G times: at 4k keys the widening, not DRAM, bounded a decode step's attention).
+ * speculative decoding, a causal chunk), so each key and value vector is loaded and widened once for 4 of them
+ * (the per-query loops loaded it once per query head).
  * The pass covers the longest of the run's ranges in the block; a shorter query's scores past its end are set to 0
  * before the value sum (fma(0, v, o) = o), so each query's bits are those it gets alone. */
 FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t blk) {
@@ -549,8 +551,9 @@ int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, 
         if (g_isa >= FT_ISA_AVX2) {
             const int64_t want = 4 * (int64_t)(g_pool.n_workers + 1); /* items that keep every thread busy */
             if (groups * blocks < want) {
-                const int64_t runs = (want + groups * blocks - 1) / (groups * blocks);
-                c.hk_item = (hkv + (runs < hkv ? runs : hkv) - 1) / (runs < hkv ? runs : hkv);
+                int64_t split = (want + groups * blocks - 1) / (groups * blocks); /* items per block */
+                split = split < hkv ? split : hkv;
+                c.hk_item = (hkv + split - 1) / split;
             }
             ft_parallel_for(attn_rows_item, &c, groups * blocks * ((hkv + c.hk_item - 1) / c.hk_item));
         } else
