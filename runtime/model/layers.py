@@ -220,8 +220,7 @@ def _attention_16(
     """``_attention`` over a 16-bit cache under fp32 queries (same arguments). Up to ``EAGER_ATTENTION_TOKENS``
     queries with a key range each (causal, window, chunk, sinks) go through the C kernel reading the cache as is;
     a decode step without the kernels widens it block by block; anything else widens it once."""
-    t, h, dh = q.shape
-    s, _, dv = v.shape
+    t, s = q.shape[0], v.shape[0]
     plain = keep is None and key_bias is None and spec.sliding_window is None and spec.chunk_size is None
     if plain and t == 1 and int(q_pos[0]) >= s - 1:
         return _one_query_attention(q, k, v, spec.scale, sinks)
