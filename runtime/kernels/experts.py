@@ -130,6 +130,7 @@ class QuantizedExperts:
         self._threshold = dequant_threshold
         self.exact = False
         """Every expert through dequantize + fp32 ``torch.mm`` (no int8 activations, no bf16 int4 fallback)."""
+        self._codes: tuple[int, int] | None = None
         if placement != "managed":
             self.attach_int4()
 
@@ -308,6 +309,18 @@ class QuantizedExperts:
             h = h + self.gate_up_bias[e]
         y = ops.linear(ops.PackedWeight(self.down_fmt, d, i, self.w2[e]), self._act(h))
         return y if self.down_bias is None else y + self.down_bias[e]
+
+    def one_token_call(self, top_k: int) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        """``(format code, down format code, w13, w2)`` when a step of one token routed to ``top_k`` experts runs as
+        one fused ``ops.moe`` call over bytes that stay where they are (resident or mapped; a ``managed`` view's slots
+        change under it) — what ``forward`` then does, and what the fused decode step (``model/fused.py``) may run
+        itself — else None."""
+        if not (self.fused and self.placement != "managed" and not self.exact and top_k < self.dequant_threshold):
+            return None
+        if self._codes is None:  # formats are fixed at construction
+            self._codes = (ops.FMT_CODE[ops.kernel_format(self.fmt, self.hidden)],
+                           ops.FMT_CODE[ops.kernel_format(self.down_fmt, self.intermediate)])
+        return self._codes[0], self._codes[1], self.w13, self.w2
 
     @property
     def fused(self) -> bool:

@@ -532,6 +532,24 @@ def moe(
     return out
 
 
+def route(logits: torch.Tensor, top_k: int, mode: int, norm: bool, norm_eps: float, scaling: float
+          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-k routing of router logits ``[T, E]`` fp32 → ``(ids [T, K] int64, weights [T, K] fp32)`` (``ft_route``:
+    mode 0 softmax then top-k, normalized by the chosen sum with ``norm``; mode 1 top-k then softmax over it; times
+    ``scaling``; ties go to the lower id). None where the kernels are not loaded (never builds them)."""
+    lib = fast()
+    if lib is None:
+        return None
+    logits = logits if logits.is_contiguous() else logits.contiguous()
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    weights = torch.empty(t, top_k, dtype=F32)
+    if lib.ft_route(logits.data_ptr(), t, e, top_k, mode, int(norm), norm_eps, scaling, ids.data_ptr(),
+                    weights.data_ptr()):
+        raise FreeTokenError(f"route: want 1 <= top_k <= {e} and mode 0 or 1, got {top_k}, {mode}")
+    return ids, weights
+
+
 def set_moe_pass_bytes(nbytes: int) -> int:
     """Work-buffer bytes one pass of ``moe`` may hold (0: the default, 12 MiB); returns the previous value. A long
     prefill step's (token, expert) slots run in passes of whole experts so its working memory stays bounded; the

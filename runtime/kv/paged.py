@@ -100,6 +100,25 @@ class PagedKVCache(RecurrentStates):
             out = self.pool.gather(layer, self.pages, self.length + n)
         return out if stored else [t.to(p.dtype) for t, p in zip(out, parts)]
 
+    def direct_rows(self, n: int) -> list[list[torch.Tensor] | None] | None:
+        """For a writer that fills the pool's rows itself (the fused decode step, ``model/fused.py``): reserve
+        positions ``length..length+n`` and return, per layer, its stored parts as flat views whose row 0 is this
+        sequence's position 0 (None for a layer the pool holds nothing of yet); None when the page table is not one
+        run. Each layer written this way is then reported with ``wrote_rows``."""
+        if self._prepared != (self.length, n):
+            self.reserve(n)
+        if not self._run:
+            return None
+        first, pool = self.pages[0], self.pool
+        return [None if store is None else [buf[first:].reshape(-1, *buf.shape[2:]) for buf in store]
+                for store in pool.data]
+
+    def wrote_rows(self, layer: int, n: int, dtypes: list[torch.dtype]) -> None:
+        """Positions ``length..length+n`` of ``layer`` were written through ``direct_rows`` (parts computed in
+        ``dtypes``): what ``append`` records."""
+        self._pending = n
+        self._dtypes[layer] = dtypes
+
     def cached(self, layer: int, stored: bool = False) -> list[torch.Tensor]:
         """Every position ``layer`` holds, this forward's appends included (see ``KVCache.cached``); a 16-bit pool's
         floating parts widened to fp32 unless ``stored``."""

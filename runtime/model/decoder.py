@@ -25,6 +25,7 @@ from freetoken_agent.runtime.model.mlp_router import mlp_route
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
 from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.compressed import shared_kv_attention
+from freetoken_agent.runtime.model.fused import FusedDecode
 from freetoken_agent.runtime.model.gemma import (
     per_layer_activation,
     per_layer_inputs,
@@ -94,6 +95,9 @@ class Decoder:
         self._recurrent = spec.state_layers()  # layers with a per-sequence state (recurrent mixers, convolutions)
         self.routing_observers: list = []
         """Callables ``(layer, topk_ids [T, K])`` told of every routing decision (heat, profiles)."""
+        self.fused = FusedDecode(spec, weights, self.rotary, self.experts, self.routing_observers)
+        """A decode step's attention halves as one C call per layer where the op-by-op path would run them all on
+        the kernels (``model/fused.py``); bitwise the same hidden states."""
 
     def new_cache(self) -> KVCache:
         return KVCache(self.spec.num_layers)
@@ -146,7 +150,12 @@ class Decoder:
             for seg in segments:
                 seg.cache.advance()
             return h
+        fused = self.fused.step(h, segments[0].cache, segments[0].positions) if len(segments) == 1 else None
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
+            if fused is not None and (got := fused.attention(i, h)) is not None:  # the attention half in one C call
+                if got[0] is not None:  # the FFN op by op (the call ran it when it returns no input for it)
+                    h.add_(self._ffn(i, got[0], lw, logits=got[1]))  # plan_layer admits only an FFN added back as is
+                continue
             if spec.parallel_block:
                 x = self._norm(h, lw, "attn_in")
                 h = h + self._mixer(i, x, lw, segments) + self._ffn(i, x, lw)
@@ -281,7 +290,9 @@ class Decoder:
         kept in their own module (``model/attn_residual.py``)."""
         return self._ffn(i, x, self.weights.layers[i])
 
-    def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _ffn(self, i: int, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None,
+             logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits``: the router's product over x, already computed (the fused decode step)."""
         layer = self.spec.layers[i]
         if layer.moe_beside_mlp and lw.moe is not None and residual is not None:  # Gemma 4 (LayerSpec docstring)
             assert layer.mlp is not None and lw.mlp is not None
@@ -293,10 +304,12 @@ class Decoder:
         if lw.moe is None or layer.moe_shortcut == "compute":
             assert layer.mlp is not None and lw.mlp is not None
             return mlp(x, lw.mlp, layer.mlp)
-        return self._moe(i, x, lw.moe)
+        return self._moe(i, x, lw.moe, logits=logits)
 
-    def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights, router_x: torch.Tensor | None = None) -> torch.Tensor:
-        """The MoE block over rows x [T, D]; ``router_x`` [T, D]: what the router sees, when not x (Gemma 4)."""
+    def _moe(self, i: int, x: torch.Tensor, mw: MoEWeights, router_x: torch.Tensor | None = None,
+             logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE block over rows x [T, D]; ``router_x`` [T, D]: what the router sees, when not x (Gemma 4);
+        ``logits``: the router's product over x, already computed (the fused decode step)."""
         moe = self.spec.layers[i].moe
         assert moe is not None
         if moe.kind == "product_key":  # its reference views the router logits across a sequence's tokens
@@ -314,7 +327,7 @@ class Decoder:
         else:
             fixed = mw.router["tid2eid"][self._token_ids] if moe.router.hash_table else None  # [T, K]
             ids, weights = route(x if router_x is None else router_x, moe.router, moe.top_k, mw.router["weight"],
-                                 mw.router.get("bias"), mw.correction, fixed)
+                                 mw.router.get("bias"), mw.correction, fixed, logits)
             if "expert_scale" in mw.router:  # a learned scale per expert on its routing weight (Gemma 4)
                 weights = weights * mw.router["expert_scale"][ids]
         identity = None

@@ -111,22 +111,26 @@ def route(
     bias: torch.Tensor | None = None,
     correction: torch.Tensor | None = None,
     fixed_ids: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] → (topk_ids [T, K] int64, topk_weights [T, K] fp32). ``fixed_ids`` [T, K]: the experts are already
-    chosen (hash routing); only their weights are computed."""
+    chosen (hash routing); only their weights are computed. ``logits`` [T, E] fp32: the router's product, already
+    computed as below (the fused decode step's, ``model/fused.py``)."""
     linear = invariant.linear if kops.deterministic() else F.linear
     if spec.scoring == "sparsemixer":
         return _sparsemixer(linear(x, weight, bias).float(), spec.jitter_eps, top_k)
+    if logits is None:
+        # [T, E]. A decode step's router weight is cold (the experts streamed through the cache since): measured
+        # 36 us in torch, 20 us through the pool on 2 threads
+        logits = dense_linear(_fp32(x), _fp32(weight), None if bias is None else _fp32(bias), min_rows=0)
+    if (chosen := _kernel_route(logits, spec, top_k, correction, fixed_ids)) is not None:
+        return chosen
     if spec.topk_before_scoring:
-        logits = linear(x, weight, bias).float()  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)
         weights = elementwise(torch.sigmoid, top) if spec.scoring == "sigmoid" else torch.softmax(top, dim=-1)
         if spec.norm_topk and spec.scoring == "sigmoid":
             weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.norm_eps)
         return ids, weights * spec.scaling
-    # [T, E]. A decode step's router weight is cold (the experts streamed through the cache since): measured 36 us
-    # in torch, 20 us through the pool on 2 threads
-    logits = dense_linear(_fp32(x), _fp32(weight), None if bias is None else _fp32(bias), min_rows=0)
     if spec.logit_softcap > 0:
         logits = elementwise(torch.tanh, logits / spec.logit_softcap) * spec.logit_softcap
     if spec.scoring == "softmax":
@@ -151,6 +155,26 @@ def route(
         expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, e)
         choice = choice.masked_fill(~expert_mask, spec.group_masked_value)
     return _weigh(scores, torch.topk(choice, top_k, dim=-1).indices, spec)
+
+
+def kernel_route_mode(spec: RouterSpec, correction: torch.Tensor | None = None,
+                      fixed_ids: torch.Tensor | None = None) -> int | None:
+    """``ft_route``'s mode for this router (0: softmax, then top-k; 1: top-k, then softmax over it), or None where
+    ``route`` computes the choice in torch (other scorings, a correction bias, groups, hash routing, caps, p-norms)."""
+    if (spec.scoring != "softmax" or spec.logit_softcap > 0 or correction is not None or fixed_ids is not None
+            or spec.n_group > 1 or spec.norm_p != 1.0 or spec.norm_min is not None):
+        return None
+    return 1 if spec.topk_before_scoring else 0
+
+
+def _kernel_route(logits: torch.Tensor, spec: RouterSpec, top_k: int, correction: torch.Tensor | None,
+                  fixed_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The choice through the kernels' ``ft_route`` (one call instead of ~6 torch ops; the fused decode step makes
+    the same call, so a token routes alike in a prefill and in a decode step), or None where it does not apply."""
+    mode = kernel_route_mode(spec, correction, fixed_ids)
+    if mode is None or logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 2:
+        return None
+    return kops.route(logits, top_k, mode, spec.norm_topk and mode == 0, spec.norm_eps, spec.scaling)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

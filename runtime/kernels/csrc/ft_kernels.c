@@ -369,6 +369,7 @@ double ft_read_bandwidth(const uint8_t *buf, int64_t bytes, int reps) {
 #include "ft_moe.h"
 #include "ft_dense.h"
 #include "ft_attn.h"
+#include "ft_layer.h"
 
 /* ---------------------------------------------------------------- public: load-time quantization */
 

@@ -1,0 +1,199 @@
+/* The attention half of a decoder layer for one decode token, in one call: what the Python decoder does for a
+ * plain GQA layer (runtime/model/layers.py: gqa_attention) with the same kernels in the same order, so the result is
+ * bitwise the one the op-by-op path gives, without ~20 Python-level ops and allocations per layer.
+ *
+ *   xn = rms_norm(h, norm_in)                              ft_rms_norm
+ *   q, k, v = xn @ Wq^T (+bq), xn @ Wk^T (+bk), xn @ Wv^T   ft_gemm_f32_parts (one hand-out to the pool)
+ *   q, k = rms_norm per head (qk_norm)                      ft_rms_norm over rows of Dh
+ *   q, k = rope(q), rope(k)                                 ft_rope
+ *   cache row pos = k, v (narrowed to the cache's type)     fp16: clamped to +-65504, both rounded to nearest even
+ *   att = attention over the keys [lo, pos]                 ft_attn_queries_kv (lo: sliding window / chunk)
+ *   h += att @ Wo^T (+bo)                                   ft_gemm_f32
+ *   x = rms_norm(h, norm_out)                               ft_rms_norm (the FFN's input)
+ *   logits = x @ Wr^T (+br)   (a MoE layer: the router)     ft_gemm_f32
+ *   ids, weights = route(logits)  (experts given)           ft_route (softmax/top-k as model/moe.py's route)
+ *   h += moe(x, ids, weights)                               ft_moe
+ *
+ * Without the experts (they live on other tiers, or the layer has shared experts, biases, ...) the rest of the FFN
+ * half stays with the caller, which gets x and the logits. */
+#ifndef FT_LAYER_H
+#define FT_LAYER_H
+
+typedef struct {
+    int64_t d, h, hkv, dh, dv; /* hidden, query heads, kv heads, q/k head width, v head width */
+    int64_t rot;               /* rotated channels per head (0: no rotary embedding) */
+    int64_t window, chunk;     /* sliding window / attention chunk in keys (0: none) */
+    int32_t rope_half;         /* rotate pairs (i, i + R/2) (else (2i, 2i + 1)) */
+    int32_t qk_norm;           /* 1: RMSNorm of each q and k head (weights [Dh]) before the rotation */
+    float eps, scale;
+    const float *norm_in, *wq, *wk, *wv, *bq, *bk, *bv, *q_norm, *k_norm, *wo, *bo, *norm_out, *sinks;
+    const float *router, *router_bias; /* [E, D], [E] (router NULL: no router) */
+    int64_t experts;
+    /* the routed experts in the kernels' formats (w13 NULL: the caller runs the FFN) and the routing (ft_route) */
+    const uint8_t *w13, *w2;
+    int64_t w13_stride, w2_stride, inter, top_k;
+    int32_t fmt13, fmt2, route_mode, route_norm;
+    float route_norm_eps, route_scaling;
+} ft_attn_layer;
+
+/* Top-k routing of rows of router logits [T, E] → ids [T, K], weights [T, K] (what model/moe.py's route computes
+ * for these modes; it calls this too, so prefill and decode choose alike):
+ *   mode 0: softmax over the E logits, the K best scores (ties: the lower id first), with `norm` divided by their
+ *           sum (+ norm_eps);
+ *   mode 1: the K best logits, softmax over those K.
+ * Then times `scaling`. Softmax in fp32: max, expf(x - max), one sum in id order. Returns 0, -2 bad arguments. */
+int ft_route(const float *logits, int64_t t, int64_t e, int64_t k, int mode, int norm, float norm_eps,
+             float scaling, int64_t *ids, float *weights) {
+    if (t < 0 || e < 1 || k < 1 || k > e || mode < 0 || mode > 1) return -2;
+    for (int64_t r = 0; r < t; r++) {
+        const float *z = logits + r * e;
+        int64_t *id = ids + r * k;
+        float *w = weights + r * k;
+        float top = z[0];
+        for (int64_t j = 1; j < e; j++) top = z[j] > top ? z[j] : top;
+        float sum = 0.f;
+        if (mode == 0)
+            for (int64_t j = 0; j < e; j++) sum += expf(z[j] - top);
+        for (int64_t a = 0; a < k; a++) { /* selection: K is small (<= 16 in every model we load) */
+            int64_t best = -1;
+            for (int64_t j = 0; j < e; j++) {
+                int taken = 0;
+                for (int64_t b = 0; b < a; b++) taken |= id[b] == j;
+                if (!taken && (best < 0 || z[j] > z[best])) best = j;
+            }
+            id[a] = best;
+        }
+        if (mode == 0) {
+            float picked = 0.f;
+            for (int64_t a = 0; a < k; a++) {
+                w[a] = expf(z[id[a]] - top) / sum;
+                picked += w[a];
+            }
+            if (norm)
+                for (int64_t a = 0; a < k; a++) w[a] = w[a] / (picked + norm_eps);
+        } else {
+            const float m = z[id[0]];
+            float s2 = 0.f;
+            for (int64_t a = 0; a < k; a++) s2 += expf(z[id[a]] - m);
+            for (int64_t a = 0; a < k; a++) w[a] = expf(z[id[a]] - m) / s2;
+        }
+        if (scaling != 1.f)
+            for (int64_t a = 0; a < k; a++) w[a] = w[a] * scaling;
+    }
+    return 0;
+}
+
+/* Scratch values ft_attn_step uses (the caller's buffer, allocated once per layer shape). */
+int64_t ft_attn_step_work(const ft_attn_layer *L) {
+    return 2 * L->d + 2 * L->h * L->dh + 2 * L->hkv * L->dh + L->hkv * L->dv + L->h * L->dv;
+}
+
+/* IEEE half of x, rounded to nearest even (what torch's fp32 -> fp16 cast gives; x already clamped to the range) */
+static uint16_t f32_to_f16_rne(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u, mag = u & 0x7fffffffu;
+    if (mag >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (mag > 0x7f800000u ? 0x200u : 0u)); /* inf / nan */
+    if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past the largest half */
+    if (mag < 0x38800000u) {                                  /* a subnormal half (or zero) */
+        if (mag < 0x33000000u) return (uint16_t)sign;          /* below half the smallest subnormal: +-0 */
+        const uint32_t e = mag >> 23, m = (mag & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126 - e; /* 14..24 */
+        uint32_t h = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((mag >> 13) - (112u << 10)) & 0xffffu; /* rebias the exponent 127 -> 15 */
+    const uint32_t rem = mag & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+static uint16_t f32_to_bf16_rne(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* nan: torch's canonical quiet nan */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define FT_F16_MAX 65504.0f
+
+static void kv_store(const float *src, int64_t n, void *dst, int kv_type) {
+    if (kv_type == FT_KV_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (kv_type == FT_KV_F16) {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = src[i];
+            o[i] = f32_to_f16_rne(x > FT_F16_MAX ? FT_F16_MAX : x < -FT_F16_MAX ? -FT_F16_MAX : x);
+        }
+    } else {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16_rne(src[i]);
+    }
+}
+
+/* One decode token through the attention half of layer L (see the top of the file). h [D] is updated in place (the
+ * residual), x [D] receives the FFN's normed input (norm_out NULL: h itself). k_cache / v_cache point at the
+ * sequence's position 0 (rows k_stride / v_stride elements apart, heads contiguous, element type kv_type); the
+ * token's position is pos: its row is written there and attention reads rows lo..pos. cos / sin [rot / 2] are the
+ * token's rotary table row; logits [E] receive the router's logits (a layer with a router); with the experts and
+ * ids (not NULL), ids / weights [K] receive the routing and h the FFN's output too. work: ft_attn_step_work(L)
+ * floats. Returns 0, -1 out of memory, -2 bad arguments. */
+int ft_attn_step(const ft_attn_layer *L, float *h, float *x, const float *cos, const float *sin, void *k_cache,
+                 void *v_cache, int kv_type, int64_t k_stride, int64_t v_stride, int64_t pos, float *work,
+                 float *logits, int64_t *ids, float *weights) {
+    if (!L || pos < 0 || L->h % L->hkv || (kv_type != FT_KV_F32 && kv_type != FT_KV_F16 && kv_type != FT_KV_BF16))
+        return -2;
+    const int64_t d = L->d, nq = L->h * L->dh, nk = L->hkv * L->dh, nv = L->hkv * L->dv;
+    float *xn = work, *q = xn + d, *q2 = q + nq, *k = q2 + nq, *k2 = k + nk, *v = k2 + nk, *att = v + nv,
+          *o = att + L->h * L->dv;
+    ft_rms_norm(h, L->norm_in, 1, d, L->eps, xn);
+    const float *w[3] = {L->wq, L->wk, L->wv}, *b[3] = {L->bq, L->bk, L->bv};
+    const int64_t n[3] = {nq, nk, nv};
+    float *y[3] = {q, k, v};
+    if (ft_gemm_f32_parts(3, w, n, d, xn, 1, b, y)) return -2;
+    if (L->qk_norm) {
+        ft_rms_norm(q, L->q_norm, L->h, L->dh, L->eps, q2);
+        ft_rms_norm(k, L->k_norm, L->hkv, L->dh, L->eps, k2);
+        float *t = q; q = q2; q2 = t;
+        t = k; k = k2; k2 = t;
+    }
+    if (L->rot > 0) {
+        ft_rope(q, 1, L->h, L->dh, L->rot, cos, sin, L->rope_half, q2);
+        ft_rope(k, 1, L->hkv, L->dh, L->rot, cos, sin, L->rope_half, k2);
+        q = q2;
+        k = k2;
+    }
+    const size_t es = kv_type == FT_KV_F32 ? sizeof(float) : sizeof(uint16_t);
+    kv_store(k, nk, (char *)k_cache + (size_t)(pos * k_stride) * es, kv_type);
+    kv_store(v, nv, (char *)v_cache + (size_t)(pos * v_stride) * es, kv_type);
+    const int64_t hi = pos + 1;
+    int64_t lo = 0;
+    if (L->window > 0 && hi - L->window > lo) lo = hi - L->window;
+    if (L->chunk > 0 && pos / L->chunk * L->chunk > lo) lo = pos / L->chunk * L->chunk;
+    int rc = lo == 0 ? ft_attn_decode_kv(q, k_cache, v_cache, kv_type, hi, L->h, L->hkv, L->dh, L->dv, k_stride,
+                                         v_stride, L->scale, L->sinks, att)
+                     : ft_attn_queries_kv(q, 1, k_cache, v_cache, kv_type, &lo, &hi, L->h, L->hkv, L->dh, L->dv,
+                                          k_stride, v_stride, L->scale, L->sinks, att);
+    if (rc) return -1;
+    if (ft_gemm_f32(L->wo, NULL, d, L->h * L->dv, att, 1, L->bo, o)) return -1;
+    for (int64_t i = 0; i < d; i++) h[i] = h[i] + o[i];
+    if (L->norm_out)
+        ft_rms_norm(h, L->norm_out, 1, d, L->eps, x);
+    else
+        memcpy(x, h, sizeof(float) * (size_t)d);
+    if (L->router && ft_gemm_f32(L->router, NULL, L->experts, d, x, 1, L->router_bias, logits)) return -1;
+    if (!L->router || !L->w13 || !ids) return 0;
+    if (ft_route(logits, 1, L->experts, L->top_k, L->route_mode, L->route_norm, L->route_norm_eps, L->route_scaling,
+                 ids, weights))
+        return -2;
+    rc = ft_moe(L->fmt13, L->fmt2, L->w13, L->w13_stride, L->w2, L->w2_stride, L->experts, d, L->inter, x, 1, ids,
+                weights, L->top_k, o);
+    if (rc) return rc == -2 ? -2 : -1;
+    for (int64_t i = 0; i < d; i++) h[i] = h[i] + o[i];
+    return 0;
+}
+
+#endif

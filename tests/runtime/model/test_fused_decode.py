@@ -1,0 +1,151 @@
+"""The fused attention half of a decode step (``model/fused.py``, ``ft_attn_step``) against the op-by-op path it
+replaces: bitwise the same logits and greedy tokens on tiny random checkpoints of several families (per-head q/k
+norms, biases, sinks, sliding windows, partial rotary, a dense first layer), with fp32 and 16-bit KV caches, in
+default and deterministic mode; layers it cannot fuse run op by op in the same step; and the ``ft_attn_step``
+cache write narrows exactly as torch's casts do."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.kernels import build, ops
+from freetoken_agent.runtime.kv import KVConfig
+from freetoken_agent.runtime.model.fused import AttnLayer
+
+pytest.importorskip("transformers")
+warnings.filterwarnings("ignore")
+from tests.runtime.checkpoints import save_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.skipif(build.load() is None, reason="C kernels unavailable (no compiler)")
+
+WIDE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+"""Projections of >= 256 rows (q/k/v and o): the op-by-op path runs them on the kernels outside deterministic mode
+too."""
+FUSED_ARCHS = {
+    "qwen3_moe": WIDE,                 # per-head q/k RMSNorm
+    "mixtral": WIDE,                   # sliding window 16 (the decode passes it)
+    "qwen2_moe": WIDE,                 # q/k/v biases, shared experts, a dense first layer
+    "gpt_oss": WIDE,                   # sinks, sliding window 8 on alternate layers, biases everywhere
+    "glm4_moe": dict(WIDE, partial_rotary_factor=0.5),  # half the channels rotate, biases, a dense first layer
+}
+
+
+def _logits(engine: Engine, ids: list[int], fused: bool) -> tuple[torch.Tensor, int]:
+    """Logits of every position after a 12-token prefill, each later one a decode step of one token; and how many
+    layer steps ran fused."""
+    engine.decoder.fused.enabled = fused
+    engine.kv_manager(KVConfig(page_size=4, device_pages=256))
+    before = engine.decoder.fused.layers_run
+    session = engine.session()
+    outs = [session.prefill_logits(ids[:12])[1]] + [session.prefill_logits(ids[:i])[1] for i in range(13, len(ids) + 1)]
+    session.close()
+    return torch.cat(outs), engine.decoder.fused.layers_run - before
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("arch", sorted(FUSED_ARCHS))
+def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, tmp_path: Path) -> None:
+    save_checkpoint(arch, tmp_path, **FUSED_ARCHS[arch])
+    engine = Engine.from_pretrained(tmp_path, kv_dtype=kv, speculate=False)
+    try:
+        ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+        fused, ran = _logits(engine, ids, True)
+        plain, none = _logits(engine, ids, False)
+        layers = engine.spec.num_layers
+        assert ran == 18 * layers and none == 0  # every decode step of every layer fused (off: none)
+        assert torch.equal(fused, plain)
+        prompt = ids[:16]
+        engine.decoder.fused.enabled = True
+        a = engine.generate(prompt, max_new_tokens=24, temperature=0.0, stop_token_ids=[]).token_ids
+        engine.decoder.fused.enabled = False
+        b = engine.generate(prompt, max_new_tokens=24, temperature=0.0, stop_token_ids=[]).token_ids
+        assert a == b
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_deterministic_mode_fuses_small_projections_over_an_fp32_cache_only(kv: str, tmp_path: Path) -> None:
+    """The default tiny checkpoint's projections have 64 rows: op by op they run in torch outside deterministic mode
+    (not fused) and on the kernels inside it (fused, over an fp32 cache: a 16-bit one is attended in torch there)."""
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, kv_dtype=kv, speculate=False)
+    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    try:
+        assert _logits(engine, ids, True)[1] == 0
+        ops.set_deterministic(True)
+        try:
+            fused, ran = _logits(engine, ids, True)
+            plain, _ = _logits(engine, ids, False)
+        finally:
+            ops.set_deterministic(False)
+        assert ran == (8 * engine.spec.num_layers if kv == "fp32" else 0)
+        assert torch.equal(fused, plain)
+    finally:
+        engine.close()
+
+
+def test_layers_it_cannot_fuse_run_op_by_op_in_the_same_step(tmp_path: Path) -> None:
+    """OLMoE normalizes q and k over the whole projection and clips them: no layer fuses, and the step is unchanged;
+    a layer whose weights were swapped after the first step is planned again from the new ones."""
+    save_checkpoint("olmoe", tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=8)
+    engine = Engine.from_pretrained(tmp_path, speculate=False)
+    ids = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(7)).tolist()
+    try:
+        assert _logits(engine, ids, True)[1] == 0
+    finally:
+        engine.close()
+    save_checkpoint("qwen3_moe", tmp_path, **WIDE)
+    engine = Engine.from_pretrained(tmp_path, speculate=False)
+    try:
+        plain, _ = _logits(engine, ids, False)
+        attn = engine.decoder.weights.layers[1].attn
+        _logits(engine, ids, True)
+        attn["o_proj.weight"] = attn["o_proj.weight"] * 2  # a new tensor: the old plan must not be used
+        swapped_fused, ran = _logits(engine, ids, True)
+        swapped_plain, _ = _logits(engine, ids, False)
+        assert ran == 4 * engine.spec.num_layers
+        assert torch.equal(swapped_fused, swapped_plain) and not torch.equal(swapped_fused, plain)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_cache_write_narrows_as_torch_casts(dtype: torch.dtype) -> None:
+    """Keys and values through ``ft_attn_step``'s narrowing (fp16: clamped to +-65504 first, as the pool does) equal
+    torch's casts on every kind of value: normals, ties, subnormals, overflow, zeros, infinities."""
+    lib = build.load()
+    assert lib is not None
+    d, h, dh = 256, 2, 128
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, 1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 2.98e-8, 6.1e-5,
+                            6.0e-5, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8, float("inf"),
+                            -float("inf"), 3.0e38, 1e-40, -1e-45])
+    values = torch.cat([special, torch.randn(2 * h * dh - special.numel(), generator=g) * 10.0 ** torch.randint(
+        -9, 6, (2 * h * dh - special.numel(),), generator=g).float()])
+    # a layer whose k and v are exactly `values`: zero weights, the values as biases (+0.0 + b is b; no -0.0 above)
+    zeros, x, norm = torch.zeros(h * dh, d), torch.randn(1, d, generator=g), torch.ones(d)
+    bk, bv = values[: h * dh].clone(), values[h * dh:].clone()
+    s = AttnLayer(d=d, h=h, hkv=h, dh=dh, dv=dh, rot=0, window=0, chunk=0, rope_half=1, qk_norm=0, eps=1e-6,
+                  scale=0.1, norm_in=norm.data_ptr(), wq=zeros.data_ptr(), wk=zeros.data_ptr(), wv=zeros.data_ptr(),
+                  bq=None, bk=bk.data_ptr(), bv=bv.data_ptr(), q_norm=None, k_norm=None, wo=zeros.data_ptr(),
+                  bo=None, norm_out=None, sinks=None)
+    work = torch.empty(int(lib.ft_attn_step_work(ctypes.byref(s))))
+    k_cache = torch.zeros(4, h, dh, dtype=dtype)
+    v_cache = torch.zeros(4, h, dh, dtype=dtype)
+    out = torch.empty(1, d)
+    code = ops.KV_TYPE_CODE[dtype]
+    assert lib.ft_attn_step(ctypes.byref(s), x.data_ptr(), out.data_ptr(), None, None, k_cache.data_ptr(),
+                            v_cache.data_ptr(), code, h * dh, h * dh, 2, work.data_ptr(), None, None, None) == 0
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return (t.clamp(-65504.0, 65504.0) if dtype == torch.float16 else t).to(dtype)
+
+    torch.testing.assert_close(k_cache[2].view(torch.int16), cast(bk).view(h, dh).view(torch.int16), rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[2].view(torch.int16), cast(bv).view(h, dh).view(torch.int16), rtol=0, atol=0)
