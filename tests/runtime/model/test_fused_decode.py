@@ -36,30 +36,43 @@ FUSED_ARCHS = {
 }
 
 
-def _logits(engine: Engine, ids: list[int], fused: bool) -> tuple[torch.Tensor, int]:
-    """Logits of every position after a 12-token prefill, each later one a decode step of one token; and how many
-    layer steps ran fused."""
+FFN_IN_CALL = {"qwen3_moe", "mixtral"}
+"""At q4, the routing and experts join the call too (softmax routers, nothing else in the MoE block); Qwen2-MoE has
+shared experts, GPT-OSS expert biases, GLM-4.5 a correction bias and groups: their FFN runs op by op."""
+
+
+def _logits(engine: Engine, ids: list[int], fused: bool) -> tuple[torch.Tensor, int, int]:
+    """Logits of every position after a 12-token prefill, each later one a decode step of one token; how many layer
+    steps ran fused, and how many of those ran the FFN in the call too."""
     engine.decoder.fused.enabled = fused
     engine.kv_manager(KVConfig(page_size=4, device_pages=256))
-    before = engine.decoder.fused.layers_run
+    before, ffn = engine.decoder.fused.layers_run, engine.decoder.fused.ffn_run
     session = engine.session()
     outs = [session.prefill_logits(ids[:12])[1]] + [session.prefill_logits(ids[:i])[1] for i in range(13, len(ids) + 1)]
     session.close()
-    return torch.cat(outs), engine.decoder.fused.layers_run - before
+    return torch.cat(outs), engine.decoder.fused.layers_run - before, engine.decoder.fused.ffn_run - ffn
 
 
+@pytest.mark.parametrize("quant", ["none", "q4"])
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("arch", sorted(FUSED_ARCHS))
-def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, tmp_path: Path) -> None:
+def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, quant: str, tmp_path: Path) -> None:
     save_checkpoint(arch, tmp_path, **FUSED_ARCHS[arch])
-    engine = Engine.from_pretrained(tmp_path, kv_dtype=kv, speculate=False)
+    engine = Engine.from_pretrained(tmp_path, kv_dtype=kv, speculate=False, quant=quant)
     try:
         ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
-        fused, ran = _logits(engine, ids, True)
-        plain, none = _logits(engine, ids, False)
+        observed: list[torch.Tensor] = []
+        engine.decoder.routing_observers.append(lambda layer, topk: observed.append(topk.clone()))
+        fused, ran, ffn = _logits(engine, ids, True)
+        seen = torch.cat(observed)
+        observed.clear()
+        plain, none, _ = _logits(engine, ids, False)
         layers = engine.spec.num_layers
         assert ran == 18 * layers and none == 0  # every decode step of every layer fused (off: none)
+        moe_layers = sum(layer.moe is not None for layer in engine.spec.layers)
+        assert ffn == (18 * moe_layers if quant == "q4" and arch in FFN_IN_CALL else 0)
         assert torch.equal(fused, plain)
+        assert torch.equal(seen, torch.cat(observed))  # routing observers told the same choices, in the same order
         prompt = ids[:16]
         engine.decoder.fused.enabled = True
         a = engine.generate(prompt, max_new_tokens=24, temperature=0.0, stop_token_ids=[]).token_ids
@@ -81,8 +94,8 @@ def test_deterministic_mode_fuses_small_projections_over_an_fp32_cache_only(kv: 
         assert _logits(engine, ids, True)[1] == 0
         ops.set_deterministic(True)
         try:
-            fused, ran = _logits(engine, ids, True)
-            plain, _ = _logits(engine, ids, False)
+            fused, ran, _ = _logits(engine, ids, True)
+            plain, _, _ = _logits(engine, ids, False)
         finally:
             ops.set_deterministic(False)
         assert ran == (8 * engine.spec.num_layers if kv == "fp32" else 0)
@@ -104,12 +117,12 @@ def test_layers_it_cannot_fuse_run_op_by_op_in_the_same_step(tmp_path: Path) -> 
     save_checkpoint("qwen3_moe", tmp_path, **WIDE)
     engine = Engine.from_pretrained(tmp_path, speculate=False)
     try:
-        plain, _ = _logits(engine, ids, False)
+        plain = _logits(engine, ids, False)[0]
         attn = engine.decoder.weights.layers[1].attn
         _logits(engine, ids, True)
         attn["o_proj.weight"] = attn["o_proj.weight"] * 2  # a new tensor: the old plan must not be used
-        swapped_fused, ran = _logits(engine, ids, True)
-        swapped_plain, _ = _logits(engine, ids, False)
+        swapped_fused, ran, _ = _logits(engine, ids, True)
+        swapped_plain = _logits(engine, ids, False)[0]
         assert ran == 4 * engine.spec.num_layers
         assert torch.equal(swapped_fused, swapped_plain) and not torch.equal(swapped_fused, plain)
     finally:
@@ -149,3 +162,21 @@ def test_the_cache_write_narrows_as_torch_casts(dtype: torch.dtype) -> None:
 
     torch.testing.assert_close(k_cache[2].view(torch.int16), cast(bk).view(h, dh).view(torch.int16), rtol=0, atol=0)
     torch.testing.assert_close(v_cache[2].view(torch.int16), cast(bv).view(h, dh).view(torch.int16), rtol=0, atol=0)
+
+
+def test_an_expert_mode_change_moves_the_ffn_back_op_by_op(tmp_path: Path) -> None:
+    """After ``set_mode("exact")`` a one-token step no longer runs as one kernel call: the fused step leaves the FFN
+    to the backend (which dequantizes), and the logits are still the op-by-op path's."""
+    save_checkpoint("qwen3_moe", tmp_path, **WIDE)
+    engine = Engine.from_pretrained(tmp_path, speculate=False, quant="q4")
+    ids = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(9)).tolist()
+    try:
+        assert _logits(engine, ids, True)[2] > 0
+        for backend in engine.decoder.experts:
+            if backend is not None:
+                backend.set_mode("exact")
+        fused, ran, ffn = _logits(engine, ids, True)
+        assert ran > 0 and ffn == 0
+        assert torch.equal(fused, _logits(engine, ids, False)[0])
+    finally:
+        engine.close()
