@@ -99,6 +99,7 @@ FT_AVX2 static void gemv_row_avx2(const float *w, const float *x, int64_t k, int
     for (int64_t j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
+        _mm_prefetch((const char *)(w + i) + FT_TILE_AHEAD, _MM_HINT_T0); /* a row is 4-8 KiB: see ft_tiles.h */
         const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
         for (int64_t j = 0; j < m; j++) {
             acc[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * k + i), acc[j][0]);
@@ -127,6 +128,7 @@ FT_AVX2 static void gemv_row_bf16_avx2(const uint16_t *w, const float *x, int64_
     for (int64_t j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
+        _mm_prefetch((const char *)(w + i) + FT_TILE_AHEAD, _MM_HINT_T0);
         const __m256 w0 = load_bf16x8(w + i), w1 = load_bf16x8(w + i + 8);
         for (int64_t j = 0; j < m; j++) {
             acc[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * k + i), acc[j][0]);

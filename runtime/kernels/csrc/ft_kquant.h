@@ -251,6 +251,7 @@ FT_VNNI static void tile_dot_q4k_vnni(const uint8_t *t, int64_t nb, const int8_t
     for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q4K) {
         const int8_t *a = aq + s * QKK;
         const float *da = ad + 8 * s, *sa = as + 8 * s;
+        FT_PREFETCH_AHEAD(t, KQ_TILE_Q4K);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 2 * TR)));
         for (int c = 0; c < 4; c++) {
@@ -326,6 +327,7 @@ FT_VNNI static void tile_dot_q6k_vnni(const uint8_t *t, int64_t nb, const int8_t
     for (int64_t s = 0; s < nb / 8; s++, t += KQ_TILE_Q6K) {
         const int8_t *a = aq + s * QKK;
         const float *da = ad + 8 * s;
+        FT_PREFETCH_AHEAD(t, KQ_TILE_Q6K);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         kq_half_sums(a, hs);
         for (int n = 0; n < 2; n++)
