@@ -12,6 +12,7 @@ Rounds alternate ours / peer (``timing.alternate``); medians; the ratio is ours 
     freetoken bench decode [--peer llama.cpp|transformers] [--model M] [--threads 1,2] [--tokens 16] [--json]
     freetoken bench decode --model file.gguf --prefill-len 512  # both sides load the same GGUF as it is
     freetoken bench long-context [--prompt-len 4096,8192]
+    freetoken bench long-context --model file.gguf --prompt-len 8192 --isolate  # each side in its own process
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def options(p: argparse.ArgumentParser, prompt_len: str = "32") -> None:
     p.add_argument("--prompt-len", default=prompt_len, help="comma-separated context lengths before the timed decode")
     p.add_argument("--dense", default="none", help="llama.cpp: comma-separated dense formats both sides use: none, q8, q4")
     p.add_argument("--dir", default=str(CACHE), help="where the synthetic checkpoints are cached")
+    p.add_argument("--isolate", action="store_true",
+                   help="with --model file.gguf: each side in its own process, one after the other (a long context on "
+                        "a machine short of memory), instead of alternating rounds in one process")
 
 
 CACHE = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken")) / "bench"
@@ -140,8 +144,8 @@ def decode_report(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchError(f"--model {args.model}: no such file")
         for t in threads:
             for n in prompts:
-                r = bench_gguf_decode.measure_file(Path(args.model), t, args.tokens, args.rounds, n,
-                                                   prefill_len=args.prefill_len)
+                measure = bench_gguf_decode.measure_file_isolated if args.isolate else bench_gguf_decode.measure_file
+                r = measure(Path(args.model), t, args.tokens, args.rounds, n, prefill_len=args.prefill_len)
                 runs.append({"model": str(args.model), "peer_tok_s": r.pop("llama_cpp_tok_s"), **r})
     else:
         if args.model is not None and not (Path(args.model) / "config.json").is_file():

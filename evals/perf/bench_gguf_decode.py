@@ -23,6 +23,8 @@ import contextlib
 import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -261,22 +263,21 @@ def gguf_formats(path: Path) -> dict[str, int]:
     return out
 
 
-def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, rounds: int, prompt_len: int,
-            prefill_len: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Decode tok/s of our loaded engine and llama.cpp on ``gguf_path`` in alternating rounds (medians), the greedy
-    tokens both produce, and with ``prefill_len`` the prefill tok/s of a prompt that long (one call each side)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, prompt_len + tokens + 64, prefill_len + 16),
-                          n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)  # fmt: skip
+def _inputs(vocab: int, prompt_len: int, tokens: int, prefill_len: int) -> tuple[list[int], list[int], list[int]]:
+    """The prompt, the tokens fed one by one after it, and the long prompt of the prefill timing (seeded)."""
     gen = torch.Generator().manual_seed(0)
     low = min(259, vocab // 2)  # past the special and byte tokens of the vocabularies written here
     prompt = torch.randint(low, vocab, (prompt_len,), generator=gen).tolist()
     follow = torch.randint(low, vocab, (tokens + 1,), generator=gen).tolist()
-    long_prompt = torch.randint(low, vocab, (prefill_len,), generator=gen).tolist()
+    return prompt, follow, torch.randint(low, vocab, (prefill_len,), generator=gen).tolist()
 
-    def decode_ours(n: int) -> float:
+
+Side = tuple[Callable[[int], float], Callable[[], float], Callable[[], list[int]]]
+"""One side's (seconds of n decode steps after the prompt, seconds of the long prompt's prefill, 8 greedy ids)."""
+
+
+def _our_side(ours: Any, prompt: list[int], long_prompt: list[int]) -> Side:
+    def decode(n: int) -> float:
         """Seconds of ``n`` decode steps after the prompt, on the scheduler's clock from the first token to the
         last (``DecodeTiming``): a clock started when this thread saw the first token would start late, after the
         scheduler had begun the next step, and credit ``n`` tokens to less than ``n`` steps."""
@@ -285,7 +286,24 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
             raise RuntimeError(f"asked for {n} decode tokens after the first, got {timing.tokens}")
         return timing.seconds
 
-    def decode_llama(n: int) -> float:
+    def prefill() -> float:
+        return ours.generate(long_prompt, max_new_tokens=1, stop_token_ids=[]).prefill_s
+
+    def greedy() -> list[int]:
+        return list(ours.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids)
+
+    return decode, prefill, greedy
+
+
+def _llama_side(gguf_path: Path, threads: int, prompt: list[int], follow: list[int], long_prompt: list[int]) -> Side:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, len(prompt) + len(follow) + 64,
+                                                                len(long_prompt) + 16),
+                          n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)  # fmt: skip
+
+    def decode(n: int) -> float:
         llm.reset()
         llm.eval(prompt)
         t0 = time.perf_counter()
@@ -293,45 +311,106 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
             llm.eval([tok])
         return time.perf_counter() - t0
 
-    def prefill_ours() -> float:
-        return ours.generate(long_prompt, max_new_tokens=1, stop_token_ids=[]).prefill_s
-
-    def prefill_llama() -> float:
+    def prefill() -> float:
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(long_prompt)
         return time.perf_counter() - t0
 
-    decode_ours(2), decode_llama(2)
-    rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
-    prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
-    for i in range(rounds):
-        sides = (("ours", decode_ours, prefill_ours), ("llama.cpp", decode_llama, prefill_llama))
-        for label, decode, pre in sides if i % 2 == 0 else sides[::-1]:
-            rates[label].append(tokens / decode(tokens))
-            if prefill_len and i == 0:
-                prefill[label].append(prefill_len / pre())
-    # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
-    ours_ids = ours.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids
-    llm.reset()
-    theirs_ids = []
-    for tok in llm.generate(prompt, temp=0.0, top_k=1):
-        theirs_ids.append(tok)
-        if len(theirs_ids) == 8:
-            break
-    agree = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b), 8)
+    def greedy() -> list[int]:
+        llm.reset()
+        ids: list[int] = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1):
+            ids.append(tok)
+            if len(ids) == 8:
+                break
+        return ids
+
+    return decode, prefill, greedy
+
+
+def _summary(rates: dict[str, list[float]], prefill: dict[str, list[float]], ids: dict[str, list[int]],
+             prompt_len: int, threads: int, tokens: int, rounds: int, prefill_len: int) -> dict[str, Any]:
+    agree = next((i for i, (a, b) in enumerate(zip(ids["ours"], ids["llama.cpp"])) if a != b), 8)
     med = {k: statistics.median(v) for k, v in rates.items()}
     out = {
         "prompt_len": prompt_len, "threads": threads, "tokens": tokens, "rounds": rounds,
         "ours_tok_s": round(med["ours"], 2), "llama_cpp_tok_s": round(med["llama.cpp"], 2),
         "ratio": round(med["ours"] / med["llama.cpp"], 3), "rates": rates,
-        "greedy_prefix_agreement": agree, "ours_ids": ours_ids, "llama_ids": theirs_ids,
+        "greedy_prefix_agreement": agree, "ours_ids": ids["ours"], "llama_ids": ids["llama.cpp"],
     }  # fmt: skip
     if prefill_len:
         out.update(prefill_len=prefill_len, ours_prefill_tok_s=round(prefill["ours"][0], 1),
                    llama_cpp_prefill_tok_s=round(prefill["llama.cpp"][0], 1),
                    prefill_ratio=round(prefill["ours"][0] / prefill["llama.cpp"][0], 3))
     return out
+
+
+def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, rounds: int, prompt_len: int,
+            prefill_len: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Decode tok/s of our loaded engine and llama.cpp on ``gguf_path`` in alternating rounds (medians), the greedy
+    tokens both produce, and with ``prefill_len`` the prefill tok/s of a prompt that long (one call each side)."""
+    prompt, follow, long_prompt = _inputs(vocab, prompt_len, tokens, prefill_len)
+    sides = {"ours": _our_side(ours, prompt, long_prompt),
+             "llama.cpp": _llama_side(gguf_path, threads, prompt, follow, long_prompt)}
+    for decode, _, _ in sides.values():
+        decode(2)
+    rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+    prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+    for i in range(rounds):
+        order = list(sides.items())
+        for label, (decode, pre, _) in order if i % 2 == 0 else order[::-1]:
+            rates[label].append(tokens / decode(tokens))
+            if prefill_len and i == 0:
+                prefill[label].append(prefill_len / pre())
+    # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
+    ids = {label: greedy() for label, (_, _, greedy) in sides.items()}
+    return _summary(rates, prefill, ids, prompt_len, threads, tokens, rounds, prefill_len)
+
+
+def measure_side(side: str, gguf_path: Path, threads: int, tokens: int, rounds: int, prompt_len: int,
+                 prefill_len: int = 0) -> dict[str, Any]:
+    """One side alone in this process (``--side``): its decode rates, prefill rate and greedy ids on ``gguf_path``."""
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.kernels import ops
+
+    torch.set_num_threads(threads)
+    if side == "ours":
+        ours = Engine.from_pretrained(gguf_path, threads=threads, speculate=False, require_tokenizer=False)
+        ops.set_threads(threads)
+        vocab = ours.spec.vocab_size
+    else:
+        from freetoken_agent.runtime.gguf.file import GGUFFile
+
+        vocab = GGUFFile(gguf_path).tensors["token_embd.weight"].shape[0]  # as the GGUF loader reads it
+    prompt, follow, long_prompt = _inputs(vocab, prompt_len, tokens, prefill_len)
+    decode, pre, greedy = _our_side(ours, prompt, long_prompt) if side == "ours" else \
+        _llama_side(gguf_path, threads, prompt, follow, long_prompt)
+    decode(2)
+    rates = [tokens / decode(tokens) for _ in range(rounds)]
+    return {"rates": rates, "prefill": [prefill_len / pre()] if prefill_len else [], "ids": greedy()}
+
+
+def measure_file_isolated(gguf_path: Path, threads: int, tokens: int, rounds: int, prompt_len: int = 32,
+                          prefill_len: int = 0) -> dict[str, Any]:
+    """``measure_file`` with each side in its own process, one after the other (ours, then llama.cpp): neither
+    side's memory (weights, a long context's KV and buffers) or idle threads sit beside the other's rounds. Rounds
+    no longer alternate, so drift between the two processes' minutes is not cancelled: the ratio is less robust to
+    a machine whose speed moves, more robust to one whose memory is short."""
+    parts = {}
+    for side in ("ours", "llama.cpp"):
+        cmd = [sys.executable, "-m", "freetoken_agent.evals.perf.bench_gguf_decode", "--side", side,
+               "--model", str(gguf_path), "--threads", str(threads), "--tokens", str(tokens), "--rounds",
+               str(rounds), "--prompt-len", str(prompt_len), "--prefill-len", str(prefill_len)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"the {side} process failed: {tail}")
+        parts[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = _summary({k: v["rates"] for k, v in parts.items()}, {k: v["prefill"] for k, v in parts.items()},
+                 {k: v["ids"] for k, v in parts.items()}, prompt_len, threads, tokens, rounds, prefill_len)
+    return {"params": gguf_param_count(gguf_path), "dense": "as stored", "formats": gguf_formats(gguf_path),
+            "isolated": True, **r}
 
 
 def _params(folder: Path) -> list[torch.Tensor]:
@@ -359,7 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", default="32", help="comma-separated tokens in the context before the timed decode")
     ap.add_argument("--model", type=Path, default=None, help="an existing qwen3_moe folder (default: the 1B one)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--side", choices=("ours", "llama.cpp"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-len", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.side is not None:  # one side of measure_file_isolated: --model is the GGUF file
+        print(json.dumps(measure_side(args.side, args.model, int(args.threads), args.tokens, args.rounds,
+                                      int(args.prompt_len), args.prefill_len)))
+        return 0
     if args.model is not None and not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there")
     folder = args.model or write_checkpoint(Path(args.dir) / "qwen3_moe-1b")

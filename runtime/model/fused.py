@@ -139,8 +139,7 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     router = router_bias = None
     if lw.moe is not None and layer.moe is not None:  # the router's product, as ``moe.route`` would run it
         r, mw = layer.moe.router, lw.moe
-        plain = layer.moe.kind != "product_key" and not (r.shared_sink or r.mlp_hidden or r.topk_before_scoring
-                                                           or r.scoring == "sparsemixer")
+        plain = layer.moe.kind != "product_key" and not (r.shared_sink or r.mlp_hidden or r.scoring == "sparsemixer")
         rw, rb = mw.router.get("weight"), mw.router.get("bias")
         if plain and isinstance(rw, torch.Tensor) and _matrix(rw, rw.shape[0], d) and (rb is None or _vector(
                 rb, rw.shape[0])):

@@ -161,10 +161,12 @@ def kernel_route_mode(spec: RouterSpec, correction: torch.Tensor | None = None,
                       fixed_ids: torch.Tensor | None = None) -> int | None:
     """``ft_route``'s mode for this router (0: softmax, then top-k; 1: top-k, then softmax over it), or None where
     ``route`` computes the choice in torch (other scorings, a correction bias, groups, hash routing, caps, p-norms)."""
+    if spec.topk_before_scoring:  # the scores of the chosen logits: a softmax over them ("none" or "softmax")
+        return 1 if spec.scoring in ("none", "softmax") and fixed_ids is None else None
     if (spec.scoring != "softmax" or spec.logit_softcap > 0 or correction is not None or fixed_ids is not None
             or spec.n_group > 1 or spec.norm_p != 1.0 or spec.norm_min is not None):
         return None
-    return 1 if spec.topk_before_scoring else 0
+    return 0
 
 
 def _kernel_route(logits: torch.Tensor, spec: RouterSpec, top_k: int, correction: torch.Tensor | None,

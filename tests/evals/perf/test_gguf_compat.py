@@ -57,3 +57,21 @@ def test_llama_cpp_runs_our_quantized_dense_weights_with_matching_logits(tmp_pat
     plain = Engine.from_pretrained(folder, quant="q4").logits(PROMPT)  # the F32-dense model is a different one
     _assert_close(ours, theirs)
     assert float((ours - theirs).abs().max()) < float((plain - theirs).abs().max())
+
+
+def test_the_decode_row_runs_both_sides_in_one_process_or_each_in_its_own(tmp_path: Path) -> None:
+    """``measure_file`` (alternating rounds in one process) and ``measure_file_isolated`` (each side in its own
+    process, for a long context on a machine short of memory) time the same thing on the same GGUF file and report
+    it alike; both sides decode the same greedy tokens from it."""
+    from freetoken_agent.evals.perf.bench_gguf_decode import measure_file, measure_file_isolated
+
+    folder = write_checkpoint(tmp_path / "tiny", seed=2, config=TINY)
+    gguf_path = write_gguf(Engine.from_pretrained(folder, quant="q4"), folder, tmp_path / "tiny-q4_0.gguf")
+    together = measure_file(gguf_path, 1, 4, 1, prompt_len=8)
+    apart = measure_file_isolated(gguf_path, 1, 4, 1, prompt_len=8)
+    assert apart["isolated"] and "isolated" not in together
+    for r in (together, apart):
+        assert r["ours_tok_s"] > 0 and r["llama_cpp_tok_s"] > 0 and r["ratio"] > 0
+        assert len(r["rates"]["ours"]) == len(r["rates"]["llama.cpp"]) == 1
+        assert len(r["ours_ids"]) == 8 and r["greedy_prefix_agreement"] >= 4
+    assert apart["ours_ids"] == together["ours_ids"] and apart["llama_ids"] == together["llama_ids"]
