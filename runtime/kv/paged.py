@@ -25,8 +25,10 @@ class PagedKVCache(RecurrentStates):
     Recurrent layers (hybrid models) keep their per-sequence state here too, outside the pages.
     """
 
-    def __init__(self, pool: PagePool, alloc: Callable[[], int]) -> None:
-        self.pool, self._alloc = pool, alloc
+    def __init__(self, pool: PagePool, alloc: Callable[[], int], reclaim: Callable[[int], bool] | None = None) -> None:
+        """``reclaim(page)``: free that page if only a cache holds it (the radix tree's ``evict_page``), so the
+        sequence can grow into it and stay one run when no run is free to move into."""
+        self.pool, self._alloc, self._reclaim = pool, alloc, reclaim
         self.pages: list[int] = []
         self.length = 0
         self._pending = 0
@@ -57,6 +59,8 @@ class PagedKVCache(RecurrentStates):
             page = pool.take(self.pages[-1] + 1) if self.pages else None
             if page is None and self.pages and self._relocate(-(-(self.length + n) // ps)):
                 continue
+            if page is None and self.pages and self._reclaim is not None and self._reclaim(self.pages[-1] + 1):
+                page = pool.take(self.pages[-1] + 1)  # no run was free: the cached continuation next to ours goes
             self.pages.append(self._alloc() if page is None else page)
         self._prepared = (self.length, n)
         self._pages_changed()

@@ -104,6 +104,20 @@ class RadixCache:
         self.evicted_pages += dropped
         return dropped
 
+    def evict_page(self, page: int) -> bool:
+        """Drop the unpinned leaf holding ``page`` (a cached continuation whose page a growing sequence wants next,
+        to stay one run of pages); False when no such leaf exists (the page is a pinned node's, an inner node's,
+        or not the tree's)."""
+        for node in self._nodes():
+            if node.page == page and not node.children and node.locks == 0:
+                assert node.parent is not None
+                del node.parent.children[node.key]
+                self.pool.decref(page)
+                self.num_nodes -= 1
+                self.evicted_pages += 1
+                return True
+        return False
+
     def clear(self) -> int:
         """Drop every unpinned node (repeatedly, so whole unpinned branches go)."""
         return self.evict(self.num_nodes)

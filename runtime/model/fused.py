@@ -1,12 +1,14 @@
-"""One C call for the attention half of a decode step's layer (``ft_attn_step`` in ``kernels/csrc/ft_layer.h``).
+"""One C call per layer of a decode step (``ft_attn_step`` in ``kernels/csrc/ft_layer.h``).
 
-A decode step of one sequence runs each layer's attention half — norm, q/k/v projections, q/k norms, RoPE, the
-cache write, attention, output projection, residual, the FFN's input norm — as ~20 Python-level ops, each a few µs
-of dispatch, argument checks and allocations: on a 24-layer 7.5B model at Q4_0 that was 15-22% of a decode step.
-Where the op-by-op path (``Decoder._mix`` → ``gqa_attention``) would run every one of those steps on the C kernels,
-this runs the same kernels in the same order in one call, so the hidden state is bitwise the one that path gives
-(tests compare the two). The FFN half (router, routing observers, the experts' backend and its tiers) stays on the
-op-by-op path.
+A decode step of one sequence runs each layer — norm, q/k/v projections, q/k norms, RoPE, the cache write,
+attention, output projection, residual, the FFN's input norm, router, routing, experts — as ~20-30 Python-level ops,
+each a few µs of dispatch, checks and allocations, and many times that with the caches cold after a kernel streamed
+the weights: on a 24-layer 7.5B model at Q4_0 that was 15-22% of a decode step. Where the op-by-op path
+(``Decoder._mix`` → ``gqa_attention``, ``Decoder._moe``) would run every one of those steps on the C kernels, this
+runs the same kernels in the same order in one call, so the hidden state is bitwise the one that path gives (tests
+compare the two). The routing and experts join the call only where the layer's backend runs a one-token step as one
+``ops.moe`` call over bytes that stay put; otherwise the FFN half (routing observers, the backend and its tiers)
+runs op by op with the call's router logits. Routing observers are told the call's choices.
 
 A layer is fused when its spec is a plain GQA layer (see ``plan_layer``) with fp32 weights the kernels take;
 ``FusedDecode.step`` applies per step: one sequence, one token, fp32 hidden, a paged cache whose pages are one run.

@@ -83,3 +83,27 @@ def test_a_sequence_extends_its_run_when_the_next_page_is_free() -> None:
     assert pool.take(2) is None and pool.take(99) is None  # in use / out of range
     pool.retire(pool.num_free)
     assert pool.take(0) is None  # retired pages are not free
+
+
+def test_a_cached_continuation_next_to_the_run_gives_way_when_no_run_is_free() -> None:
+    """The radix tree caches a finished turn's continuation in the page right after the shared prompt; a new turn
+    over the same prompt must grow there. With no free run to move into, the tree's unpinned leaf on that page is
+    dropped and the sequence stays one run (served as views); a page a live sequence holds is never taken."""
+    from freetoken_agent.runtime.kv.radix import RadixCache
+
+    pool = PagePool(num_layers=1, num_pages=5, page_size=4)
+    tree = RadixCache(pool)
+    gen = torch.Generator().manual_seed(3)
+    first = PagedKVCache(pool, pool.alloc, tree.evict_page)
+    _fill(first, [8, 4], gen)  # pages 0, 1 (the prompt), 2 (a continuation)
+    prompt, reply = list(range(8)), [100, 101, 102, 103]
+    tree.insert(prompt + reply, first.pages)
+    first.release()  # the tree alone holds pages 0-2 now
+    blocker = PagedKVCache(pool, pool.alloc)
+    _fill(blocker, [4], gen)  # one of pages 3, 4: no run of 3 free pages to move into remains
+    second = PagedKVCache(pool, pool.alloc, tree.evict_page)
+    second.adopt(tree.match_prefix(prompt).pages, 8)
+    keys, values, (k_all, _) = _fill(second, [1], gen)
+    assert second.pages == [0, 1, 2] and tree.evicted_pages == 1  # grew into the continuation's page
+    assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # still views
+    assert pool.refs[blocker.pages[0]] == 1 and blocker.pages[0] not in second.pages  # the live page untouched
