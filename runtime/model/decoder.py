@@ -96,8 +96,9 @@ class Decoder:
         self.routing_observers: list = []
         """Callables ``(layer, topk_ids [T, K])`` told of every routing decision (heat, profiles)."""
         self.fused = FusedDecode(spec, weights, self.rotary, self.experts, self.routing_observers)
-        """A decode step's attention halves as one C call per layer where the op-by-op path would run them all on
-        the kernels (``model/fused.py``); bitwise the same hidden states."""
+        """A decode step's layers as one C call each (attention half, router, and the routing and experts where the
+        backend allows) where the op-by-op path would run them all on the kernels (``model/fused.py``); bitwise the
+        same hidden states."""
 
     def new_cache(self) -> KVCache:
         return KVCache(self.spec.num_layers)
@@ -152,7 +153,7 @@ class Decoder:
             return h
         fused = self.fused.step(h, segments[0].cache, segments[0].positions) if len(segments) == 1 else None
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
-            if fused is not None and (got := fused.attention(i, h)) is not None:  # the attention half in one C call
+            if fused is not None and (got := fused.attention(i, h)) is not None:  # the layer in one C call
                 if got[0] is not None:  # the FFN op by op (the call ran it when it returns no input for it)
                     h.add_(self._ffn(i, got[0], lw, logits=got[1]))  # plan_layer admits only an FFN added back as is
                 continue
