@@ -105,17 +105,26 @@ class RadixCache:
         return dropped
 
     def evict_page(self, page: int) -> bool:
-        """Drop the unpinned leaf holding ``page`` (a cached continuation whose page a growing sequence wants next,
-        to stay one run of pages); False when no such leaf exists (the page is a pinned node's, an inner node's,
-        or not the tree's)."""
+        """Drop the node holding ``page`` with everything cached below it (a cached continuation whose first page a
+        growing sequence wants next, to stay one run of pages), when none of it is pinned; False otherwise (a pinned
+        branch, or a page the tree does not hold)."""
         for node in self._nodes():
-            if node.page == page and not node.children and node.locks == 0:
-                assert node.parent is not None
-                del node.parent.children[node.key]
-                self.pool.decref(page)
-                self.num_nodes -= 1
-                self.evicted_pages += 1
-                return True
+            if node.page != page or node.locks:
+                continue
+            branch, stack = [], [node]
+            while stack:
+                n = stack.pop()
+                branch.append(n)
+                stack.extend(n.children.values())
+            if any(n.locks for n in branch):
+                return False
+            assert node.parent is not None
+            del node.parent.children[node.key]
+            for n in branch:
+                self.pool.decref(n.page)
+            self.num_nodes -= len(branch)
+            self.evicted_pages += len(branch)
+            return True
         return False
 
     def clear(self) -> int:

@@ -91,19 +91,19 @@ def test_a_cached_continuation_next_to_the_run_gives_way_when_no_run_is_free() -
     dropped and the sequence stays one run (served as views); a page a live sequence holds is never taken."""
     from freetoken_agent.runtime.kv.radix import RadixCache
 
-    pool = PagePool(num_layers=1, num_pages=5, page_size=4)
+    pool = PagePool(num_layers=1, num_pages=6, page_size=4)
     tree = RadixCache(pool)
     gen = torch.Generator().manual_seed(3)
     first = PagedKVCache(pool, pool.alloc, tree.evict_page)
-    _fill(first, [8, 4], gen)  # pages 0, 1 (the prompt), 2 (a continuation)
-    prompt, reply = list(range(8)), [100, 101, 102, 103]
+    _fill(first, [8, 8], gen)  # pages 0, 1 (the prompt), 2, 3 (a two-page continuation)
+    prompt, reply = list(range(8)), list(range(100, 108))
     tree.insert(prompt + reply, first.pages)
-    first.release()  # the tree alone holds pages 0-2 now
+    first.release()  # the tree alone holds pages 0-3 now
     blocker = PagedKVCache(pool, pool.alloc)
-    _fill(blocker, [4], gen)  # one of pages 3, 4: no run of 3 free pages to move into remains
+    _fill(blocker, [4], gen)  # one of pages 4, 5: no run of 3 free pages to move into remains
     second = PagedKVCache(pool, pool.alloc, tree.evict_page)
     second.adopt(tree.match_prefix(prompt).pages, 8)
     keys, values, (k_all, _) = _fill(second, [1], gen)
-    assert second.pages == [0, 1, 2] and tree.evicted_pages == 1  # grew into the continuation's page
+    assert second.pages == [0, 1, 2] and tree.evicted_pages == 2  # the continuation's branch gave way
     assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # still views
     assert pool.refs[blocker.pages[0]] == 1 and blocker.pages[0] not in second.pages  # the live page untouched
