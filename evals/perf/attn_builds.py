@@ -7,7 +7,11 @@ are ``.so`` files from ``~/.cache/freetoken/kernels`` (``ops.build`` names them 
 old sources, note the file, build the new ones). Two paths are two libraries with their own pools; a path the
 process has loaded already (the engine's own build) would share that library's settings, so copy it first.
 
-    python -m freetoken_agent.evals.perf.attn_builds OLD.so NEW.so [--threads 2] [--repeats 40] [--json]
+``--cold`` reads a buffer of twice the last-level cache between calls (untimed), so every call streams its cache
+from memory as in a model's decode step, where the layers' weights pass through the cache between two attention
+calls of a layer; without it an 8k-key cache (17 MB) sits in a large L3 and the row measures L3 bandwidth.
+
+    python -m freetoken_agent.evals.perf.attn_builds OLD.so NEW.so [--threads 2] [--repeats 40] [--cold] [--json]
     freetoken bench attn-builds -- OLD.so NEW.so
 """
 
@@ -18,6 +22,7 @@ import ctypes
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,12 +45,26 @@ def load(path: str, threads: int) -> ctypes.CDLL:
     return lib
 
 
+def last_level_cache_bytes() -> int:
+    """The largest cache this CPU reports in sysfs (bytes); 64 MiB where it reports none."""
+    best = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return best or 64 << 20
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--cold", action="store_true", help="evict the caches between calls (read 2x the LLC)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.repeats < 6:
@@ -55,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, AttributeError) as exc:
         ap.error(f"not a build of the kernels library: {exc}")
     rows: list[dict[str, Any]] = []
+    flush = torch.ones(2 * last_level_cache_bytes() // 4) if args.cold else None
     if not args.json:
         print("| cache | heads (q/kv x dim) | keys | queries | old ms | new ms | speed-up |")
         print("|---|---|---|---|---|---|---|")
@@ -67,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             times: dict[str, list[float]] = {"old": [], "new": []}
             for r in range(args.repeats):
                 for name in ("old", "new") if r % 2 else ("new", "old"):
+                    if flush is not None:
+                        flush.sum()
                     t0 = time.perf_counter()
                     rc = libs[name].ft_attn_queries_kv(q.data_ptr(), t, k.data_ptr(), v.data_ptr(), code,
                                                        lo.data_ptr(), hi.data_ptr(), h, hkv, dh, dh, hkv * dh,
@@ -81,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(f"| {name} | {h}/{hkv} x {dh} | {s} | {t} | {old:.3f} | {new:.3f} | {old / new:.2f}x |")
     if args.json:
-        print(json.dumps({"threads": args.threads, "repeats": args.repeats, "rows": rows}))
+        print(json.dumps({"threads": args.threads, "repeats": args.repeats, "cold": args.cold, "rows": rows}))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""One C call per layer of a decode step (``ft_attn_step`` in ``kernels/csrc/ft_layer.h``).
+"""One C call per layer of a decode step or a speculative verify row (``ft_attn_step`` in ``kernels/csrc/ft_layer.h``).
 
 A decode step of one sequence runs each layer — norm, q/k/v projections, q/k norms, RoPE, the cache write,
 attention, output projection, residual, the FFN's input norm, router, routing, experts — as ~20-30 Python-level ops,
@@ -11,8 +11,10 @@ compare the two). The routing and experts join the call only where the layer's b
 runs op by op with the call's router logits. Routing observers are told the call's choices.
 
 A layer is fused when its spec is a plain GQA layer (see ``plan_layer``) with fp32 weights the kernels take;
-``FusedDecode.step`` applies per step: one sequence, one token, fp32 hidden, a paged cache whose pages are one run.
-Anything else — and any layer whose plan does not apply — runs op by op.
+``FusedDecode.step`` applies per step: one sequence of at most ``MAX_ROW`` consecutive tokens (a decode token, or a
+token and its draft tokens: every kernel of the call is batch invariant, so a verify row is bitwise the decode steps
+of its tokens, which is what keeps greedy speculation token-identical), fp32 hidden, a paged cache whose pages are
+one run. Anything else — and any layer whose plan does not apply — runs op by op.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from freetoken_agent.runtime.model.spec import LayerSpec, ModelSpec
 from freetoken_agent.runtime.model.weights import LayerWeights
 
 F32 = torch.float32
+MAX_ROW = 8
+"""Tokens a fused step carries at most (``FT_STEP_MAX_T``: the kernels' GEMV rows, ``GEMV_MAX_M``)."""
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
@@ -56,7 +60,8 @@ class LayerPlan:
 
     struct: AttnLayer
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-    """x [1, D], logits [1, E], ids [1, K], weights [1, K]: reused by every step whose FFN runs in the call."""
+    """x [MAX_ROW, D], logits [MAX_ROW, E], ids [MAX_ROW, K], weights [MAX_ROW, K]: a step of T tokens uses their
+    first T rows; reused by every step whose FFN runs in the call."""
     experts: int
     """Router rows (0: the C call leaves the router to the op-by-op path)."""
     backend: Any
@@ -186,13 +191,13 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
         s.route_norm_eps, s.route_scaling = r.norm_eps, r.scaling
     lib = kops.fast()
     assert lib is not None
-    work = torch.empty(int(lib.ft_attn_step_work(ctypes.byref(s))), dtype=F32)
+    work = torch.empty(MAX_ROW * int(lib.ft_attn_step_work(ctypes.byref(s))), dtype=F32)
     small = min(h * dh, hkv * dh, hkv * dv, d) < GEMV_MIN_ROWS  # the op-by-op path's rule for decode-sized products
     if sinks32 is not None:
         held.append(({"sinks32": sinks32}, "sinks32", sinks32))  # kept alive with the plan
     top_k = int(s.top_k)
-    buffers = (torch.empty(1, d, dtype=F32), torch.empty(1, int(s.experts), dtype=F32),
-               torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k, dtype=F32))
+    buffers = (torch.empty(MAX_ROW, d, dtype=F32), torch.empty(MAX_ROW, int(s.experts), dtype=F32),
+               torch.empty(MAX_ROW, top_k, dtype=torch.int64), torch.empty(MAX_ROW, top_k, dtype=F32))
     return LayerPlan(s, buffers, int(s.experts), backend, held, rotary, work, needs_deterministic=small)
 
 
@@ -212,6 +217,8 @@ class FusedDecode:
         """Layer steps run fused so far."""
         self.ffn_run = 0
         """Of those, steps whose routing and experts ran in the call too."""
+        self.rows_run = 0
+        """Of those, steps of a row of several tokens (a speculative verify row, a short prompt chunk)."""
 
     def plan(self, i: int) -> LayerPlan | None:
         p, backend = self._plans[i], self.experts[i]
@@ -220,13 +227,17 @@ class FusedDecode:
         return p if isinstance(p, LayerPlan) else None
 
     def step(self, h: torch.Tensor, cache: Any, positions: torch.Tensor) -> FusedStep | None:
-        """The per-step state of a decode step of one sequence (h [1, D] fp32, its cache and position), or None
-        when this step cannot be fused at all."""
+        """The per-step state of a step of one sequence (h [T, D] fp32 with 1 <= T <= ``MAX_ROW``, its cache and the
+        T consecutive positions from the cache's length on), or None when this step cannot be fused at all."""
         lib = kops.fast()
-        if (not self.enabled or lib is None or h.shape[0] != 1 or h.dtype is not F32 or not h.is_contiguous() or not h.is_cpu
-                or not hasattr(cache, "direct_rows")):
+        t = h.shape[0]
+        if (not self.enabled or lib is None or not 1 <= t <= MAX_ROW or h.dtype is not F32 or not h.is_contiguous()
+                or not h.is_cpu or not hasattr(cache, "direct_rows") or positions.shape != (t,)):
             return None
-        rows = cache.direct_rows(1)
+        pos = int(positions[0])
+        if pos != getattr(cache, "length", -1) or (t > 1 and int(positions[-1]) != pos + t - 1):
+            return None  # the rows are written at length.. : anything but consecutive positions from there runs op by op
+        rows = cache.direct_rows(t)
         if rows is None:
             return None
         return FusedStep(self, lib, h, cache, rows, positions, kops.deterministic())
@@ -241,7 +252,7 @@ class FusedStep:
                  rows: list[list[torch.Tensor] | None], positions: torch.Tensor, deterministic: bool) -> None:
         self.owner, self.lib, self.cache, self.rows = owner, lib, cache, rows
         self.positions, self.deterministic = positions, deterministic
-        self.pos = int(positions[0])
+        self.pos, self.t = int(positions[0]), int(positions.shape[0])
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attention(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
@@ -259,23 +270,25 @@ class FusedStep:
             if cos is None:
                 return None
         observers = self.owner.observers
+        t = self.t
         if plan.experts_call():  # everything stays in the call: the plan's buffers (ids fresh for observers)
-            x, logits, ids, weights = plan.buffers
+            x, logits, ids, weights = (b[:t] for b in plan.buffers)
             if observers:
                 ids = torch.empty_like(ids)
         else:  # the FFN's input and logits go to the op-by-op FFN, which may keep them: fresh ones
             x, ids, weights = torch.empty_like(h), None, None
-            logits = torch.empty(1, plan.experts, dtype=F32) if plan.experts else None
+            logits = torch.empty(t, plan.experts, dtype=F32) if plan.experts else None
         rc = self.lib.ft_attn_step(
-            ctypes.byref(plan.struct), h.data_ptr(), x.data_ptr(), None if cos is None else cos.data_ptr(),
+            ctypes.byref(plan.struct), t, h.data_ptr(), x.data_ptr(), None if cos is None else cos.data_ptr(),
             None if sin is None else sin.data_ptr(), k.data_ptr(), v.data_ptr(), kv_type, k.stride(0), v.stride(0),
             self.pos, plan.work.data_ptr(), None if logits is None else logits.data_ptr(),
             None if ids is None else ids.data_ptr(), None if weights is None else weights.data_ptr(),
         )  # fmt: skip
         if rc:
             raise MemoryError("ft_attn_step: out of memory") if rc == -1 else ValueError("ft_attn_step: bad layer")
-        self.cache.wrote_rows(i, 1, [F32, F32])
+        self.cache.wrote_rows(i, t, [F32, F32])
         self.owner.layers_run += 1
+        self.owner.rows_run += t > 1
         if ids is None:
             return x, logits
         for observe in observers:

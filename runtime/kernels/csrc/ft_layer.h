@@ -1,5 +1,5 @@
-/* A decoder layer's decode step for one token in one call — its attention half, and its MoE half where the experts
- * allow: what the Python decoder does for a plain GQA layer (runtime/model/layers.py: gqa_attention, model/moe.py:
+/* A decoder layer's decode step (one token, or a speculative row of a few) in one call — its attention half, and
+ * its MoE half where the experts allow: what the Python decoder does for a plain GQA layer (runtime/model/layers.py: gqa_attention, model/moe.py:
  * route, the experts' one fused ft_moe call) with the same kernels in the same order, so the result is bitwise the
  * one the op-by-op path gives, without ~20 Python-level ops and allocations per layer.
  *
@@ -84,7 +84,7 @@ int ft_route(const float *logits, int64_t t, int64_t e, int64_t k, int mode, int
     return 0;
 }
 
-/* Scratch values ft_attn_step uses (the caller's buffer, allocated once per layer shape). */
+/* Scratch values ft_attn_step uses per token of a step (the caller's buffer, allocated once per layer shape). */
 int64_t ft_attn_step_work(const ft_attn_layer *L) {
     return 2 * L->d + 2 * L->h * L->dh + 2 * L->hkv * L->dh + L->hkv * L->dv + L->h * L->dv;
 }
@@ -135,65 +135,77 @@ static void kv_store(const float *src, int64_t n, void *dst, int kv_type) {
     }
 }
 
-/* One decode token through the attention half of layer L (see the top of the file). h [D] is updated in place (the
- * residual), x [D] receives the FFN's normed input (norm_out NULL: h itself). k_cache / v_cache point at the
- * sequence's position 0 (rows k_stride / v_stride elements apart, heads contiguous, element type kv_type); the
- * token's position is pos: its row is written there and attention reads rows lo..pos. cos / sin [rot / 2] are the
- * token's rotary table row; logits [E] receive the router's logits (a layer with a router); with the experts and
- * ids (not NULL), ids / weights [K] receive the routing and h the FFN's output too. work: ft_attn_step_work(L)
- * floats. Returns 0, -1 out of memory, -2 bad arguments. */
-int ft_attn_step(const ft_attn_layer *L, float *h, float *x, const float *cos, const float *sin, void *k_cache,
-                 void *v_cache, int kv_type, int64_t k_stride, int64_t v_stride, int64_t pos, float *work,
-                 float *logits, int64_t *ids, float *weights) {
-    if (!L || pos < 0 || L->h % L->hkv || (kv_type != FT_KV_F32 && kv_type != FT_KV_F16 && kv_type != FT_KV_BF16))
+/* Rows a step may carry: a decode token, or a speculative row of a token and its drafts (GEMV_MAX_M). */
+#define FT_STEP_MAX_T 8
+
+/* t consecutive tokens of one sequence (positions pos .. pos + t - 1: a decode step, t = 1, or a verify row of
+ * speculative decoding) through the attention half of layer L (see the top of the file). h [t, D] is updated in
+ * place (the residual), x [t, D] receives the FFN's normed input (norm_out NULL: h itself). k_cache / v_cache point
+ * at the sequence's position 0 (rows k_stride / v_stride elements apart, heads contiguous, element type kv_type);
+ * token j's row is written at pos + j and it attends rows lo..pos + j (causal). cos / sin [t, rot / 2] are the tokens'
+ * rotary table rows; logits [t, E] receive the router's logits (a layer with a router); with the experts and ids
+ * (not NULL), ids / weights [t, K] receive the routing and h the FFN's output too. Every kernel here gives a row the
+ * same bits whatever the other rows (batch invariance), so a row of t tokens is bitwise t decode steps.
+ * work: t * ft_attn_step_work(L) floats. Returns 0, -1 out of memory, -2 bad arguments. */
+int ft_attn_step(const ft_attn_layer *L, int64_t t, float *h, float *x, const float *cos, const float *sin,
+                 void *k_cache, void *v_cache, int kv_type, int64_t k_stride, int64_t v_stride, int64_t pos,
+                 float *work, float *logits, int64_t *ids, float *weights) {
+    if (!L || pos < 0 || t < 1 || t > FT_STEP_MAX_T || L->h % L->hkv ||
+        (kv_type != FT_KV_F32 && kv_type != FT_KV_F16 && kv_type != FT_KV_BF16))
         return -2;
     const int64_t d = L->d, nq = L->h * L->dh, nk = L->hkv * L->dh, nv = L->hkv * L->dv;
-    float *xn = work, *q = xn + d, *q2 = q + nq, *k = q2 + nq, *k2 = k + nk, *v = k2 + nk, *att = v + nv,
-          *o = att + L->h * L->dv;
-    ft_rms_norm(h, L->norm_in, 1, d, L->eps, xn);
+    float *xn = work, *q = xn + t * d, *q2 = q + t * nq, *k = q2 + t * nq, *k2 = k + t * nk, *v = k2 + t * nk,
+          *att = v + t * nv, *o = att + t * L->h * L->dv;
+    ft_rms_norm(h, L->norm_in, t, d, L->eps, xn);
     const float *w[3] = {L->wq, L->wk, L->wv}, *b[3] = {L->bq, L->bk, L->bv};
     const int64_t n[3] = {nq, nk, nv};
     float *y[3] = {q, k, v};
-    if (ft_gemm_f32_parts(3, w, n, d, xn, 1, b, y)) return -2;
+    if (ft_gemm_f32_parts(3, w, n, d, xn, t, b, y)) return -2;
     if (L->qk_norm) {
-        ft_rms_norm(q, L->q_norm, L->h, L->dh, L->eps, q2);
-        ft_rms_norm(k, L->k_norm, L->hkv, L->dh, L->eps, k2);
-        float *t = q; q = q2; q2 = t;
-        t = k; k = k2; k2 = t;
+        ft_rms_norm(q, L->q_norm, t * L->h, L->dh, L->eps, q2);
+        ft_rms_norm(k, L->k_norm, t * L->hkv, L->dh, L->eps, k2);
+        float *s = q; q = q2; q2 = s;
+        s = k; k = k2; k2 = s;
     }
     if (L->rot > 0) {
-        ft_rope(q, 1, L->h, L->dh, L->rot, cos, sin, L->rope_half, q2);
-        ft_rope(k, 1, L->hkv, L->dh, L->rot, cos, sin, L->rope_half, k2);
+        ft_rope(q, t, L->h, L->dh, L->rot, cos, sin, L->rope_half, q2);
+        ft_rope(k, t, L->hkv, L->dh, L->rot, cos, sin, L->rope_half, k2);
         q = q2;
         k = k2;
     }
     const size_t es = kv_type == FT_KV_F32 ? sizeof(float) : sizeof(uint16_t);
-    kv_store(k, nk, (char *)k_cache + (size_t)(pos * k_stride) * es, kv_type);
-    kv_store(v, nv, (char *)v_cache + (size_t)(pos * v_stride) * es, kv_type);
-    const int64_t hi = pos + 1;
-    int64_t lo = 0;
-    if (L->window > 0 && hi - L->window > lo) lo = hi - L->window;
-    if (L->chunk > 0 && pos / L->chunk * L->chunk > lo) lo = pos / L->chunk * L->chunk;
-    int rc = lo == 0 ? ft_attn_decode_kv(q, k_cache, v_cache, kv_type, hi, L->h, L->hkv, L->dh, L->dv, k_stride,
-                                         v_stride, L->scale, L->sinks, att)
-                     : ft_attn_queries_kv(q, 1, k_cache, v_cache, kv_type, &lo, &hi, L->h, L->hkv, L->dh, L->dv,
-                                          k_stride, v_stride, L->scale, L->sinks, att);
+    int64_t lo[FT_STEP_MAX_T], hi[FT_STEP_MAX_T], from = 0;
+    for (int64_t j = 0; j < t; j++) {
+        const int64_t p = pos + j;
+        kv_store(k + j * nk, nk, (char *)k_cache + (size_t)(p * k_stride) * es, kv_type);
+        kv_store(v + j * nv, nv, (char *)v_cache + (size_t)(p * v_stride) * es, kv_type);
+        hi[j] = p + 1;
+        lo[j] = 0;
+        if (L->window > 0 && hi[j] - L->window > lo[j]) lo[j] = hi[j] - L->window;
+        if (L->chunk > 0 && p / L->chunk * L->chunk > lo[j]) lo[j] = p / L->chunk * L->chunk;
+        from |= lo[j];
+    }
+    int rc = t == 1 && from == 0
+                 ? ft_attn_decode_kv(q, k_cache, v_cache, kv_type, hi[0], L->h, L->hkv, L->dh, L->dv, k_stride,
+                                     v_stride, L->scale, L->sinks, att)
+                 : ft_attn_queries_kv(q, t, k_cache, v_cache, kv_type, lo, hi, L->h, L->hkv, L->dh, L->dv, k_stride,
+                                      v_stride, L->scale, L->sinks, att);
     if (rc) return -1;
-    if (ft_gemm_f32(L->wo, NULL, d, L->h * L->dv, att, 1, L->bo, o)) return -1;
-    for (int64_t i = 0; i < d; i++) h[i] = h[i] + o[i];
+    if (ft_gemm_f32(L->wo, NULL, d, L->h * L->dv, att, t, L->bo, o)) return -1;
+    for (int64_t i = 0; i < t * d; i++) h[i] = h[i] + o[i];
     if (L->norm_out)
-        ft_rms_norm(h, L->norm_out, 1, d, L->eps, x);
+        ft_rms_norm(h, L->norm_out, t, d, L->eps, x);
     else
-        memcpy(x, h, sizeof(float) * (size_t)d);
-    if (L->router && ft_gemm_f32(L->router, NULL, L->experts, d, x, 1, L->router_bias, logits)) return -1;
+        memcpy(x, h, sizeof(float) * (size_t)(t * d));
+    if (L->router && ft_gemm_f32(L->router, NULL, L->experts, d, x, t, L->router_bias, logits)) return -1;
     if (!L->router || !L->w13 || !ids) return 0;
-    if (ft_route(logits, 1, L->experts, L->top_k, L->route_mode, L->route_norm, L->route_norm_eps, L->route_scaling,
+    if (ft_route(logits, t, L->experts, L->top_k, L->route_mode, L->route_norm, L->route_norm_eps, L->route_scaling,
                  ids, weights))
         return -2;
-    rc = ft_moe(L->fmt13, L->fmt2, L->w13, L->w13_stride, L->w2, L->w2_stride, L->experts, d, L->inter, x, 1, ids,
+    rc = ft_moe(L->fmt13, L->fmt2, L->w13, L->w13_stride, L->w2, L->w2_stride, L->experts, d, L->inter, x, t, ids,
                 weights, L->top_k, o);
     if (rc) return rc == -2 ? -2 : -1;
-    for (int64_t i = 0; i < d; i++) h[i] = h[i] + o[i];
+    for (int64_t i = 0; i < t * d; i++) h[i] = h[i] + o[i];
     return 0;
 }
 

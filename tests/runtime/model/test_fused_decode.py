@@ -83,6 +83,61 @@ def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, quant: st
         engine.close()
 
 
+@pytest.mark.parametrize("quant", ["none", "q4"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_rows_of_several_tokens_are_bitwise_their_decode_steps(arch: str, kv: str, quant: str,
+                                                               tmp_path: Path) -> None:
+    """A row of 2-8 consecutive tokens (a speculative verify row) runs fused in one call per layer, bitwise the
+    op-by-op row; with q4 experts every position's logits are bitwise those of decoding its tokens one at a time
+    (fp32 experts run in torch, whose matmuls are batch invariant only in deterministic mode: close there);
+    a row of 9 runs op by op. Greedy generation with speculation (its verify rows fused) is token-identical."""
+    save_checkpoint(arch, tmp_path, **FUSED_ARCHS[arch])
+    engine = Engine.from_pretrained(tmp_path, kv_dtype=kv, speculate=False, quant=quant)
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    cuts = [12, 15, 16, 24, 26, 33, 42 - 2]  # rows of 3, 1, 8, 2, 7, 7 after a 12-token prefill
+
+    def by_rows(fused: bool) -> tuple[torch.Tensor, int, int]:
+        engine.decoder.fused.enabled = fused
+        engine.kv_manager(KVConfig(page_size=4, device_pages=256))
+        before, rows = engine.decoder.fused.layers_run, engine.decoder.fused.rows_run
+        session = engine.session()
+        outs = [session.prefill_logits(ids[:c])[1] for c in cuts]
+        session.close()
+        return torch.cat(outs), engine.decoder.fused.layers_run - before, engine.decoder.fused.rows_run - rows
+
+    try:
+        layers = engine.spec.num_layers
+        rows_fused, ran, rows = by_rows(True)
+        assert ran == 6 * layers and rows == 5 * layers  # every row of <= 8 tokens fused; 5 of them of several
+        rows_plain, ran_plain, _ = by_rows(False)
+        assert ran_plain == 0 and torch.equal(rows_fused, rows_plain)
+        steps_fused = _logits(engine, ids, True)[0]  # position 12 on, one token at a time
+        steps_plain = _logits(engine, ids, False)[0]
+        assert torch.equal(steps_fused, steps_plain)
+        if quant == "q4":  # the fused MoE kernel is batch invariant; torch's fp32 expert matmuls only in deterministic mode
+            assert torch.equal(rows_fused, steps_fused)
+        else:  # an fp16 cache rounds the keys: a last-bit difference can move a stored key by an fp16 ulp
+            torch.testing.assert_close(rows_fused, steps_fused, rtol=0, atol=1e-4 if kv == "fp32" else 5e-3)
+        engine.kv_manager(KVConfig(page_size=4, device_pages=256))
+        engine.decoder.fused.enabled = True
+        session = engine.session()
+        before = engine.decoder.fused.layers_run
+        session.prefill_logits(ids[:12])
+        session.prefill_logits(ids[:21])  # a row of 9: op by op
+        session.close()
+        assert engine.decoder.fused.layers_run == before
+        prompt = (ids[:10] * 3)[:24]  # repeats: prompt lookup drafts from it
+        plain = engine.generate(prompt, max_new_tokens=24, temperature=0.0, stop_token_ids=[]).token_ids
+        engine.speculation = True
+        rows_before = engine.decoder.fused.rows_run
+        spec = engine.generate(prompt, max_new_tokens=24, temperature=0.0, stop_token_ids=[]).token_ids
+        assert spec == plain
+        assert engine.stats()["speculation"]["verify_rows"] == 0 or engine.decoder.fused.rows_run > rows_before
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_deterministic_mode_fuses_small_projections_over_an_fp32_cache_only(kv: str, tmp_path: Path) -> None:
     """The default tiny checkpoint's projections have 64 rows: op by op they run in torch outside deterministic mode
@@ -154,7 +209,7 @@ def test_the_cache_write_narrows_as_torch_casts(dtype: torch.dtype) -> None:
     v_cache = torch.zeros(4, h, dh, dtype=dtype)
     out = torch.empty(1, d)
     code = ops.KV_TYPE_CODE[dtype]
-    assert lib.ft_attn_step(ctypes.byref(s), x.data_ptr(), out.data_ptr(), None, None, k_cache.data_ptr(),
+    assert lib.ft_attn_step(ctypes.byref(s), 1, x.data_ptr(), out.data_ptr(), None, None, k_cache.data_ptr(),
                             v_cache.data_ptr(), code, h * dh, h * dh, 2, work.data_ptr(), None, None, None) == 0
 
     def cast(t: torch.Tensor) -> torch.Tensor:
