@@ -29,7 +29,8 @@ from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNe
 from freetoken_agent.runtime.experts.capabilities import Capabilities
 from freetoken_agent.runtime.experts.layout import SlotViews
 from freetoken_agent.runtime.experts.store import ExpertStore
-from freetoken_agent.runtime.model.moe import activate, expert_linear
+from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.moe import activate, expert_linear, silu_kernel_ok
 from freetoken_agent.runtime.model.spec import MoESpec
 
 if TYPE_CHECKING:
@@ -94,6 +95,10 @@ class ManagedExperts:
     def _float_expert(self, views: SlotViews, slot: int, x: torch.Tensor) -> torch.Tensor:
         """One float expert on its tokens, exactly as ``TorchExperts`` computes it: ``x [n, D] → [n, D]``."""
         assert views.gate_up is not None and views.down is not None
+        gate_up, down = views.gate_up[slot], views.down[slot]
+        biased = views.gate_up_bias is not None or views.down_bias is not None
+        if silu_kernel_ok(self.spec, x, gate_up, down, biased, self.act):  # TorchExperts' kernel path
+            return kops.expert_f32(gate_up, down, x)
         h = expert_linear(x, views.gate_up[slot])  # [n, 2I]
         if views.gate_up_bias is not None:
             h = h + views.gate_up_bias[slot]

@@ -13,8 +13,9 @@ use ``torch.mm``. Where that crossover lies depends on the CPU (on a first-gener
 won from ~32-64 tokens; on a Zen 4 with AVX-512 VNNI the int8 kernel still wins at 256), so it is measured once per
 process (``crossover_tokens``); ``$FREETOKEN_DEQUANT_THRESHOLD`` pins it.
 
-``exact = True`` sends every expert through dequantize + fp32 ``torch.mm``: activations are never rounded, so the
-layer equals plain-torch experts over the dequantized weights up to fp32 summation order (slower decode);
+``exact = True`` sends every expert through dequantize + fp32 (``ops.expert_f32`` for SiLU experts without biases,
+else ``torch.mm``): activations are never rounded, so the layer equals the reference experts over the dequantized
+weights (bitwise, where both take the fp32 kernel) (slower decode);
 ``set_mode`` (``EXPERT_MODES``) sets it and the threshold together. The backend says what it is through
 ``capabilities`` (``runtime/experts/capabilities.py``); ``runtime/experts/quantized.py`` builds it for a decoder.
 
@@ -294,6 +295,10 @@ class QuantizedExperts:
             h = int4_linear(w13, x)
         else:
             gate_up, down = self._expert_float(e)
+            if self.activation is None and self.gate_up_bias is None and self.down_bias is None and ops.fast() and \
+                    x.dtype is torch.float32 and gate_up.dtype is torch.float32 and gate_up.is_contiguous() and \
+                    down.is_contiguous():  # the fp32 experts' kernel path: bitwise the dequantized TorchExperts
+                return ops.expert_f32(gate_up, down, x)
             h = mm(x, gate_up)  # [n, 2I]
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]

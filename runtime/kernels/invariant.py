@@ -16,14 +16,13 @@ Invariant by default (no switch needed; the tests check them bitwise):
     the same fp32 order;
   * fp32 RMSNorm (``layers.rms_norm``: the C row kernel for every size, faster than ``F.rms_norm`` at every size
     measured);
-  * fp32 dense linears (``layers.dense_linear``) with weights of at least ``layers.GEMV_MIN_ROWS`` rows, lm_head
-    and the router logits of ``moe.route`` (``min_rows=0``) included: the C fp32 linear (``ops.linear_f32``) for every M, faster than torch's GEMM at every M
-    measured; smaller weights take it from ``GEMV_MAX_M`` rows up only (at one row torch's GEMV is a few µs
-    faster), so they are invariant only with the switch;
+  * fp32 dense linears (``layers.dense_linear``), lm_head and the router logits of ``moe.route`` included: the C
+    fp32 linear (``ops.linear_f32``) for every M and every weight size, faster than torch's GEMM at every M
+    measured;
   * the C rotary embedding and the torch rotary formula (bitwise equal: elementwise, no reduction); the C decode
     attention.
 Only with the switch (what each costs: evals/perf/RESULTS.md):
-  * bf16 dense linears and small fp32 ones → ``linear`` (C ``ft_gemm_f32`` for every M, fixed order);
+  * bf16 dense linears → ``linear`` (C ``ft_gemm_f32`` for every M, fixed order);
   * bf16 RMSNorm, unit RMSNorm and LayerNorm → the C row norm;
   * reference experts (``TorchExperts``, float ``ManagedExperts``) → ``linear`` per expert;
   * quantized experts never switch to dequantize + ``torch.mm`` by tokens per expert (the int8 kernels for all);

@@ -532,6 +532,43 @@ def moe(
     return out
 
 
+def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routed fp32 experts with SiLU-gated activations, as stored: ``gate_up [E, 2I, D]`` (gate rows, then up rows),
+    ``down [E, D, I]``, ``x [T, D]``, ``topk_ids [T, K]`` (negative: skipped), ``topk_weights [T, K]`` →
+    ``Σ_k w_k · down_k(silu(gate_k x) · up_k x)`` as fp32 ``[T, D]``, experts added in ascending id order; batch
+    invariant (``ft_moe_f32``: every product is ``linear_f32``'s row)."""
+    e, i2, d = gate_up.shape
+    if (gate_up.dtype is not F32 or down.dtype is not F32 or down.shape != (e, d, i2 // 2) or i2 % 2
+            or x.dim() != 2 or x.shape[1] != d or topk_ids.shape != topk_weights.shape
+            or topk_ids.shape[0] != x.shape[0] or not gate_up.is_contiguous() or not down.is_contiguous()):
+        raise FreeTokenError(
+            f"moe_f32: want fp32 gate_up [E, 2I, D], down [E, D, I], x [T, D], ids/weights [T, K]; got "
+            f"{tuple(gate_up.shape)}, {tuple(down.shape)}, {tuple(x.shape)}, {tuple(topk_ids.shape)}"
+        )
+    x = _f32(x)
+    ids = topk_ids if topk_ids.dtype is torch.int64 and topk_ids.is_contiguous() else topk_ids.long().contiguous()
+    wts = _f32(topk_weights)
+    out = torch.empty(x.shape[0], d, dtype=F32)
+    rc = (_loaded[0] if _loaded else _lib()).ft_moe_f32(
+        gate_up.data_ptr(), down.data_ptr(), e, d, i2 // 2, x.data_ptr(), x.shape[0], ids.data_ptr(), wts.data_ptr(),
+        ids.shape[1], out.data_ptr(),
+    )  # fmt: skip
+    if rc == -2:
+        raise FreeTokenError(f"moe_f32: an expert id is >= the number of experts ({e})")
+    if rc != 0:
+        raise MemoryError("ft_moe_f32: out of memory")
+    return out
+
+
+def expert_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One fp32 SiLU expert on its tokens through ``moe_f32``: ``gate_up [2I, D]``, ``down [D, I]``, ``x [n, D]`` →
+    ``[n, D]``, bitwise what a ``moe_f32`` call over all experts computes for these tokens before their weights (so
+    a backend that runs its experts one at a time and adds ``y * w`` in id order gets ``moe_f32``'s bits)."""
+    n = x.shape[0]
+    return moe_f32(gate_up[None], down[None], x, torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1, dtype=F32))
+
+
 def route(logits: torch.Tensor, top_k: int, mode: int, norm: bool, norm_eps: float, scaling: float
           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Top-k routing of router logits ``[T, E]`` fp32 → ``(ids [T, K] int64, weights [T, K] fp32)`` (``ft_route``:

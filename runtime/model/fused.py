@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from freetoken_agent.runtime.kernels import ops as kops
-from freetoken_agent.runtime.model.layers import GEMV_MIN_ROWS
 from freetoken_agent.runtime.model.moe import kernel_route_mode
 from freetoken_agent.runtime.model.rope import SMALL_ROPE, Rotary
 from freetoken_agent.runtime.model.spec import LayerSpec, ModelSpec
@@ -55,8 +54,7 @@ class AttnLayer(ctypes.Structure):
 @dataclass
 class LayerPlan:
     """A fused layer: its C struct, the tensors it points at (kept alive, and checked to still be the layer's), the
-    rotary table it turns by, the scratch buffer, and whether it relies on deterministic mode (a projection with
-    fewer than ``GEMV_MIN_ROWS`` rows runs on the kernels only there)."""
+    rotary table it turns by, and the scratch buffer."""
 
     struct: AttnLayer
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -69,7 +67,6 @@ class LayerPlan:
     held: list[tuple[dict, str, Any]]
     rotary: Rotary | None
     work: torch.Tensor
-    needs_deterministic: bool
 
     def current(self, backend: Any) -> bool:
         return all(table.get(key) is obj for table, key, obj in self.held) and (
@@ -192,13 +189,12 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     lib = kops.fast()
     assert lib is not None
     work = torch.empty(MAX_ROW * int(lib.ft_attn_step_work(ctypes.byref(s))), dtype=F32)
-    small = min(h * dh, hkv * dh, hkv * dv, d) < GEMV_MIN_ROWS  # the op-by-op path's rule for decode-sized products
     if sinks32 is not None:
         held.append(({"sinks32": sinks32}, "sinks32", sinks32))  # kept alive with the plan
     top_k = int(s.top_k)
     buffers = (torch.empty(MAX_ROW, d, dtype=F32), torch.empty(MAX_ROW, int(s.experts), dtype=F32),
                torch.empty(MAX_ROW, top_k, dtype=torch.int64), torch.empty(MAX_ROW, top_k, dtype=F32))
-    return LayerPlan(s, buffers, int(s.experts), backend, held, rotary, work, needs_deterministic=small)
+    return LayerPlan(s, buffers, int(s.experts), backend, held, rotary, work)
 
 
 class FusedDecode:
@@ -258,7 +254,7 @@ class FusedStep:
     def attention(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         plan = self.owner.plan(i)
         parts = self.rows[i] if i < len(self.rows) else None
-        if plan is None or parts is None or len(parts) != 2 or (plan.needs_deterministic and not self.deterministic):
+        if plan is None or parts is None or len(parts) != 2:
             return None
         k, v = parts
         kv_type = kops.KV_TYPE_CODE.get(k.dtype)

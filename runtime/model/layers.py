@@ -33,9 +33,6 @@ F32 = torch.float32
 
 
 
-GEMV_MIN_ROWS = 256  # fp32 weights with fewer rows stay in torch for decode (L2-resident: torch's GEMV is µs faster)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32, cast back, scale (HF order). fp32 goes through the C kernel where the kernels are loaded,
     for every size: one fused op instead of six (a decode step runs ~4 per layer, and at one token each op is
@@ -69,29 +66,26 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def dense_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = GEMV_MIN_ROWS
-) -> torch.Tensor:
-    """``F.linear``; fp32 CPU products go through the kernels' fp32 linear when they are loaded, except decode-sized
-    ones (at most ``GEMV_MAX_M`` rows) with a weight of fewer than ``min_rows`` rows. At decode it streams the weight
-    on every pool thread, where torch's GEMV often uses one; in prefill it beats torch's GEMM (0.45-0.8x its time
-    on a Zen 4, 9-512 rows, 1 and 2 threads: evals/perf/RESULTS.md). It reduces each row in one fixed order, so
-    those products are batch invariant by default. Deterministic mode: that kernel for every product."""
-    if on_kernels(x, weight, bias, min_rows):
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; fp32 CPU products go through the kernels' fp32 linear when they are loaded. At decode it streams
+    the weight on every pool thread, where torch's GEMV often uses one; in prefill it beats torch's GEMM (0.45-0.8x
+    its time on a Zen 4, 9-512 rows, 1 and 2 threads: evals/perf/RESULTS.md). It reduces each row in one fixed
+    order, so those products are batch invariant by default, whatever the weight's size (small weights used to stay
+    in torch at decode, a few µs faster op by op; the fused decode step runs every product on the kernels, and a
+    verify row must give its tokens' decode-step bits). Deterministic mode: that kernel for every product."""
+    if on_kernels(x, weight, bias):
         return kops.linear_f32(weight, x, bias)
     if kops.deterministic():
         return invariant.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def on_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               min_rows: int = GEMV_MIN_ROWS) -> bool:
+def on_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``dense_linear`` runs this product on the kernels' fp32 linear (see there)."""
     return (
         x.dtype is F32
         and weight.dtype is F32
         and x.dim() == 2
-        and (weight.shape[0] >= min_rows or x.shape[0] > kops.GEMV_MAX_M or kops.deterministic())
         and (bias is None or bias.dtype is F32)
         and weight.is_cpu
         and weight.numel() > 0  # a zero-width MLP (shared size 0) is torch's: the C GEMM wants a real matrix

@@ -37,6 +37,18 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return invariant.linear(x, weight) if kops.deterministic() else x @ weight.T
 
 
+def silu_kernel_ok(moe: MoESpec, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, biased: bool,
+                   act: Params | None = None) -> bool:
+    """Whether the kernels' fp32 MoE (``ops.moe_f32``) computes these experts exactly as specified: fp32 SiLU-gated
+    experts without biases or learned activation parameters, on the CPU, with the kernels loaded. Every fp32 expert
+    path takes it where this holds (``TorchExperts``, managed float experts, dequantized quantized experts), so they
+    stay bitwise equal to one another."""
+    return (x.dtype is torch.float32 and x.is_cpu and gate_up.dtype is torch.float32
+            and down.dtype is torch.float32 and gate_up.is_cpu and moe.gated and moe.activation == "silu"
+            and not moe.glu_clamp and not biased and not act and gate_up.is_contiguous() and down.is_contiguous()
+            and kops.fast() is not None)
+
+
 def activate(gate_up: torch.Tensor, moe: MoESpec, params: Params | None = None) -> torch.Tensor:
     """[N, 2I] (gate columns then up columns) → [N, I]; ungated experts: [N, I] → [N, I]. ``params``: the tensors
     of a learned activation (``TorchExperts.act``)."""
@@ -61,7 +73,8 @@ def activate(gate_up: torch.Tensor, moe: MoESpec, params: Params | None = None) 
 
 @dataclass
 class TorchExperts:
-    """Reference experts: all weights as dense tensors, one matmul pair per hit expert."""
+    """Reference experts: all weights as dense tensors, one matmul pair per hit expert (fp32 SiLU experts: one
+    kernel call for all, ``kernel_call``)."""
 
     spec: MoESpec
     gate_up: torch.Tensor  # [E, 2I, D]
@@ -80,7 +93,15 @@ class TorchExperts:
         """The weights of one expert: (gate_up [2I, D], down [D, I])."""
         return self.gate_up[e], self.down[e]
 
+    def kernel_call(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` runs on the kernels' fp32 MoE (``ops.moe_f32``: one call for every hit expert, batch
+        invariant) rather than a torch matmul pair and a dozen small ops per hit expert (``silu_kernel_ok``)."""
+        biased = self.gate_up_bias is not None or self.down_bias is not None
+        return silu_kernel_ok(self.spec, x, self.gate_up, self.down, biased, self.act)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] and self.kernel_call(x):
+            return kops.moe_f32(self.gate_up, self.down, x, topk_ids, topk_weights)
         out = torch.zeros_like(x)
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)
@@ -122,7 +143,7 @@ def route(
     if logits is None:
         # [T, E]. A decode step's router weight is cold (the experts streamed through the cache since): measured
         # 36 us in torch, 20 us through the pool on 2 threads
-        logits = dense_linear(_fp32(x), _fp32(weight), None if bias is None else _fp32(bias), min_rows=0)
+        logits = dense_linear(_fp32(x), _fp32(weight), None if bias is None else _fp32(bias))
     if (chosen := _kernel_route(logits, spec, top_k, correction, fixed_ids)) is not None:
         return chosen
     if spec.topk_before_scoring:

@@ -23,7 +23,7 @@ def sink_route(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, D] → (topk_ids [T, K], topk_weights [T, K], shared weights γ [T, n]), weights in fp32."""
     n, k = moe.router.shared_sink, moe.top_k
-    logits = dense_linear(x.float(), weight.float(), None, min_rows=0)  # [T, E + n]
+    logits = dense_linear(x.float(), weight.float(), None)  # [T, E + n]
     routed, shared = logits[:, :-n], logits[:, -n:]
     choice = elementwise(torch.sigmoid, routed)
     if correction is not None:

@@ -351,6 +351,111 @@ int ft_gemm_f32_parts(int parts, const float *const *w, const int64_t *n, int64_
     return 0;
 }
 
+/* Products of different weights against different inputs in one parallel-for: part p is ft_gemm_f32's
+ * y[p] = x[p] @ w[p]^T (same items, same order: bitwise the same as separate calls); parts found by bisection. */
+typedef struct {
+    const gemv_ctx *part;
+    const int64_t *first; /* part p owns items [first[p], first[p + 1]) */
+    int64_t parts;
+} gemv_many_ctx;
+
+static void gemv_many_item(void *p, int64_t item) {
+    const gemv_many_ctx *c = (const gemv_many_ctx *)p;
+    int64_t lo = 0, hi = c->parts - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (c->first[mid] <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    gemv_item((void *)&c->part[lo], item - c->first[lo]);
+}
+
+/* The routed experts of one MoE layer in fp32, as they are stored (the reference experts: no quantization):
+ * out[t] = sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j] (negative: skipped),
+ * added in ascending expert order (each expert's tokens in token order). w13 [E, 2I, D] (the I gate rows, then the
+ * I up rows), w2 [E, D, I], contiguous. Every product is ft_gemm_f32's row, so a token's bits do not depend on the
+ * other tokens (batch invariant): all hit experts' gate/up rows go to the pool in one hand-out, their down rows in a
+ * second, where torch ran two matmuls and a dozen small ops per hit expert. SiLU is g / (1 + exp(-g)).
+ * Returns 0, -1 out of memory, -2 bad arguments (an id >= E). */
+int ft_moe_f32(const float *w13, const float *w2, int64_t e, int64_t d, int64_t inter, const float *x, int64_t t,
+               const int64_t *ids, const float *weights, int64_t k, float *out) {
+    if (e < 1 || d < 1 || inter < 1 || t < 0 || k < 1 || !w13 || !w2) return -2;
+    if (g_isa < 0) g_isa = detect_isa();
+    memset(out, 0, sizeof(float) * (size_t)(t * d));
+    int64_t *count = (int64_t *)calloc((size_t)(2 * e + 1), sizeof(int64_t));
+    if (!count) return -1;
+    int64_t *start = count + e, total = 0;
+    for (int64_t i = 0; i < t * k; i++) {
+        if (ids[i] >= e) {
+            free(count);
+            return -2;
+        }
+        if (ids[i] >= 0) count[ids[i]]++, total++;
+    }
+    if (total == 0) {
+        free(count);
+        return 0;
+    }
+    int64_t hit = 0;
+    for (int64_t j = 0, at = 0; j < e; j++) {
+        start[j] = at;
+        at += count[j];
+        hit += count[j] > 0;
+    }
+    const int64_t i2 = 2 * inter;
+    /* slots sorted by expert: token, weight; then the gathered inputs, gate|up, activations, expert outputs */
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)total);
+    float *wt = (float *)malloc(sizeof(float) * (size_t)total);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(total * (d + i2 + inter + d)));
+    gemv_ctx *parts = (gemv_ctx *)malloc(sizeof(gemv_ctx) * (size_t)hit);
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(hit + 1));
+    if (!tok || !wt || !xs || !parts || !first) {
+        free(count), free(tok), free(wt), free(xs), free(parts), free(first);
+        return -1;
+    }
+    float *gu = xs + total * d, *a = gu + total * i2, *y = a + total * inter;
+    int64_t *fill = count; /* reused: the next free slot of each expert */
+    for (int64_t j = 0; j < e; j++) fill[j] = start[j];
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t id = ids[r * k + j];
+            if (id < 0) continue;
+            const int64_t s = fill[id]++;
+            tok[s] = r;
+            wt[s] = weights[r * k + j];
+            memcpy(xs + s * d, x + r * d, sizeof(float) * (size_t)d);
+        }
+    gemv_many_ctx many = {parts, first, hit};
+    for (int pass = 0; pass < 2; pass++) { /* gate|up of every hit expert, then their down rows */
+        int64_t p = 0;
+        first[0] = 0;
+        for (int64_t j = 0; j < e; j++) {
+            const int64_t s = start[j], n = fill[j] - s;
+            if (n == 0) continue;
+            const gemv_ctx g = pass == 0 ? (gemv_ctx){w13 + j * i2 * d, NULL, xs + s * d, NULL, gu + s * i2, i2, d, n}
+                                         : (gemv_ctx){w2 + j * d * inter, NULL, a + s * inter, NULL, y + s * d, d,
+                                                      inter, n};
+            parts[p] = g;
+            first[p + 1] = first[p] + (g.n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM;
+            p++;
+        }
+        ft_parallel_for(gemv_many_item, &many, first[hit]);
+        if (pass == 0)
+            for (int64_t s = 0; s < total; s++) {
+                const float *g = gu + s * i2, *u = g + inter;
+                float *o = a + s * inter;
+                for (int64_t c = 0; c < inter; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+            }
+    }
+    for (int64_t s = 0; s < total; s++) { /* slots are in expert order: each token's sum runs over ascending ids */
+        float *o = out + tok[s] * d;
+        const float *ys = y + s * d, w = wt[s];
+        for (int64_t c = 0; c < d; c++) o[c] += ys[c] * w;
+    }
+    free(count), free(tok), free(wt), free(xs), free(parts), free(first);
+    return 0;
+}
+
 typedef struct {
     const float *x, *w;
     int64_t rows, dim;

@@ -25,8 +25,7 @@ from tests.runtime.checkpoints import save_checkpoint  # noqa: E402
 pytestmark = pytest.mark.skipif(build.load() is None, reason="C kernels unavailable (no compiler)")
 
 WIDE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
-"""Projections of >= 256 rows (q/k/v and o): the op-by-op path runs them on the kernels outside deterministic mode
-too."""
+"""Projections of >= 256 rows (q/k/v and o), as in real models."""
 FUSED_ARCHS = {
     "qwen3_moe": WIDE,                 # per-head q/k RMSNorm
     "mixtral": WIDE,                   # sliding window 16 (the decode passes it)
@@ -139,14 +138,17 @@ def test_rows_of_several_tokens_are_bitwise_their_decode_steps(arch: str, kv: st
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
-def test_deterministic_mode_fuses_small_projections_over_an_fp32_cache_only(kv: str, tmp_path: Path) -> None:
-    """The default tiny checkpoint's projections have 64 rows: op by op they run in torch outside deterministic mode
-    (not fused) and on the kernels inside it (fused, over an fp32 cache: a 16-bit one is attended in torch there)."""
+def test_small_projections_fuse_and_deterministic_mode_over_an_fp32_cache_only(kv: str, tmp_path: Path) -> None:
+    """The default tiny checkpoint's projections have 64 rows: they run on the kernels op by op as well, so its
+    layers fuse, bitwise the op-by-op path; in deterministic mode over an fp32 cache only (a 16-bit one is attended
+    in torch there)."""
     save_checkpoint("qwen3_moe", tmp_path)
     engine = Engine.from_pretrained(tmp_path, kv_dtype=kv, speculate=False)
     ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
     try:
-        assert _logits(engine, ids, True)[1] == 0
+        fused, ran, _ = _logits(engine, ids, True)
+        assert ran == 8 * engine.spec.num_layers
+        assert torch.equal(fused, _logits(engine, ids, False)[0])
         ops.set_deterministic(True)
         try:
             fused, ran, _ = _logits(engine, ids, True)

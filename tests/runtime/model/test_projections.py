@@ -11,16 +11,16 @@ from freetoken_agent.runtime.model.layers import dense_linear, projections
 NAMES = ("q_proj", "k_proj", "v_proj")
 
 
-@pytest.mark.parametrize(("rows", "m", "fused"), [((512, 256, 256), 1, True), ((256, 128, 128), 1, False),
-                                                 ((256, 128, 128), 12, True)])  # fmt: skip
+@pytest.mark.parametrize(("rows", "m", "fused"), [((512, 256, 256), 1, True), ((256, 128, 128), 1, True),
+                                                 ((256, 128, 128), 12, True), ((64, 32, 32), 3, False)])  # fmt: skip
 def test_projections_equal_separate_products(rows: tuple[int, ...], m: int, fused: bool,
                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    # decode: weights of fewer than GEMV_MIN_ROWS rows stay with torch, so the three are fused only when none
-    # does; prefill-sized x (more than GEMV_MAX_M rows) puts every product on the kernels
+    # every fp32 product runs on the kernels, so the three are one call; a weight the kernels do not take (here a
+    # transposed view: not contiguous) keeps all three in torch
     if build.load() is None:
         pytest.skip("the C kernels are unavailable")
     d = 192
-    w = {f"{n}.weight": torch.randn(r, d) for n, r in zip(NAMES, rows)}
+    w = {f"{n}.weight": torch.randn(r, d) if fused else torch.randn(d, r).t() for n, r in zip(NAMES, rows)}
     w["k_proj.bias"] = torch.randn(rows[1])
     x = torch.randn(m, d)
     calls = []

@@ -1,0 +1,94 @@
+"""``ops.moe_f32`` (``ft_moe_f32``): fp32 SiLU-gated experts in one kernel call, against the plain-torch formula;
+batch invariant; bad ids refused; ``TorchExperts`` takes it only where its experts are exactly that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.kernels import build, ops
+from freetoken_agent.runtime.model.moe import TorchExperts
+from freetoken_agent.runtime.model.spec import MoESpec, RouterSpec
+
+pytestmark = pytest.mark.skipif(build.load() is None, reason="C kernels unavailable (no compiler)")
+
+
+def reference(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x, dtype=torch.float64)
+    inter = down.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            h = gate_up[e].double() @ x[t].double()
+            a = F.silu(h[:inter]) * h[inter:]
+            out[t] += weights[t, j].double() * (down[e].double() @ a)
+    return out.float()
+
+
+def case(t: int, e: int = 7, d: int = 48, inter: int = 20, k: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    gate_up, down = torch.randn(e, 2 * inter, d, generator=g) / 4, torch.randn(e, d, inter, generator=g) / 4
+    x = torch.randn(t, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.empty(0, k).long()
+    if t > 2:
+        ids[1, 0] = -1  # a skipped slot
+    weights = torch.rand(t, k, generator=g)
+    return gate_up, down, x, ids, weights
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 37])
+@pytest.mark.parametrize("isa", ["best", "portable", "avx2"])
+def test_equals_the_torch_formula(t: int, isa: str) -> None:
+    if isa not in ops.available_isas() and isa != "best":
+        pytest.skip(f"{isa} not on this CPU")
+    before = ops.current_isa()
+    ops.set_isa(isa)
+    try:
+        gate_up, down, x, ids, weights = case(t)
+        got = ops.moe_f32(gate_up, down, x, ids, weights)
+        torch.testing.assert_close(got, reference(gate_up, down, x, ids, weights), rtol=0, atol=1e-5)
+    finally:
+        ops.set_isa(before)
+
+
+def test_rows_are_batch_invariant() -> None:
+    gate_up, down, x, ids, weights = case(23, seed=3)
+    full = ops.moe_f32(gate_up, down, x, ids, weights)
+    for t in range(23):
+        alone = ops.moe_f32(gate_up, down, x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(alone[0], full[t])
+    perm = torch.randperm(23, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ops.moe_f32(gate_up, down, x[perm], ids[perm], weights[perm]), full[perm])
+
+
+def test_bad_inputs_are_refused() -> None:
+    gate_up, down, x, ids, weights = case(4)
+    with pytest.raises(FreeTokenError, match="expert id"):
+        ops.moe_f32(gate_up, down, x, torch.full_like(ids, 7), weights)
+    with pytest.raises(FreeTokenError, match="want fp32"):
+        ops.moe_f32(gate_up, down[:, :, :5].contiguous(), x, ids, weights)
+    assert ops.moe_f32(gate_up, down, x[:0], ids[:0], weights[:0]).shape == (0, 48)
+    none = torch.full_like(ids, -1)
+    assert torch.equal(ops.moe_f32(gate_up, down, x, none, weights), torch.zeros_like(x))
+
+
+def test_torch_experts_take_the_kernel_only_for_plain_silu_experts() -> None:
+    gate_up, down, x, ids, weights = case(6, e=5, k=2)
+    ids = ids.clamp(min=0)  # the torch path takes no skipped slots
+    spec = MoESpec(num_experts=5, top_k=2, intermediate=20, router=RouterSpec())
+    plain = TorchExperts(spec, gate_up, down)
+    assert plain.kernel_call(x)
+    torch.testing.assert_close(plain.forward(x, ids, weights), reference(gate_up, down, x, ids, weights), rtol=0,
+                               atol=1e-5)
+    biased = TorchExperts(spec, gate_up, down, gate_up_bias=torch.zeros(5, 40))
+    assert not biased.kernel_call(x)  # the torch path, same result with a zero bias
+    torch.testing.assert_close(biased.forward(x, ids, weights), plain.forward(x, ids, weights), rtol=0, atol=1e-5)
+    gelu = TorchExperts(MoESpec(num_experts=5, top_k=2, intermediate=20, router=RouterSpec(), activation="gelu"),
+                        gate_up, down)
+    assert not gelu.kernel_call(x)
+    assert not TorchExperts(spec, gate_up.bfloat16(), down.bfloat16()).kernel_call(x)
