@@ -41,6 +41,9 @@ from freetoken_agent.evals.perf.harness import row, run_json_main
 DEFAULT_TRAJECTORIES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "agent-trajectories"
 DEFAULT_MOE = Path("/tmp/freetoken-bench-concurrent/qwen3_moe-7b")
 SCRATCH = Path("/tmp/freetoken-bench-speculative")
+DRAFTS = (2, 4, 7)
+"""Draft lengths the oracle and the verify cost are measured at: 7 is ``SpeculationConfig.max_draft`` (a row of 8,
+the most one fused step carries)."""
 
 
 # ------------------------------------------------------------------------------------------------ sessions
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     report["oracle"] = {}
     for phase in phases:
         per_k = {}
-        for k in (2, 4, 8, None):
+        for k in (*DRAFTS, None):
             agg = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
             for _, ids, labels in sessions:
                 r = oracle(ids, spans(labels, phase), k, phase)
@@ -261,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                 model = synthetic_moe(SCRATCH / "qwen3_moe-4L")
                 note = (f"{DEFAULT_MOE} absent: a 4-layer synthetic of its block (hidden 2048, 64 experts top-8, "
                         "1.26B parameters)")
-        cost = verify_cost(model, args.quant, args.cost_context, [0, 1, 2, 4, 8], args.repeats)
+        cost = verify_cost(model, args.quant, args.cost_context, [0, 1, *DRAFTS], args.repeats)
         cost["note"] = note
         rel = cost["relative"]
         proj = {}
         for phase in phases:
-            for k in (2, 4, 8):
+            for k in DRAFTS:
                 o = report["oracle"][phase][str(k)]
                 proj[f"{phase} k={k}"] = round(o["tokens_per_step"] / rel[k], 3)
         cost["projected_speedup"] = proj
