@@ -377,6 +377,8 @@ static void gemv_many_item(void *p, int64_t item) {
  * other tokens (batch invariant): all hit experts' gate/up rows go to the pool in one hand-out, their down rows in a
  * second, where torch ran two matmuls and a dozen small ops per hit expert. SiLU is g / (1 + exp(-g)).
  * Returns 0, -1 out of memory, -2 bad arguments (an id >= E). */
+#define MOE_F32_SLOTS 1024 /* (token, expert) pairs per pass: bounds the gathered rows (~26 MB at D 2048, I 768) */
+
 int ft_moe_f32(const float *w13, const float *w2, int64_t e, int64_t d, int64_t inter, const float *x, int64_t t,
                const int64_t *ids, const float *weights, int64_t k, float *out) {
     if (e < 1 || d < 1 || inter < 1 || t < 0 || k < 1 || !w13 || !w2) return -2;
@@ -396,24 +398,24 @@ int ft_moe_f32(const float *w13, const float *w2, int64_t e, int64_t d, int64_t 
         free(count);
         return 0;
     }
-    int64_t hit = 0;
     for (int64_t j = 0, at = 0; j < e; j++) {
         start[j] = at;
         at += count[j];
-        hit += count[j] > 0;
     }
-    const int64_t i2 = 2 * inter;
-    /* slots sorted by expert: token, weight; then the gathered inputs, gate|up, activations, expert outputs */
+    start[e] = total;
+    const int64_t i2 = 2 * inter, cap = total < MOE_F32_SLOTS ? total : MOE_F32_SLOTS;
+    /* slots sorted by expert (each expert's tokens in token order): token, weight; a pass's gathered inputs,
+     * gate|up, activations and expert outputs */
     int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)total);
     float *wt = (float *)malloc(sizeof(float) * (size_t)total);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(total * (d + i2 + inter + d)));
-    gemv_ctx *parts = (gemv_ctx *)malloc(sizeof(gemv_ctx) * (size_t)hit);
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(hit + 1));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(cap * (d + i2 + inter + d)));
+    gemv_ctx *parts = (gemv_ctx *)malloc(sizeof(gemv_ctx) * (size_t)e);
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1));
     if (!tok || !wt || !xs || !parts || !first) {
         free(count), free(tok), free(wt), free(xs), free(parts), free(first);
         return -1;
     }
-    float *gu = xs + total * d, *a = gu + total * i2, *y = a + total * inter;
+    float *gu = xs + cap * d, *a = gu + cap * i2, *y = a + cap * inter;
     int64_t *fill = count; /* reused: the next free slot of each expert */
     for (int64_t j = 0; j < e; j++) fill[j] = start[j];
     for (int64_t r = 0; r < t; r++)
@@ -423,34 +425,40 @@ int ft_moe_f32(const float *w13, const float *w2, int64_t e, int64_t d, int64_t 
             const int64_t s = fill[id]++;
             tok[s] = r;
             wt[s] = weights[r * k + j];
-            memcpy(xs + s * d, x + r * d, sizeof(float) * (size_t)d);
         }
-    gemv_many_ctx many = {parts, first, hit};
-    for (int pass = 0; pass < 2; pass++) { /* gate|up of every hit expert, then their down rows */
-        int64_t p = 0;
-        first[0] = 0;
-        for (int64_t j = 0; j < e; j++) {
-            const int64_t s = start[j], n = fill[j] - s;
-            if (n == 0) continue;
-            const gemv_ctx g = pass == 0 ? (gemv_ctx){w13 + j * i2 * d, NULL, xs + s * d, NULL, gu + s * i2, i2, d, n}
-                                         : (gemv_ctx){w2 + j * d * inter, NULL, a + s * inter, NULL, y + s * d, d,
-                                                      inter, n};
-            parts[p] = g;
-            first[p + 1] = first[p] + (g.n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM;
-            p++;
-        }
-        ft_parallel_for(gemv_many_item, &many, first[hit]);
-        if (pass == 0)
-            for (int64_t s = 0; s < total; s++) {
-                const float *g = gu + s * i2, *u = g + inter;
-                float *o = a + s * inter;
-                for (int64_t c = 0; c < inter; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+    for (int64_t s0 = 0; s0 < total; s0 += cap) { /* passes over slots in order: every token's experts ascend */
+        const int64_t s1 = s0 + cap < total ? s0 + cap : total;
+        for (int64_t s = s0; s < s1; s++) memcpy(xs + (s - s0) * d, x + tok[s] * d, sizeof(float) * (size_t)d);
+        int64_t hit = 0;
+        for (int pass = 0; pass < 2; pass++) { /* gate|up of the pass's experts, then their down rows */
+            hit = 0;
+            first[0] = 0;
+            for (int64_t j = 0; j < e; j++) {
+                const int64_t lo = start[j] > s0 ? start[j] : s0, hi = start[j + 1] < s1 ? start[j + 1] : s1;
+                if (lo >= hi) continue;
+                const int64_t n = hi - lo, at = lo - s0;
+                const gemv_ctx g = pass == 0 ? (gemv_ctx){w13 + j * i2 * d, NULL, xs + at * d, NULL, gu + at * i2, i2,
+                                                          d, n}
+                                             : (gemv_ctx){w2 + j * d * inter, NULL, a + at * inter, NULL, y + at * d,
+                                                          d, inter, n};
+                parts[hit] = g;
+                first[hit + 1] = first[hit] + (g.n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM;
+                hit++;
             }
-    }
-    for (int64_t s = 0; s < total; s++) { /* slots are in expert order: each token's sum runs over ascending ids */
-        float *o = out + tok[s] * d;
-        const float *ys = y + s * d, w = wt[s];
-        for (int64_t c = 0; c < d; c++) o[c] += ys[c] * w;
+            gemv_many_ctx many = {parts, first, hit};
+            ft_parallel_for(gemv_many_item, &many, first[hit]);
+            if (pass == 0)
+                for (int64_t s = 0; s < s1 - s0; s++) {
+                    const float *g = gu + s * i2, *u = g + inter;
+                    float *o = a + s * inter;
+                    for (int64_t c = 0; c < inter; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+                }
+        }
+        for (int64_t s = s0; s < s1; s++) {
+            float *o = out + tok[s] * d;
+            const float *ys = y + (s - s0) * d, w = wt[s];
+            for (int64_t c = 0; c < d; c++) o[c] += ys[c] * w;
+        }
     }
     free(count), free(tok), free(wt), free(xs), free(parts), free(first);
     return 0;
