@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -516,19 +516,24 @@ def moe(
             f"moe: want x [T, {d}], ids/weights [T, K]; got {tuple(x.shape)}, {tuple(topk_ids.shape)}, "
             f"{tuple(topk_weights.shape)}"
         )
+    lib = _loaded[0] if _loaded else _lib()
+    return _routed("moe", e, d, x, topk_ids, topk_weights, lambda xp, t, ids, wts, k, out: lib.ft_moe(
+        code13, code2, w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0), e, d, i, xp, t, ids, wts, k, out))
+
+
+def _routed(name: str, e: int, d: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            call: Callable[[int, int, int, int, int, int], int]) -> torch.Tensor:
+    """What ``moe`` and ``moe_f32`` share: fp32 x, int64 ids and fp32 weights to ``call(x, T, ids, weights, K, out)``
+    (the C function's pointers and return code) → ``out [T, d]``; its failures as errors."""
     x = _f32(x)
     ids = topk_ids if topk_ids.dtype is torch.int64 and topk_ids.is_contiguous() else topk_ids.long().contiguous()
     wts = _f32(topk_weights)
-    t = x.shape[0]
-    out = torch.empty(t, d, dtype=F32)
-    rc = (_loaded[0] if _loaded else _lib()).ft_moe(
-        code13, code2, w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0), e, d, i,
-        x.data_ptr(), t, ids.data_ptr(), wts.data_ptr(), ids.shape[1], out.data_ptr(),
-    )  # fmt: skip
+    out = torch.empty(x.shape[0], d, dtype=F32)
+    rc = call(x.data_ptr(), x.shape[0], ids.data_ptr(), wts.data_ptr(), ids.shape[1], out.data_ptr())
     if rc == -2:
-        raise FreeTokenError(f"moe: an expert id is >= the number of experts ({e})")
+        raise FreeTokenError(f"{name}: an expert id is >= the number of experts ({e})")
     if rc != 0:
-        raise MemoryError("ft_moe: out of memory")
+        raise MemoryError(f"ft_{name}: out of memory")
     return out
 
 
@@ -546,19 +551,9 @@ def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids
             f"moe_f32: want fp32 gate_up [E, 2I, D], down [E, D, I], x [T, D], ids/weights [T, K]; got "
             f"{tuple(gate_up.shape)}, {tuple(down.shape)}, {tuple(x.shape)}, {tuple(topk_ids.shape)}"
         )
-    x = _f32(x)
-    ids = topk_ids if topk_ids.dtype is torch.int64 and topk_ids.is_contiguous() else topk_ids.long().contiguous()
-    wts = _f32(topk_weights)
-    out = torch.empty(x.shape[0], d, dtype=F32)
-    rc = (_loaded[0] if _loaded else _lib()).ft_moe_f32(
-        gate_up.data_ptr(), down.data_ptr(), e, d, i2 // 2, x.data_ptr(), x.shape[0], ids.data_ptr(), wts.data_ptr(),
-        ids.shape[1], out.data_ptr(),
-    )  # fmt: skip
-    if rc == -2:
-        raise FreeTokenError(f"moe_f32: an expert id is >= the number of experts ({e})")
-    if rc != 0:
-        raise MemoryError("ft_moe_f32: out of memory")
-    return out
+    lib = _loaded[0] if _loaded else _lib()
+    return _routed("moe_f32", e, d, x, topk_ids, topk_weights, lambda xp, t, ids, wts, k, out: lib.ft_moe_f32(
+        gate_up.data_ptr(), down.data_ptr(), e, d, i2 // 2, xp, t, ids, wts, k, out))
 
 
 def expert_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
