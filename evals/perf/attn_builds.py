@@ -45,10 +45,10 @@ def load(path: str, threads: int) -> ctypes.CDLL:
     return lib
 
 
-def last_level_cache_bytes() -> int:
+def last_level_cache_bytes(folder: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     """The largest cache this CPU reports in sysfs (bytes); 64 MiB where it reports none."""
     best = 0
-    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for size in folder.glob("index*/size"):
         text = size.read_text().strip().upper()
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         try:

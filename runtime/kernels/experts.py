@@ -295,9 +295,8 @@ class QuantizedExperts:
             h = int4_linear(w13, x)
         else:
             gate_up, down = self._expert_float(e)
-            if self.activation is None and self.gate_up_bias is None and self.down_bias is None and ops.fast() and \
-                    x.dtype is torch.float32 and gate_up.dtype is torch.float32 and gate_up.is_contiguous() and \
-                    down.is_contiguous():  # the fp32 experts' kernel path: bitwise the dequantized TorchExperts
+            if (self.activation is None and self.gate_up_bias is None and self.down_bias is None
+                    and ops.moe_f32_takes(x, gate_up, down)):  # bitwise the dequantized TorchExperts
                 return ops.expert_f32(gate_up, down, x)
             h = mm(x, gate_up)  # [n, 2I]
         if self.gate_up_bias is not None:

@@ -556,6 +556,13 @@ def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids
         gate_up.data_ptr(), down.data_ptr(), e, d, i2 // 2, xp, t, ids, wts, k, out))
 
 
+def moe_f32_takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``moe_f32`` / ``expert_f32`` take these tensors as they are: fp32 on the CPU, contiguous weights, the
+    kernels loaded (the activation and biases are the caller's to check: SiLU-gated, none)."""
+    return (x.dtype is F32 and x.is_cpu and gate_up.dtype is F32 and down.dtype is F32 and gate_up.is_cpu
+            and gate_up.is_contiguous() and down.is_contiguous() and fast() is not None)
+
+
 def expert_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """One fp32 SiLU expert on its tokens through ``moe_f32``: ``gate_up [2I, D]``, ``down [D, I]``, ``x [n, D]`` →
     ``[n, D]``, bitwise what a ``moe_f32`` call over all experts computes for these tokens before their weights (so

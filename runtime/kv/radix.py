@@ -111,11 +111,7 @@ class RadixCache:
         for node in self._nodes():
             if node.page != page or node.locks:
                 continue
-            branch, stack = [], [node]
-            while stack:
-                n = stack.pop()
-                branch.append(n)
-                stack.extend(n.children.values())
+            branch = self._nodes(node)
             if any(n.locks for n in branch):
                 return False
             assert node.parent is not None
@@ -131,8 +127,9 @@ class RadixCache:
         """Drop every unpinned node (repeatedly, so whole unpinned branches go)."""
         return self.evict(self.num_nodes)
 
-    def _nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
+    def _nodes(self, top: Node | None = None) -> list[Node]:
+        """Every node below the root, or ``top`` and every node below it."""
+        out, stack = [], [top] if top is not None else list(self.root.children.values())
         while stack:
             node = stack.pop()
             out.append(node)

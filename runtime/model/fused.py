@@ -232,7 +232,7 @@ class FusedDecode:
             return None
         pos = int(positions[0])
         if pos != getattr(cache, "length", -1) or (t > 1 and int(positions[-1]) != pos + t - 1):
-            return None  # the rows are written at length.. : anything but consecutive positions from there runs op by op
+            return None  # rows are written from the cache's length on: other positions run op by op
         rows = cache.direct_rows(t)
         if rows is None:
             return None

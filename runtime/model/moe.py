@@ -43,10 +43,8 @@ def silu_kernel_ok(moe: MoESpec, x: torch.Tensor, gate_up: torch.Tensor, down: t
     experts without biases or learned activation parameters, on the CPU, with the kernels loaded. Every fp32 expert
     path takes it where this holds (``TorchExperts``, managed float experts, dequantized quantized experts), so they
     stay bitwise equal to one another."""
-    return (x.dtype is torch.float32 and x.is_cpu and gate_up.dtype is torch.float32
-            and down.dtype is torch.float32 and gate_up.is_cpu and moe.gated and moe.activation == "silu"
-            and not moe.glu_clamp and not biased and not act and gate_up.is_contiguous() and down.is_contiguous()
-            and kops.fast() is not None)
+    return (moe.gated and moe.activation == "silu" and not moe.glu_clamp and not biased and not act
+            and kops.moe_f32_takes(x, gate_up, down))
 
 
 def activate(gate_up: torch.Tensor, moe: MoESpec, params: Params | None = None) -> torch.Tensor:

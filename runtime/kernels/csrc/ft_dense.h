@@ -318,41 +318,8 @@ int ft_gemm_f32(const float *w, const uint16_t *wb, int64_t n, int64_t k, const 
 
 #define GEMM_MAX_PARTS 4
 
-typedef struct {
-    gemv_ctx part[GEMM_MAX_PARTS];
-    int64_t first[GEMM_MAX_PARTS + 1]; /* part p owns items [first[p], first[p + 1]) */
-} gemv_parts_ctx;
-
-static void gemv_parts_item(void *p, int64_t item) {
-    const gemv_parts_ctx *c = (const gemv_parts_ctx *)p;
-    int i = 0;
-    while (item >= c->first[i + 1]) i++;
-    gemv_item((void *)&c->part[i], item - c->first[i]);
-}
-
-/* Several fp32 products of the same x[M, K] in one parallel-for (a decode step's q, k and v projections: one hand-out
- * to the pool instead of three): y[p][M, n[p]] = x @ w[p]^T (+ bias[p], NULL: none) for p < parts. Each output is
- * the dot product ft_gemm_f32 computes for it (same items, same order): bitwise the same as separate calls.
- * Returns 0, or -1 on bad arguments. */
-int ft_gemm_f32_parts(int parts, const float *const *w, const int64_t *n, int64_t k, const float *x, int64_t m,
-                      const float *const *bias, float *const *y) {
-    if (parts < 1 || parts > GEMM_MAX_PARTS || m < 1) return m == 0 && parts >= 1 && parts <= GEMM_MAX_PARTS ? 0 : -1;
-    if (g_isa < 0) g_isa = detect_isa();
-    gemv_parts_ctx c;
-    c.first[0] = 0;
-    for (int i = 0; i < parts; i++) {
-        if (!w[i] || n[i] < 1) return -1;
-        gemv_ctx g = {w[i], NULL, x, bias ? bias[i] : NULL, y[i], n[i], k, m};
-        c.part[i] = g;
-        c.first[i + 1] = c.first[i] + (n[i] + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM;
-    }
-    for (int i = parts; i < GEMM_MAX_PARTS; i++) c.first[i + 1] = c.first[parts];
-    ft_parallel_for(gemv_parts_item, &c, c.first[parts]);
-    return 0;
-}
-
-/* Products of different weights against different inputs in one parallel-for: part p is ft_gemm_f32's
- * y[p] = x[p] @ w[p]^T (same items, same order: bitwise the same as separate calls); parts found by bisection. */
+/* Products of different weights (and inputs) in one parallel-for: part p is ft_gemm_f32's y[p] = x[p] @ w[p]^T
+ * (same items, same order: bitwise the same as separate calls); an item's part is found by bisection. */
 typedef struct {
     const gemv_ctx *part;
     const int64_t *first; /* part p owns items [first[p], first[p + 1]) */
@@ -368,6 +335,28 @@ static void gemv_many_item(void *p, int64_t item) {
         else hi = mid - 1;
     }
     gemv_item((void *)&c->part[lo], item - c->first[lo]);
+}
+
+/* Several fp32 products of the same x[M, K] in one parallel-for (a decode step's q, k and v projections: one hand-out
+ * to the pool instead of three): y[p][M, n[p]] = x @ w[p]^T (+ bias[p], NULL: none) for p < parts. Each output is
+ * the dot product ft_gemm_f32 computes for it (same items, same order): bitwise the same as separate calls.
+ * Returns 0, or -1 on bad arguments. */
+int ft_gemm_f32_parts(int parts, const float *const *w, const int64_t *n, int64_t k, const float *x, int64_t m,
+                      const float *const *bias, float *const *y) {
+    if (parts < 1 || parts > GEMM_MAX_PARTS || m < 1) return m == 0 && parts >= 1 && parts <= GEMM_MAX_PARTS ? 0 : -1;
+    if (g_isa < 0) g_isa = detect_isa();
+    gemv_ctx part[GEMM_MAX_PARTS];
+    int64_t first[GEMM_MAX_PARTS + 1];
+    first[0] = 0;
+    for (int i = 0; i < parts; i++) {
+        if (!w[i] || n[i] < 1) return -1;
+        gemv_ctx g = {w[i], NULL, x, bias ? bias[i] : NULL, y[i], n[i], k, m};
+        part[i] = g;
+        first[i + 1] = first[i] + (n[i] + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM;
+    }
+    gemv_many_ctx c = {part, first, parts};
+    ft_parallel_for(gemv_many_item, &c, first[parts]);
+    return 0;
 }
 
 /* The routed experts of one MoE layer in fp32, as they are stored (the reference experts: no quantization):

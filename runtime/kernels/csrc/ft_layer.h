@@ -1,7 +1,7 @@
 /* A decoder layer's decode step (one token, or a speculative row of a few) in one call — its attention half, and
- * its MoE half where the experts allow: what the Python decoder does for a plain GQA layer (runtime/model/layers.py: gqa_attention, model/moe.py:
- * route, the experts' one fused ft_moe call) with the same kernels in the same order, so the result is bitwise the
- * one the op-by-op path gives, without ~20 Python-level ops and allocations per layer.
+ * its MoE half where the experts allow: what the Python decoder does for a plain GQA layer (runtime/model/layers.py:
+ * gqa_attention, model/moe.py: route, the experts' one fused ft_moe call) with the same kernels in the same order,
+ * so the result is bitwise the one the op-by-op path gives, without ~20 Python-level ops and allocations per layer.
  *
  *   xn = rms_norm(h, norm_in)                              ft_rms_norm
  *   q, k, v = xn @ Wq^T (+bq), xn @ Wk^T (+bk), xn @ Wv^T   ft_gemm_f32_parts (one hand-out to the pool)

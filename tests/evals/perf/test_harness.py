@@ -177,3 +177,29 @@ def test_attn_builds_compares_two_builds_of_the_kernels(tmp_path: Path) -> None:
     bad.write_bytes(b"nothing")
     with pytest.raises(SystemExit):
         attn_builds.main([str(bad), str(new)])
+
+
+def test_attn_builds_cold_reads_past_the_last_level_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--cold`` sizes its eviction read from the largest cache sysfs reports (64 MiB where none) and says so."""
+    from freetoken_agent.evals.perf import attn_builds
+    from freetoken_agent.runtime.kernels import build
+
+    for index, size in enumerate(["48K", "2048K", "105M", "junk"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert attn_builds.last_level_cache_bytes(tmp_path) == 105 << 20
+    assert attn_builds.last_level_cache_bytes(tmp_path / "none") == 64 << 20
+    if build.load() is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    import shutil
+
+    lib = tmp_path / "k.so"
+    shutil.copyfile(build.build(), lib)
+    sizes: list[int] = []
+    real_ones = attn_builds.torch.ones
+    monkeypatch.setattr(attn_builds, "last_level_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(attn_builds, "SHAPES", attn_builds.SHAPES[4:5])  # 32 keys: quick
+    monkeypatch.setattr(attn_builds.torch, "ones", lambda n, *a, **k: sizes.append(n) or real_ones(n, *a, **k))
+    report = harness.run_json_main(attn_builds.main, [str(lib), str(lib), "--threads", "1", "--repeats", "6", "--cold"])
+    assert report["cold"] is True and sizes == [2 * (1 << 20) // 4]  # twice the cache, in floats
+    assert all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in report["rows"])

@@ -78,17 +78,25 @@ def test_bad_inputs_are_refused() -> None:
     assert torch.equal(ops.moe_f32(gate_up, down, x, none, weights), torch.zeros_like(x))
 
 
-def test_torch_experts_take_the_kernel_only_for_plain_silu_experts() -> None:
+def test_torch_experts_take_the_kernel_only_for_plain_silu_experts(monkeypatch: pytest.MonkeyPatch) -> None:
     gate_up, down, x, ids, weights = case(6, e=5, k=2)
     ids = ids.clamp(min=0)  # the torch path takes no skipped slots
+    calls = []
+    real = ops.moe_f32
+    monkeypatch.setattr(ops, "moe_f32", lambda *a: calls.append(1) or real(*a))
     spec = MoESpec(num_experts=5, top_k=2, intermediate=20, router=RouterSpec())
     plain = TorchExperts(spec, gate_up, down)
     assert plain.kernel_call(x)
-    torch.testing.assert_close(plain.forward(x, ids, weights), reference(gate_up, down, x, ids, weights), rtol=0,
-                               atol=1e-5)
+    got = plain.forward(x, ids, weights)
+    assert calls == [1]  # one kernel call for every hit expert
+    assert torch.equal(got, ops.moe_f32(gate_up, down, x, ids, weights))
+    torch.testing.assert_close(got, reference(gate_up, down, x, ids, weights), rtol=0, atol=1e-5)
     biased = TorchExperts(spec, gate_up, down, gate_up_bias=torch.zeros(5, 40))
     assert not biased.kernel_call(x)  # the torch path, same result with a zero bias
-    torch.testing.assert_close(biased.forward(x, ids, weights), plain.forward(x, ids, weights), rtol=0, atol=1e-5)
+    calls.clear()
+    torch.testing.assert_close(biased.forward(x, ids, weights), reference(gate_up, down, x, ids, weights), rtol=0,
+                               atol=1e-5)
+    assert calls == []
     gelu = TorchExperts(MoESpec(num_experts=5, top_k=2, intermediate=20, router=RouterSpec(), activation="gelu"),
                         gate_up, down)
     assert not gelu.kernel_call(x)
