@@ -822,7 +822,7 @@ class Scheduler:
         if kept < k:
             if snapshot is not None:  # recurrent states exist only at `start` and after the whole row
                 fed = seq.computed - start
-                cache.truncate(start)
+                cache.rollback(start)
                 cache.restore_states(snapshot)
                 seq.computed = start
                 st.rolled_back += fed + k
@@ -830,7 +830,7 @@ class Scheduler:
                     seq.replay = fed + kept  # fed again with the new token next step
                     st.replayed += fed + kept
             else:
-                cache.truncate(seq.computed + kept)
+                cache.rollback(seq.computed + kept)
                 seq.computed += kept
                 st.rolled_back += k - kept
         else:
@@ -877,6 +877,7 @@ class Scheduler:
             return
         if seq.session is not None:
             if publish:
+                cache.truncate(cache.length)  # pages held beyond it (room to grow, rolled-back drafts) go back
                 seq.session.end(seq.tokens[: cache.length])
             else:  # a failed step may have written part of a chunk: nothing in the cache is trusted
                 seq.session.evict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +23,10 @@ SAMPLING_RULES: dict[str, Rule] = {
 
 class NumericalError(FreeTokenError):
     """The model produced NaN logits (weights with NaN/infinity loaded unchecked, or an fp16 overflow)."""
+
+
+NAN_LOGITS = ("the model produced NaN logits: a weight holds NaN/infinity (was the checkpoint loaded with "
+              "FREETOKEN_CHECK_WEIGHTS=0?) or float16 overflowed (try bfloat16)")
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,10 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V] by the request's temperature, top-k, top-p and seed."""
+        if self.params.temperature == 0.0:
+            return _argmax(logits)
         probs = self.distribution(logits)
-        if probs is None:
-            return int(torch.argmax(logits).item())
+        assert probs is not None
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -103,8 +109,7 @@ class Sampler:
         ``logits`` [V]; None when greedy (the pick is the argmax)."""
         p = self.params
         if torch.isnan(logits).any():  # argmax would pick the NaN, multinomial would raise: say why instead
-            raise NumericalError("the model produced NaN logits: a weight holds NaN/infinity (was the checkpoint "
-                                 "loaded with FREETOKEN_CHECK_WEIGHTS=0?) or float16 overflowed (try bfloat16)")
+            raise NumericalError(NAN_LOGITS)
         if p.temperature == 0.0:
             return None
         # shifted so the largest is 0: a tiny temperature then gives -inf for the rest, never inf - inf = NaN
@@ -131,9 +136,9 @@ class Sampler:
         processor = self.params.processor
         if processor is not None:
             logits = processor(logits)
-        probs = self.distribution(logits)
+        probs = None if self.params.temperature == 0.0 else self.distribution(logits)
         if probs is None:
-            token = int(torch.argmax(logits).item())
+            token = _argmax(logits)
         else:
             p_draft = float(probs[draft]) if 0 <= draft < probs.shape[-1] else 0.0
             u = float(torch.rand(1, generator=self.generator).item())
@@ -150,6 +155,15 @@ class Sampler:
         if processor is not None:
             processor.accept(token)
         return token, token == draft
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The greedy pick of ``logits`` [V]; NumericalError on NaN logits. One pass: torch's argmax takes a NaN as the
+    maximum, so checking the picked value finds any NaN (what ``distribution`` checks with a separate ``isnan``)."""
+    token = int(torch.argmax(logits))
+    if math.isnan(float(logits[token])):
+        raise NumericalError(NAN_LOGITS)
+    return token
 
 
 class StopChecker:

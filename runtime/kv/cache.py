@@ -121,6 +121,8 @@ class KVCache(RecurrentStates):
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
 
+    rollback = truncate  # rejected draft tokens: the contiguous cache holds no pages to keep
+
     def nbytes(self) -> int:
         kv = sum(t.element_size() * t.numel() for store in self._store if store for t in store)
         return kv + self.states_nbytes()

@@ -162,6 +162,15 @@ class PagedKVCache(RecurrentStates):
         self._prepared = None
         self._pages_changed()
 
+    def rollback(self, length: int) -> None:
+        """Forget positions ≥ ``length`` (rejected draft tokens) but keep the pages: they are this sequence's own,
+        and the next step writes into them again (releasing and re-taking them every verify step would also risk
+        losing the run's next page to another sequence). ``truncate`` or ``release`` gives them back."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll a cache of {self.length} positions back to {length}")
+        self.length = length
+        self._prepared = None
+
     def release(self) -> None:
         self.truncate(0)
         self.clear_states()

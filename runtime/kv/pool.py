@@ -77,6 +77,81 @@ class OutOfPages(FreeTokenError):
     """The KV pool has no free page left (after eviction); raise the KV budget or shorten the context."""
 
 
+class FreePages:
+    """The free page ids of a pool: O(1) to take a given page or the most recently freed one, and a run of ``n``
+    consecutive ids found at C speed (``bytearray.find`` over a map of free ids).
+
+    ``map[p]`` is 1 while page ``p`` is free; ``stack`` holds freed ids, newest last (a page freed recently is
+    likely still in cache), with stale entries (taken by id since) skipped when popped and dropped when the stack
+    outgrows the pool."""
+
+    def __init__(self, num_pages: int, free: list[int]) -> None:
+        self.map = bytearray(num_pages)
+        self.stack: list[int] = []
+        self.count = 0
+        for page in free:
+            self.add(page)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, page: int) -> None:
+        if self.map[page]:
+            raise ValueError(f"page {page} is already free")
+        self.map[page] = 1
+        self.count += 1
+        self.stack.append(page)
+        if len(self.stack) > 2 * len(self.map) + 64:  # stale entries (from `discard`) outgrew the pool: compact
+            live: list[int] = []
+            seen: set[int] = set()
+            for p in reversed(self.stack):  # newest first: a page freed twice keeps its latest place
+                if self.map[p] and p not in seen:
+                    seen.add(p)
+                    live.append(p)
+            self.stack = live[::-1]
+
+    def discard(self, page: int) -> bool:
+        """Take ``page`` off the free set; False when it was not free."""
+        if not (0 <= page < len(self.map)) or not self.map[page]:
+            return False
+        self.map[page] = 0
+        self.count -= 1
+        return True
+
+    def pop(self) -> int:
+        """The most recently freed page still free."""
+        while self.stack:
+            page = self.stack.pop()
+            if self.map[page]:
+                self.map[page] = 0
+                self.count -= 1
+                return page
+        raise IndexError("no free page")
+
+    def run(self, n: int) -> int | None:
+        """The first id of the lowest run of ``n`` consecutive free pages (taken off the set), else None."""
+        first = self.map.find(b"\x01" * n) if 0 < n <= self.count else -1
+        if first < 0:
+            return None
+        self.map[first : first + n] = bytes(n)
+        self.count -= n
+        return first
+
+    def highest(self, n: int) -> list[int]:
+        """Up to ``n`` free pages, highest ids first (taken off the set)."""
+        out: list[int] = []
+        end = len(self.map)
+        while len(out) < n:
+            page = self.map.rfind(1, 0, end)
+            if page < 0:
+                break
+            self.map[page] = 0
+            self.count -= 1
+            out.append(page)
+            end = page
+        return out
+
+
 class PagePool:
     """Fixed pool of ``num_pages`` pages on ``device``; pages are reference counted."""
 
@@ -97,7 +172,7 @@ class PagePool:
         self.data: list[list[torch.Tensor] | None] = [None] * num_layers
         self.refs = [0] * num_pages
         active = num_pages if active is None else max(0, min(active, num_pages))
-        self._free = list(range(active - 1, -1, -1))
+        self._free = FreePages(num_pages, list(range(active - 1, -1, -1)))
         self._dormant = list(range(num_pages - 1, active - 1, -1))
         """Page ids out of circulation (never activated, or retired)."""
 
@@ -120,15 +195,14 @@ class PagePool:
         """Put up to ``n`` more pages in circulation; returns how many."""
         n = min(n, len(self._dormant))
         for _ in range(n):
-            self._free.append(self._dormant.pop())
+            self._free.add(self._dormant.pop())
         return n
 
     def retire(self, n: int) -> int:
         """Take up to ``n`` free pages out of circulation; returns how many. A CPU pool gives their bytes back to the
         OS (``memory.release_pages``): the budget moves retired pages' bytes to the experts, so they must stop being
         resident; a page put back in circulation reads zeros until it is written, as a fresh one would."""
-        n = min(n, len(self._free))
-        retired = [self._free.pop(0) for _ in range(n)]
+        retired = self._free.highest(n)  # the top of the id range: low ids stay dense for runs
         self._dormant.extend(retired)
         if retired and self.device.type == "cpu":
             for store in self.data:
@@ -140,33 +214,19 @@ class PagePool:
 
     def take(self, page: int) -> int | None:
         """Page ``page`` with reference count 1 if it is free (a sequence extending its run of ids), else None."""
-        if not 0 <= page < self.num_pages or self.refs[page]:
-            return None
-        try:
-            self._free.remove(page)  # dormant pages are not on the free list
-        except ValueError:
-            return None
+        if not 0 <= page < self.num_pages or self.refs[page] or not self._free.discard(page):
+            return None  # in use, or dormant (not on the free list)
         self.refs[page] = 1
         return page
 
     def take_run(self, n: int) -> int | None:
         """The first of ``n`` consecutive free pages, all taken with reference count 1; None when there is no such
         run (the free list is fragmented or short). Never evicts anything."""
-        if n < 1 or n > len(self._free):
-            return None
-        free = sorted(self._free)
-        start = 0
-        for i in range(1, len(free) + 1):
-            if i - start == n:
-                first = free[start]
-                taken = set(range(first, first + n))
-                self._free = [p for p in self._free if p not in taken]
-                for page in taken:
-                    self.refs[page] = 1
-                return first
-            if i < len(free) and free[i] != free[i - 1] + 1:
-                start = i
-        return None
+        first = self._free.run(n)
+        if first is not None:
+            for page in range(first, first + n):
+                self.refs[page] = 1
+        return first
 
     def alloc(self) -> int:
         """A fresh page with reference count 1; raises ``OutOfPages`` when none is free."""
@@ -185,7 +245,7 @@ class PagePool:
         assert self.refs[page] > 0, f"decref of free page {page}"
         self.refs[page] -= 1
         if self.refs[page] == 0:
-            self._free.append(page)
+            self._free.add(page)
 
     # ------------------------------------------------------------------------------------------------ data
 
