@@ -295,13 +295,27 @@ def _our_side(ours: Any, prompt: list[int], long_prompt: list[int]) -> Side:
     return decode, prefill, greedy
 
 
+LLAMA_Q8_0 = 8
+"""ggml's GGML_TYPE_Q8_0: llama.cpp's 8-bit KV cache type (blocks of 32 int8 values and an fp16 scale)."""
+
+
+def llama_kv_kwargs() -> dict[str, Any]:
+    """llama.cpp's KV cache settings that match ours (``$FREETOKEN_KV_DTYPE``, as our engine resolves it): an 8-bit
+    cache (our fp8) → its q8_0 keys and values, which need its flash attention; anything else → its default (f16)."""
+    from freetoken_agent.runtime.kv.pool import resolve_kv_dtype
+
+    if resolve_kv_dtype("auto", "cpu", torch.float32) == torch.float8_e4m3fn:
+        return {"type_k": LLAMA_Q8_0, "type_v": LLAMA_Q8_0, "flash_attn": True}
+    return {}
+
+
 def _llama_side(gguf_path: Path, threads: int, prompt: list[int], follow: list[int], long_prompt: list[int]) -> Side:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, len(prompt) + len(follow) + 64,
                                                                 len(long_prompt) + 16),
                           n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)  # fmt: skip
+                          verbose=False, **llama_kv_kwargs())  # fmt: skip
 
     def decode(n: int) -> float:
         llm.reset()

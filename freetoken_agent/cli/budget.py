@@ -16,9 +16,10 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-dense", default="none", choices=["none", "q8", "q4"],
                    help="also quantize attention projections, dense MLPs and the lm_head (CPU kernels; "
                         "~2.5x faster decode on CPU, slightly less accurate)")
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
                    help="KV cache storage: 16 bits hold twice the context in the same memory and decode attention "
-                        "reads them as is; fp16 is ~1.3x faster decode after a 4k prompt, logits within ~2e-2 of fp32 "
+                        "reads them as is; fp16 is ~1.3x faster decode after a 4k prompt, logits within ~2e-2 of fp32; "
+                        "fp8 (e4m3) holds four times the context, less accurately "
                         "(auto: the model's dtype; $FREETOKEN_KV_DTYPE overrides it)")
     g.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="hard limit on accelerator memory, e.g. 8GB (experts beyond it live in host slots)")

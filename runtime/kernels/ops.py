@@ -390,8 +390,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     return out
 
 
-KV_TYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-"""Cache element types the attention kernels read (``ft_attn.h``: FT_KV_F32 / F16 / BF16)."""
+KV_TYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+"""Cache element types the attention kernels read (``ft_attn.h``: FT_KV_F32 / F16 / BF16 / F8, the last float8
+e4m3fn)."""
+
+
+def kv_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (fp32, any shape) as the fused decode step writes it into a cache of ``dtype`` (one of
+    ``KV_TYPE_CODE``'s): fp16 and fp8 saturate (at ±65504, ±448), every type rounds to nearest even. The pool's torch
+    write (``PagePool.write``) gives the same bits; tests hold the two to that."""
+    if dtype not in KV_TYPE_CODE:
+        raise FreeTokenError(f"kv_store: the kernels store {', '.join(map(str, KV_TYPE_CODE))}, not {dtype}")
+    src = x.to(F32).contiguous()
+    out = torch.empty(src.shape, dtype=dtype)
+    if (_loaded[0] if _loaded else _lib()).ft_kv_store(src.data_ptr(), src.numel(), out.data_ptr(), KV_TYPE_CODE[dtype]):
+        raise FreeTokenError("ft_kv_store refused its arguments")
+    return out
 
 
 def _kv_type(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:

@@ -5,9 +5,10 @@ part (GQA: keys [P, page, Hkv, Dh] and values [P, page, Hkv, Dv]; MLA: latent [P
 [P, page, R]). Part shapes are learned from the first write, so any mixer that caches per-position tensors works.
 Control is integers only: page ids, reference counts, a free list.
 
-``kv_dtype`` (fp16 / bf16, or None: as written) is the storage type of every floating part: a 16-bit pool holds
-twice the positions of an fp32 one in the same bytes, and attention reads it as is (``runtime/kernels/ops.py``).
-fp16 writes saturate at ±65504 (an overflowing key becomes the largest half, not inf). Page copies (copy-on-write,
+``kv_dtype`` (fp16 / bf16 / fp8, or None: as written) is the storage type of every floating part: a 16-bit pool
+holds twice the positions of an fp32 one in the same bytes, an fp8 (float8 e4m3fn) pool four times, and attention
+reads it as is (``runtime/kernels/ops.py``). fp16 writes saturate at ±65504 (an overflowing key becomes the largest
+half, not inf), fp8 writes at ±448 (e4m3fn has no infinity: a cast past 464 gives NaN). Page copies (copy-on-write,
 runs, host offload) move the stored bits unchanged.
 
 Legend: P pages in the pool, S positions of a sequence.
@@ -20,9 +21,13 @@ import torch
 from freetoken_agent.runtime.errors import FreeTokenError, OptionError
 from freetoken_agent.runtime.memory import release_pages
 
-KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``kv_dtype`` option values → the pool's storage type (None: the model's compute dtype, as written)."""
-_KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+             "fp8": torch.float8_e4m3fn}
+"""``kv_dtype`` option values → the pool's storage type (None: the model's compute dtype, as written). ``fp8`` is
+float8 e4m3fn: a quarter of fp32's bytes, 3 mantissa bits (each stored value within 1/16 of the written one, relative),
+writes saturate at ±448."""
+_KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8_e4m3fn": "fp8",
+               "e4m3": "fp8", "fp8_e4m3": "fp8"}
 
 DEFAULT_KV_DTYPE: torch.dtype | None = None
 """What ``auto`` stores: the model's compute dtype (None). 16 bits are opt-in (``--kv-dtype fp16``): half the KV memory
@@ -34,7 +39,7 @@ the default because an fp32 model then no longer matches transformers to 1e-4, a
 matches one computed again only to ~1e-3 in the logits (the rounding to 16 bits turns last-bit differences of
 chunked prefill into visible steps), where an fp32 cache keeps them within 1e-4: reproducible greedy output across
 cache hits is worth more by default than the long-context speed-up.
-``$FREETOKEN_KV_DTYPE`` (auto/fp32/bf16/fp16) overrides what ``auto`` means."""
+``$FREETOKEN_KV_DTYPE`` (auto/fp32/bf16/fp16/fp8) overrides what ``auto`` means."""
 KV_DTYPE_ENV = "FREETOKEN_KV_DTYPE"
 
 
@@ -52,7 +57,7 @@ def _parse_kv_dtype(kv_dtype: str | torch.dtype | None) -> str:
 
 def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, device: torch.device | str,
                      compute_dtype: torch.dtype) -> torch.dtype | None:
-    """The storage dtype for a ``kv_dtype`` option (``auto``/``fp32``/``bf16``/``fp16``; torch dtypes too); None
+    """The storage dtype for a ``kv_dtype`` option (``auto``/``fp32``/``bf16``/``fp16``/``fp8``; torch dtypes too); None
     means "as written" (the compute dtype). ``auto``: ``$FREETOKEN_KV_DTYPE`` when set, else
     ``DEFAULT_KV_DTYPE`` (the compute dtype). Raises ``OptionError`` for anything else."""
     import os
@@ -71,6 +76,10 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, device: torch.device | 
 
 
 FP16_MAX = 65504.0
+FP8_MAX = 448.0
+SATURATE = {torch.float16: FP16_MAX, torch.float8_e4m3fn: FP8_MAX}
+"""Storage types whose writes clamp to their largest finite value first (a cast past it gives inf, or NaN for
+e4m3fn, which has no infinity)."""
 
 
 class OutOfPages(FreeTokenError):
@@ -272,8 +281,9 @@ class PagePool:
         page_idx = torch.tensor(pages, dtype=torch.long)[pos // ps]
         offset = pos % ps
         for buf, p in zip(store, parts):
-            if buf.dtype == torch.float16 and p.dtype != torch.float16:
-                p = p.clamp(-FP16_MAX, FP16_MAX)
+            top = SATURATE.get(buf.dtype)
+            if top is not None and p.dtype != buf.dtype:
+                p = p.clamp(-top, top)
             buf[page_idx.to(buf.device), offset.to(buf.device)] = p.to(device=buf.device, dtype=buf.dtype)
 
     def gather(self, layer: int, pages: list[int], length: int) -> list[torch.Tensor]:

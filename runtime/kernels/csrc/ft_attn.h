@@ -20,6 +20,10 @@
  * block into L1 once for all G heads measured 1.3-2x slower on an AVX2 EPYC than widening in registers; sharing each
  * widened register between 4 rows is what pays). The AVX-512 settings run the same arithmetic in 512-bit registers
  * (FT_ATTN_LOOPS512), bitwise equal to the AVX2 loops.
+ *
+ * An 8-bit cache (FT_KV_F8, float8 e4m3fn) is read the same way: 8 or 16 codes zero-extended to 16 bits, moved into an
+ * IEEE half's bit places (exact: the half holds the value times 2^-8), widened by F16C and multiplied by 256 (exact),
+ * so it too gives bitwise what the fp32 kernel gives on its widened values, at a quarter of fp32's bytes.
  */
 #ifndef FT_ATTN_H
 #define FT_ATTN_H
@@ -30,11 +34,22 @@
 #define ATTN_BLOCK 128
 #define ATTN_AHEAD 8 /* keys between a cache row's software prefetch and its use */
 
-enum { FT_KV_F32 = 0, FT_KV_F16 = 1, FT_KV_BF16 = 2 }; /* element type of the cached keys and values */
+enum { FT_KV_F32 = 0, FT_KV_F16 = 1, FT_KV_BF16 = 2, FT_KV_F8 = 3 }; /* element type of the cached keys and values
+                                                                        * (FT_KV_F8: float8 e4m3fn) */
+
+/* Bytes per cached element of type t */
+static inline size_t kv_elsize(int t) { return t == FT_KV_F32 ? 4 : t == FT_KV_F8 ? 1 : 2; }
+
+/* float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no infinities) widened exactly: its bits moved
+ * into an IEEE half's places (sign to bit 15, exponent and mantissa to bits 7-14) give a half of the same mantissa and
+ * an exponent biased by 15 instead of 7, i.e. the value times 2^-8 (subnormals included); times 256 is the value.
+ * The NaN codes 0x7f / 0xff widen to +-480 (the pool never stores them: writes saturate at +-448). */
+static inline uint16_t fp8_to_half_bits(uint8_t b) { return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
+static inline float fp8_to_fp32(uint8_t b) { return fp16_to_fp32(fp8_to_half_bits(b)) * 256.f; }
 
 typedef struct {
     const float *q;
-    const void *k, *v; /* float, or uint16 (fp16 / bf16) per kv_type */
+    const void *k, *v; /* float, uint16 (fp16 / bf16) or uint8 (fp8) per kv_type */
     const float *sinks;
     const int64_t *lo, *hi; /* query t sees keys [lo[t], hi[t]) */
     int64_t t, h, hkv, dh, dv, k_stride, v_stride, blocks; /* t queries; blocks: the most any query has */
@@ -48,10 +63,15 @@ typedef struct {
 
 /* ---- 16-bit keys and values: widen n rows of d values (row i at src + i * stride elements) to dst [n, d] */
 
-static void kv_widen_c(int type, const uint16_t *src, int64_t stride, int64_t n, int64_t d, float *dst) {
+static void kv_widen_c(int type, const void *src, int64_t stride, int64_t n, int64_t d, float *dst) {
     for (int64_t i = 0; i < n; i++) {
-        const uint16_t *r = src + i * stride;
         float *o = dst + i * d;
+        if (type == FT_KV_F8) {
+            const uint8_t *r = (const uint8_t *)src + i * stride;
+            for (int64_t j = 0; j < d; j++) o[j] = fp8_to_fp32(r[j]);
+            continue;
+        }
+        const uint16_t *r = (const uint16_t *)src + i * stride;
         if (type == FT_KV_F16)
             for (int64_t j = 0; j < d; j++) o[j] = fp16_to_fp32(r[j]);
         else
@@ -235,9 +255,19 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
 #define FT_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define FT_SAME_F32(x) (x)
 
+/* 8 fp8 values as fp32 (see fp8_to_half_bits): zero-extended to 16 bits, moved into a half's places, widened by F16C,
+ * times 256 (exact) */
+FT_AVX2 static inline __m256 load_f8x8(const uint8_t *p) {
+    /* sign-extended and shifted by 7: the sign lands on bits 14 and 15 (kept: 15), the rest on 7-13 */
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                                    _mm_set1_epi16((short)0xbf80));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
 FT_ATTN_LOOPS(avx2, float, FT_LOAD_F32, FT_SAME_F32)
 FT_ATTN_LOOPS(f16_avx2, uint16_t, FT_LOAD_F16, fp16_to_fp32)
 FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
+FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
 
 /* The same loops in 512-bit registers (the AVX-512 ISA settings), bitwise equal to the AVX2 ones: qk puts two
  * keys' 8-value pieces side by side in one register against the query piece broadcast to both halves, so each half
@@ -336,6 +366,15 @@ FT_VNNI static inline __m512 ft_widen_bf16x16(__m256i x) {
 FT_VNNI static inline __m512 ft_pair_bf16(const uint16_t *a, const uint16_t *b) {
     return ft_widen_bf16x16(ft_pair_u16(a, b));
 }
+/* 16 fp8 values (16 bytes) as fp32, as load_f8x8 */
+FT_VNNI static inline __m512 ft_widen_f8x16(__m128i b) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xbf80));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+FT_VNNI static inline __m512 ft_pair_f8(const uint8_t *a, const uint8_t *b) {
+    return ft_widen_f8x16(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+#define FT_LOAD16_F8(p) ft_widen_f8x16(_mm_loadu_si128((const __m128i *)(p)))
 #define FT_LOAD16_F32(p) _mm512_loadu_ps(p)
 #define FT_LOAD16_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define FT_LOAD16_BF16(p) ft_widen_bf16x16(_mm256_loadu_si256((const __m256i *)(p)))
@@ -343,6 +382,7 @@ FT_VNNI static inline __m512 ft_pair_bf16(const uint16_t *a, const uint16_t *b) 
 FT_ATTN_LOOPS512(f32, float, ft_pair_f32, FT_LOAD16_F32, FT_SAME_F32)
 FT_ATTN_LOOPS512(f16, uint16_t, ft_pair_f16, FT_LOAD16_F16, fp16_to_fp32)
 FT_ATTN_LOOPS512(bf16, uint16_t, ft_pair_bf16, FT_LOAD16_BF16, bf16_to_f32)
+FT_ATTN_LOOPS512(f8, uint8_t, ft_pair_f8, FT_LOAD16_F8, fp8_to_fp32)
 #endif
 
 #define ATTN_QUERIES_PER_ITEM 8 /* queries of a chunk that share an item: its key block is read once for them */
@@ -368,7 +408,7 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
     const float **qr = (const float **)(spare + (pad + 7) / 8 * 8);
     float **orow = (float **)(spare + (pad + 7) / 8 * 8 + 2 * rmax);
     int64_t *nrow = (int64_t *)(spare + (pad + 7) / 8 * 8 + 4 * rmax);
-    const size_t es = c->kv_type == FT_KV_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t es = kv_elsize(c->kv_type);
     for (int64_t tq = grp * ATTN_QUERIES_PER_ITEM; tq < t1;) {
         const int64_t s0 = c->lo[tq] + blk * ATTN_BLOCK;
         if (s0 >= c->hi[tq]) { /* this query has fewer blocks */
@@ -400,6 +440,8 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         else if (c->kv_type == FT_KV_BF16)
             (wide ? qk_rows512_bf16 : qk_rows_bf16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale,
                                                           sc);
+        else if (c->kv_type == FT_KV_F8)
+            (wide ? qk_rows512_f8 : qk_rows_f8_avx2)(qr, R4, (const uint8_t *)kb, c->k_stride, n, c->dh, c->scale, sc);
         else
             (wide ? qk_rows512_f32 : qk_rows_avx2)(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc);
         for (int64_t r = 0; r < R4; r++) {
@@ -416,6 +458,8 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
             (wide ? pv_rows512_f16 : pv_rows_f16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow);
         else if (c->kv_type == FT_KV_BF16)
             (wide ? pv_rows512_bf16 : pv_rows_bf16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow);
+        else if (c->kv_type == FT_KV_F8)
+            (wide ? pv_rows512_f8 : pv_rows_f8_avx2)(sc, R4, (const uint8_t *)vb, c->v_stride, n, c->dv, orow);
         else
             (wide ? pv_rows512_f32 : pv_rows_avx2)(sc, R4, (const float *)vb, c->v_stride, n, c->dv, orow);
         tq = te;
@@ -457,14 +501,14 @@ static void attn_item(void *p, int64_t item) {
         const int64_t s0 = c->lo[tq] + blk * ATTN_BLOCK;
         if (s0 >= c->hi[tq]) continue; /* this query has fewer blocks */
         const int64_t n = c->hi[tq] - s0 < ATTN_BLOCK ? c->hi[tq] - s0 : ATTN_BLOCK;
-        const size_t es = c->kv_type == FT_KV_F32 ? sizeof(float) : sizeof(uint16_t);
+        const size_t es = kv_elsize(c->kv_type);
         const void *kb = (const char *)c->k + (size_t)(s0 * c->k_stride + hk * c->dh) * es;
         const void *vb = (const char *)c->v + (size_t)(s0 * c->v_stride + hk * c->dv) * es;
         int64_t ks = c->k_stride, vs = c->v_stride;
         if (kw) {
             if (widened != s0) { /* queries of a chunk with the same range share the widened block */
-                kv_widen_c(c->kv_type, (const uint16_t *)kb, ks, n, c->dh, kw);
-                kv_widen_c(c->kv_type, (const uint16_t *)vb, vs, n, c->dv, vw);
+                kv_widen_c(c->kv_type, kb, ks, n, c->dh, kw);
+                kv_widen_c(c->kv_type, vb, vs, n, c->dv, vw);
                 widened = n == ATTN_BLOCK ? s0 : -1; /* a partial block is not reused by a longer range */
             }
             kb = kw;
@@ -523,13 +567,13 @@ static void attn_merge_item(void *p, int64_t tq) {
 
 /* out[T, H, Dv]: query t (q + t * H * Dh) attends keys [lo[t], hi[t]) with softmax(q k^T * scale) v; with `sinks`
  * (NULL: none) head h's softmax has one more logit, sinks[h], that takes probability but carries no value
- * (GPT-OSS). k and v hold kv_type elements (FT_KV_F32 / F16 / BF16; strides in elements). Every range must be
+ * (GPT-OSS). k and v hold kv_type elements (FT_KV_F32 / F16 / BF16 / F8; strides in elements). Every range must be
  * non-empty. Returns 0, or -1 on bad sizes or allocation failure. */
 int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, int kv_type, const int64_t *lo,
                        const int64_t *hi, int64_t h, int64_t hkv, int64_t dh, int64_t dv, int64_t k_stride,
                        int64_t v_stride, float scale, const float *sinks, float *out) {
     if (g_isa < 0) g_isa = detect_isa();
-    if (t < 1 || hkv < 1 || h % hkv || kv_type < FT_KV_F32 || kv_type > FT_KV_BF16) return -1;
+    if (t < 1 || hkv < 1 || h % hkv || kv_type < FT_KV_F32 || kv_type > FT_KV_F8) return -1;
     int64_t blocks = 1;
     for (int64_t i = 0; i < t; i++) {
         if (hi[i] <= lo[i] || lo[i] < 0) return -1;

@@ -119,6 +119,34 @@ static uint16_t f32_to_bf16_rne(float x) {
 }
 
 #define FT_F16_MAX 65504.0f
+#define FT_F8_MAX 448.0f
+
+/* fp32 -> float8 e4m3fn, rounded to nearest even: torch's cast (c10's fp8e4m3fn_from_fp32_value), so a cache row the
+ * fused step writes holds the bits the pool's torch write gives. |x| >= 480 (and NaN) -> the NaN code; the pool and
+ * kv_store clamp to +-448 first. */
+static inline uint8_t f32_to_f8_rne(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u >= (1087u << 20)) {
+        r = 0x7f;
+    } else if (u < (121u << 23)) { /* below 2^-6: subnormal (or zero), rounded by an fp32 add */
+        const uint32_t denorm = 141u << 23;
+        float f, dm;
+        memcpy(&f, &u, 4);
+        memcpy(&dm, &denorm, 4);
+        f += dm;
+        memcpy(&u, &f, 4);
+        r = (uint8_t)(u - denorm);
+    } else {
+        const uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd;
+        r = (uint8_t)(u >> 20);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
 
 static void kv_store(const float *src, int64_t n, void *dst, int kv_type) {
     if (kv_type == FT_KV_F32) {
@@ -129,10 +157,23 @@ static void kv_store(const float *src, int64_t n, void *dst, int kv_type) {
             const float x = src[i];
             o[i] = f32_to_f16_rne(x > FT_F16_MAX ? FT_F16_MAX : x < -FT_F16_MAX ? -FT_F16_MAX : x);
         }
+    } else if (kv_type == FT_KV_F8) {
+        uint8_t *o = (uint8_t *)dst;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = src[i];
+            o[i] = f32_to_f8_rne(x > FT_F8_MAX ? FT_F8_MAX : x < -FT_F8_MAX ? -FT_F8_MAX : x);
+        }
     } else {
         uint16_t *o = (uint16_t *)dst;
         for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16_rne(src[i]);
     }
+}
+
+/* The cache write of the fused step, for tests: n fp32 values to kv_type elements at dst (-1: unknown type). */
+int ft_kv_store(const float *src, int64_t n, void *dst, int kv_type) {
+    if (kv_type < FT_KV_F32 || kv_type > FT_KV_F8 || n < 0) return -1;
+    kv_store(src, n, dst, kv_type);
+    return 0;
 }
 
 /* Rows a step may carry: a decode token, or a speculative row of a token and its drafts (GEMV_MAX_M). */
@@ -151,7 +192,7 @@ int ft_attn_step(const ft_attn_layer *L, int64_t t, float *h, float *x, const fl
                  void *k_cache, void *v_cache, int kv_type, int64_t k_stride, int64_t v_stride, int64_t pos,
                  float *work, float *logits, int64_t *ids, float *weights) {
     if (!L || pos < 0 || t < 1 || t > FT_STEP_MAX_T || L->h % L->hkv ||
-        (kv_type != FT_KV_F32 && kv_type != FT_KV_F16 && kv_type != FT_KV_BF16))
+        kv_type < FT_KV_F32 || kv_type > FT_KV_F8)
         return -2;
     const int64_t d = L->d, nq = L->h * L->dh, nk = L->hkv * L->dh, nv = L->hkv * L->dv;
     float *xn = work, *q = xn + t * d, *q2 = q + t * nq, *k = q2 + t * nq, *k2 = k + t * nk, *v = k2 + t * nk,
@@ -173,7 +214,7 @@ int ft_attn_step(const ft_attn_layer *L, int64_t t, float *h, float *x, const fl
         q = q2;
         k = k2;
     }
-    const size_t es = kv_type == FT_KV_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t es = kv_elsize(kv_type);
     int64_t lo[FT_STEP_MAX_T], hi[FT_STEP_MAX_T], from = 0;
     for (int64_t j = 0; j < t; j++) {
         const int64_t p = pos + j;

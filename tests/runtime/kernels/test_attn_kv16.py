@@ -1,8 +1,8 @@
-"""Decode / multi-query attention over a 16-bit (fp16, bf16) KV cache read as is, against plain-torch references,
-on every ISA path this CPU has plus the portable one, at 1-3 pool threads.
+"""Decode / multi-query attention over a 16-bit (fp16, bf16) or 8-bit (fp8 e4m3fn) KV cache read as is, against
+plain-torch references, on every ISA path this CPU has plus the portable one, at 1-3 pool threads.
 
-A 16-bit cache widens exactly to fp32, and the kernel runs the fp32 arithmetic on the widened values, so two facts
-are checked: the 16-bit call equals the fp32 kernel on the widened cache bit for bit, and both are within fp32
+A narrow cache widens exactly to fp32, and the kernel runs the fp32 arithmetic on the widened values, so two facts
+are checked: the narrow call equals the fp32 kernel on the widened cache bit for bit, and both are within fp32
 rounding of a float64 softmax attention over the widened values. Against the unrounded (fp32) cache the error is
 the cache's own rounding: ``ROUNDING_TOL``.
 """
@@ -18,10 +18,12 @@ from freetoken_agent.runtime.model import layers
 from freetoken_agent.runtime.model.spec import AttentionSpec
 from tests.runtime.kernels.test_ops import every_path, isas  # noqa: F401  (the every-ISA x thread-count helper)
 
-DTYPES = [torch.float16, torch.bfloat16]
-ROUNDING_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
-"""Max |out - out over the unrounded cache| for keys of std 3 and values of std 1: measured 1.9e-3 (fp16) and
-1.5e-2 (bf16) over ``LAYOUTS``, bounds at 2x."""
+DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+IDS = ["fp16", "bf16", "fp8"]
+ROUNDING_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float8_e4m3fn: 0.65}
+"""Max |out - out over the unrounded cache| for keys of std 3 and values of std 1: measured 1.9e-3 (fp16), 1.5e-2
+(bf16) and 0.33 (fp8: 3 mantissa bits, so scores of std ~3 move by up to 1/16 of each term) over ``LAYOUTS``,
+bounds at 2x."""
 
 # (S keys, H, Hkv, Dh, Dv): GQA ratios 1/2/4/8/64, odd head dims, lengths off the 128-key block and the 8-key group
 LAYOUTS = [(1, 16, 4, 128, 128), (300, 16, 4, 128, 128), (129, 4, 1, 72, 40), (513, 6, 2, 24, 136),
@@ -51,7 +53,7 @@ def _paged(s: int, hkv: int, dh: int, dv: int, dtype: torch.dtype, seed: int) ->
     return k32, v32, k16, v16
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("dims", LAYOUTS)
 def test_decode_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, isas: list[str]) -> None:
     s, h, hkv, dh, dv = dims
@@ -69,7 +71,7 @@ def test_decode_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, is
             assert torch.allclose(got, widened, rtol=1e-5, atol=1e-5), (isa, threads)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("dims", [(300, 16, 4, 128, 128), (129, 4, 1, 72, 40), (37, 8, 8, 63, 65)])
 def test_query_chunks_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, isas: list[str]) -> None:
     """``attn_queries`` (short prefill chunks, sliding windows): each query over its own key range, as the
@@ -101,7 +103,7 @@ def test_mixed_or_unsupported_cache_dtypes_are_refused(isas: list[str]) -> None:
         ops.attn_decode(q.half(), k, v.half(), 1.0)  # queries stay fp32
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_torch_fallback_widens_block_by_block(dtype: torch.dtype, with_sinks: bool) -> None:
     """Without the C kernels a decode step over a 16-bit cache folds blocks of ``WIDEN_BLOCK`` keys (the
@@ -115,7 +117,7 @@ def test_torch_fallback_widens_block_by_block(dtype: torch.dtype, with_sinks: bo
     assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("case", ["decode", "window_decode", "sinks_chunk", "chunked_attention", "long_prefill"])
 def test_engine_attention_over_a_16bit_cache_equals_the_widened_cache(dtype: torch.dtype, case: str,
                                                                        isas: list[str]) -> None:
@@ -137,7 +139,7 @@ def test_engine_attention_over_a_16bit_cache_equals_the_widened_cache(dtype: tor
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5), (isa, threads)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["fp32", *IDS])
 @pytest.mark.parametrize("dims", [(133, 8, 2, 64, 64), (70, 6, 2, 36, 20)])
 def test_a_verify_row_reads_its_keys_once_and_matches_decoding_alone(dims: tuple[int, ...], dtype: torch.dtype,
                                                                        isas: list[str]) -> None:
@@ -162,3 +164,31 @@ def test_a_verify_row_reads_its_keys_once_and_matches_decoding_alone(dims: tuple
                     assert torch.equal(out[i], ops.attn_decode(q[i], k[:b], v[:b], 0.15)), (isa, threads, t, i)
                     ref = _reference(q[i], k.float(), v.float(), 0, b, 0.15, None)
                     assert torch.allclose(out[i], ref, rtol=1e-5, atol=1e-5), (isa, threads, t, i)
+
+
+def test_every_fp8_code_widens_exactly_and_writes_round_as_torch_casts(isas: list[str]) -> None:
+    """Each of the 254 finite e4m3fn codes read by the kernels is torch's widening of it (a one-key cache: the output
+    is the value row itself), on every path; ``ops.kv_store`` (the fused step's cache write) narrows as the pool's
+    clamp-then-cast does, ties, subnormals, saturation and NaN included."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    v = finite.reshape(1, 1, -1)
+    k = torch.zeros(1, 1, 8, dtype=torch.float8_e4m3fn)
+    q = torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
+    with every_path(isas) as paths:
+        for isa, threads in paths:
+            assert torch.equal(ops.attn_decode(q, k, v, 1.0)[0], finite.float()), (isa, threads)
+    g = torch.Generator().manual_seed(1)
+    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 479.9, 480.0, 1e9, -1e9, 2.0**-9, 2.0**-10,
+                            1.5 * 2.0**-10, 3 * 2.0**-10, 2.0**-6, 2.0**-6 * (1 + 2.0**-4), 1.0 + 2.0**-4,
+                            1.0 + 3 * 2.0**-4, float("inf"), -float("inf"), float("nan"), 1e-40])
+    x = torch.cat([special, torch.randn(20000, generator=g) * 10.0 ** torch.randint(-4, 3, (20000,), generator=g)])
+    nan = x.isnan()
+    for dtype, top in ((torch.float8_e4m3fn, 448.0), (torch.float16, 65504.0), (torch.bfloat16, None)):
+        want = (x.clamp(-top, top) if top else x).to(dtype)
+        got = ops.kv_store(x, dtype)
+        bits = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), dtype
+        assert got.float()[nan].isnan().all(), dtype  # a NaN stays a NaN (torch's bf16 NaN bits vary by path)
+    with pytest.raises(FreeTokenError, match="kv_store"):
+        ops.kv_store(x, torch.int8)

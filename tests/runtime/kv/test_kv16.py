@@ -1,7 +1,8 @@
-"""A KV cache in 16 bits (``kv_dtype`` fp16 / bf16): logits track the fp32 cache within a measured tolerance on tiny
-random checkpoints of several families (GQA, MLA's latent cache, sliding window + sinks), greedy decodes agree; the
-pool stores 16-bit pages and charges 16-bit bytes (twice the pages in one KV budget); prefix reuse, host offload
-and copy-on-write move the stored bits unchanged; recurrent states of hybrid layers stay in fp32.
+"""A KV cache in 16 bits (``kv_dtype`` fp16 / bf16) or 8 (fp8, float8 e4m3fn): logits track the fp32 cache within a
+measured tolerance on tiny random checkpoints of several families (GQA, MLA's latent cache, sliding window + sinks),
+greedy decodes agree (fp8: on most positions of the trained built-in model); the pool stores narrow pages and charges
+their bytes (twice / four times the pages in one KV budget); prefix reuse, host offload and copy-on-write move the
+stored bits unchanged; recurrent states of hybrid layers stay in fp32.
 """
 
 from __future__ import annotations
@@ -22,15 +23,20 @@ warnings.filterwarnings("ignore")
 from tests.runtime.checkpoints import save_checkpoint  # noqa: E402
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]  # GQA; MLA; sliding window + sinks; window (MoE each)
-LOGIT_TOL = {"fp16": 0.05, "bf16": 0.5}
+LOGIT_TOL = {"fp16": 0.05, "bf16": 0.5, "fp8": 4.0}
 """Max |logit - logit with an fp32 cache| at positions routed to the same experts (logits have std ~1.2). Measured
 on these checkpoints and paths (a 24-token prefill, a 5-token chunk, 41 decode steps): fp16 2.9e-3 - 1.8e-2,
-bf16 2.7e-2 - 1.6e-1 (bounds ~3x). A position whose top-k expert choice flips at a near-tie (with any perturbation of its inputs)
-jumps by up to ~2 and is excluded; the test reports how many there were."""
-MIN_TOP1_AGREEMENT = {"fp16": 0.95, "bf16": 0.85}
-"""Teacher-forced greedy agreement (argmax with the 16-bit cache = argmax with fp32) over the same 70 positions:
-measured 1.0 for fp16 on all four, 0.943-1.0 for bf16. Free-running greedy decodes of 46 tokens: fp16 identical on
-all four; bf16 identical on three, mixtral's diverges after 17 tokens."""
+bf16 2.7e-2 - 1.6e-1, fp8 0.99 - 1.8 (bounds ~2-3x). A position whose top-k expert choice flips at a near-tie (with
+any perturbation of its inputs) jumps by up to ~2 and is excluded; the test reports how many there were."""
+MIN_TOP1_AGREEMENT = {"fp16": 0.95, "bf16": 0.85, "fp8": 0.5}
+"""Teacher-forced greedy agreement (argmax with the narrow cache = argmax with fp32) over the same 70 positions:
+measured 1.0 for fp16 on all four, 0.943-1.0 for bf16, 0.61-0.86 for fp8 (its 3 mantissa bits move these random
+models' near-flat logits and near-tie routing: 7-19 of 70 positions route differently). Free-running greedy decodes
+of 46 tokens: fp16 identical on all four; bf16 identical on three, mixtral's diverges after 17 tokens; fp8 diverges
+within 0-7 tokens. On the trained built-in model fp8 keeps 0.98 (below)."""
+MIN_SAME_ROUTING = {"fp16": 0.9, "bf16": 0.9, "fp8": 0.6}
+"""Share of the 70 positions whose routing (every layer's top-k) is the fp32 cache's: measured >= 0.98 for 16 bits,
+0.73-0.90 for fp8."""
 
 
 def _teacher_forced(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +66,10 @@ def test_16bit_kv_logits_track_fp32_kv(arch: str, tmp_path: Path, capsys: pytest
     ids = prompt + greedy
     ref, ref_routing = _teacher_forced(ref_engine, ids)
     report = []
-    for kv in ("fp16", "bf16"):
+    for kv in ("fp16", "bf16", "fp8"):
         engine = Engine.from_pretrained(tmp_path, kv_dtype=kv)
-        assert engine.kv_manager().pool.kv_dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[kv]
+        assert engine.kv_manager().pool.kv_dtype == {"fp16": torch.float16, "bf16": torch.bfloat16,
+                                                     "fp8": torch.float8_e4m3fn}[kv]
         logits, routing = _teacher_forced(engine, ids)
         same = (routing == ref_routing).all(-1)
         diff = (logits - ref).abs().amax(-1)
@@ -72,7 +79,7 @@ def test_16bit_kv_logits_track_fp32_kv(arch: str, tmp_path: Path, capsys: pytest
         report.append(f"{arch} {kv}: max|dlogit| {diff[same].max():.2e} over {int(same.sum())}/{len(same)} positions "
                       f"(routing flipped at {int((~same).sum())}), top-1 agreement {top1:.3f}, free-running greedy "
                       f"identical for {free_same}/{len(greedy)} tokens")
-        assert same.float().mean() >= 0.9
+        assert same.float().mean() >= MIN_SAME_ROUTING[kv], report[-1]
         assert diff[same].max().item() <= LOGIT_TOL[kv], report[-1]
         assert top1 >= MIN_TOP1_AGREEMENT[kv], report[-1]
         engine.close()
@@ -81,15 +88,16 @@ def test_16bit_kv_logits_track_fp32_kv(arch: str, tmp_path: Path, capsys: pytest
         print("\n" + "\n".join(report))
 
 
-def test_a_16bit_pool_holds_twice_the_pages_and_charges_16bit_bytes(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_narrow_pool_holds_more_pages_and_charges_its_bytes(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     save_checkpoint("gpt_oss", tmp_path)
     monkeypatch.setenv("FREETOKEN_KV_BUDGET_MB", "4")
-    engines = {kv: Engine.from_pretrained(tmp_path, kv_dtype=kv) for kv in ("fp32", "fp16", "bf16")}
+    engines = {kv: Engine.from_pretrained(tmp_path, kv_dtype=kv) for kv in ("fp32", "fp16", "bf16", "fp8")}
     per_token = {kv: e.kv_bytes_per_token() for kv, e in engines.items()}
-    assert per_token["fp16"] == per_token["bf16"] == per_token["fp32"] // 2
+    assert per_token["fp16"] == per_token["bf16"] == per_token["fp32"] // 2 == 2 * per_token["fp8"]
     pages = {kv: e.kv_manager().pool.num_pages for kv, e in engines.items()}
     assert pages["fp16"] == pages["bf16"] == 2 * pages["fp32"]
+    assert pages["fp8"] in (4 * pages["fp32"], 4 * pages["fp32"] + 1)  # a budget of pages, rounded down
     for kv, e in engines.items():
         e.generate(list(range(1, 40)), max_new_tokens=2, stop_token_ids=[])
         pool = e.kv_manager().pool
@@ -169,6 +177,8 @@ def test_kv_dtype_option_values(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_kv_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("fp32", "cpu", torch.bfloat16) == torch.float32
     assert resolve_kv_dtype("auto", "cpu", torch.bfloat16) is None  # a bf16 model caches in bf16
+    assert resolve_kv_dtype("fp8", "cpu", torch.float32) == resolve_kv_dtype("E4M3", "cpu", torch.float32)
+    assert resolve_kv_dtype(torch.float8_e4m3fn, "cpu", torch.float32) == torch.float8_e4m3fn
     with pytest.raises(OptionError, match="unknown KV cache dtype"):
         resolve_kv_dtype("int3", "cpu", torch.float32)
     with pytest.raises(OptionError):
@@ -187,8 +197,9 @@ def test_cli_flag_reaches_the_engine(tmp_path: Path) -> None:
     assert kwargs == {"kv_dtype": "bf16"}
     save_checkpoint("qwen3_moe", tmp_path)
     assert Engine.from_pretrained(tmp_path, **kwargs).kv_manager().pool.kv_dtype == torch.bfloat16
+    assert engine_kwargs(parser.parse_args(["--kv-dtype", "fp8"])) == {"kv_dtype": "fp8"}
     with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-dtype", "fp8"])
+        parser.parse_args(["--kv-dtype", "int4"])
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -219,3 +230,37 @@ def test_deterministic_mode_is_batch_invariant_over_a_16bit_pool(arch: str, tmp_
         assert torch.equal(whole, final_logits([prompt[:20], prompt[20:]]))
     finally:
         ops.set_deterministic(False)
+
+
+def test_an_fp8_cache_keeps_the_trained_builtin_models_greedy_picks() -> None:
+    """fp8 KV on a trained model (the shipped built-in one) over agent prompts: the greedy pick with an fp8 cache is
+    the fp32 cache's at >= 0.9 of the teacher-forced positions (measured 0.979: 191 of 195 over these three tasks'
+    prompts of ~315 tokens and 64-token replies; the random checkpoints above, with their near-flat logits, move
+    much more)."""
+    from freetoken_agent.evals.builtin.template import BASH_TOOL
+    from freetoken_agent.runtime.builtin import BUILTIN_SYSTEM_PROMPT, builtin_model_dir
+
+    tasks = ["`str.split` drops the last field in parse_row().", "The CLI crashes with KeyError when --config is missing.",
+             "Add a --verbose flag to the export command."]
+    engines = {kv: Engine.from_pretrained(builtin_model_dir(), kv_dtype=kv) for kv in ("fp32", "fp8")}
+    agree = total = 0
+    try:
+        for task in tasks:
+            messages = [{"role": "system", "content": BUILTIN_SYSTEM_PROMPT},
+                        {"role": "user", "content": f"<pr_description>\n{task}\n</pr_description>"}]
+            ref = engines["fp32"]
+            prompt = ref.tokenizer.encode(ref.render_chat(messages, tools=[BASH_TOOL]))
+            ids = prompt + ref.generate(prompt, max_new_tokens=64, temperature=0.0, stop_token_ids=[]).token_ids
+            picks = {}
+            for kv, engine in engines.items():
+                session = engine.session()
+                rows = [session.prefill_logits(ids[: len(prompt)])[1][-1:]]
+                rows += [session.prefill_logits(ids[:i])[1] for i in range(len(prompt) + 1, len(ids) + 1)]
+                session.close()
+                picks[kv] = torch.cat(rows).argmax(-1)
+            agree += int((picks["fp8"] == picks["fp32"]).sum())
+            total += len(picks["fp32"])
+    finally:
+        for engine in engines.values():
+            engine.close()
+    assert total == 3 * 65 and agree >= 0.9 * total, (agree, total)

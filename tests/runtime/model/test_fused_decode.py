@@ -53,7 +53,7 @@ def _logits(engine: Engine, ids: list[int], fused: bool) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.parametrize("quant", ["none", "q4"])
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8"])
 @pytest.mark.parametrize("arch", sorted(FUSED_ARCHS))
 def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, quant: str, tmp_path: Path) -> None:
     save_checkpoint(arch, tmp_path, **FUSED_ARCHS[arch])
@@ -83,7 +83,7 @@ def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, quant: st
 
 
 @pytest.mark.parametrize("quant", ["none", "q4"])
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "fp8"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_rows_of_several_tokens_are_bitwise_their_decode_steps(arch: str, kv: str, quant: str,
                                                                tmp_path: Path) -> None:
@@ -188,10 +188,10 @@ def test_layers_it_cannot_fuse_run_op_by_op_in_the_same_step(tmp_path: Path) -> 
         engine.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_the_cache_write_narrows_as_torch_casts(dtype: torch.dtype) -> None:
-    """Keys and values through ``ft_attn_step``'s narrowing (fp16: clamped to +-65504 first, as the pool does) equal
-    torch's casts on every kind of value: normals, ties, subnormals, overflow, zeros, infinities."""
+    """Keys and values through ``ft_attn_step``'s narrowing (fp16 / fp8: clamped to +-65504 / +-448 first, as the pool
+    does) equal torch's casts on every kind of value: normals, ties, subnormals, overflow, zeros, infinities."""
     lib = build.load()
     assert lib is not None
     d, h, dh = 256, 2, 128
@@ -217,10 +217,12 @@ def test_the_cache_write_narrows_as_torch_casts(dtype: torch.dtype) -> None:
                             v_cache.data_ptr(), code, h * dh, h * dh, 2, work.data_ptr(), None, None, None) == 0
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return (t.clamp(-65504.0, 65504.0) if dtype == torch.float16 else t).to(dtype)
+        top = {torch.float16: 65504.0, torch.float8_e4m3fn: 448.0}.get(dtype)
+        return (t.clamp(-top, top) if top else t).to(dtype)
 
-    torch.testing.assert_close(k_cache[2].view(torch.int16), cast(bk).view(h, dh).view(torch.int16), rtol=0, atol=0)
-    torch.testing.assert_close(v_cache[2].view(torch.int16), cast(bv).view(h, dh).view(torch.int16), rtol=0, atol=0)
+    bits = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+    torch.testing.assert_close(k_cache[2].view(bits), cast(bk).view(h, dh).view(bits), rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[2].view(bits), cast(bv).view(h, dh).view(bits), rtol=0, atol=0)
 
 
 def test_an_expert_mode_change_moves_the_ffn_back_op_by_op(tmp_path: Path) -> None:
