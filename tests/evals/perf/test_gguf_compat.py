@@ -75,3 +75,23 @@ def test_the_decode_row_runs_both_sides_in_one_process_or_each_in_its_own(tmp_pa
         assert len(r["rates"]["ours"]) == len(r["rates"]["llama.cpp"]) == 1
         assert len(r["ours_ids"]) == 8 and r["greedy_prefix_agreement"] >= 4
     assert apart["ours_ids"] == together["ours_ids"] and apart["llama_ids"] == together["llama_ids"]
+
+
+def test_an_8bit_cache_on_our_side_runs_llama_cpp_with_its_8bit_cache(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``$FREETOKEN_KV_DTYPE=fp8`` the peer keeps q8_0 keys and values (flash attention on); else its default
+    f16. The row runs with the 8-bit setting (greedy tokens are not compared: an 8-bit cache on either side moves a
+    tiny random model's near-flat logits within a few tokens)."""
+    from freetoken_agent.evals.perf.bench_gguf_decode import LLAMA_Q8_0, llama_kv_kwargs, measure_file
+
+    monkeypatch.delenv("FREETOKEN_KV_DTYPE", raising=False)
+    assert llama_kv_kwargs() == {}
+    monkeypatch.setenv("FREETOKEN_KV_DTYPE", "fp16")
+    assert llama_kv_kwargs() == {}
+    monkeypatch.setenv("FREETOKEN_KV_DTYPE", "fp8")
+    assert llama_kv_kwargs() == {"type_k": LLAMA_Q8_0, "type_v": LLAMA_Q8_0, "flash_attn": True}
+    folder = write_checkpoint(tmp_path / "tiny", seed=2, config=TINY)
+    gguf_path = write_gguf(Engine.from_pretrained(folder, quant="q4"), folder, tmp_path / "tiny-q4_0.gguf")
+    r = measure_file(gguf_path, 1, 4, 1, prompt_len=8)
+    assert r["ours_tok_s"] > 0 and r["llama_cpp_tok_s"] > 0
+    assert len(r["ours_ids"]) == len(r["llama_ids"]) == 8
