@@ -7,6 +7,7 @@ once and accumulate all of K in the tile. ``amx_epilogue.c`` times the exact mod
 parts left out (see its header), on one core, in ns and core cycles per block:
 
     python -m freetoken_agent.evals.perf.amx_epilogue [--iters 20000] [--json]
+    freetoken bench amx-epilogue -- [--iters 20000]
 
 On a machine without AMX it says so and exits 0 (nothing to measure).
 """
@@ -20,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from freetoken_agent.evals.perf.harness import row, run_json_main
 
 SOURCE = Path(__file__).with_name("amx_epilogue.c")
 FLAGS = ["-O2", "-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
@@ -75,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     r = measure(args.iters)
     print(json.dumps(r) if args.json else format_table(r))
     return 0
+
+
+@row("amx-epilogue", "the exact AMX mode's inner loop per 16x16x32 block, whole and in parts (tile product, store, "
+     "read-back, fp32 epilogue), ns and cycles; flags are amx_epilogue's", passthrough=True)
+def amx_epilogue_row(args: argparse.Namespace) -> dict[str, Any]:
+    return run_json_main(main, args.passthrough)
 
 
 if __name__ == "__main__":
