@@ -200,7 +200,20 @@ def test_sampled_output_follows_the_model_distribution(tmp_path: Path) -> None:
     engine.close()
 
 
-def test_rolled_back_pages_return_to_the_pool(tmp_path: Path) -> None:
+def test_rolled_back_pages_return_to_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rejected draft rolls its sequence's length back but keeps the pages (the next step writes into them:
+    no page is released and taken again per verify step); when the request ends, every page it took is back."""
+    from freetoken_agent.runtime.kv.paged import PagedKVCache
+
+    shortened: list[int] = []  # truncations that dropped positions while the requests ran
+    truncate = PagedKVCache.truncate
+
+    def spy(cache: PagedKVCache, length: int) -> None:
+        if 0 < length < cache.length:
+            shortened.append(cache.length - length)
+        truncate(cache, length)
+
+    monkeypatch.setattr(PagedKVCache, "truncate", spy)
     for family in ("qwen3_moe", "qwen3_next"):
         folder = tmp_path / family
         save_checkpoint(family, folder)
@@ -216,6 +229,7 @@ def test_rolled_back_pages_return_to_the_pool(tmp_path: Path) -> None:
         assert [h.result(timeout=300).token_ids for h in handles] == [refs[tuple(p)] for p in ps]
         st = engine.stats()["speculation"]
         assert st["rolled_back"] > 0 and st["accepted"] > 0
+        assert not shortened  # rejected drafts were rolled back (`rollback`), not truncated page by page
         assert manager.pool.num_free == free  # every page a rejected draft took is back
         # a session keeps exactly the pages its kept tokens need
         session = engine.session()
