@@ -424,7 +424,9 @@ def attn_decode(
     q fp32 on the CPU; k and v fp32, or both fp16 or both bf16 (a 16-bit KV cache, read as is: each block is widened
     to fp32 in cache, and everything after is fp32); they may be views with any stride between positions (a paged
     cache's run of pages) but contiguous heads. Split over key blocks on the kernels' pool and merged in fp32
-    (``ft_attn.h``). A 16-bit cache gives bitwise what the fp32 one gives on its widened values.
+    (``ft_attn.h``). A 16-bit cache gives bitwise what the fp32 one gives on its widened values, except where
+    ``attn_uses_amx`` says a bf16 cache runs on AMX tiles: there the result is within fp32 rounding of it (the same
+    exact products, summed in another order), and still the same bits alone or in a chunk.
     """
     h, dh = q.shape
     s, hkv, dk = k.shape
@@ -625,6 +627,34 @@ def set_amx_exact(on: bool) -> bool:
     over all of K in the tiles, no per-block scaling: closer to the fp32 product, faster from ~64 tokens per weight
     (a 512-token MoE layer of the 7.5B benchmark model: 48 vs 66 ms), not bit-identical."""
     return bool(_lib().ft_amx_set_exact(int(bool(on))))
+
+
+def set_attn_amx(on: bool) -> bool:
+    """Attention over a bf16 cache on AMX-BF16 tiles (opt-in; also ``$FREETOKEN_ATTN_AMX=1`` at load); returns the
+    previous setting. Measured on an AMX Xeon, 2 threads, 16/4 heads of 128 over 4,096 keys: 2.0-2.15x the vector loops
+    for prefill chunks and verify rows (8 to 512 queries), 0.7x for one decode query (that is bound by reading the
+    cache, where the vector loops overlap their loads better). See ``attn_uses_amx``."""
+    return bool(_lib().ft_attn_set_amx(int(bool(on))))
+
+
+def attn_uses_amx(dtype: torch.dtype, head_dim: int, v_head_dim: int | None = None) -> bool:
+    """Whether attention over a ``dtype`` cache with these head sizes runs on AMX-BF16 tiles here: turned on
+    (``set_attn_amx``), the ``amx`` path is in use, the CPU has AMX-BF16 and AVX512-BF16, the cache is bf16 (read
+    into tiles as stored), and both head sizes are multiples of 32. Queries and probabilities go in as three bf16
+    parts each (x = hi + mid + lo), so the tile sums hold the exact products of the fp32 operands with the cached
+    values: fp32 accuracy, not the vector loops' bits; a query's bits do not depend on the other queries of its call
+    (batch invariance holds on this path as on the others)."""
+    code = KV_TYPE_CODE.get(dtype)
+    dv = head_dim if v_head_dim is None else v_head_dim
+    if code is None or (not _loaded and build.load() is None):
+        return False
+    return bool(_lib().ft_attn_amx_applies(code, head_dim, dv))
+
+
+def attn_amx_calls() -> int:
+    """Key blocks (up to 128 keys of one kv head for some queries) attention has run on AMX tiles since the library
+    loaded: proof in tests and benchmarks that the tile path did the work."""
+    return int(_lib().ft_attn_amx_calls())
 
 
 def amx_calls() -> int:

@@ -59,6 +59,8 @@ typedef struct {
     int kv_type;
     _Atomic int failed; /* a worker could not get its widening scratch */
     int64_t hk_item;    /* kv heads per work item (AVX2 path): all of them where there are enough blocks */
+    const uint16_t *qs; /* AMX path: each query row as three bf16 parts [T, H, 3, Dh] (attn_split_queries) */
+    int amx;            /* AMX path: a bf16 cache on a CPU with AMX-BF16, Dh and Dv multiples of 32 */
 } attn_ctx;
 
 /* ---- 16-bit keys and values: widen n rows of d values (row i at src + i * stride elements) to dst [n, d] */
@@ -387,6 +389,238 @@ FT_ATTN_LOOPS512(f8, uint8_t, ft_pair_f8, FT_LOAD16_F8, fp8_to_fp32)
 
 #define ATTN_QUERIES_PER_ITEM 8 /* queries of a chunk that share an item: its key block is read once for them */
 
+#ifdef FT_HAVE_AMX
+/* ---------------------------------------------------------------- AMX-BF16 path for bf16 caches
+ *
+ * A bf16 cache needs no widening for AMX: keys go straight from the cache into tiles. Each fp32 query row and each
+ * row of probabilities is split into three bf16 parts (x = hi + mid + lo, each the rounding of what the parts
+ * before leave: exact for normal values), and the parts run along the tiles' summed dimension: a score is
+ * q_hi . k + q_mid . k + q_lo . k accumulated in one fp32 tile element, so the sums hold the exact products of the
+ * fp32 operands with the cache's values: the accuracy of the fp32 loops (within fp32 rounding of them, not their
+ * bits). Scores: C [16 keys x 16 query-head rows] += K tile (16 cached key rows, 32 values each, as stored) . B (a
+ * part of 32 query values of each row, transposed into AMX's pair layout), for each 32-value chunk and part; the
+ * transpose of C is the rows' scores. Values: C [16 rows x 16 values] += P tile (a part of 32 probabilities of each
+ * row) . V tile, the V tile built from pairs of cached value rows (unpacklo / unpackhi of two rows: the values of a
+ * 32-value span in a fixed permuted order, restored on the way out). Every output element of a tile product
+ * depends only on its own row and column, keys past a row's range enter with probability 0 (adding +0 changes no
+ * sum), and blocks start at each query's lo as on the other paths: a query's bits are the same alone or in a chunk
+ * (batch invariance), and the same at any thread count. */
+
+#define AMX_ATT_ROWS 16 /* query-head rows per tile (its columns for scores, its rows for values) */
+
+/* out (16 rows of 64 bytes) = the 32-bit transpose of r[0..15] */
+FT_AMX static void amx_tr16(const __m512i *r, void *out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) { /* u[4a + b] lane L: column 4L + b, rows 4a..4a+3 */
+        u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    __m512i *o = (__m512i *)out;
+    for (int b = 0; b < 4; b++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x88), w0 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xdd), w1 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xdd);
+        _mm512_store_si512(o + b, _mm512_shuffle_i32x4(v0, w0, 0x88));
+        _mm512_store_si512(o + 8 + b, _mm512_shuffle_i32x4(v0, w0, 0xdd));
+        _mm512_store_si512(o + 4 + b, _mm512_shuffle_i32x4(v1, w1, 0x88));
+        _mm512_store_si512(o + 12 + b, _mm512_shuffle_i32x4(v1, w1, 0xdd));
+    }
+}
+
+FT_AMX static inline __m512 amx_bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+/* 16 floats as three bf16 parts at hi, hi + stride, hi + 2 * stride (elements) */
+FT_AMX static inline void amx_split3(__m512 x, uint16_t *hi, int64_t stride) {
+    for (int part = 0; part < 3; part++) {
+        const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+        _mm256_storeu_si256((__m256i *)(hi + part * stride), b);
+        x = _mm512_sub_ps(x, amx_bf16_widen(b));
+    }
+}
+
+/* qs[(row * 3 + part) * dh + d] for the rows of q [rows, dh] (dh a multiple of 16) */
+FT_AMX static void attn_split_queries(const float *q, int64_t rows, int64_t dh, uint16_t *qs) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < dh; d += 16) amx_split3(_mm512_loadu_ps(q + r * dh + d), qs + r * 3 * dh + d, dh);
+}
+
+/* Bytes of attn_run_amx's workspace for up to `rows` query-head rows */
+static inline size_t attn_amx_ws_bytes(int64_t rows, int64_t dh, int64_t dv) {
+    const int64_t groups = (rows + AMX_ATT_ROWS - 1) / AMX_ATT_ROWS;
+    return (size_t)(groups * (dh / 32) * 3 * 1024 + groups * 3 * 16 * ATTN_BLOCK * 2 +
+                    (ATTN_BLOCK / 32) * (dv / 16) * 1024 + 16 * dh * 2 + 2 * 1024 + 1024);
+}
+
+static _Atomic int64_t attn_amx_calls; /* blocks run on the AMX path since load (tests: proof it ran) */
+
+/* The AMX path is opt-in ($FREETOKEN_ATTN_AMX=1 at load, or ft_attn_set_amx): on the AMX Xeon it measured 2.0-2.15x the
+ * vector loops on prefill chunks and verify rows (compute-bound: a block read once for 8 queries) but 0.7x on single
+ * decode queries (memory-bound; the vector loops' loads overlap the stream better than tile loads), and a run
+ * must use one path for every query count (a chunk's query has to be bitwise the same query decoded alone).
+ * -1: not yet read from the environment. */
+static int attn_amx_mode = -1;
+
+/* Whether a call with this cache type and these head sizes runs on the AMX path (turned on, the ISA in use is AMX,
+ * the CPU has AMX-BF16 and AVX512-BF16, a bf16 cache, Dh and Dv multiples of 32) */
+static int attn_amx_applies(int kv_type, int64_t dh, int64_t dv) {
+    if (g_isa < 0) g_isa = detect_isa();
+    if (attn_amx_mode < 0) {
+        const char *env = getenv("FREETOKEN_ATTN_AMX");
+        attn_amx_mode = env && env[0] == '1';
+    }
+    return attn_amx_mode && kv_type == FT_KV_BF16 && g_isa >= FT_ISA_AMX && amx_bf16_supported() && dh % 32 == 0 &&
+           dv % 32 == 0 && dh > 0 && dv > 0;
+}
+
+/* One block of n keys for R query-head rows (qrow[r]: the row's index in qs; orow[r]: [max, sum, o[Dv]];
+ * nrow[r]: its keys in the block, 1..n), sc: R x ATTN_BLOCK floats, ws: attn_amx_ws_bytes(R, ...) bytes, 64-aligned */
+FT_AMX static void attn_run_amx(const attn_ctx *c, int64_t R, const int64_t *qrow, float *const *orow,
+                                const int64_t *nrow, int64_t n, const uint16_t *kb, const uint16_t *vb, float *sc,
+                                uint8_t *ws) {
+    const int64_t dh = c->dh, dv = c->dv, nc = dh / 32, nd = dv / 16, n32 = (n + 31) / 32 * 32;
+    const int64_t groups = (R + AMX_ATT_ROWS - 1) / AMX_ATT_ROWS;
+    uint16_t *qb = (uint16_t *)ws;                      /* [groups][nc][3 parts] B tiles of the queries */
+    uint16_t *pb = qb + groups * nc * 3 * 512;          /* [groups][3 parts][16 rows][ATTN_BLOCK] probabilities */
+    uint16_t *vt = pb + groups * 3 * 16 * ATTN_BLOCK;   /* [ATTN_BLOCK / 32][nd] V tiles */
+    uint16_t *kpad = vt + (ATTN_BLOCK / 32) * nd * 512; /* a last partial tile of keys, zero-padded */
+    float *cb = (float *)(kpad + 16 * dh);              /* two C tiles stored */
+    float *tb = cb + 512;                               /* a transposed C tile */
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t gi = 0; gi < groups; gi++) { /* column j of group gi's tiles: row r0 + j's part */
+        const int64_t r0 = gi * AMX_ATT_ROWS, rn = R - r0 < AMX_ATT_ROWS ? R - r0 : AMX_ATT_ROWS;
+        for (int64_t ci = 0; ci < nc; ci++)
+            for (int part = 0; part < 3; part++) {
+                __m512i m[16];
+                for (int j = 0; j < 16; j++)
+                    m[j] = j < rn ? _mm512_loadu_si512(c->qs + (qrow[r0 + j] * 3 + part) * dh + ci * 32) : zero;
+                amx_tr16(m, qb + ((gi * nc + ci) * 3 + part) * 512);
+            }
+    }
+    const __m512 scale = _mm512_set1_ps(c->scale);
+    /* a sub-block's 16 key rows: straight from the cache, or a zero-padded copy of the last partial one */
+    const uint16_t *ka[ATTN_BLOCK / 16];
+    int64_t astride[ATTN_BLOCK / 16];
+    const int64_t subs = (n + 15) / 16;
+    for (int64_t sb = 0; sb < subs; sb++) {
+        ka[sb] = kb + sb * 16 * c->k_stride;
+        astride[sb] = c->k_stride * 2;
+        if (n - sb * 16 < 16) {
+            memset(kpad, 0, (size_t)(16 * dh * 2));
+            for (int64_t i = 0; i < n - sb * 16; i++) memcpy(kpad + i * dh, ka[sb] + i * c->k_stride, (size_t)(dh * 2));
+            ka[sb] = kpad;
+            astride[sb] = dh * 2;
+        }
+    }
+    /* scores, two sub-blocks at a time: C 0 / 3, their keys A 1 / 2, the three query parts B 4 5 6 */
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const int64_t r0 = gi * AMX_ATT_ROWS, rn = R - r0 < AMX_ATT_ROWS ? R - r0 : AMX_ATT_ROWS;
+        for (int64_t sb = 0; sb < subs; sb += 2) {
+            const int two = sb + 1 < subs;
+            _tile_zero(0);
+            if (two) _tile_zero(3);
+            for (int64_t ci = 0; ci < nc; ci++) {
+                const uint16_t *qt = qb + (gi * nc + ci) * 3 * 512;
+                _tile_loadd(1, ka[sb] + ci * 32, astride[sb]);
+                if (two) _tile_loadd(2, ka[sb + 1] + ci * 32, astride[sb + 1]);
+                _tile_loadd(4, qt, 64);
+                _tile_loadd(5, qt + 512, 64);
+                _tile_loadd(6, qt + 1024, 64);
+                _tile_dpbf16ps(0, 1, 4);
+                if (two) _tile_dpbf16ps(3, 2, 4);
+                _tile_dpbf16ps(0, 1, 5);
+                if (two) _tile_dpbf16ps(3, 2, 5);
+                _tile_dpbf16ps(0, 1, 6);
+                if (two) _tile_dpbf16ps(3, 2, 6);
+            }
+            _tile_stored(0, cb, 64);
+            if (two) _tile_stored(3, cb + 256, 64);
+            for (int u = 0; u <= two; u++) {
+                __m512i m[16];
+                for (int i = 0; i < 16; i++) m[i] = _mm512_load_si512(cb + 256 * u + 16 * i);
+                amx_tr16(m, tb);
+                for (int64_t j = 0; j < rn; j++)
+                    _mm512_storeu_ps(sc + (r0 + j) * ATTN_BLOCK + (sb + u) * 16, _mm512_mul_ps(_mm512_load_ps(tb + 16 * j), scale));
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) { /* softmax of the block; probabilities past the row's keys are 0 */
+        float *row = sc + r * ATTN_BLOCK;
+        orow[r][0] = max_avx2(row, nrow[r]);
+        orow[r][1] = exp_sub_sum_avx2(row, nrow[r], orow[r][0]);
+        for (int64_t i = nrow[r]; i < n32; i++) row[i] = 0.f;
+    }
+    for (int64_t gi = 0; gi < groups; gi++) { /* row j of part tile p: row r0 + j's part p */
+        const int64_t r0 = gi * AMX_ATT_ROWS, rn = R - r0 < AMX_ATT_ROWS ? R - r0 : AMX_ATT_ROWS;
+        uint16_t *pg = pb + gi * 3 * 16 * ATTN_BLOCK;
+        for (int64_t j = 0; j < rn; j++)
+            for (int64_t i = 0; i < n32; i += 16)
+                amx_split3(_mm512_loadu_ps(sc + (r0 + j) * ATTN_BLOCK + i), pg + j * ATTN_BLOCK + i, 16 * ATTN_BLOCK);
+        for (int part = 0; part < 3; part++)
+            for (int64_t j = rn; j < 16; j++) memset(pg + (part * 16 + j) * ATTN_BLOCK, 0, (size_t)(n32 * 2));
+    }
+    for (int64_t ks = 0; ks < n32 / 32; ks++) /* V tiles: row i = keys 2i, 2i + 1 of the step, interleaved */
+        for (int64_t sp = 0; sp < dv / 32; sp++) {
+            uint16_t *tlo = vt + (ks * nd + 2 * sp) * 512, *thi = tlo + 512;
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t a = ks * 32 + 2 * i;
+                const __m512i x = a < n ? _mm512_loadu_si512(vb + a * c->v_stride + sp * 32) : zero;
+                const __m512i y = a + 1 < n ? _mm512_loadu_si512(vb + (a + 1) * c->v_stride + sp * 32) : zero;
+                _mm512_store_si512(tlo + i * 32, _mm512_unpacklo_epi16(x, y));
+                _mm512_store_si512(thi + i * 32, _mm512_unpackhi_epi16(x, y));
+            }
+        }
+    /* a C tile of the low half of span sp holds values 8L + 0..3 in lane L, the high half's 8L + 4..7. Tiles: C 0
+     * and 3 (a span's two halves), the probability parts A 1 2 7, the value tiles B 4 5 */
+    const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const int64_t r0 = gi * AMX_ATT_ROWS, rn = R - r0 < AMX_ATT_ROWS ? R - r0 : AMX_ATT_ROWS;
+        const uint16_t *pg = pb + gi * 3 * 16 * ATTN_BLOCK;
+        for (int64_t sp = 0; sp < dv / 32; sp++) {
+            _tile_zero(0);
+            _tile_zero(3);
+            for (int64_t ks = 0; ks < n32 / 32; ks++) {
+                const uint16_t *blo = vt + (ks * nd + 2 * sp) * 512;
+                _tile_loadd(4, blo, 64);
+                _tile_loadd(5, blo + 512, 64);
+                _tile_loadd(1, pg + ks * 32, ATTN_BLOCK * 2);
+                _tile_loadd(2, pg + 16 * ATTN_BLOCK + ks * 32, ATTN_BLOCK * 2);
+                _tile_loadd(7, pg + 32 * ATTN_BLOCK + ks * 32, ATTN_BLOCK * 2);
+                _tile_dpbf16ps(0, 1, 4);
+                _tile_dpbf16ps(3, 1, 5);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(3, 2, 5);
+                _tile_dpbf16ps(0, 7, 4);
+                _tile_dpbf16ps(3, 7, 5);
+            }
+            _tile_stored(0, cb, 64);
+            _tile_stored(3, cb + 256, 64);
+            for (int64_t j = 0; j < rn; j++) {
+                const __m512 a = _mm512_load_ps(cb + 16 * j), b = _mm512_load_ps(cb + 256 + 16 * j);
+                float *o = orow[r0 + j] + 2 + sp * 32;
+                _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, idx0, b));
+                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, idx1, b));
+            }
+        }
+    }
+    _tile_release();
+    atomic_fetch_add(&attn_amx_calls, 1);
+}
+#endif
+
 #ifdef FT_X86
 /* attn_item on the AVX2 path. The rows of one pass are the G query heads of kv head hk for a run of the item's
  * queries whose block starts at the same key (queries with the same lo: a decode step's one query, a verify row of
@@ -399,7 +633,13 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
     const int64_t rmax = (ATTN_QUERIES_PER_ITEM * g + 3) / 4 * 4, pad = c->dh > c->dv + 2 ? c->dh : c->dv + 2;
     /* scores [rmax][ATTN_BLOCK], a zero query row / dummy output row for the padding rows of the last tile of 4,
      * then the rows' pointers and lengths (2 floats each) */
-    float *sc = attn_scratch(rmax * ATTN_BLOCK + (pad + 7) / 8 * 8 + 6 * rmax);
+    const int64_t base = (rmax * ATTN_BLOCK + (pad + 7) / 8 * 8 + 8 * rmax + 15) / 16 * 16; /* floats, 64-byte multiple */
+#ifdef FT_HAVE_AMX
+    const int64_t extra = c->amx ? (int64_t)attn_amx_ws_bytes(rmax, c->dh, c->dv) / 4 : 0;
+#else
+    const int64_t extra = 0;
+#endif
+    float *sc = attn_scratch(base + extra);
     if (!sc) {
         atomic_store(&c->failed, 1);
         return;
@@ -434,6 +674,16 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         }
         const void *kb = (const char *)c->k + (size_t)(s0 * c->k_stride + hk * c->dh) * es;
         const void *vb = (const char *)c->v + (size_t)(s0 * c->v_stride + hk * c->dv) * es;
+#ifdef FT_HAVE_AMX
+        if (c->amx) {
+            int64_t *qrow = nrow + rmax; /* the rows' indices in c->qs */
+            for (int64_t r = 0; r < R; r++) qrow[r] = (qr[r] - c->q) / c->dh;
+            attn_run_amx(c, R, qrow, orow, nrow, n, (const uint16_t *)kb, (const uint16_t *)vb, sc,
+                         (uint8_t *)(sc + base));
+            tq = te;
+            continue;
+        }
+#endif
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
         if (c->kv_type == FT_KV_F16)
             (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc);
@@ -585,11 +835,25 @@ int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, 
     round = round < 1 ? 1 : (round > t ? t : round);
     float *part = (float *)malloc(sizeof(float) * (size_t)(round * per_query));
     if (!part) return -1;
+    uint16_t *qs = NULL; /* AMX path: the queries' bf16 parts */
+#ifdef FT_HAVE_AMX
+    const int amx = attn_amx_applies(kv_type, dh, dv);
+    if (amx) {
+        qs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(t * h * 3 * dh));
+        if (!qs) {
+            free(part);
+            return -1;
+        }
+        attn_split_queries(q, t * h, dh, qs);
+    }
+#else
+    const int amx = 0;
+#endif
     int rc = 0;
     for (int64_t t0 = 0; t0 < t && !rc; t0 += round) {
         const int64_t n = t - t0 < round ? t - t0 : round;
         attn_ctx c = {q + t0 * h * dh, k, v, sinks, lo + t0, hi + t0, n, h, hkv, dh, dv, k_stride, v_stride, blocks,
-                      scale, part, out + t0 * h * dv, kv_type, 0, hkv};
+                      scale, part, out + t0 * h * dv, kv_type, 0, hkv, qs ? qs + t0 * h * 3 * dh : NULL, amx};
         const int64_t groups = (n + ATTN_QUERIES_PER_ITEM - 1) / ATTN_QUERIES_PER_ITEM;
 #ifdef FT_X86
         if (g_isa >= FT_ISA_AVX2) {
@@ -611,6 +875,7 @@ int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, 
         else for (int64_t i = 0; i < n; i++) attn_merge_item(&c, i);
     }
     free(part);
+    free(qs);
     return rc;
 }
 
@@ -627,6 +892,37 @@ int ft_attn_decode_kv(const float *q, const void *k, const void *v, int kv_type,
                       float *out) {
     const int64_t lo = 0, hi = s;
     return ft_attn_queries_kv(q, 1, k, v, kv_type, &lo, &hi, h, hkv, dh, dv, k_stride, v_stride, scale, sinks, out);
+}
+
+/* 1 if attention over a kv_type cache with these head sizes runs on the AMX-BF16 path here, else 0 */
+int ft_attn_amx_applies(int kv_type, int64_t dh, int64_t dv) {
+#ifdef FT_HAVE_AMX
+    return attn_amx_applies(kv_type, dh, dv);
+#else
+    (void)kv_type, (void)dh, (void)dv;
+    return 0;
+#endif
+}
+
+/* Turn the AMX-BF16 path for bf16 caches on (1) or off (0); returns the previous setting */
+int ft_attn_set_amx(int on) {
+#ifdef FT_HAVE_AMX
+    const int before = attn_amx_mode > 0;
+    attn_amx_mode = on != 0;
+    return before;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+/* Key blocks run on the AMX-BF16 path since the library loaded */
+int64_t ft_attn_amx_calls(void) {
+#ifdef FT_HAVE_AMX
+    return atomic_load(&attn_amx_calls);
+#else
+    return 0;
+#endif
 }
 
 int ft_attn_decode(const float *q, const float *k, const float *v, int64_t s, int64_t h, int64_t hkv, int64_t dh,
