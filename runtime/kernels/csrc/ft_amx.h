@@ -95,6 +95,18 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
+/* Every one of the 8 tiles 16 rows x 64 bytes (the bf16 kernels: fp32 C, bf16 A and B) */
+FT_AMX static inline void amx_load_full_tiles(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* [a | b]: two tiles' 8 row values as one vector (AVX-512F only) */
 FT_AMX static inline __m512 amx_join8(__m256 a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
@@ -492,14 +504,7 @@ FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_strid
                 }
             }
         }
-    amx_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { /* 0-3: C (chunk c / c + 1 x half 0 / 1: 16 tokens x 16 rows fp32); 4, 5: A; 6, 7: B */
-        cfg.rows[t] = AMX_TOKENS;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx_load_full_tiles(); /* 0-3: C (chunk c / c + 1 x half 0 / 1: 16 tokens x 16 rows fp32); 4, 5: A; 6, 7: B */
     float cbuf[AMX_TOKENS * 16] __attribute__((aligned(64)));
     const int64_t nchunks = (count + AMX_TOKENS - 1) / AMX_TOKENS, cstride = nb * AMX_TOKENS * QK;
     for (int64_t c0 = 0; c0 < nchunks; c0 += 2) {

@@ -490,14 +490,7 @@ FT_AMX static void attn_run_amx(const attn_ctx *c, int64_t R, const int64_t *qro
     uint16_t *kpad = vt + (ATTN_BLOCK / 32) * nd * 512; /* a last partial tile of keys, zero-padded */
     float *cb = (float *)(kpad + 16 * dh);              /* two C tiles stored */
     float *tb = cb + 512;                               /* a transposed C tile */
-    amx_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx_load_full_tiles();
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t gi = 0; gi < groups; gi++) { /* column j of group gi's tiles: row r0 + j's part */
         const int64_t r0 = gi * AMX_ATT_ROWS, rn = R - r0 < AMX_ATT_ROWS ? R - r0 : AMX_ATT_ROWS;

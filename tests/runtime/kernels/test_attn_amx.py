@@ -113,3 +113,26 @@ def test_the_builtin_model_decodes_the_same_tokens_on_tiles(amx: None) -> None:
         assert runs[True] == runs[False]
     finally:
         engine.close()
+
+
+def test_long_prefill_chunks_over_a_bf16_cache_take_the_tiles(amx: None) -> None:
+    """With the tiles on, a chunk longer than ``EAGER_ATTENTION_TOKENS`` over a bf16 cache goes through the C kernel
+    (not widened for torch's fused attention): the tiles run, each query is bitwise itself decoded alone, and the
+    result is the widened cache's attention within fp32 rounding."""
+    from freetoken_agent.runtime.model import layers
+    from freetoken_agent.runtime.model.spec import AttentionSpec
+
+    s, h, hkv, d = 200, 8, 2, 64
+    t = layers.EAGER_ATTENTION_TOKENS + 24
+    spec = AttentionSpec(kind="gqa", rope=None, num_heads=h, num_kv_heads=hkv, head_dim=d, v_head_dim=d, scale=d**-0.5)
+    _, _, k16, v16 = _paged(s, hkv, d, d, torch.bfloat16, seed=5)
+    q = torch.randn(t, h, d, generator=torch.Generator().manual_seed(6))
+    q_pos = torch.arange(s - t, s)
+    calls = ops.attn_amx_calls()
+    got = layers.attention_scores(q, k16, v16, q_pos, spec, None)
+    assert ops.attn_amx_calls() > calls
+    for i in (0, t // 2, t - 1):
+        b = int(q_pos[i]) + 1
+        assert torch.equal(got[i], ops.attn_decode(q[i], k16[:b], v16[:b], spec.scale).reshape(-1)), i
+    want = layers.attention_scores(q, k16.float(), v16.float(), q_pos, spec, None)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
