@@ -10,7 +10,8 @@ compare the two). The routing and experts join the call only where the layer's b
 ``ops.moe`` call over bytes that stay put; otherwise the FFN half (routing observers, the backend and its tiers)
 runs op by op with the call's router logits. Routing observers are told the call's choices.
 
-A layer is fused when its spec is a plain GQA layer (see ``plan_layer``) with fp32 weights the kernels take;
+A layer is fused when its spec is a plain GQA layer (see ``plan_layer``) with fp32 weights the kernels take, or its
+projections in the kernels' tiles (``dense_quant=``, a GGUF file's blocks: ``kernels/dense.py``'s ``QuantLinear``);
 ``FusedDecode.step`` applies per step: one sequence of at most ``MAX_ROW`` consecutive tokens (a decode token, or a
 token and its draft tokens: every kernel of the call is batch invariant, so a verify row is bitwise the decode steps
 of its tokens, which is what keeps greedy speculation token-identical), fp32 hidden, a paged cache whose pages are
@@ -48,7 +49,8 @@ class AttnLayer(ctypes.Structure):
                     "sinks", "router", "router_bias")] + [("experts", _i64), ("w13", _p), ("w2", _p),
                     ("w13_stride", _i64), ("w2_stride", _i64), ("inter", _i64), ("top_k", _i64), ("fmt13", _i32),
                     ("fmt2", _i32), ("route_mode", _i32), ("route_norm", _i32), ("route_norm_eps", _f32),
-                    ("route_scaling", _f32)]
+                    ("route_scaling", _f32), ("fmt_q", _i32), ("fmt_k", _i32), ("fmt_v", _i32), ("fmt_o", _i32),
+                    ("qkv_joined", _i32)]
 
 
 @dataclass
@@ -67,10 +69,16 @@ class LayerPlan:
     held: list[tuple[dict, str, Any]]
     rotary: Rotary | None
     work: torch.Tensor
+    tiled: list[Any]
+    """The projections in the kernels' tiles (``QuantLinear``): the layer runs op by op while one is in exact mode."""
 
     def current(self, backend: Any) -> bool:
         return all(table.get(key) is obj for table, key, obj in self.held) and (
             self.backend is None or backend is self.backend)
+
+    def exact_mode(self) -> bool:
+        """Whether a projection in tiles multiplies dequantized in torch now (``set_dense_mode``): op by op while so."""
+        return any(q.exact is not None for q in self.tiled)
 
     def experts_call(self) -> bool:
         """Whether this step's experts run in the C call: the backend still runs a one-token step as the one kernel
@@ -88,6 +96,15 @@ def _vector(t: Any, n: int) -> bool:
 def _matrix(t: Any, rows: int, cols: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype is F32 and t.is_cpu and t.is_contiguous() and \
         t.shape == (rows, cols)
+
+
+def _tiles(t: Any, rows: int, cols: int) -> int | None:
+    """The format code of a dense weight held in the kernels' tiles (``kernels/dense.py``'s ``QuantLinear``) of shape
+    [rows, cols], else None. (Its exact mode is checked per step: ``LayerPlan.exact_mode``.)"""
+    packed = getattr(t, "packed", None)
+    if isinstance(t, torch.Tensor) or not isinstance(packed, kops.PackedWeight) or not hasattr(t, "exact"):
+        return None
+    return int(packed.code) if (packed.n, packed.k) == (rows, cols) else None
 
 
 def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None, backend: Any = None
@@ -123,10 +140,21 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     if not _vector(norms["attn_in"], d) or ("ffn_in" in norms and not _vector(norms["ffn_in"], d)):
         return None
     shapes = {"q_proj": (h * dh, d), "k_proj": (hkv * dh, d), "v_proj": (hkv * dv, d), "o_proj": (d, h * dv)}
+    fmt: dict[str, int] = {}  # the projections in the kernels' tiles: their format codes (-1: fp32 rows)
     for name, (rows, cols) in shapes.items():
-        bias = w.get(f"{name}.bias")
-        if not _matrix(w.get(f"{name}.weight"), rows, cols) or (bias is not None and not _vector(bias, rows)):
+        weight, bias = w.get(f"{name}.weight"), w.get(f"{name}.bias")
+        fmt[name] = -1 if _matrix(weight, rows, cols) else _tiles(weight, rows, cols)
+        if fmt[name] is None or (bias is not None and not _vector(bias, rows)):
             return None
+    if len({f < 0 for n, f in fmt.items() if n != "o_proj"}) != 1:  # q, k, v: all fp32 rows or all tiles
+        return None
+    tiled = [w[f"{n}.weight"] for n in shapes if fmt[n] >= 0]
+    joined = None  # q|k|v back to back in one format: the op-by-op path makes one product (``projections``)
+    if fmt["q_proj"] >= 0 and all(w.get(f"{n}.bias") is None for n in ("q_proj", "k_proj", "v_proj")):
+        fused_rows, parts = getattr(w["q_proj.weight"], "fused", None), [w[f"{n}.weight"] for n in shapes][:3]
+        if fused_rows is not None and len(fused_rows.parts) == 3 and all(a is b for a, b in zip(fused_rows.parts,
+                                                                                                  parts)):
+            joined = fused_rows.packed
     if att.qk_norm == "head" and not (_vector(w.get("q_norm.weight"), dh) and _vector(w.get("k_norm.weight"), dh)):
         return None
     sinks = w.get("sinks")
@@ -169,16 +197,25 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     held += [(w, key, w[key]) for key in keys if w.get(key) is not None]  # what a reload or swap replaces
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     get = lambda key: w.get(key) if att.qk_norm == "head" or "norm" not in key else None  # noqa: E731
+
+    def wptr(name: str) -> int:
+        weight = w[f"{name}.weight"]
+        return weight.data_ptr() if fmt[name] < 0 else weight.packed.ptr
+
     s = AttnLayer(
         d=d, h=h, hkv=hkv, dh=dh, dv=dv, rot=rot, window=att.sliding_window or 0, chunk=att.chunk_size or 0,
         rope_half=half, qk_norm=int(att.qk_norm == "head"), eps=spec.norm_eps, scale=att.scale,
-        norm_in=ptr(norms["attn_in"]), wq=ptr(w["q_proj.weight"]), wk=ptr(w["k_proj.weight"]),
-        wv=ptr(w["v_proj.weight"]), bq=ptr(w.get("q_proj.bias")), bk=ptr(w.get("k_proj.bias")),
-        bv=ptr(w.get("v_proj.bias")), q_norm=ptr(get("q_norm.weight")), k_norm=ptr(get("k_norm.weight")),
-        wo=ptr(w["o_proj.weight"]), bo=ptr(w.get("o_proj.bias")), norm_out=ptr(norms.get("ffn_in")),
+        norm_in=ptr(norms["attn_in"]), wq=wptr("q_proj"), wk=wptr("k_proj"), wv=wptr("v_proj"),
+        bq=ptr(w.get("q_proj.bias")), bk=ptr(w.get("k_proj.bias")), bv=ptr(w.get("v_proj.bias")),
+        q_norm=ptr(get("q_norm.weight")), k_norm=ptr(get("k_norm.weight")),
+        wo=wptr("o_proj"), bo=ptr(w.get("o_proj.bias")), norm_out=ptr(norms.get("ffn_in")),
         sinks=ptr(sinks32), router=ptr(router), router_bias=ptr(router_bias),
-        experts=0 if router is None else router.shape[0],
+        experts=0 if router is None else router.shape[0], fmt_q=fmt["q_proj"], fmt_k=fmt["k_proj"],
+        fmt_v=fmt["v_proj"], fmt_o=fmt["o_proj"], qkv_joined=int(joined is not None),
     )
+    if joined is not None:
+        s.wq, s.fmt_q = joined.ptr, joined.code
+        held.append(({"qkv": joined.data}, "qkv", joined.data))  # kept alive with the plan
     if moe_call is not None and layer.moe is not None:
         r = layer.moe.router
         code13, code2, w13, w2 = moe_call
@@ -194,7 +231,7 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     top_k = int(s.top_k)
     buffers = (torch.empty(MAX_ROW, d, dtype=F32), torch.empty(MAX_ROW, int(s.experts), dtype=F32),
                torch.empty(MAX_ROW, top_k, dtype=torch.int64), torch.empty(MAX_ROW, top_k, dtype=F32))
-    return LayerPlan(s, buffers, int(s.experts), backend, held, rotary, work)
+    return LayerPlan(s, buffers, int(s.experts), backend, held, rotary, work, tiled)
 
 
 class FusedDecode:
@@ -220,7 +257,7 @@ class FusedDecode:
         p, backend = self._plans[i], self.experts[i]
         if p is False or (isinstance(p, LayerPlan) and not p.current(backend)):
             p = self._plans[i] = plan_layer(self.spec, i, self.weights.layers[i], self.rotary[i], backend)
-        return p if isinstance(p, LayerPlan) else None
+        return p if isinstance(p, LayerPlan) and not p.exact_mode() else None
 
     def step(self, h: torch.Tensor, cache: Any, positions: torch.Tensor) -> FusedStep | None:
         """The per-step state of a step of one sequence (h [T, D] fp32 with 1 <= T <= ``MAX_ROW``, its cache and the

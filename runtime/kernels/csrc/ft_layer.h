@@ -4,12 +4,14 @@
  * so the result is bitwise the one the op-by-op path gives, without ~20 Python-level ops and allocations per layer.
  *
  *   xn = rms_norm(h, norm_in)                              ft_rms_norm
- *   q, k, v = xn @ Wq^T (+bq), xn @ Wk^T (+bk), xn @ Wv^T   ft_gemm_f32_parts (one hand-out to the pool)
+ *   q, k, v = xn @ Wq^T (+bq), xn @ Wk^T (+bk), xn @ Wv^T   ft_gemm_f32_parts (one hand-out to the pool); weights
+ *                                                          in the kernels' tiles (dense_quant, a GGUF's blocks):
+ *                                                          ft_linear each, or once over q|k|v back to back
  *   q, k = rms_norm per head (qk_norm)                      ft_rms_norm over rows of Dh
  *   q, k = rope(q), rope(k)                                 ft_rope
  *   cache row pos = k, v (narrowed to the cache's type)     fp16: clamped to +-65504, both rounded to nearest even
  *   att = attention over the keys [lo, pos]                 ft_attn_queries_kv (lo: sliding window / chunk)
- *   h += att @ Wo^T (+bo)                                   ft_gemm_f32
+ *   h += att @ Wo^T (+bo)                                   ft_gemm_f32 (tiles: ft_linear, then + bo)
  *   x = rms_norm(h, norm_out)                               ft_rms_norm (the FFN's input)
  *   logits = x @ Wr^T (+br)   (a MoE layer: the router)     ft_gemm_f32
  *   ids, weights = route(logits)  (experts given)           ft_route (softmax/top-k as model/moe.py's route)
@@ -35,6 +37,11 @@ typedef struct {
     int64_t w13_stride, w2_stride, inter, top_k;
     int32_t fmt13, fmt2, route_mode, route_norm;
     float route_norm_eps, route_scaling;
+    /* Dense projections in the kernels' tiles (runtime/kernels/dense.py's QuantLinear): the format code of wq / wk /
+     * wv / wo (they then point at packed tiles), or -1 for fp32 rows. q, k and v are all fp32 or all tiles.
+     * qkv_joined: their tiles lie back to back in one format (dense.py's FusedRows, no biases): one ft_linear over
+     * the nq + nk + nv rows from wq, as the op-by-op path makes. */
+    int32_t fmt_q, fmt_k, fmt_v, fmt_o, qkv_joined;
 } ft_attn_layer;
 
 /* Top-k routing of rows of router logits [T, E] → ids [T, K], weights [T, K] (what model/moe.py's route computes
@@ -86,7 +93,20 @@ int ft_route(const float *logits, int64_t t, int64_t e, int64_t k, int mode, int
 
 /* Scratch values ft_attn_step uses per token of a step (the caller's buffer, allocated once per layer shape). */
 int64_t ft_attn_step_work(const ft_attn_layer *L) {
-    return 2 * L->d + 2 * L->h * L->dh + 2 * L->hkv * L->dh + L->hkv * L->dv + L->h * L->dv;
+    return 2 * L->d + 2 * L->h * L->dh + 2 * L->hkv * L->dh + L->hkv * L->dv + L->h * L->dv +
+           (L->qkv_joined ? L->h * L->dh + L->hkv * L->dh + L->hkv * L->dv : 0);
+}
+
+/* y[t, n] = x[t, k] @ W^T (+ b): fp32 rows (fmt < 0) through ft_gemm_f32, tiles through ft_linear and then the bias
+ * added in fp32 (QuantLinear's order). Returns 0 or -1 (out of memory). */
+static int step_linear(int fmt, const float *w, int64_t n, int64_t k, const float *x, int64_t t, const float *b,
+                       float *y) {
+    if (fmt < 0) return ft_gemm_f32(w, NULL, n, k, x, t, b, y) ? -1 : 0;
+    if (ft_linear(fmt, (const uint8_t *)w, n, k, x, t, y)) return -1;
+    if (b)
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < n; j++) y[i * n + j] += b[j];
+    return 0;
 }
 
 /* IEEE half of x, rounded to nearest even (what torch's fp32 -> fp16 cast gives; x already clamped to the range) */
@@ -196,12 +216,28 @@ int ft_attn_step(const ft_attn_layer *L, int64_t t, float *h, float *x, const fl
         return -2;
     const int64_t d = L->d, nq = L->h * L->dh, nk = L->hkv * L->dh, nv = L->hkv * L->dv;
     float *xn = work, *q = xn + t * d, *q2 = q + t * nq, *k = q2 + t * nq, *k2 = k + t * nk, *v = k2 + t * nk,
-          *att = v + t * nv, *o = att + t * L->h * L->dv;
+          *att = v + t * nv, *o = att + t * L->h * L->dv, *qkv = o + t * d;
     ft_rms_norm(h, L->norm_in, t, d, L->eps, xn);
     const float *w[3] = {L->wq, L->wk, L->wv}, *b[3] = {L->bq, L->bk, L->bv};
     const int64_t n[3] = {nq, nk, nv};
+    const int fmt[3] = {L->fmt_q, L->fmt_k, L->fmt_v};
     float *y[3] = {q, k, v};
-    if (ft_gemm_f32_parts(3, w, n, d, xn, t, b, y)) return -2;
+    if (L->fmt_q < 0) {
+        if (L->fmt_k >= 0 || L->fmt_v >= 0) return -2;
+        if (ft_gemm_f32_parts(3, w, n, d, xn, t, b, y)) return -2;
+    } else if (L->qkv_joined) { /* one product over q|k|v's rows, split per token */
+        const int64_t all = nq + nk + nv;
+        if (L->bq || L->bk || L->bv) return -2;
+        if (ft_linear(L->fmt_q, (const uint8_t *)L->wq, all, d, xn, t, qkv)) return -1;
+        for (int64_t j = 0; j < t; j++)
+            for (int64_t p = 0, at = 0; p < 3; at += n[p], p++)
+                memcpy(y[p] + j * n[p], qkv + j * all + at, sizeof(float) * (size_t)n[p]);
+    } else {
+        for (int p = 0; p < 3; p++) {
+            if (fmt[p] < 0) return -2;
+            if (step_linear(fmt[p], w[p], n[p], d, xn, t, b[p], y[p])) return -1;
+        }
+    }
     if (L->qk_norm) {
         ft_rms_norm(q, L->q_norm, t * L->h, L->dh, L->eps, q2);
         ft_rms_norm(k, L->k_norm, t * L->hkv, L->dh, L->eps, k2);
@@ -232,7 +268,7 @@ int ft_attn_step(const ft_attn_layer *L, int64_t t, float *h, float *x, const fl
                  : ft_attn_queries_kv(q, t, k_cache, v_cache, kv_type, lo, hi, L->h, L->hkv, L->dh, L->dv, k_stride,
                                       v_stride, L->scale, L->sinks, att);
     if (rc) return -1;
-    if (ft_gemm_f32(L->wo, NULL, d, L->h * L->dv, att, t, L->bo, o)) return -1;
+    if (step_linear(L->fmt_o, L->wo, d, L->h * L->dv, att, t, L->bo, o)) return -1;
     for (int64_t i = 0; i < t * d; i++) h[i] = h[i] + o[i];
     if (L->norm_out)
         ft_rms_norm(h, L->norm_out, t, d, L->eps, x);

@@ -139,6 +139,50 @@ def test_rows_of_several_tokens_are_bitwise_their_decode_steps(arch: str, kv: st
         engine.close()
 
 
+@pytest.mark.parametrize(("arch", "dense"), [("qwen3_moe", "q8"), ("qwen3_moe", "q4"), ("qwen2_moe", "q8"),
+                                             ("gpt_oss", "q4"), ("qwen3_moe", "Q6_K"), ("qwen3_moe", "Q4_K")])
+def test_quantized_projections_fuse_bitwise_the_op_by_op_path(arch: str, dense: str, tmp_path: Path) -> None:
+    """Dense weights in the kernels' tiles (``dense_quant``, or a GGUF file's K-quant blocks as stored): the
+    projections run in the call (one product over q|k|v where their tiles lie back to back and carry no biases, else
+    one each with its bias added after), bitwise the op-by-op path, steps and rows of several tokens alike; a weight
+    switched to exact mode takes its layer back op by op, and back into the call after."""
+    from freetoken_agent.runtime.kernels.dense import set_dense_mode
+
+    from tests.runtime.gguf.writer import write_gguf
+
+    save_checkpoint(arch, tmp_path / "hf", **FUSED_ARCHS[arch])
+    if dense.isupper():  # a GGUF file's dense blocks, loaded as stored
+        file = write_gguf(tmp_path / "hf", tmp_path / "m.gguf", experts="Q4_0", dense=dense)
+        engine = Engine.from_pretrained(file, kv_dtype="fp16", speculate=False, require_tokenizer=False)
+    else:
+        engine = Engine.from_pretrained(tmp_path / "hf", kv_dtype="fp16", speculate=False, quant="q4",
+                                        dense_quant=dense)
+    try:
+        plans = [engine.decoder.fused.plan(i) for i in range(engine.spec.num_layers)]
+        assert all(p is not None and p.struct.fmt_q >= 0 and p.struct.fmt_o >= 0 for p in plans)
+        joined = {bool(p.struct.qkv_joined) for p in plans}
+        assert joined == {arch == "qwen3_moe"}  # Qwen2-MoE and GPT-OSS: q/k/v biases, a product each
+        ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+        fused, ran, _ = _logits(engine, ids, True)
+        plain, none, _ = _logits(engine, ids, False)
+        assert ran == 18 * engine.spec.num_layers and none == 0
+        assert torch.equal(fused, plain)
+        engine.decoder.fused.enabled = True
+        engine.kv_manager(KVConfig(page_size=4, device_pages=256))
+        session = engine.session()
+        rows = torch.cat([session.prefill_logits(ids[:c])[1] for c in (12, 15, 23, 30)])  # rows of 3, 8, 7
+        session.close()
+        assert torch.equal(rows, fused[: rows.shape[0]])  # ft_linear is batch invariant: rows are their steps
+        assert set_dense_mode(engine.decoder.weights, "exact") > 0
+        exact, ran, _ = _logits(engine, ids, True)
+        assert ran == 0 and not torch.equal(exact, fused)
+        set_dense_mode(engine.decoder.weights, "int8")
+        again, ran, _ = _logits(engine, ids, True)
+        assert ran == 18 * engine.spec.num_layers and torch.equal(again, fused)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_small_projections_fuse_and_deterministic_mode_over_an_fp32_cache_only(kv: str, tmp_path: Path) -> None:
     """The default tiny checkpoint's projections have 64 rows: they run on the kernels op by op as well, so its
