@@ -121,6 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_attn_step_work": (i64, [p]),
         "ft_kv_store": (i32, [p, i64, p, i32]),
         "ft_attn_step": (i32, [p, i64, p, p, p, p, p, p, i32, i64, i64, i64, p, p, p, p]),
+        "ft_attn_steps": (i32, [i64, p, i64, p, p, p, p, p, p, i32, p, p, i64, p, p, p, p, p]),
         "ft_route": (i32, [p, i64, i64, i64, i32, i32, ctypes.c_float, ctypes.c_float, p, p]),
     }
     for name, (res, args) in sigs.items():

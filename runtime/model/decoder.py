@@ -152,7 +152,13 @@ class Decoder:
                 seg.cache.advance()
             return h
         fused = self.fused.step(h, segments[0].cache, segments[0].positions) if len(segments) == 1 else None
+        done = 0  # layers run by a multi-layer call (FusedStep.layers) up to here
         for i, (layer, lw) in enumerate(zip(spec.layers, w.layers)):
+            if i < done:
+                continue
+            if fused is not None and (ran := fused.layers(i, h)):  # layers i.. whole, in one C call
+                done = i + ran
+                continue
             if fused is not None and (got := fused.attention(i, h)) is not None:  # the layer in one C call
                 if got[0] is not None:  # the FFN op by op (the call ran it when it returns no input for it)
                     h.add_(self._ffn(i, got[0], lw, logits=got[1]))  # plan_layer admits only an FFN added back as is

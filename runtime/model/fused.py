@@ -234,6 +234,19 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     return LayerPlan(s, buffers, int(s.experts), backend, held, rotary, work, tiled)
 
 
+class LayerGroup:
+    """Consecutive fused layers that run whole in the call (``FusedStep.layers``): their structs and buffers as the
+    pointer arrays ``ft_attn_steps`` takes, built once."""
+
+    def __init__(self, plans: list[LayerPlan]) -> None:
+        self.plans = plans
+        n = len(plans)
+        arr = ctypes.c_void_p * n
+        self.structs = arr(*(ctypes.addressof(p.struct) for p in plans))
+        self.x, self.logits, self.ids, self.weights = (arr(*(p.buffers[k].data_ptr() for p in plans)) for k in range(4))
+        self.work = arr(*(p.work.data_ptr() for p in plans))
+
+
 class FusedDecode:
     """The fused plans of a decoder's layers, built on the first decode step that can use them and rebuilt for a
     layer whose weights were replaced since (dense quantization, reference swaps)."""
@@ -244,6 +257,7 @@ class FusedDecode:
         every step: replacing a backend replans its layer)."""
         self.spec, self.weights, self.rotary, self.experts, self.observers = spec, weights, rotary, experts, observers
         self._plans: list[LayerPlan | None | bool] = [False] * spec.num_layers  # False: not planned yet
+        self.groups: dict[int, LayerGroup] = {}  # first layer -> the layers from it that run whole in one call
         self.enabled = os.environ.get("FREETOKEN_FUSED_DECODE", "1").lower() not in ("0", "off", "false")
         """Off: every layer op by op (``$FREETOKEN_FUSED_DECODE=0``; tests and benchmarks compare the two)."""
         self.layers_run = 0
@@ -252,6 +266,8 @@ class FusedDecode:
         """Of those, steps whose routing and experts ran in the call too."""
         self.rows_run = 0
         """Of those, steps of a row of several tokens (a speculative verify row, a short prompt chunk)."""
+        self.grouped_run = 0
+        """Of those, layer steps run by a call over several layers (``FusedStep.layers``)."""
 
     def plan(self, i: int) -> LayerPlan | None:
         p, backend = self._plans[i], self.experts[i]
@@ -287,6 +303,9 @@ class FusedStep:
         self.positions, self.deterministic = positions, deterministic
         self.pos, self.t = int(positions[0]), int(positions.shape[0])
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        first = next((p for p in rows if p), None)
+        self._kv_dtype = first[0].dtype if first else None
+        self._kv_type = kops.KV_TYPE_CODE.get(self._kv_dtype, -1) if first else -1
 
     def attention(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         plan = self.owner.plan(i)
@@ -328,6 +347,60 @@ class FusedStep:
             observe(i, ids)
         self.owner.ffn_run += 1
         return None, None
+
+    def layers(self, i: int, h: torch.Tensor) -> int:
+        """Layers i, i + 1, ... that run whole in the call (their FFN included), run in one ``ft_attn_steps`` call:
+        the same ``ft_attn_step`` calls in the same order, without Python between the layers. Returns how many ran
+        (0: fewer than two qualify from i; the caller goes on layer by layer)."""
+        owner, t = self.owner, self.t
+        if self._kv_type < 0 or (self.deterministic and self._kv_type != 0):
+            return 0
+        group = owner.groups.get(i)
+        if group is None or not all(owner.plan(j) is plan and plan.experts_call()
+                                    for j, plan in enumerate(group.plans, i)):
+            plans = []
+            for j in range(i, owner.spec.num_layers):
+                plan = owner.plan(j)
+                if plan is None or not plan.experts_call():
+                    break
+                plans.append(plan)
+            if len(plans) < 2:
+                owner.groups.pop(i, None)
+                return 0
+            group = owner.groups[i] = LayerGroup(plans)
+        n = len(group.plans)
+        if i + n > len(self.rows):
+            return 0
+        parts = self.rows[i : i + n]
+        if any(p is None or len(p) != 2 or p[0].dtype is not self._kv_dtype or p[1].dtype is not self._kv_dtype
+               for p in parts):
+            return 0
+        tables = [self._table(plan.rotary) if plan.rotary is not None else (None, None) for plan in group.plans]
+        if any(plan.rotary is not None and cos is None for plan, (cos, _) in zip(group.plans, tables)):
+            return 0
+        observers = owner.observers
+        ids = [torch.empty(t, int(plan.struct.top_k), dtype=torch.int64) for plan in group.plans] if observers \
+            else None  # fmt: skip
+        arr = ctypes.c_void_p * n
+        done = ctypes.c_int64(0)
+        rc = self.lib.ft_attn_steps(
+            n, group.structs, t, h.data_ptr(), group.x, arr(*(c if c is None else c.data_ptr() for c, _ in tables)),
+            arr(*(s if s is None else s.data_ptr() for _, s in tables)), arr(*(p[0].data_ptr() for p in parts)),
+            arr(*(p[1].data_ptr() for p in parts)), self._kv_type, (ctypes.c_int64 * n)(*(p[0].stride(0) for p in parts)),
+            (ctypes.c_int64 * n)(*(p[1].stride(0) for p in parts)), self.pos, group.work, group.logits,
+            group.ids if ids is None else arr(*(x.data_ptr() for x in ids)), group.weights, ctypes.byref(done),
+        )  # fmt: skip
+        for j in range(i, i + done.value):
+            self.cache.wrote_rows(j, t, [F32, F32])
+            for observe in observers:
+                observe(j, ids[j - i])  # type: ignore[index]
+        owner.layers_run += done.value
+        owner.ffn_run += done.value
+        owner.rows_run += done.value * (t > 1)
+        owner.grouped_run += done.value
+        if rc:
+            raise MemoryError("ft_attn_step: out of memory") if rc == -1 else ValueError("ft_attn_step: bad layer")
+        return n
 
     def _table(self, rotary: Rotary) -> tuple[Any, Any]:
         got = self._tables.get(id(rotary))

@@ -286,4 +286,24 @@ int ft_attn_step(const ft_attn_layer *L, int64_t t, float *h, float *x, const fl
     return 0;
 }
 
+/* n consecutive layers of one step in one call: ft_attn_step for layer j with the j-th entry of each array (k_cache,
+ * v_cache, strides, rotary rows, x, work, logits, ids, weights), one after another on the same h — what n calls
+ * give, without a trip back to the caller between layers (whose Python then runs with caches a layer's weights just
+ * streamed through). Every layer must run its FFN in the call (experts and ids given). Returns 0, or the failing
+ * layer's code (*done: the layers that completed). */
+int ft_attn_steps(int64_t n, const ft_attn_layer *const *L, int64_t t, float *h, float *const *x,
+                  const float *const *cos, const float *const *sin, void *const *k_cache, void *const *v_cache,
+                  int kv_type, const int64_t *k_stride, const int64_t *v_stride, int64_t pos, float *const *work,
+                  float *const *logits, int64_t *const *ids, float *const *weights, int64_t *done) {
+    *done = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (!L[j]->w13 || !L[j]->router || !ids[j]) return -2;
+        const int rc = ft_attn_step(L[j], t, h, x[j], cos[j], sin[j], k_cache[j], v_cache[j], kv_type, k_stride[j],
+                                    v_stride[j], pos, work[j], logits[j], ids[j], weights[j]);
+        if (rc) return rc;
+        *done = j + 1;
+    }
+    return 0;
+}
+
 #endif

@@ -111,6 +111,16 @@ static inline int32_t load_i32(const int8_t *p) {
 #define FT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define FT_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
 
+/* A one-token tile kernel asks for the weight bytes FT_TILE_AHEAD ahead of the block it reads (every 64-byte line
+ * of a block's span): at M = 1 the kernels stream weights and little else, the L2 streamer does not cross 4 KiB
+ * pages, and an item's tiles are only a few KiB. Measured on the AMX Xeon (2 threads, a 7.5B model's decode MoE
+ * step, 24 layers of Q4_0 experts, 64 of top-8): 18.2 -> 23.5 GB/s; 1-3 KiB ahead all do about as well, 4 KiB and
+ * more less. Prefetches never fault, so reading past a buffer's end is harmless. */
+#ifndef FT_TILE_AHEAD
+#define FT_TILE_AHEAD 2048
+#endif
+#define FT_PREFETCH_AHEAD(p, bytes)                                                                               \
+    for (int pf_ = 0; pf_ < (bytes); pf_ += 64) _mm_prefetch((const char *)(p) + FT_TILE_AHEAD + pf_, _MM_HINT_T0)
 FT_AVX2 static void tile_dot_q8_avx2(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad,
                                      const float *as, float *out) {
     (void)as;
@@ -118,6 +128,7 @@ FT_AVX2 static void tile_dot_q8_avx2(const uint8_t *t, int64_t nb, const int8_t 
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++, t += 16 + 256) {
         const int8_t *a = aq + b * QK;
+        FT_PREFETCH_AHEAD(t, 16 + 256);
         __m256i s = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));
@@ -131,22 +142,13 @@ FT_AVX2 static void tile_dot_q8_avx2(const uint8_t *t, int64_t nb, const int8_t 
     _mm256_storeu_ps(out, acc);
 }
 
-/* A one-token tile kernel asks for the weight bytes FT_TILE_AHEAD ahead of the block it reads (every 64-byte line
- * of a block's span): at M = 1 the kernels stream weights and little else, the L2 streamer does not cross 4 KiB
- * pages, and an item's tiles are only a few KiB. Measured on the AMX Xeon (2 threads, a 7.5B model's decode MoE
- * step, 24 layers of Q4_0 experts, 64 of top-8): 18.2 -> 23.5 GB/s; 1-3 KiB ahead all do about as well, 4 KiB and
- * more less. Prefetches never fault, so reading past a buffer's end is harmless. */
-#ifndef FT_TILE_AHEAD
-#define FT_TILE_AHEAD 2048
-#endif
-#define FT_PREFETCH_AHEAD(p, bytes)                                                                               \
-    for (int pf_ = 0; pf_ < (bytes); pf_ += 64) _mm_prefetch((const char *)(p) + FT_TILE_AHEAD + pf_, _MM_HINT_T0)
 FT_AVX2 static void tile_dot_q4_avx2(const uint8_t *t, int64_t nb, const int8_t *aq, const float *ad,
                                      const float *as, float *out) {
     __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++, t += 16 + 128) {
         const int8_t *a = aq + b * QK;
+        FT_PREFETCH_AHEAD(t, 16 + 128);
         __m256i s16 = _mm256_setzero_si256(); /* per lane <= 8 * 2 * 15 * 127 = 30480: no int16 overflow */
         for (int j = 0; j < 4; j++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * j));

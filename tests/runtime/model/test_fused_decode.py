@@ -62,7 +62,9 @@ def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, quant: st
         ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
         observed: list[torch.Tensor] = []
         engine.decoder.routing_observers.append(lambda layer, topk: observed.append(topk.clone()))
+        grouped = engine.decoder.fused.grouped_run
         fused, ran, ffn = _logits(engine, ids, True)
+        grouped = engine.decoder.fused.grouped_run - grouped
         seen = torch.cat(observed)
         observed.clear()
         plain, none, _ = _logits(engine, ids, False)
@@ -70,6 +72,7 @@ def test_fused_decode_is_bitwise_the_op_by_op_path(arch: str, kv: str, quant: st
         assert ran == 18 * layers and none == 0  # every decode step of every layer fused (off: none)
         moe_layers = sum(layer.moe is not None for layer in engine.spec.layers)
         assert ffn == (18 * moe_layers if quant == "q4" and arch in FFN_IN_CALL else 0)
+        assert grouped == (ffn if ffn == 18 * layers else 0)  # all layers whole in the call: one call per step
         assert torch.equal(fused, plain)
         assert torch.equal(seen, torch.cat(observed))  # routing observers told the same choices, in the same order
         prompt = ids[:16]
