@@ -383,11 +383,12 @@ class FusedStep:
             else None  # fmt: skip
         arr = ctypes.c_void_p * n
         done = ctypes.c_int64(0)
+        strides = ctypes.c_int64 * n
         rc = self.lib.ft_attn_steps(
             n, group.structs, t, h.data_ptr(), group.x, arr(*(c if c is None else c.data_ptr() for c, _ in tables)),
             arr(*(s if s is None else s.data_ptr() for _, s in tables)), arr(*(p[0].data_ptr() for p in parts)),
-            arr(*(p[1].data_ptr() for p in parts)), self._kv_type, (ctypes.c_int64 * n)(*(p[0].stride(0) for p in parts)),
-            (ctypes.c_int64 * n)(*(p[1].stride(0) for p in parts)), self.pos, group.work, group.logits,
+            arr(*(p[1].data_ptr() for p in parts)), self._kv_type, strides(*(p[0].stride(0) for p in parts)),
+            strides(*(p[1].stride(0) for p in parts)), self.pos, group.work, group.logits,
             group.ids if ids is None else arr(*(x.data_ptr() for x in ids)), group.weights, ctypes.byref(done),
         )  # fmt: skip
         for j in range(i, i + done.value):

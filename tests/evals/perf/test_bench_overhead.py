@@ -64,8 +64,9 @@ def test_time_mode_splits_a_real_decode(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     (r,) = json.loads(proc.stdout)
     assert r["layers"] == 4 and r["ms_per_token"] > 0 and r["ms_in_kernels"] > 0
-    # every decode step calls the kernels at least once per layer (one fused call: model/fused.py) and for the lm_head
-    assert r["timed_calls_per_token"] >= 4 + 1
+    # a decode step calls the kernels for its layers (all 4 in one fused call: model/fused.py's FusedStep.layers)
+    # and for the final norm and the lm_head
+    assert r["timed_calls_per_token"] >= 1 + 1
     parts = r["ms_in_kernels"] + r["ms_in_torch_ops"] + r["ms_outside"]
     assert parts == pytest.approx(r["ms_per_token"], abs=0.01)
     assert r["ms_outside"] == pytest.approx(r["ms_outside_in_forward"] + r["ms_outside_in_step"]

@@ -42,7 +42,7 @@ def test_every_benchmark_module_registers_a_row() -> None:
     expected = {"kernels", "decode", "long-context", "prefill", "agent-replay", "over-budget", "suite", "serve",
                 "kv-reuse", "residency", "kv-dtype", "phase-replay", "phase-live", "phase-kv", "speculative",
                 "constrained", "overhead", "batch", "load-memory", "quantize-rate", "triton", "gpu-check", "routing",
-                "moe-layer", "attn-builds", "amx-epilogue"}
+                "moe-layer", "attn-builds", "amx-epilogue", "weight-builds"}
     assert expected <= set(rows)
     registering = {r.module.rsplit(".", 1)[-1] for r in rows.values()}
     for file in PERF.glob("*.py"):
@@ -177,6 +177,33 @@ def test_attn_builds_compares_two_builds_of_the_kernels(tmp_path: Path) -> None:
     bad.write_bytes(b"nothing")
     with pytest.raises(SystemExit):
         attn_builds.main([str(bad), str(new)])
+
+
+def test_weight_builds_compares_two_builds_of_the_decode_weight_kernels(tmp_path: Path) -> None:
+    """The weight-kernel A/B row runs two builds (the same one twice) over a layer's projections and MoE step and
+    reports the whole step, the MoE and the dense parts with their bytes; a file that is no build is a clear error."""
+    from freetoken_agent.evals.perf import weight_builds
+    from freetoken_agent.runtime.kernels import build
+
+    if build.load() is None:
+        pytest.skip(f"C kernels unavailable here: {build.status().reason}")
+    import shutil
+
+    old, new = tmp_path / "old.so", tmp_path / "new.so"
+    shutil.copyfile(build.build(), old)
+    shutil.copyfile(build.build(), new)
+    report = harness.run_json_main(weight_builds.main, [str(old), str(new), "--threads", "1", "--rounds", "2",
+                                                        "--layers", "1"])
+    parts = {r["part"]: r for r in report["rows"]}
+    assert set(parts) == {"all", "moe", "dense"}
+    assert parts["all"]["gb"] == pytest.approx(parts["moe"]["gb"] + parts["dense"]["gb"], abs=2e-3)
+    # one layer: 8 experts of 3 x 768 x 2048 Q4_0 values (0.5625 bytes each), q|k|v + o of 5.2M Q8_0 values
+    assert parts["moe"]["gb"] == pytest.approx(8 * 3 * 768 * 2048 * 0.5625 / 1e9, abs=2e-3)
+    assert all(r["old_gbps"] > 0 and r["new_gbps"] > 0 for r in report["rows"])
+    bad = tmp_path / "not.so"
+    bad.write_bytes(b"nothing")
+    with pytest.raises(SystemExit):
+        weight_builds.main([str(bad), str(new)])
 
 
 def test_attn_builds_cold_reads_past_the_last_level_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
