@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.kernels import invariant
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.model.activations import Params, activation_fn
 
 
@@ -22,5 +24,16 @@ def causal_conv(
     if state is None:
         state = x.new_zeros((k - 1, x.shape[1]))
     full = torch.cat([state.to(x.dtype), x], dim=0)  # [K-1+T, C]
-    y = F.conv1d(full.T[None], w[:, None, :], bias, groups=w.shape[0])[0].T  # [T, C]
-    return (activation_fn(activation, params)(y) if activation else y), full[full.shape[0] - (k - 1) :].clone()
+    if kops.deterministic():  # one fixed order per output (conv1d's vector body and tail sum in different orders,
+        t = x.shape[0]        # so a position's bits would depend on how the sequence was chunked)
+        y = full[0:t] * w[:, 0]
+        for j in range(1, k):
+            y = y + full[j : j + t] * w[:, j]
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.conv1d(full.T[None], w[:, None, :], bias, groups=w.shape[0])[0].T  # [T, C]
+    if activation:
+        fn = activation_fn(activation, params)
+        y = invariant.pointwise(fn, y) if kops.deterministic() else fn(y)
+    return y, full[full.shape[0] - (k - 1) :].clone()

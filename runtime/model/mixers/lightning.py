@@ -6,18 +6,18 @@ Legend: T tokens, H heads of Dh channels. The cache holds the state Σ_j decay^(
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.spec import RecurrentSpec
+from freetoken_agent.runtime.model.layers import dense_linear
 
 
 def lightning(
     x: torch.Tensor, w: dict[str, torch.Tensor], spec: RecurrentSpec, layer: int, cache: KVCache, eps: float
 ) -> torch.Tensor:
     t, h, dh = x.shape[0], spec.num_v_heads, spec.head_v_dim
-    qkv = activation_fn(spec.activation, params_in(w))(F.linear(x, w["qkv_proj.weight"])).view(t, h, 3 * dh)
+    qkv = activation_fn(spec.activation, params_in(w))(dense_linear(x, w["qkv_proj.weight"])).view(t, h, 3 * dh)
     q, k, v = qkv.float().split(dh, dim=-1)  # [T, H, Dh] each
     decay = torch.exp(-torch.tensor(spec.slopes, dtype=torch.float32, device=x.device))[:, None, None]  # [H, 1, 1]
     state = cache.get_state(layer)
@@ -29,5 +29,5 @@ def lightning(
     cache.set_state(layer, kv)
     o = out.reshape(t, h * dh)
     o = w["norm.weight"] * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + spec.norm_eps)).to(x.dtype)
-    o = torch.sigmoid(F.linear(x, w["output_gate.weight"])) * o
-    return F.linear(o, w["out_proj.weight"])
+    o = torch.sigmoid(dense_linear(x, w["output_gate.weight"])) * o
+    return dense_linear(o, w["out_proj.weight"])
