@@ -13,7 +13,7 @@ from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
-from freetoken_agent.runtime.model.layers import dense_linear, elementwise
+from freetoken_agent.runtime.model.layers import elementwise, mixer_linear
 
 Weights = dict[str, torch.Tensor]
 
@@ -54,16 +54,16 @@ def gated_deltanet(
     t = x.shape[0]
     hk, hv, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     if spec.layout == "grouped":
-        q, k, v, z, b, a = _split_grouped(spec, dense_linear(x, w["in_proj_qkvz.weight"]),
-                                          dense_linear(x, w["in_proj_ba.weight"]))
+        q, k, v, z, b, a = _split_grouped(spec, mixer_linear(x, w["in_proj_qkvz.weight"]),
+                                          mixer_linear(x, w["in_proj_ba.weight"]))
         mixed = torch.cat([q, k, v], dim=-1)
     elif spec.layout == "fused":
-        mixed, z, b, a = dense_linear(x, w["in_proj.weight"]).split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
+        mixed, z, b, a = mixer_linear(x, w["in_proj.weight"]).split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
     else:
-        mixed = dense_linear(x, w["in_proj_qkv.weight"])
-        z = dense_linear(x, w["in_proj_z.weight"]).view(t, hv, dv)
-        b, a = dense_linear(x, w["in_proj_b.weight"]), dense_linear(x, w["in_proj_a.weight"])
+        mixed = mixer_linear(x, w["in_proj_qkv.weight"])
+        z = mixer_linear(x, w["in_proj_z.weight"]).view(t, hv, dv)
+        b, a = mixer_linear(x, w["in_proj_b.weight"]), mixer_linear(x, w["in_proj_a.weight"])
     state = cache.get_state(layer)
     conv_state, rec_state = (None, None) if state is None else state
     mixed, conv_state = causal_conv(mixed, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation,
@@ -80,7 +80,7 @@ def gated_deltanet(
     out, rec_state = delta_rule(q, k, v.float(), g, beta, rec_state)
     cache.set_state(layer, conv_state, rec_state)
     out = gated_rms_norm(out, z, w["norm.weight"], eps, spec.gate_activation).to(x.dtype)
-    return dense_linear(out.reshape(t, hv * dv), w["out_proj.weight"])
+    return mixer_linear(out.reshape(t, hv * dv), w["out_proj.weight"])
 
 
 def gated_rms_norm(
@@ -102,7 +102,7 @@ def kimi_delta(
     convs, rec_state = ((None, None, None), None) if state is None else (state[:3], state[3])
     parts, new_convs = [], []
     for name, conv in zip("qkv", convs):
-        y, c = causal_conv(dense_linear(x, w[f"{name}_proj.weight"]), w[f"{name}_conv1d.weight"], None, conv,
+        y, c = causal_conv(mixer_linear(x, w[f"{name}_proj.weight"]), w[f"{name}_conv1d.weight"], None, conv,
                            spec.activation, params_in(w))
         parts.append(y.view(t, h, dk).float())
         new_convs.append(c)
@@ -113,7 +113,7 @@ def kimi_delta(
         g = spec.safe_gate_bound * torch.sigmoid(rate * f.view(t, h, dk))  # [T, H, Dk]
     else:
         g = -rate * F.softplus(f.view(t, h, dk))
-    beta = torch.sigmoid(dense_linear(x, w["b_proj.weight"]).float())
+    beta = torch.sigmoid(mixer_linear(x, w["b_proj.weight"]).float())
     q, k = _l2norm(q) * dk**-0.5, _l2norm(k)
     if rec_state is None:
         rec_state = torch.zeros(h, dk, dk, dtype=torch.float32, device=x.device)
@@ -121,10 +121,10 @@ def kimi_delta(
     cache.set_state(layer, *new_convs, rec_state)
     gate = _gate_proj(x, w, "g", spec).view(t, h, dk)
     out = gated_rms_norm(out, gate, w["o_norm.weight"], eps, act="sigmoid").to(x.dtype)
-    return dense_linear(out.reshape(t, h * dk), w["o_proj.weight"])
+    return mixer_linear(out.reshape(t, h * dk), w["o_proj.weight"])
 
 
 def _gate_proj(x: torch.Tensor, w: Weights, name: str, spec: RecurrentSpec) -> torch.Tensor:
     if spec.gate_lowrank:
-        return dense_linear(dense_linear(x, w[f"{name}_a_proj.weight"]), w[f"{name}_b_proj.weight"])
-    return dense_linear(x, w[f"{name}_proj.weight"])
+        return mixer_linear(mixer_linear(x, w[f"{name}_a_proj.weight"]), w[f"{name}_b_proj.weight"])
+    return mixer_linear(x, w[f"{name}_proj.weight"])

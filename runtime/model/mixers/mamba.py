@@ -13,7 +13,7 @@ from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
-from freetoken_agent.runtime.model.layers import dense_linear
+from freetoken_agent.runtime.model.layers import mixer_linear
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -27,15 +27,15 @@ def mamba(
     x: torch.Tensor, w: dict[str, torch.Tensor], spec: RecurrentSpec, layer: int, cache: KVCache, eps: float
 ) -> torch.Tensor:
     t, n, rank = x.shape[0], spec.head_k_dim, spec.num_k_heads
-    xs, gate = dense_linear(x, w["in_proj.weight"], w.get("in_proj.bias")).chunk(2, dim=-1)
+    xs, gate = mixer_linear(x, w["in_proj.weight"], w.get("in_proj.bias")).chunk(2, dim=-1)
     state = cache.get_state(layer)
     conv_state, ssm = (None, None) if state is None else state
     xs, conv_state = causal_conv(xs, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation,
                                   params_in(w))
-    dt, b, c = dense_linear(xs, w["x_proj.weight"]).split([rank, n, n], dim=-1)
+    dt, b, c = mixer_linear(xs, w["x_proj.weight"]).split([rank, n, n], dim=-1)
     dt = _rms(dt, w.get("dt_layernorm.weight"), eps)
     b, c = _rms(b, w.get("b_layernorm.weight"), eps).float(), _rms(c, w.get("c_layernorm.weight"), eps).float()
-    delta = F.softplus(dense_linear(dt, w["dt_proj.weight"]).float() + w["dt_proj.bias"].float())  # [T, I]
+    delta = F.softplus(mixer_linear(dt, w["dt_proj.weight"]).float() + w["dt_proj.bias"].float())  # [T, I]
     a = -torch.exp(w["A_log"].float())  # [I, N]
     xf = xs.float()
     if ssm is None:
@@ -46,4 +46,4 @@ def mamba(
         ys[i] = ssm @ c[i]
     cache.set_state(layer, conv_state, ssm)
     y = (ys + w["D"].float() * xf) * F.silu(gate.float())
-    return dense_linear(y.to(x.dtype), w["out_proj.weight"], w.get("out_proj.bias"))
+    return mixer_linear(y.to(x.dtype), w["out_proj.weight"], w.get("out_proj.bias"))

@@ -13,7 +13,7 @@ from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
-from freetoken_agent.runtime.model.layers import dense_linear
+from freetoken_agent.runtime.model.layers import mixer_linear
 
 
 def mamba2(
@@ -22,7 +22,7 @@ def mamba2(
     t = x.shape[0]
     h, p, g, n = spec.num_v_heads, spec.head_v_dim, spec.num_k_heads, spec.head_k_dim
     inner = h * p
-    z, xbc, dt = dense_linear(x, w["in_proj.weight"], w.get("in_proj.bias")).split([inner, inner + 2 * g * n, h], dim=-1)
+    z, xbc, dt = mixer_linear(x, w["in_proj.weight"], w.get("in_proj.bias")).split([inner, inner + 2 * g * n, h], dim=-1)
     state = cache.get_state(layer)
     conv_state, ssm = (None, None) if state is None else state
     xbc, conv_state = causal_conv(xbc, w["conv1d.weight"], w.get("conv1d.bias"), conv_state, spec.activation,
@@ -47,4 +47,4 @@ def mamba2(
     y = y.view(t, spec.norm_groups, -1)
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     y = (w["norm.weight"] * y.reshape(t, inner).to(x.dtype))
-    return dense_linear(y, w["out_proj.weight"], w.get("out_proj.bias"))
+    return mixer_linear(y, w["out_proj.weight"], w.get("out_proj.bias"))

@@ -14,7 +14,7 @@ from freetoken_agent.runtime.model.layers import attention_scores
 from freetoken_agent.runtime.model.moe import route
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, RouterSpec
-from freetoken_agent.runtime.model.layers import dense_linear
+from freetoken_agent.runtime.model.layers import mixer_linear
 
 _ROUTER = RouterSpec(scoring="none", topk_before_scoring=True)
 
@@ -38,7 +38,7 @@ def moa_attention(
     top_k = spec.num_heads // hkv
     ids, gates = route(x, _ROUTER, top_k, w["router.weight"])
     q = _per_slot(x, ids, w["input_linear.weight"]).view(t, top_k * hkv, dh)  # heads ordered (slot, head)
-    k, v = dense_linear(x, w["kv_proj.weight"]).view(t, 2, hkv, dh).unbind(1)
+    k, v = mixer_linear(x, w["kv_proj.weight"]).view(t, 2, hkv, dh).unbind(1)
     if rotary is not None:
         cos, sin = rotary.cos_sin(positions)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
