@@ -780,12 +780,11 @@ static void attn_item(void *p, int64_t item) {
     }
 }
 
-/* query tq's heads: merge its blocks in order, rescaling each by exp(its max - the max) */
-static void attn_merge_item(void *p, int64_t tq) {
-    const attn_ctx *c = (const attn_ctx *)p;
+/* query tq's heads [h0, h1): merge its blocks in order, rescaling each by exp(its max - the max) */
+static void attn_merge_heads(const attn_ctx *c, int64_t tq, int64_t h0, int64_t h1) {
     const int64_t g = c->h / c->hkv, dv = c->dv;
     const int64_t nb = (c->hi[tq] - c->lo[tq] + ATTN_BLOCK - 1) / ATTN_BLOCK;
-    for (int64_t hh = 0; hh < c->h; hh++) {
+    for (int64_t hh = h0; hh < h1; hh++) {
         const int64_t hk = hh / g, j = hh % g;
         const float *first = c->part + ((tq * c->hkv + hk) * c->blocks * g + j) * (2 + dv);
         const int64_t step = g * (2 + dv); /* from one block's row to the next */
@@ -805,6 +804,25 @@ static void attn_merge_item(void *p, int64_t tq) {
         for (int64_t d = 0; d < dv; d++) o[d] *= inv;
     }
 }
+
+static void attn_merge_item(void *p, int64_t tq) {
+    const attn_ctx *c = (const attn_ctx *)p;
+    attn_merge_heads(c, tq, 0, c->h);
+}
+
+/* Heads per item of a merge split over heads (a decode step's one query over a long range: the merge reads
+ * H x blocks x (2 + Dv) floats, ~0.5 MB at 8k keys, and ran on the calling thread while the others waited) */
+#define ATTN_MERGE_HEADS 4
+
+static void attn_merge_split_item(void *p, int64_t item) {
+    const attn_ctx *c = (const attn_ctx *)p;
+    const int64_t per = (c->h + ATTN_MERGE_HEADS - 1) / ATTN_MERGE_HEADS, tq = item / per;
+    const int64_t h0 = item % per * ATTN_MERGE_HEADS;
+    attn_merge_heads(c, tq, h0, h0 + ATTN_MERGE_HEADS < c->h ? h0 + ATTN_MERGE_HEADS : c->h);
+}
+
+/* Merge floats above which a round of fewer than 4 queries splits its merge over heads on the pool */
+#define ATTN_MERGE_SPLIT_FLOATS (32 << 10)
 
 #define ATTN_PART_BYTES (8 << 20) /* scratch per round of queries */
 
@@ -864,8 +882,12 @@ int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, 
             rc = -1;
             break;
         }
-        if (n >= 4) ft_parallel_for(attn_merge_item, &c, n);
-        else for (int64_t i = 0; i < n; i++) attn_merge_item(&c, i);
+        if (n >= 4)
+            ft_parallel_for(attn_merge_item, &c, n);
+        else if (c.h > ATTN_MERGE_HEADS && c.h * blocks * (2 + dv) >= ATTN_MERGE_SPLIT_FLOATS)
+            ft_parallel_for(attn_merge_split_item, &c, n * ((c.h + ATTN_MERGE_HEADS - 1) / ATTN_MERGE_HEADS));
+        else
+            for (int64_t i = 0; i < n; i++) attn_merge_item(&c, i);
     }
     free(part);
     free(qs);

@@ -72,10 +72,13 @@ def test_decode_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, is
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("dims", [(300, 16, 4, 128, 128), (129, 4, 1, 72, 40), (37, 8, 8, 63, 65)])
+@pytest.mark.parametrize("dims", [(300, 16, 4, 128, 128), (129, 4, 1, 72, 40), (37, 8, 8, 63, 65),
+                                  (2100, 16, 4, 128, 128), (6000, 6, 2, 24, 136)])
 def test_query_chunks_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, isas: list[str]) -> None:
     """``attn_queries`` (short prefill chunks, sliding windows): each query over its own key range, as the
-    reference, and bitwise as that query decoded alone over those keys."""
+    reference, and bitwise as that query decoded alone over those keys. The two long layouts make a query decoded
+    alone split its merge of blocks over heads on the pool (4 heads an item; 6 heads: a short last item), which
+    the chunk's queries merge one query an item."""
     s, h, hkv, dh, dv = dims
     _, _, k16, v16 = _paged(s, hkv, dh, dv, dtype, seed=s)
     t = 9  # more than ATTN_QUERIES_PER_ITEM: two query groups
