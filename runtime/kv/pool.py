@@ -16,9 +16,12 @@ Legend: P pages in the pool, S positions of a sequence.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from freetoken_agent.runtime.errors import FreeTokenError, OptionError
+from freetoken_agent.runtime.kernels import hugepages
 from freetoken_agent.runtime.memory import release_pages
 
 KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -264,10 +267,20 @@ class PagePool:
             # Normal (not inference-mode) tensors: pages are written both inside the decoder's inference mode and
             # outside it (tier moves), which inference tensors would forbid.
             with torch.inference_mode(False):
-                store = [torch.empty((self.num_pages, self.page_size, *p.shape[1:]), dtype=self.storage_dtype(p.dtype),
-                                     device=self.device) for p in parts]
+                store = [self._storage((self.num_pages, self.page_size, *p.shape[1:]), self.storage_dtype(p.dtype))
+                         for p in parts]
             self.data[layer] = store
         return store
+
+    def _storage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One part's storage. On the CPU, a part of 2 MiB or more lies in 2 MiB pages (``kernels/hugepages.py``):
+        decode attention reads a long context's rows at a stride of every kv head, 4 KiB pages gave a TLB miss every
+        few rows (an 8,192-key fp16 decode over 16/4 heads x 128, 2 threads: 1.04-1.21x faster from 2 MiB pages,
+        ``evals/perf/RESULTS.md``). Pages stay untouched, so unused until written, as ``torch.empty``'s."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.device.type == "cpu" and nbytes >= hugepages.HUGE:
+            return hugepages.empty(nbytes).view(dtype).view(shape)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """How a part written as ``dtype`` is stored."""

@@ -78,3 +78,27 @@ def test_doctor_line_says_whether_weights_get_huge_pages(monkeypatch: pytest.Mon
     assert hugepages.describe().startswith(("off", "not on"))
     monkeypatch.delenv("FREETOKEN_HUGEPAGES")
     assert hugepages.describe()  # the mode this kernel reports
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16, torch.float8_e4m3fn], ids=["as-written", "fp16", "fp8"])
+def test_kv_pool_parts_of_2mib_or_more_lie_in_huge_pages(kv_dtype: torch.dtype | None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU pool's part of >= 2 MiB starts on a 2 MiB boundary (decode attention streams it row by row: 4 KiB pages
+    cost a TLB miss every few rows), a smaller one is ordinary memory; writes read back either way, and with
+    ``FREETOKEN_HUGEPAGES=0`` every part is ordinary memory."""
+    from freetoken_agent.runtime.kv.pool import PagePool
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(40, 4, 128, generator=g), torch.randn(40, 4, 64, generator=g)
+    for setting in ("1", "0"):
+        monkeypatch.setenv("FREETOKEN_HUGEPAGES", setting)
+        big, small = PagePool(1, 512, 16, kv_dtype=kv_dtype), PagePool(1, 2, 16, kv_dtype=kv_dtype)
+        for pool in (big, small):
+            pool.write(0, [1, 0, 2] if pool is big else [1, 0, 1], 0, (k[:32], v[:32]))
+            got_k, got_v = pool.gather(0, [1, 0, 2] if pool is big else [1, 0, 1], 32)
+            want = kv_dtype or torch.float32
+            assert got_k.dtype == want and torch.equal(got_k, k[:32].to(want)) and torch.equal(got_v, v[:32].to(want))
+        key_part = big.data[0][0]
+        assert key_part.shape == (512, 16, 4, 128) and key_part.is_contiguous()
+        if setting == "1" and hugepages.enabled():
+            assert key_part.data_ptr() % hugepages.HUGE == 0
