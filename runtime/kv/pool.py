@@ -275,8 +275,9 @@ class PagePool:
     def _storage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """One part's storage. On the CPU, a part of 2 MiB or more lies in 2 MiB pages (``kernels/hugepages.py``):
         decode attention reads a long context's rows at a stride of every kv head, 4 KiB pages gave a TLB miss every
-        few rows (an 8,192-key fp16 decode over 16/4 heads x 128, 2 threads: 1.04-1.21x faster from 2 MiB pages,
-        ``evals/perf/RESULTS.md``). Pages stay untouched, so unused until written, as ``torch.empty``'s."""
+        few rows (the decode kernel over 8,192 fp16 keys of 16/4 heads x 128, 2 threads: 1.04-1.21x faster from 2 MiB
+        pages; a whole model's decode there: within the machine's noise, ``evals/perf/RESULTS.md``). Untouched memory
+        still costs nothing; written memory is committed 2 MiB at a time instead of 4 KiB."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if self.device.type == "cpu" and nbytes >= hugepages.HUGE:
             return hugepages.empty(nbytes).view(dtype).view(shape)
