@@ -278,7 +278,7 @@ class PagePool:
         few rows (the decode kernel over 8,192 fp16 keys of 16/4 heads x 128, 2 threads: 1.04-1.21x faster from 2 MiB
         pages; a whole model's decode there: within the machine's noise, ``evals/perf/RESULTS.md``). Untouched memory
         still costs nothing; written memory is committed 2 MiB at a time instead of 4 KiB."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.device.type == "cpu" and nbytes >= hugepages.HUGE:
             return hugepages.empty(nbytes).view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, device=self.device)
