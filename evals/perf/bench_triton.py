@@ -1,4 +1,5 @@
-"""GPU check for the Triton kernels: dequant-GEMM (q4/q8) vs fp16 ``torch.mm``, and the grouped MoE step.
+"""GPU check for the Triton kernels: dequant-GEMM (q4/q8) vs fp16 ``torch.mm``, the grouped MoE step, and paged
+decode attention.
 
     python -m freetoken_agent.evals.perf.bench_triton            # on a CUDA machine: correctness + timings
     python -m freetoken_agent.evals.perf.bench_triton --interpret  # CPU smoke run under TRITON_INTERPRET=1, tiny shapes
@@ -93,6 +94,30 @@ def cases(device: str, interpret: bool) -> Iterator[Case]:
             yield Case("triton-grouped-moe", fmt, f"E{e} top{top_k} D{d} I{i}", t_tokens,
                        lambda x=x, ids=ids, wts=wts, w13=w13, w2=w2: moe_forward(x, w13, w2, ids, wts),
                        lambda x=x, ids=ids, wts=wts, w13=w13, w2=w2: reference_moe_forward(x, w13, w2, ids, wts))
+    yield from _paged_attention_cases(device, interpret)
+
+
+def _paged_attention_cases(device: str, interpret: bool) -> Iterator[Case]:
+    """The paged decode attention kernel over scattered pages (fp32 and fp16 pools; sinks and a sliding window on
+    the second case of each)."""
+    from freetoken_agent.runtime.kv.triton import paged_attention_decode, reference_paged_attention
+
+    b, h, hkv, d, page, lens = (2, 4, 2, 16, 4, [5, 11]) if interpret else (8, 32, 4, 128, 16, [4096, 1000, 1, 333] * 2)
+    max_pages = max(-(-n // page) for n in lens)
+    pool_pages = b * max_pages + 3
+    table = torch.randperm(pool_pages)[: b * max_pages].view(b, max_pages).int().to(device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(b, h, d, device=device)
+    for kv in (torch.float32, torch.float16):
+        k_pool = torch.randn(pool_pages, page, hkv, d).to(device, kv)
+        v_pool = torch.randn(pool_pages, page, hkv, d).to(device, kv)
+        for sinks, window in ((None, 0), (torch.randn(h, device=device), 3 if interpret else 512)):
+            name = f"H{h}/{hkv} D{d} page{page}" + (f" sinks window{window}" if window else "")
+            yield Case("triton-paged-attention", "fp32" if kv == torch.float32 else "fp16", name, b,
+                       lambda k_pool=k_pool, v_pool=v_pool, sinks=sinks, window=window: paged_attention_decode(
+                           q, k_pool, v_pool, table, lens_t, d**-0.5, sinks, window),
+                       lambda k_pool=k_pool, v_pool=v_pool, sinks=sinks, window=window: reference_paged_attention(
+                           q, k_pool, v_pool, table, lens_t, d**-0.5, sinks, window))
 
 
 def check(interpret: bool) -> list[dict[str, Any]]:

@@ -7,13 +7,16 @@
 
 Nothing is downloaded: every model is random weights built in place. Sections, in this order:
 
-- ``triton``: each Triton kernel (``bench_triton.cases``: dequant GEMM q4/q8, grouped MoE) against its plain-torch
-  reference; on ``--dry-run`` under ``TRITON_INTERPRET=1`` at tiny shapes.
+- ``triton``: each Triton kernel (``bench_triton.cases``: dequant GEMM q4/q8, grouped MoE, paged decode attention)
+  against its plain-torch reference; on ``--dry-run`` under ``TRITON_INTERPRET=1`` at tiny shapes.
 - ``engine``: a synthetic MoE (fp32 weights, fp32 expert blobs in an expert cache file) generated greedily twice from
   the same prompt: the reference is the plain CPU engine (every expert a ``TorchExperts`` matmul); the candidate is the
   engine on CUDA with the GPU expert cache (device slot pool, planner ``fetch``: every cold expert is copied to a
   device slot and computed there), TF32 off. On ``--dry-run`` the candidate is the CPU engine with the simulated device
   tier (``ResidencyConfig(simulate_device=True)``).
+- ``plain`` (CUDA only): the ``engine`` section's model with every weight on the GPU (experts as ``TorchExperts``
+  there, no expert cache), fp32 and bf16: greedy tokens against that section's CPU reference, decode tok/s, and the
+  host syncs per decode token.
 - ``bandwidth``: host → device copies (pinned and pageable), device memory (device-to-device copy) and host memory.
 - ``planner``: the execution planner's makespan estimate against the measured time of the same MoE layer steps of
   the ``engine`` candidate's timed generation.
@@ -42,6 +45,10 @@ and ``{"status": "failed", "error": ..., "traceback": ...}`` when it raised (the
   ``tokens``, ``decode_tok_s`` and ``prefill_s`` (each ``{"reference": ..., "candidate": ...}``), ``expert_bytes``
   (one expert blob), ``device_slots``, ``planner_paths`` (``resident``/``fetch``/``host`` decisions),
   ``device_hit_rate``, ``host_hit_rate``, ``stall_s``.
+- ``plain``: ``status`` (``skipped`` on ``--dry-run``), ``reference``, ``float32`` and ``bfloat16`` (each
+  ``decode_tok_s``, ``prefill_s``, ``agreement``: the fraction of generated tokens equal to the reference's,
+  ``first_mismatch``), ``tokens_match`` (fp32 tokens identical; a mismatch fails the check), ``host_syncs_per_token``
+  (ops that waited for the GPU in a 16-token prompt + 8 generated tokens, per generated token).
 - ``bandwidth``: ``status``, ``h2d_pinned_gbps``, ``h2d_pageable_gbps`` (host → device, bytes copied / s),
   ``device_memory_gbps`` (device-to-device copy, read + write bytes / s), ``host_copy_gbps`` (CPU tensor copy, read +
   write bytes / s), ``h2d_bytes``, ``device_bytes``, ``host_bytes`` (size of one copy), ``skipped``.
@@ -85,7 +92,7 @@ from freetoken_agent.evals.perf.harness import BenchError, module_main, row
 from freetoken_agent.evals.perf.timing import DecodeTiming, repeat
 
 BUDGET_S = 480
-SECTIONS = ("triton", "engine", "bandwidth")
+SECTIONS = ("triton", "engine", "plain", "bandwidth")
 """Sections ``--skip`` can leave out (``planner`` reads ``engine``'s run; ``memory`` spans the whole run)."""
 
 QWEN3_30B_A3B: dict[str, Any] = dict(
@@ -373,6 +380,50 @@ def engine_section(cuda: bool, args: argparse.Namespace, workdir: Path) -> dict[
     }
 
 
+def plain_section(cuda: bool, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+    """The engine with every weight on the GPU (experts as ``TorchExperts`` there, no expert cache) on the ``engine``
+    section's model and prompt: fp32 greedy tokens against that section's CPU reference, decode tok/s in fp32 and
+    bf16, and the host syncs a decode token costs (CUDA's sync debug mode counts every op that waits for the GPU)."""
+    if not cuda:
+        return {"status": "skipped", "reason": "no CUDA device: the plain engine on the CPU is the engine section's "
+                "reference"}
+    import warnings
+
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.model.adapters import spec_from_config
+    from freetoken_agent.runtime.model.decoder import Decoder
+
+    spec = spec_from_config(dict(ENGINE_MODEL))
+    prompt = torch.randint(0, spec.vocab_size, (args.engine_prompt,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = engine.get("reference_tokens")
+    out: dict[str, Any] = {"status": "ran", "reference": "the engine section's CPU engine (fp32, same weights)"}
+    for dtype in (torch.float32, torch.bfloat16):
+        eng = Engine(spec, Decoder(spec, random_weights(spec, "cuda", dtype, experts=True), "cuda"), None, None)
+        got, rate = _generate(eng, prompt, args.engine_tokens)
+        row: dict[str, Any] = {"decode_tok_s": _round(rate), "prefill_s": round(got.prefill_s, 4)}
+        if reference is not None:
+            same = [a == b for a, b in zip(reference, got.token_ids)]
+            row["agreement"] = round(sum(same) / max(len(reference), 1), 3)
+            row["first_mismatch"] = next((i for i, ok in enumerate(same) if not ok), None)
+        if dtype == torch.float32:
+            new = 8
+            with warnings.catch_warnings(record=True) as caught:  # record=True: the engine thread's warnings too
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    eng.generate(prompt[:16], max_new_tokens=new)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            out["host_syncs_per_token"] = round(syncs / new, 2)  # prefill's share included
+        eng.close()
+        out["float32" if dtype == torch.float32 else "bfloat16"] = row
+        _say(f"plain: {dtype} {rate} tok/s")
+    f32 = out["float32"]
+    out["tokens_match"] = None if reference is None else f32["first_mismatch"] is None
+    return out
+
+
 GPU_DIFFERENCES = (
     "same fp32 weights and the same ops; the GPU runs cuBLAS GEMMs (TF32 off) and CUDA attention and elementwise "
     "kernels, whose sums are reduced in another order than the CPU's, so activations differ by rounding (~1e-6 "
@@ -595,8 +646,9 @@ def _passed(report: dict[str, Any]) -> bool:
     sections = [v for v in report.values() if isinstance(v, dict) and "status" in v]
     if any(s["status"] == "failed" for s in sections):
         return False
-    tri, eng, res = report["triton"], report["engine"], report["residency"]
+    tri, eng, res, plain = report["triton"], report["engine"], report["residency"], report["plain"]
     return ((tri["status"] != "ran" or tri["passed"]) and (eng["status"] != "ran" or eng["tokens_match"])
+            and (plain["status"] != "ran" or plain["tokens_match"] is not False)
             and (res["status"] != "ran" or not res["over_budget"]))
 
 
@@ -605,6 +657,7 @@ def _headline(r: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"passed": r["passed"], "triton_passed": r["triton"].get("passed"),
                            "tokens_match": eng.get("tokens_match"),
                            "decode_tok_s": (eng.get("decode_tok_s") or {}).get("candidate"),
+                           "plain_fp32_tok_s": (r["plain"].get("float32") or {}).get("decode_tok_s"),
                            "h2d_pinned_gbps": bw.get("h2d_pinned_gbps"),
                            "device_memory_gbps": bw.get("device_memory_gbps"),
                            "nvml_peak_used_bytes": mem.get("nvml_peak_used_bytes"),
@@ -652,6 +705,7 @@ def gpu_check_row(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             report["triton"] = section("triton", lambda: triton_section(cuda))
             engine = section("engine", lambda: engine_section(cuda, args, Path(tmp)))
+            report["plain"] = section("plain", lambda: plain_section(cuda, args, engine))
             report["bandwidth"] = section("bandwidth", lambda: bandwidth_section(cuda))
             report["planner"] = planner_section(engine, report["bandwidth"], cuda, rates_source)
             report["engine"] = {k: v for k, v in engine.items() if not k.startswith("_")}

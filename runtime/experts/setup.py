@@ -123,6 +123,7 @@ class Managed:
         assert moe is not None and mw is not None
 
         def predict(x: torch.Tensor) -> list[int]:
+            x = x.to(mw.router["weight"].device)  # a GPU model's host experts are handed the activations on the CPU
             ids, _ = route(x, moe.router, moe.top_k, mw.router["weight"], mw.router.get("bias"), mw.correction)
             return ids.unique().tolist()
 

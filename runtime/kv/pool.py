@@ -17,6 +17,8 @@ Legend: P pages in the pool, S positions of a sequence.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -187,6 +189,8 @@ class PagePool:
         self._free = FreePages(num_pages, list(range(active - 1, -1, -1)))
         self._dormant = list(range(num_pages - 1, active - 1, -1))
         """Page ids out of circulation (never activated, or retired)."""
+        self._index_memo: dict[tuple[Any, ...], Any] = {}
+        """Index tensors on the pool's device by what they index (``_indices``)."""
 
     # ------------------------------------------------------------------------------------------------ accounting
 
@@ -291,21 +295,39 @@ class PagePool:
         """Write ``parts`` (each [n, ...]) at sequence positions ``start..start+n`` of the page table ``pages``."""
         store = self._layer(layer, parts)
         n, ps = parts[0].shape[0], self.page_size
-        pos = torch.arange(start, start + n)
-        page_idx = torch.tensor(pages, dtype=torch.long)[pos // ps]
-        offset = pos % ps
+        first = start // ps
+        run, skip = tuple(pages[first : (start + n - 1) // ps + 1]), start - first * ps
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            pos = torch.arange(skip, skip + n)
+            return (torch.tensor(run, dtype=torch.long)[pos // ps].to(self.device), (pos % ps).to(self.device))
+
+        page_idx, offset = self._indices(("write", run, skip, n), make)
         for buf, p in zip(store, parts):
             top = SATURATE.get(buf.dtype)
             if top is not None and p.dtype != buf.dtype:
                 p = p.clamp(-top, top)
-            buf[page_idx.to(buf.device), offset.to(buf.device)] = p.to(device=buf.device, dtype=buf.dtype)
+            buf[page_idx, offset] = p.to(device=buf.device, dtype=buf.dtype)
 
     def gather(self, layer: int, pages: list[int], length: int) -> list[torch.Tensor]:
         """The first ``length`` positions of a page table, as contiguous tensors [S, ...]."""
         store = self.data[layer]
         assert store is not None, f"layer {layer} has never been written"
-        idx = torch.tensor(pages[: -(-length // self.page_size)], dtype=torch.long, device=self.device)
+        run = tuple(pages[: -(-length // self.page_size)])
+        idx = self._indices(("gather", run), lambda: torch.tensor(run, dtype=torch.long, device=self.device))
         return [buf[idx].reshape(-1, *buf.shape[2:])[:length] for buf in store]
+
+    def _indices(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """``make()``'s index tensors for ``key``, made once: every layer of a step writes and gathers the same
+        positions, and on an accelerator each index made from host values is a host-to-device copy that waits for
+        the device (one per step instead of one per layer and call). Values depend on the key alone; at most 256 are
+        kept."""
+        got = self._index_memo.get(key)
+        if got is None:
+            if len(self._index_memo) >= 256:
+                self._index_memo.clear()
+            got = self._index_memo[key] = make()
+        return got
 
     def view(self, layer: int, first: int, length: int) -> list[torch.Tensor]:
         """``gather`` for a page table that is the run ``first, first + 1, ...``: views into the pool, no copy."""

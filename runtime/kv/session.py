@@ -141,8 +141,9 @@ class KVManager:
         if paid <= 0:
             ledger = e.reservation.budget
             need = e.grow_pages * e.bytes_per_page
-            if ledger.limit is None:  # an unlimited tier: grow, no expert pays (under a limit the expert pool
-                # holds what the KV does not, and pays for every KV page)
+            if ledger.limit is None or ledger.free >= need:  # room in the tier (unlimited, or no expert pool on
+                # it: a GPU engine whose experts stay on the host): grow, no expert pays. Where an expert pool shares
+                # the tier it holds what the KV does not, and pays for every KV page
                 e.reservation.grow(need)
                 e.grown_bytes += need
             elif "experts" in ledger.reservations:

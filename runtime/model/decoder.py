@@ -135,7 +135,7 @@ class Decoder:
             rotary.prime([s.positions for s in segments], floors, self._batch_positions)
         flat = token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
         self._token_ids = flat.to(self.device)  # [T]: hash-routed MoE layers choose experts by token id
-        h = F.embedding(flat.to(self.device), w.embed)
+        h = F.embedding(self._token_ids, w.embed)
         if w.embed_norm is not None:
             h = rms_norm(h, w.embed_norm, spec.norm_eps)
         if "embed_scale" in w.extras:  # ZAYA: a per-channel affine map of the embeddings

@@ -223,8 +223,8 @@ def _attention_16(
     a decode step without the kernels widens it block by block; anything else widens it once."""
     t, s = q.shape[0], v.shape[0]
     plain = keep is None and key_bias is None and spec.sliding_window is None and spec.chunk_size is None
-    if plain and t == 1 and int(q_pos[0]) >= s - 1:
-        return _one_query_attention(q, k, v, spec.scale, sinks)
+    if plain and t == 1 and (q.device.type != "cpu" or int(q_pos[0]) >= s - 1):
+        return _one_query_attention(q, k, v, spec.scale, sinks, _unread(q, q_pos))
     # a bf16 cache on AMX tiles (opt-in): every chunk in the one C call, faster than widening the cache for torch's
     # fused attention (512-query chunks over 2-8k keys: 29-131 vs 71-167 ms) and each query's bits its own
     amx = kops.fast() is not None and kops.attn_uses_amx(k.dtype, k.shape[2], v.shape[2])
@@ -310,8 +310,9 @@ def _attention(
     s, hkv, dv = v.shape
     g = h // hkv
     plain = keep is None and key_bias is None and spec.sliding_window is None and spec.chunk_size is None
-    if plain and t == 1 and int(q_pos[0]) >= s - 1:  # a decode step that sees every cached key: no mask to build
-        return _one_query_attention(q, k, v, spec.scale, sinks)
+    if plain and t == 1 and (q.device.type != "cpu" or int(q_pos[0]) >= s - 1):  # a decode step: no mask to
+        # build where it sees every cached key (on an accelerator, keys past it masked without reading it back)
+        return _one_query_attention(q, k, v, spec.scale, sinks, _unread(q, q_pos))
     short = _short_row_attention(q, k, v, q_pos, spec, sinks, keep, key_bias, SHORT_ROW_TOKENS)
     if short is not None:
         return short
@@ -407,20 +408,30 @@ def _causal_attention(
     return out.reshape(t, h * dv)
 
 
+def _unread(q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor | None:
+    """A lone query's position, for ``_one_query_attention`` to mask later keys with, where it was not read back to
+    the host: on an accelerator reading it waits for every op queued before (a sync per layer of a decode step)."""
+    return None if q.device.type == "cpu" else q_pos
+
+
 def _one_query_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+    q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [1, H, Dh] over every key of k [S, Hkv, Dh], v [S, Hkv, Dv] → [1, H*Dv]. Where the kernels are loaded an
-    fp32 cache, or a 16-bit one under fp32 queries, goes through their split-over-keys kernel on the pool
-    (``ft_attn.h``): torch runs both matmuls on one thread through a permuted copy of K. Without them a 16-bit cache
-    is widened one block of keys at a time (``_blocked_one_query``)."""
+    """q [1, H, Dh] over every key of k [S, Hkv, Dh], v [S, Hkv, Dv] → [1, H*Dv]; with ``q_pos`` ([1], on q's
+    device) over the keys up to it (the rest masked). Where the kernels are loaded an fp32 cache, or a 16-bit one
+    under fp32 queries, goes through their split-over-keys kernel on the pool (``ft_attn.h``): torch runs both matmuls
+    on one thread through a permuted copy of K. Without them a 16-bit cache is widened one block of keys at a time
+    (``_blocked_one_query``)."""
     h, dh = q.shape[1:]
     s, hkv, dv = v.shape
-    if q.dtype == torch.float32 and _kernel_layout(k, v) and kops.fast() is not None:
+    if q_pos is None and q.dtype == torch.float32 and _kernel_layout(k, v) and kops.fast() is not None:
         return kops.attn_decode(q.reshape(h, dh).contiguous(), k, v, scale, sinks).view(1, h * dv)
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        return _blocked_one_query(q, k, v, scale, sinks)
+        return _blocked_one_query(q, k, v, scale, sinks, q_pos)
     scores = torch.matmul(q.view(hkv, h // hkv, dh), k.permute(1, 2, 0)).view(h, s) * scale  # [H, S]
+    if q_pos is not None:
+        scores = scores.masked_fill(torch.arange(s, device=q.device) > q_pos, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     else:
@@ -435,7 +446,8 @@ WIDEN_BLOCK = 1024
 
 
 def _blocked_one_query(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+    q_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``_one_query_attention`` over a cache in another dtype than q (a 16-bit KV pool without the C kernels): each
     block of ``WIDEN_BLOCK`` keys and values is widened to fp32 and folded into a running max, exp-sum and
@@ -450,6 +462,8 @@ def _blocked_one_query(
     for a in range(0, s, WIDEN_BLOCK):
         kb, vb = k[a : a + WIDEN_BLOCK].float(), v[a : a + WIDEN_BLOCK].float()
         scores = torch.matmul(qg, kb.permute(1, 2, 0)) * scale  # [Hkv, G, b]
+        if q_pos is not None:  # keys past the query masked (block 0 holds key 0: the running max stays finite)
+            scores = scores.masked_fill(torch.arange(a, a + kb.shape[0], device=q.device) > q_pos, float("-inf"))
         top = torch.maximum(m, scores.amax(-1, keepdim=True))
         fade, p = torch.exp(m - top), torch.exp(scores - top)
         den = den * fade + p.sum(-1, keepdim=True)

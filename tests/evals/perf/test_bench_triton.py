@@ -16,5 +16,5 @@ def test_bench_triton_interpret_smoke() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert {r["kernel"] for r in rows} == {"triton-dequant-gemm", "triton-grouped-moe"}
+    assert {r["kernel"] for r in rows} == {"triton-dequant-gemm", "triton-grouped-moe", "triton-paged-attention"}
     assert all(r["rel_err"] < 3e-3 and r["seconds"] > 0 for r in rows)

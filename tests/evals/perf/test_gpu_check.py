@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from freetoken_agent.evals.perf import gpu_check
 
-TOP = {"mode", "passed", "wall_s", "budget_s", "within_budget", "device", "triton", "engine", "bandwidth", "memory",
-       "planner", "residency"}
+TOP = {"mode", "passed", "wall_s", "budget_s", "within_budget", "device", "triton", "engine", "plain", "bandwidth",
+       "memory", "planner", "residency"}
 ENGINE = {"status", "model", "expert_format", "reference", "candidate", "tf32", "differences", "prompt_tokens",
           "new_tokens", "tokens_match", "first_mismatch", "reference_tokens", "tokens", "decode_tok_s", "prefill_s",
           "expert_bytes", "device_slots", "planner_paths", "device_hit_rate", "host_hit_rate", "stall_s"}
@@ -42,7 +42,8 @@ def test_dry_run_prints_one_json_report(tmp_path: Path) -> None:
     tri = r["triton"]
     if tri["status"] == "ran":  # triton installed: the interpreter checked every kernel
         assert tri["interpret"] is True and tri["passed"] is True
-        assert {k["kernel"] for k in tri["kernels"]} == {"triton-dequant-gemm", "triton-grouped-moe"}
+        assert {k["kernel"] for k in tri["kernels"]} == {"triton-dequant-gemm", "triton-grouped-moe",
+                                                         "triton-paged-attention"}
         assert all(k["max_abs_err"] >= 0 and k["rel_err"] <= tri["rel_tol"] for k in tri["kernels"])
     else:
         assert tri["status"] == "skipped" and tri["reason"]
@@ -62,6 +63,7 @@ def test_dry_run_prints_one_json_report(tmp_path: Path) -> None:
     assert steps % n_moe == 0 and n_moe * (eng["new_tokens"] - 2) <= steps < n_moe * eng["new_tokens"]
 
     assert r["residency"] == {"status": "skipped", "reason": "pass --residency to run it"}
+    assert r["plain"]["status"] == "skipped" and "CUDA" in r["plain"]["reason"]
 
 
 def test_residency_section_on_the_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -195,3 +195,34 @@ def test_every_fp8_code_widens_exactly_and_writes_round_as_torch_casts(isas: lis
         assert got.float()[nan].isnan().all(), dtype  # a NaN stays a NaN (torch's bf16 NaN bits vary by path)
     with pytest.raises(FreeTokenError, match="kv_store"):
         ops.kv_store(x, torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["fp32", *IDS])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("pos", [5, layers.WIDEN_BLOCK + 3, layers.WIDEN_BLOCK * 2 + 36])
+def test_a_lone_query_masks_later_keys_without_reading_its_position(dtype: torch.dtype, with_sinks: bool,
+                                                                   pos: int) -> None:
+    """The accelerator's decode step: the query's position stays a device tensor and keys past it are masked there
+    (no read back to the host, i.e. no sync per layer), in one softmax and in the block-by-block 16-bit fallback
+    (a position in block 0 masks the whole of blocks 1 and 2)."""
+    s, h, hkv, dh, dv = layers.WIDEN_BLOCK * 2 + 37, 8, 2, 32, 24
+    _, _, k16, v16 = _paged(s, hkv, dh, dv, dtype if dtype != torch.float32 else torch.float16, seed=3)
+    k, v = (k16, v16) if dtype != torch.float32 else (k16.float(), v16.float())
+    q = torch.randn(1, h, dh)
+    sinks = torch.randn(h) * 3 if with_sinks else None
+    got = layers._one_query_attention(q, k, v, 0.3, sinks, torch.tensor([pos]))
+    ref = _reference(q[0], k.float(), v.float(), 0, pos + 1, 0.3, sinks).reshape(1, -1)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_an_accelerator_decode_step_takes_the_masked_path() -> None:
+    """On a non-CPU device ``attention_scores`` of one query never reads its position back: on the meta device (no
+    data at all) it runs, where reading the position would raise."""
+    spec = AttentionSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16, scale=0.25, rope=None)
+    q, k, v = torch.randn(1, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    for kv in (torch.float32, torch.float16):
+        out = layers.attention_scores(q.to("meta"), k.to("meta", kv), v.to("meta", kv), torch.tensor([8]).to("meta"),
+                                      spec, None)
+        assert out.shape == (1, 64)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        int(torch.tensor([8]).to("meta")[0])

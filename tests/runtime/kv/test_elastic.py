@@ -75,3 +75,23 @@ def test_an_unlimited_budget_never_caps_the_kv_pool(tmp_path: Path, monkeypatch:
     assert manager.pool.active * manager.elastic.bytes_per_page > experts_before  # more KV than the experts held
     assert ledger.reservations["experts"].nbytes == experts_before  # and none of it taken from them
     engine.close()
+
+
+def test_a_limited_tier_without_an_expert_pool_lends_its_free_bytes() -> None:
+    """A GPU engine whose experts stay on the host (``--cpu-moe``) has a device limit but no expert pool there: the
+    KV pool grows from the tier's free bytes up to the limit (it stopped at 0 pages: "KV pool is full" on the first
+    prompt) and is refused only past the limit."""
+    from freetoken_agent.runtime.kv.pool import OutOfPages
+    from freetoken_agent.runtime.kv.session import ElasticKV, KVManager
+    from freetoken_agent.runtime.memory import MemoryBudget
+
+    per_page = 4 * 2 * 2 * 8 * 4  # page of 4 positions x (K + V) x 2 heads x 8 dims x fp32, per layer
+    ledger = MemoryBudget("device", limit=1000 + 40 * per_page * 2)  # two layers
+    ledger.reserve("dense", 1000)
+    manager = KVManager(2, KVConfig(page_size=4, device_pages=1), "cpu", ElasticKV(ledger.reserve("kv"), 2 * per_page))
+    pages = []
+    with pytest.raises(OutOfPages):
+        for _ in range(100):
+            pages.append(manager.alloc())
+    assert len(pages) == 32  # grown 16 pages at a time while a whole step fit under the limit
+    assert ledger.used <= ledger.limit and manager.elastic.grown_bytes == 32 * 2 * per_page

@@ -1,13 +1,16 @@
-"""The Triton paged decode attention kernel against its plain-torch reference, under TRITON_INTERPRET=1."""
+"""The Triton paged decode attention kernel against its plain-torch reference, under TRITON_INTERPRET=1 on the CPU
+(compiled on a CUDA machine)."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
+import torch
+
+if not torch.cuda.is_available():  # a CUDA machine runs the compiled kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 
 import pytest
-import torch
 
 from freetoken_agent.runtime.kv.triton import paged_attention_decode, reference_paged_attention
 from freetoken_agent.runtime.model.layers import attention_scores
@@ -51,11 +54,11 @@ def test_reference_equals_decoder_attention() -> None:
     q, k_pool, v_pool, table, lens_t = _case(1, 4, 2, 16, 16, 4, [11], seed=3)
     spec = AttentionSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16, scale=0.25, rope=None,
                          sliding_window=6, sinks=True)
-    sinks = torch.randn(4)
+    sinks = torch.randn(4).to(DEVICE)
     pages = table[0, :3].long()
     k = k_pool[pages].reshape(-1, 2, 16)[:11]
     v = v_pool[pages].reshape(-1, 2, 16)[:11]
-    ours = attention_scores(q[0][None], k, v, torch.tensor([10]), spec, sinks).view(4, 16)
+    ours = attention_scores(q[0][None], k, v, torch.tensor([10], device=q.device), spec, sinks).view(4, 16)
     ref = reference_paged_attention(q, k_pool, v_pool, table, lens_t, 0.25, sinks, 6)[0]
     assert (ours - ref).abs().max().item() <= 1e-5
 
