@@ -8,7 +8,8 @@ Model, per expert of ``B`` bytes and ``n`` routed tokens:
 - host compute: ``B / host_gbps(n)``, where ``host_gbps`` interpolates the measured M=1 and M=16 kernel rates
   (decode streams the weights once; more tokens cost more arithmetic per byte);
 - fetch: ``B / copy_gbps`` (+ a queue of copies already planned this step) then device compute;
-- device compute: ``device_s_per_token * n + device_s_fixed``;
+- device compute: ``device_s_per_token * n + device_s_fixed`` (learned from timed device parts of steps whose experts
+  were all resident: no copy in the time);
 - a cold expert also pays ``B / disk_gbps`` on either path (it must reach host memory first).
 """
 
@@ -72,3 +73,17 @@ class CostModel:
     def observe_disk(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:
             self._ema("disk_gbps", nbytes / seconds / 1e9)
+
+    def observe_device(self, experts: int, tokens: int, seconds: float) -> None:
+        """A timed device part of a step: ``experts`` resident experts computed on ``tokens`` routed tokens in all in
+        ``seconds`` (launches and kernels; no copies). Decode-sized calls (<= 4 tokens an expert) update the fixed
+        term, larger ones the per-token term: on a GPU driven op by op the fixed term is most of a decode step (an
+        H200 took ~16x the built-in 20 us per expert), and a planner that believes 20 us sends to the device what
+        the host would finish first."""
+        if experts <= 0 or seconds <= 0:
+            return
+        per, n = seconds / experts, tokens / experts
+        if n <= 4:
+            self._ema("device_s_fixed", max(per - self.rates.device_s_per_token * n, 0.0))
+        else:
+            self._ema("device_s_per_token", max((per - self.rates.device_s_fixed) / n, 0.0))

@@ -40,6 +40,33 @@ Lookahead = Callable[[torch.Tensor], list[int]]
 """Predicts the next MoE layer's experts from this layer's input ``x [T, D]``."""
 
 
+class DeviceTiming:
+    """A step's device part timed without a sync: the host's wall time of issuing it, and on CUDA an event pair, read
+    once the device has passed the second event (a later step); its seconds are the larger of the two."""
+
+    def __init__(self, device: torch.device, experts: int, tokens: int) -> None:
+        self.experts, self.tokens = experts, tokens
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.wall = 0.0
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self.wall = time.perf_counter() - self.t0
+        if self.events is not None:
+            self.events[1].record()
+
+    def seconds(self) -> float | None:
+        """None while the device has not reached the end of the timed part."""
+        if self.events is None:
+            return self.wall
+        if not self.events[1].query():
+            return None
+        return max(self.wall, self.events[0].elapsed_time(self.events[1]) / 1e3)
+
+
 class ManagedExperts:
     """Routed experts of MoE layer ``layer``, served from the store's tiers under the planner's choices."""
 
@@ -57,6 +84,8 @@ class ManagedExperts:
         self.exact = True
         """False: quantized decode always runs as one fused call over the pool (fp32 sums may reorder: ~1e-7)."""
         self._views: dict[str, tuple[int, SlotViews, QuantizedExperts | None]] = {}
+        self._device_timings: list[DeviceTiming] = []
+        """Timed device parts of earlier steps, read into the cost model once the device has passed them."""
         for pool in (store.host, store.device):
             if pool is not None:  # a reallocated pool: drop the views, or they keep the old tensor alive
                 pool.on_reallocate.append(self._views.clear)
@@ -215,13 +244,34 @@ class ManagedExperts:
             worker = self.store.compute_pool.submit(run, host, "host")
         elif host:
             run(host, "host")
+        self._observe_device()
+        timing = None
+        if device and all(paths[e] == "resident" for e in device):  # no copy in the time: compute alone
+            dev = self.store.device
+            assert dev is not None
+            timing = DeviceTiming(dev.device, len(device), sum(spans[e][1] for e in device))
         run(device, "device")
+        if timing is not None:
+            timing.stop()
+            self._device_timings.append(timing)
         if worker is not None:
             worker.result()
         out = torch.zeros_like(xin)
         for e, (a, n) in spans.items():
             out.index_add_(0, token_of[a : a + n], parts[e].to(out.dtype))
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _observe_device(self) -> None:
+        """Hand the cost model every timed device part the device has finished (never waits for it)."""
+        while self._device_timings:
+            t = self._device_timings[0]
+            seconds = t.seconds()
+            if seconds is None:
+                if len(self._device_timings) > 8:  # a device that never reports: stop keeping them
+                    self._device_timings.pop(0)
+                return
+            self._device_timings.pop(0)
+            self.planner.cost.observe_device(t.experts, t.tokens, seconds)
 
     def _one(self, tier: str, key: tuple[int, int], x: torch.Tensor, protect: list[tuple[int, int]]) -> torch.Tensor:
         """One expert on its tokens ``x [n, D]`` from ``tier`` (acquired for the call) → ``[n, D]`` on the tier's device."""

@@ -142,6 +142,40 @@ def test_observed_copies_and_reads_update_the_cost_model(model: Path, tmp_path: 
     assert rates.copy_gbps > 100 * scripted.copy_gbps and rates.disk_gbps > 100 * scripted.disk_gbps
 
 
+def test_observed_device_time_moves_decode_to_the_host() -> None:
+    """A device driven op by op pays milliseconds per expert (an H200: ~16x the built-in 20 us): once timed calls
+    say so, a decode step's cold experts stay on the host, where with the guess they were fetched."""
+    fast_link = Rates(**{**vars(LAPTOP), "copy_gbps": 50.0, "host_gbps_m1": 4.0})
+    before = planner(fast_link).plan([ExpertNeed(e, 1, on_device=False, on_host=True) for e in range(4)])
+    assert before.experts("fetch") == [0, 1, 2, 3]
+    p = planner(fast_link)
+    for _ in range(40):
+        p.cost.observe_device(experts=8, tokens=8, seconds=8 * 2e-3)  # decode: 2 ms an expert
+    assert p.cost.rates.device_s_fixed == pytest.approx(2e-3, rel=0.01)
+    per_token = p.cost.rates.device_s_per_token
+    p.cost.observe_device(experts=2, tokens=600, seconds=2 * (2e-3 + 300 * 5e-6))  # prefill: the per-token term
+    assert p.cost.rates.device_s_per_token > per_token and p.cost.rates.device_s_fixed == pytest.approx(2e-3, rel=0.01)
+    after = p.plan([ExpertNeed(e, 1, on_device=False, on_host=True) for e in range(4)])
+    assert len(after.experts("host")) == 3  # 1 ms each on the host; the device takes one (2 ms beside them)
+    p.cost.observe_device(experts=0, tokens=0, seconds=1.0)  # nothing timed: nothing learned
+    p.cost.observe_device(experts=3, tokens=3, seconds=0.0)
+    assert p.cost.rates.device_s_fixed == pytest.approx(2e-3, rel=0.01)
+
+
+def test_the_device_term_is_learned_from_resident_steps(model: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps whose device experts were all resident are timed (no copy in the time) and move the scripted guess."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    ref = Engine.from_pretrained(model)
+    experts = sum(b.gate_up.nbytes + b.down.nbytes for b in ref.decoder.experts if b is not None)
+    scripted = Rates(device_s_fixed=50.0)  # absurdly slow guess: 50 s an expert
+    cfg = ResidencyConfig(simulate_device=True, rates=Rates(**vars(scripted)), prefetch=False, planner="fetch")
+    engine = Engine.from_pretrained(model, budget=Budget(device=experts), residency=cfg)
+    engine.generate(list(range(50)), max_new_tokens=12)
+    rates = engine.decoder.experts[0].planner.cost.rates
+    assert rates.device_s_fixed < 0.01 * scripted.device_s_fixed
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     device_fraction=st.floats(0.3, 1.0),
