@@ -118,7 +118,8 @@ WHOLE_HEAD_ROPE = frozenset({
     "deepseek_v3", "deepseek_v32", "doge", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
     "glm_moe_dsa",
     "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
-    "hy_v4", "jetmoe", "kolibri1", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "minimax", "mistral4",
+    "hy_v4", "jetmoe", "kolibri1", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "minicpm5_moe", "minimax",
+    "mistral4",
     "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "sarvam_mla",
 })
 """Types whose transformers rotary computes its frequencies over the whole head (or MLA's rope dim) and never reads
@@ -486,10 +487,40 @@ def deepseek(cfg: Config) -> ModelSpec:
 
 
 @adapter("glm4_moe")
-def glm4_moe(cfg: Config) -> ModelSpec:
+def glm4_moe(cfg: Config, names: WeightNames | None = None) -> ModelSpec:
     bias = bool(cfg.get("attention_bias", False))
     attn = gqa_spec(cfg, qkv_bias=bias, qk_norm="head" if cfg.get("use_qk_norm") else "none")
-    return model_spec(cfg, _deepseek_layers(cfg, lambda i: attn, sigmoid=True), ignored_tensors=mtp_ignored(cfg))
+    return model_spec(cfg, _deepseek_layers(cfg, lambda i: attn, sigmoid=True), names=names or WeightNames(),
+                      ignored_tensors=mtp_ignored(cfg))
+
+
+@adapter("minicpm5_moe")
+def minicpm5_moe(cfg: Config) -> ModelSpec:
+    """MiniCPM5-MoE: DeepSeek-V3's sigmoid group router, shared experts and scaled weights; GQA whose ``q_proj`` (as
+    the files name it; ``q_gate_proj`` in transformers) holds per head [query | gate], the output gated by
+    sigmoid(gate), rope over the whole head; ``mlp_layer_types`` says which layers are dense."""
+    bias = bool(cfg.get("attention_bias", False))
+    attn = gqa_spec(cfg, qkv_bias=bias, o_bias=bias, q_gate=True)
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("mlp_layer_types") or ["dense" if i < int(cfg.get("first_k_dense_replace", 1)) else "sparse"
+                                            for i in range(n)]
+    sparse = _deepseek_layers({**cfg, "first_k_dense_replace": 0, "moe_layer_freq": 1}, lambda i: attn, sigmoid=True)
+    dense = MLPSpec(int(cfg["intermediate_size"]), activation_name(cfg))  # type: ignore[arg-type]
+    layers = [ly if types[i] == "sparse" else LayerSpec(attention=attn, mlp=dense) for i, ly in enumerate(sparse)]
+    return model_spec(cfg, layers, ignored_tensors=mtp_ignored(cfg))
+
+
+@adapter("param2moe")
+def param2moe(cfg: Config) -> ModelSpec:
+    """Param2 (BharatGen): GLM-4-MoE's model (its config defaults the rope to the whole head) in checkpoints that
+    keep their original tensor names, SarvamMoE's (fused ``query_key_value``, ``dense``, ``word_embeddings``)."""
+    return glm4_moe(cfg, SARVAM_NAMES)
+
+
+SARVAM_NAMES = WeightNames(correction_bias="gate.expert_bias", embed="model.word_embeddings", attn="attention",
+                           fused_qkv="query_key_value", o_proj="dense", q_norm="query_layernorm",
+                           k_norm="key_layernorm")
+"""The original tensor names of SarvamMoE and Param2 checkpoints (transformers renames them on load)."""
 
 
 @adapter("dots1")

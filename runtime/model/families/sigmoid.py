@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from freetoken_agent.runtime.model.adapters import (
+    SARVAM_NAMES,
     Config,
     activation_name,
     gqa_spec,
@@ -122,10 +123,7 @@ def hy_v3(cfg: Config) -> ModelSpec:
 def sarvam_moe(cfg: Config) -> ModelSpec:
     attn = gqa_spec(cfg, qkv_bias=bool(cfg.get("attention_bias", False)),
                 qk_norm="head" if cfg.get("use_qk_norm", True) else "none")
-    names = WeightNames(correction_bias="gate.expert_bias", embed="model.word_embeddings", attn="attention",
-                        fused_qkv="query_key_value", o_proj="dense", q_norm="query_layernorm",
-                        k_norm="key_layernorm")
-    return model_spec(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), names=names,
+    return model_spec(cfg, moe_layers(cfg, lambda i: attn, sigmoid_router(cfg)), names=SARVAM_NAMES,
                   ignored_tensors=mtp_ignored(cfg))
 
 
