@@ -1,7 +1,8 @@
 """The execution planner: for one MoE layer step, where each routed expert runs.
 
 Paths (integers in, names out — the planner never touches tensors):
-- ``resident``: the expert is in a device slot → compute on the device;
+- ``resident``: the expert is in a device slot → compute on the device (adaptive mode: unless the host queue would
+  finish it first — a device driven op by op can be slower per expert than the CPU, as measured on an H200);
 - ``fetch``: copy it host → device, then compute on the device;
 - ``host``: compute on the CPU where the weights already are; only activations move.
 
@@ -65,8 +66,11 @@ class ExecutionPlanner:
         for need in sorted(needs, key=lambda n: (-n.tokens, n.expert)):
             if not self.has_device:
                 path = "host"
-            elif need.on_device:
-                path = "resident"
+            elif need.on_device:  # adaptive: a device slower than the host (measured) leaves it to the host queue
+                disk = 0.0 if need.on_host else cost.disk_seconds(b)
+                host_done = plan.host_s + disk + cost.host_seconds(b, need.tokens)
+                device_done = plan.device_s + cost.device_seconds(need.tokens)
+                path = "host" if self.mode == "adaptive" and host_done < device_done else "resident"
             else:
                 disk = 0.0 if need.on_host else cost.disk_seconds(b)
                 host_done = plan.host_s + disk + cost.host_seconds(b, need.tokens)

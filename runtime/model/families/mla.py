@@ -147,7 +147,7 @@ def hy_v4(cfg: Config) -> ModelSpec:
 
     n = int(cfg["num_hidden_layers"])
     rope_dim, eps = int(cfg["qk_rope_head_dim"]), float(cfg.get("rms_norm_eps", 1e-6))
-    # interleaved pairs in both ropes (transformers >= 5.25; 5.24 turned HY-V4 by halves, unlike its checkpoints)
+    # interleaved pairs in both ropes, as transformers 5.25 turns them (5.24 turned them by halves)
     rope = rope_spec(cfg, rope_dim, "interleaved", rotary_dim=rope_dim)
     attns = [mla_spec(cfg, rope=rope, sinks=True, output_gate="sigmoid",
                   indexer=_indexer(cfg, i, "interleaved", rope_last=True, k_norm_eps=eps, scale_after_relu=True))

@@ -162,6 +162,22 @@ def test_observed_device_time_moves_decode_to_the_host() -> None:
     assert p.cost.rates.device_s_fixed == pytest.approx(2e-3, rel=0.01)
 
 
+def test_a_device_slower_than_the_host_shares_even_resident_experts() -> None:
+    """Adaptive: resident experts go to the device while its queue finishes first; a device measured at 2 ms an
+    expert (an H200 dequantizing q4 slots op by op) leaves most of them to the host beside it. A static mode keeps
+    every resident expert on the device."""
+    needs = [ExpertNeed(e, 1, on_device=True, on_host=True) for e in range(8)]
+    assert planner().plan(needs).experts("resident") == list(range(8))  # 20 us an expert: the device takes all
+    slow = Rates(**{**vars(LAPTOP), "device_s_fixed": 2e-3, "host_gbps_m1": 4.0})  # the host: 1 ms an expert
+    plan = planner(slow).plan(needs)
+    assert len(plan.experts("host")) >= 5 and plan.experts("resident")  # both queues busy, the host's the longer
+    assert max(plan.host_s, plan.device_s) <= 6e-3 < 8 * 2e-3
+    static = ExecutionPlanner(CostModel(Rates(**vars(slow))), 4 * MB, has_device=True, mode="fetch")
+    assert static.plan(needs).experts("resident") == list(range(8))
+    evicted = [ExpertNeed(e, 1, on_device=True, on_host=False) for e in range(2)]  # the host would read the disk
+    assert planner(Rates(**{**vars(slow), "disk_gbps": 0.1})).plan(evicted).experts("resident") == [0, 1]
+
+
 def test_the_device_term_is_learned_from_resident_steps(model: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps whose device experts were all resident are timed (no copy in the time) and move the scripted guess."""
