@@ -393,6 +393,7 @@ def plain_section(cuda: bool, args: argparse.Namespace, engine: dict[str, Any]) 
     from freetoken_agent.runtime.model.adapters import spec_from_config
     from freetoken_agent.runtime.model.decoder import Decoder
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against the CPU's fp32 (also when --skip engine)
     spec = spec_from_config(dict(ENGINE_MODEL))
     prompt = torch.randint(0, spec.vocab_size, (args.engine_prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     reference = engine.get("reference_tokens")
