@@ -367,6 +367,9 @@ class Scheduler:
         self.speculation = speculation if speculation is not None else SpeculationConfig()
         """Speculative decoding settings (replace the object to change them; sequences pick it up at their next
         step)."""
+        self.profile: Any = None
+        """An object with ``enable()`` / ``disable()`` (a ``cProfile.Profile``) switched on around each step on the
+        engine thread, where a profiler started on the caller's thread sees nothing (``gpu_check --profile``)."""
         self.spec_stats = SpeculationStats()
         self._phase_acceptance = PhaseAcceptance(self.speculation)
         self.step_cost = StepCost()
@@ -476,7 +479,14 @@ class Scheduler:
             try:
                 with self.lock:
                     self._apply_cancels(cancels)
-                    progressed = self.step()
+                    profile = self.profile
+                    if profile is not None:
+                        profile.enable()
+                    try:
+                        progressed = self.step()
+                    finally:
+                        if profile is not None:
+                            profile.disable()
                 if not progressed and self.waiting:  # nothing could run this time (pages held elsewhere): yield
                     time.sleep(0.001)
             except Exception as exc:  # a scheduler bug must not kill the engine: fail what is in flight, go on

@@ -21,6 +21,8 @@ Nothing is downloaded: every model is random weights built in place. Sections, i
 - ``planner``: the execution planner's makespan estimate against the measured time of the same MoE layer steps of
   the ``engine`` candidate's timed generation.
 - ``memory``: GPU memory from NVML (``pynvml``), sampled every 10 ms for the whole run, and torch's allocator peaks.
+- ``profile`` (only with ``--profile``): the engine thread's steps of the ``engine`` candidate's timed run and of the
+  ``plain`` fp32 run under cProfile, the top functions by their own time.
 - ``residency`` (only with ``--residency``, about 5 minutes on the GPU): a Qwen3-30B-A3B-shaped q4 MoE under an 8 GB
   device budget per residency policy (``lru``, ``heat``, ``lru-fetch``, ``cpu-moe``) and the phase-aware agent run
   (``phase_gpu``).
@@ -62,6 +64,8 @@ and ``{"status": "failed", "error": ..., "traceback": ...}`` when it raised (the
   copies being host copies), ``decode`` and ``prefill``: ``layer_steps`` (MoE layer calls), ``predicted_s`` (sum of the
   planner's makespans, max(host, device) per call), ``measured_s`` (sum of the same calls' wall times, CUDA
   synchronized before and after), ``ratio`` (measured / predicted) and ``median_ratio`` (per call).
+- ``profile``: ``status``; when run, ``engine`` and ``plain`` (where they ran): rows of ``function``
+  (``file:line(name)``), ``calls``, ``tottime_s`` (own time), ``cumtime_s``, the 25 with the most own time.
 - ``residency``: ``status``; when run, ``rows`` (per policy: ``run``, ``decode_tok_s``, ``prefill_s``, ``wall_s``,
   ``planner`` decisions, ``device_hit_rate``, ``host_hit_rate``, ``stall_s``, ``peak`` and ``limits`` bytes per tier,
   ``tokens``), ``phase`` (``phase_gpu.run``'s report, or null with ``--phase-turns 0``), ``phase_args``,
@@ -348,7 +352,9 @@ def engine_section(cuda: bool, args: argparse.Namespace, workdir: Path) -> dict[
     engine.residency = store
     engine.generate(prompt[:8], max_new_tokens=4)
     log.clear()
+    profile = _profiler(engine, args)
     out = engine.generate(prompt, max_new_tokens=args.engine_tokens)
+    engine.scheduler.profile = None
     rate = DecodeTiming.from_generation(out).tok_s
     res = engine.stats()["residency"]
     engine.close()
@@ -376,7 +382,7 @@ def engine_section(cuda: bool, args: argparse.Namespace, workdir: Path) -> dict[
         "expert_bytes": layout.blob_bytes, "device_slots": slots,
         "planner_paths": res["planner"], "device_hit_rate": res["tiers"].get("device", {}).get("hit_rate"),
         "host_hit_rate": res["tiers"]["host"]["hit_rate"], "stall_s": res["stall_s"],
-        "_log": log, "_rates": (rates_before, dict(vars(planner.cost.rates))),
+        "_log": log, "_rates": (rates_before, dict(vars(planner.cost.rates))), "_profile": profile,
     }
 
 
@@ -400,7 +406,10 @@ def plain_section(cuda: bool, args: argparse.Namespace, engine: dict[str, Any]) 
     out: dict[str, Any] = {"status": "ran", "reference": "the engine section's CPU engine (fp32, same weights)"}
     for dtype in (torch.float32, torch.bfloat16):
         eng = Engine(spec, Decoder(spec, random_weights(spec, "cuda", dtype, experts=True), "cuda"), None, None)
+        if dtype == torch.float32:
+            out["_profile"] = _profiler(eng, args)  # warm-up included
         got, rate = _generate(eng, prompt, args.engine_tokens)
+        eng.scheduler.profile = None
         row: dict[str, Any] = {"decode_tok_s": _round(rate), "prefill_s": round(got.prefill_s, 4)}
         if reference is not None:
             same = [a == b for a, b in zip(reference, got.token_ids)]
@@ -429,6 +438,27 @@ GPU_DIFFERENCES = (
     "same fp32 weights and the same ops; the GPU runs cuBLAS GEMMs (TF32 off) and CUDA attention and elementwise "
     "kernels, whose sums are reduced in another order than the CPU's, so activations differ by rounding (~1e-6 "
     "relative); greedy tokens must still match")
+
+
+def _profiler(engine: Any, args: argparse.Namespace) -> Any:
+    """With ``--profile``: a ``cProfile.Profile`` switched on around each of ``engine``'s steps (on its thread)."""
+    if not args.profile:
+        return None
+    import cProfile
+
+    engine.scheduler.profile = cProfile.Profile()
+    return engine.scheduler.profile
+
+
+def profile_rows(profile: Any, n: int = 25) -> list[dict[str, Any]]:
+    """The ``n`` functions with the most time of their own in ``profile``: where a decode step's time goes."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, calls, tt, ct, _)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [{"function": name if file == "~" else f"{Path(file).name}:{line}({name})", "calls": calls,
+             "tottime_s": round(tt, 4),
+             "cumtime_s": round(ct, 4)} for (file, line, name), (_, calls, tt, ct, _) in top]
 
 
 def _round(x: float | None, n: int = 2) -> float | None:
@@ -611,6 +641,8 @@ def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-tokens", type=int, default=None, help="tokens generated per engine side (64; 12 dry)")
     p.add_argument("--engine-prompt", type=int, default=None, help="engine prompt tokens (128; 16 dry)")
     p.add_argument("--out", default=None, help="also write the report as JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the engine thread's steps of the engine and plain runs: top functions in the report")
     g = p.add_argument_group("residency section (--residency)")
     g.add_argument("--residency", action="store_true",
                    help="also run the residency policies on a Qwen3-30B-A3B shape (~5 min on the GPU)")
@@ -706,10 +738,15 @@ def gpu_check_row(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             report["triton"] = section("triton", lambda: triton_section(cuda))
             engine = section("engine", lambda: engine_section(cuda, args, Path(tmp)))
-            report["plain"] = section("plain", lambda: plain_section(cuda, args, engine))
+            plain = section("plain", lambda: plain_section(cuda, args, engine))
+            report["plain"] = {k: v for k, v in plain.items() if not k.startswith("_")}
             report["bandwidth"] = section("bandwidth", lambda: bandwidth_section(cuda))
             report["planner"] = planner_section(engine, report["bandwidth"], cuda, rates_source)
             report["engine"] = {k: v for k, v in engine.items() if not k.startswith("_")}
+            profiles = {name: profile_rows(p) for name, p in (("engine", engine.get("_profile")),
+                                                              ("plain", plain.get("_profile"))) if p is not None}
+            report["profile"] = ({"status": "ran", **profiles} if args.profile else
+                                 {"status": "skipped", "reason": "pass --profile to run it"})
             report["residency"] = (section("residency", lambda: residency_section(args)) if args.residency
                                    else {"status": "skipped", "reason": "pass --residency to run it"})
     finally:

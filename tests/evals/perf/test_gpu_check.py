@@ -13,7 +13,7 @@ import pytest
 from freetoken_agent.evals.perf import gpu_check
 
 TOP = {"mode", "passed", "wall_s", "budget_s", "within_budget", "device", "triton", "engine", "plain", "bandwidth",
-       "memory", "planner", "residency"}
+       "memory", "planner", "residency", "profile"}
 ENGINE = {"status", "model", "expert_format", "reference", "candidate", "tf32", "differences", "prompt_tokens",
           "new_tokens", "tokens_match", "first_mismatch", "reference_tokens", "tokens", "decode_tok_s", "prefill_s",
           "expert_bytes", "device_slots", "planner_paths", "device_hit_rate", "host_hit_rate", "stall_s"}
@@ -64,6 +64,7 @@ def test_dry_run_prints_one_json_report(tmp_path: Path) -> None:
 
     assert r["residency"] == {"status": "skipped", "reason": "pass --residency to run it"}
     assert r["plain"]["status"] == "skipped" and "CUDA" in r["plain"]["reason"]
+    assert r["profile"] == {"status": "skipped", "reason": "pass --profile to run it"}
 
 
 def test_residency_section_on_the_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,3 +89,18 @@ def test_bad_flags_are_one_line_errors() -> None:
         gpu_check.main(["--dry-run", "--skip", "gpu"])
     with pytest.raises(SystemExit, match="--engine-prompt at least 8"):
         gpu_check.main(["--dry-run", "--engine-prompt", "2"])
+
+
+def test_profile_reports_where_the_engine_threads_steps_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--profile``: cProfile runs on the engine's own thread (a profiler on the caller's thread sees only a wait);
+    the engine candidate's top functions are ours and torch's ops, with their calls and own seconds."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    assert gpu_check.main(["--dry-run", "--profile", "--skip", "triton,bandwidth"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    prof = r["profile"]
+    assert prof["status"] == "ran" and "plain" not in prof  # the plain run needs CUDA
+    rows = prof["engine"]
+    assert 0 < len(rows) <= 25 and all(row["calls"] > 0 and row["tottime_s"] >= 0 for row in rows)
+    assert [row["tottime_s"] for row in rows] == sorted((row["tottime_s"] for row in rows), reverse=True)
+    assert not any("wait" in row["function"] for row in rows[:3])  # the engine thread's work, not a waiting caller
