@@ -729,9 +729,15 @@ class Scheduler:
                     return False
                 if self._evict_idle_session():
                     continue
-                victim = next((s for s in reversed(self.running) if s is not seq), None)
-                if victim is not None:
+                # the lowest-priority running sequence gives its pages up (the youngest, background ones first): when
+                # that is ``seq`` itself it yields instead of taking an older one's, or two long sequences that do not
+                # fit together would preempt each other forever, each losing its work before it could finish
+                others = [s for s in self.running if s is not seq]
+                if others:
+                    victim = max([*others, seq], key=self._priority)
                     self._preempt(victim)
+                    if victim is seq:
+                        return False
                     continue
                 # nothing else holds pages: this sequence alone does not fit
                 self.running.remove(seq)

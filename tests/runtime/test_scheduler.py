@@ -137,6 +137,23 @@ def test_fuzz_arrivals_cancels_preemption_return_every_page(tmp_path: Path) -> N
     engine.close()
 
 
+def test_sequences_that_do_not_fit_together_take_turns(tmp_path: Path) -> None:
+    """Prompts that each fit the KV pool alone but not two at a time, prefilled in small chunks side by side: the
+    youngest yields its pages rather than taking an older one's, so the oldest always finishes. (Each used to preempt
+    whichever other one ran: two long sequences then preempted each other forever, each losing its work first.)"""
+    save_checkpoint("qwen3_moe", tmp_path, max_position_embeddings=1024)
+    engine = Engine.from_pretrained(tmp_path, speculate=False)
+    engine.kv_manager(KVConfig(page_size=4, device_pages=100))  # 400 positions: one 300-token prompt at a time
+    engine.scheduler.token_budget = 32
+    long = prompts(3, seed=11, lo=300, hi=300)
+    handles = [engine.submit(Request(p, greedy(6))) for p in long]
+    for h in handles:
+        assert h.wait(timeout=120), "sequences that do not fit together never finished"
+    assert [h.result().token_ids for h in handles] == [engine.generate(p, greedy(6)).token_ids for p in long]
+    assert engine.scheduler.stats.preemptions <= 4 * len(long)
+    engine.close()
+
+
 def test_decode_continues_while_a_long_prompt_prefills(tmp_path: Path) -> None:
     save_checkpoint("qwen3_moe", tmp_path)
     engine = Engine.from_pretrained(tmp_path)
