@@ -8,8 +8,8 @@ Model, per expert of ``B`` bytes and ``n`` routed tokens:
 - host compute: ``B / host_gbps(n)``, where ``host_gbps`` interpolates the measured M=1 and M=16 kernel rates
   (decode streams the weights once; more tokens cost more arithmetic per byte);
 - fetch: ``B / copy_gbps`` (+ a queue of copies already planned this step) then device compute;
-- device compute: ``device_s_per_token * n + device_s_fixed`` (learned from timed device parts of steps whose experts
-  were all resident: no copy in the time);
+- device compute: ``device_s_per_token * n + device_s_fixed`` (learned on a real accelerator from timed device parts
+  of steps whose experts were all resident: no copy in the time);
 - a cold expert also pays ``B / disk_gbps`` on either path (it must reach host memory first).
 """
 

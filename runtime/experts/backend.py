@@ -246,9 +246,10 @@ class ManagedExperts:
             run(host, "host")
         self._observe_device()
         timing = None
-        if device and all(paths[e] == "resident" for e in device):  # no copy in the time: compute alone
-            dev = self.store.device
-            assert dev is not None
+        dev = self.store.device
+        # a real accelerator's all-resident steps (no copy in the time: compute alone); the simulated tier computes on
+        # the CPU and keeps its scripted rates, so its decisions do not depend on the machine's timing
+        if device and dev is not None and dev.device.type != "cpu" and all(paths[e] == "resident" for e in device):
             timing = DeviceTiming(dev.device, len(device), sum(spans[e][1] for e in device))
         run(device, "device")
         if timing is not None:
