@@ -57,5 +57,5 @@ def test_an_accelerator_decode_step_never_reads_the_routing_back() -> None:
     assert out.shape == (2, 32) and out.device.type == "meta"
     t = GATHER_PAIRS // 3 + 1
     x, ids, w = routing(t)
-    with pytest.raises((NotImplementedError, RuntimeError)):
+    with pytest.raises(NotImplementedError, match="Meta tensors"):  # the loop's bincount, read back to the host
         meta.forward(x.to("meta"), ids.to("meta"), w.to("meta"))
