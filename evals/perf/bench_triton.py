@@ -1,5 +1,5 @@
-"""GPU check for the Triton kernels: dequant-GEMM (q4/q8) vs fp16 ``torch.mm``, the grouped MoE step, and paged
-decode attention.
+"""GPU check for the Triton kernels: dequant-GEMM (q4/q8) vs fp16 ``torch.mm``, the grouped MoE step, the slot
+kernels (experts computed from a slot pool's bytes) vs the torch path they replace, and paged decode attention.
 
     python -m freetoken_agent.evals.perf.bench_triton            # on a CUDA machine: correctness + timings
     python -m freetoken_agent.evals.perf.bench_triton --interpret  # CPU smoke run under TRITON_INTERPRET=1, tiny shapes
@@ -45,6 +45,8 @@ class Case:
     """Quantized weight bytes one call streams (codes + scales), for GB/s; None where not counted."""
     dense: Callable[[], torch.Tensor] | None = None
     """The same product as a dense fp16 (fp32 on the CPU) ``torch.mm``, for comparison timings."""
+    baseline: Callable[[], torch.Tensor] | None = None
+    """The torch path the kernel replaces (slot kernels: each slot dequantized by torch ops, then fp32 matmuls)."""
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -94,7 +96,42 @@ def cases(device: str, interpret: bool) -> Iterator[Case]:
             yield Case("triton-grouped-moe", fmt, f"E{e} top{top_k} D{d} I{i}", t_tokens,
                        lambda x=x, ids=ids, wts=wts, w13=w13, w2=w2: moe_forward(x, w13, w2, ids, wts),
                        lambda x=x, ids=ids, wts=wts, w13=w13, w2=w2: reference_moe_forward(x, w13, w2, ids, wts))
+    yield from _slot_cases(device, interpret)
     yield from _paged_attention_cases(device, interpret)
+
+
+def _slot_cases(device: str, interpret: bool) -> Iterator[Case]:
+    """The slot kernels over a pool's own bytes (GGUF blocks and the C kernels' tiles): a decode step's pairs (the
+    per-pair GEMV) and a prefill chunk's (grouped by slot), each against plain torch over the dequantized slots."""
+    from freetoken_agent.runtime.kernels.triton import SlotWeights, slots_matmul
+    from freetoken_agent.runtime.quant.formats import block_format
+
+    s, n, k, pair_counts = (4, 64, 128, [2, 40]) if interpret else (16, 1536, 2048, [8, 4096])
+    for fmt in ("q4_0", "q8_0"):
+        f = block_format(fmt)
+        w = torch.randn(s, n, k) / k**0.5
+        blocks = torch.stack([f.quantize_rows(w[i]) for i in range(s)])
+        for packed in (False, True):
+            raw = f.storage(blocks, packed)
+            deq = torch.stack([f.dequantize(raw[i], n, k, packed) for i in range(s)]).to(device)
+            sw = SlotWeights(raw.to(device), n, k, fmt, packed)
+            for p in pair_counts:
+                x = torch.randn(max(1, p // 8), k, device=device)
+                rows = torch.randint(0, x.shape[0], (p,), device=device)
+                slots = torch.randint(0, s, (p,), device=device)
+                touched = len(set(slots.tolist())) * raw.shape[1]
+
+                def torch_path(x=x, rows=rows, slots=slots, raw=sw.data, packed=packed, f=f) -> torch.Tensor:
+                    out = torch.empty(rows.numel(), n, device=x.device)
+                    for i in slots.unique().tolist():
+                        sel = (slots == i).nonzero().flatten()
+                        out[sel] = x[rows[sel]] @ f.dequantize(raw[i], n, k, packed).t()
+                    return out
+
+                yield Case("triton-slots", f"{fmt}{'-tiles' if packed else ''}", f"S{s} {n}x{k}", p,
+                           lambda x=x, sw=sw, rows=rows, slots=slots: slots_matmul(x, sw, rows, slots),
+                           lambda x=x, rows=rows, slots=slots, deq=deq: torch.einsum("pk,pnk->pn", x[rows], deq[slots]),
+                           touched, baseline=torch_path)
 
 
 def _paged_attention_cases(device: str, interpret: bool) -> Iterator[Case]:
@@ -149,6 +186,8 @@ def run(interpret: bool, reps: int) -> list[dict[str, Any]]:
         r["rel_err"] = errors(c.call(), c.reference())["rel_err"]
         if c.dense is not None:
             r["dense_fp16_seconds"] = timed(c.dense, reps)
+        if c.baseline is not None:
+            r["torch_path_seconds"] = timed(c.baseline, reps)
         rows.append(r)
     return rows
 
@@ -170,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in rows:
             extra = f" dense-fp16 {r['dense_fp16_seconds'] * 1e6:.0f} us" if "dense_fp16_seconds" in r else ""
+            if "torch_path_seconds" in r:
+                extra += f" torch-path {r['torch_path_seconds'] * 1e6:.0f} us"
             gb = f" {r['gbps']:.1f} GB/s" if "gbps" in r else ""
-            print(f"{r['kernel']:<20} {r['format']} {r['shape']:<22} M={r['M']:<4} {r['seconds'] * 1e6:9.0f} us{gb}"
+            print(f"{r['kernel']:<22} {r['format']:<10} {r['shape']:<22} M={r['M']:<4} {r['seconds'] * 1e6:9.0f} us{gb}"
                   f" rel_err={r['rel_err']:.1e}{extra}")  # fmt: skip
     return 0
 

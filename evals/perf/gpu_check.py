@@ -24,7 +24,8 @@ Nothing is downloaded: every model is random weights built in place. Sections, i
 - ``profile`` (only with ``--profile``): the engine thread's steps of the ``engine`` candidate's timed run and of the
   ``plain`` fp32 run under cProfile, the top functions by their own time.
 - ``residency`` (only with ``--residency``, about 5 minutes on the GPU): a Qwen3-30B-A3B-shaped q4 MoE under an 8 GB
-  device budget per residency policy (``lru``, ``heat``, ``lru-fetch``, ``cpu-moe``) and the phase-aware agent run
+  device budget per residency policy (``lru``, ``heat``, ``lru-fetch``, ``lru-fetch-torch``: lru-fetch with device slots
+  dequantized by torch ops instead of the Triton slot kernels, ``cpu-moe``) and the phase-aware agent run
   (``phase_gpu``).
 
 Report (stdout; progress goes to stderr). Units: seconds (``_s``), bytes (``_bytes``), GB/s = 1e9 bytes/s
@@ -177,8 +178,28 @@ class _Encoded:
         return self.layout.to_json()
 
 
+RUNS = {"lru": ("lru", "adaptive"), "heat": ("heat", "adaptive"), "lru-fetch": ("lru", "fetch"),
+        "lru-fetch-torch": ("lru", "fetch"), "cpu-moe": ("lru", "host")}
+"""Residency run → (eviction policy, planner mode)."""
+
+
 def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argparse.Namespace, device: str,
                prompt: list[int]) -> dict[str, Any]:
+    policy, planner = RUNS[name]
+    # "-torch": device slots dequantized by torch ops, one expert at a time (the path before the Triton slot kernels)
+    saved = os.environ.get("FREETOKEN_DEVICE_EXPERTS")
+    os.environ["FREETOKEN_DEVICE_EXPERTS"] = "torch" if name.endswith("-torch") else (saved or "auto")
+    try:
+        return _run_config(name, policy, planner, spec, weights, disk_path, args, device, prompt)
+    finally:
+        if saved is None:
+            os.environ.pop("FREETOKEN_DEVICE_EXPERTS", None)
+        else:
+            os.environ["FREETOKEN_DEVICE_EXPERTS"] = saved
+
+
+def _run_config(name: str, policy: str, planner: str, spec: Any, weights: Any, disk_path: Path,
+                args: argparse.Namespace, device: str, prompt: list[int]) -> dict[str, Any]:
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.experts.cache_file import ExpertCacheFile
     from freetoken_agent.runtime.experts.core import install
@@ -187,8 +208,6 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
     from freetoken_agent.runtime.memory import Budget, parse_bytes
     from freetoken_agent.runtime.model.decoder import Decoder
 
-    policy, planner = {"lru": ("lru", "adaptive"), "heat": ("heat", "adaptive"), "lru-fetch": ("lru", "fetch"),
-                       "cpu-moe": ("lru", "host")}[name]
     cfg = ResidencyConfig(policy=policy, planner=planner, device_tier=name != "cpu-moe", prefetch=True,
                           simulate_device=args.dry_run and name != "cpu-moe")
     budget = Budget(device=parse_bytes(args.device_memory), host=parse_bytes(args.host_memory))
@@ -198,8 +217,10 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
     top_k = spec.layers[-1].moe.top_k
     store, plan = build_store(ExpertCacheFile(disk_path), ledgers, top_k, device, cfg)
     engine = Engine(spec, Decoder(spec, weights, device), None, None)
-    install(engine.decoder, Managed(weights, store, plan, ledgers, spec, 0, False).backends())
+    backends = Managed(weights, store, plan, ledgers, spec, 0, False).backends()
+    install(engine.decoder, backends)
     engine.residency = store
+    kernels = sorted({getattr(b, "device_kernel", "torch") for b in backends if b is not None})
     engine.generate(prompt[:8], max_new_tokens=4)  # warm-up: kernels, caches, slot pools
     t0 = time.perf_counter()
     out = engine.generate(prompt, max_new_tokens=args.tokens)
@@ -208,7 +229,7 @@ def run_config(name: str, spec: Any, weights: Any, disk_path: Path, args: argpar
     res = stats["residency"]
     store.close()
     rate = DecodeTiming.from_generation(out).tok_s
-    return {"run": name, "decode_tok_s": round(rate, 2) if rate else None,
+    return {"run": name, "device_kernel": ",".join(kernels), "decode_tok_s": round(rate, 2) if rate else None,
             "prefill_s": round(out.prefill_s, 2), "wall_s": round(wall, 1), "planner": res["planner"],
             "device_hit_rate": res["tiers"].get("device", {}).get("hit_rate"),
             "host_hit_rate": res["tiers"]["host"]["hit_rate"], "stall_s": res["stall_s"],
@@ -650,7 +671,9 @@ def options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", default="24GB")
     g.add_argument("--tokens", type=int, default=32)
     g.add_argument("--prompt", type=int, default=64)
-    g.add_argument("--runs", default="lru,heat,lru-fetch,cpu-moe")
+    g.add_argument("--runs", default="lru,heat,lru-fetch,lru-fetch-torch,cpu-moe",
+                   help="comma-separated residency runs: lru, heat, lru-fetch, lru-fetch-torch (device slots by torch ops), "
+                   "cpu-moe")
     g.add_argument("--layers", type=int, default=None, help="fewer layers than 48 (a quicker, smaller check)")
     g.add_argument("--cache", default=None, help="folder for the expert cache file (default $FREETOKEN_CACHE)")
     phase_gpu.add_flags(p)
@@ -672,6 +695,9 @@ def _check_args(args: argparse.Namespace) -> None:
         args.engine_prompt = 16 if args.dry_run else 128
     if args.engine_tokens < 1 or args.engine_prompt < 8:
         raise BenchError("--engine-tokens must be at least 1 and --engine-prompt at least 8")
+    unknown = [r for r in args.runs.split(",") if r not in RUNS]
+    if unknown:
+        raise BenchError(f"unknown residency run {unknown[0]!r}; expected some of {', '.join(RUNS)}")
     phase_gpu.check_flags(args)
 
 

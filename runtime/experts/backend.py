@@ -10,7 +10,9 @@ slot it landed in. Float experts are computed one by one in expert-id order with
 and accumulated in the same order. Quantized experts on the host reproduce ``QuantizedExperts.forward``'s order:
 the fused C call sums a token's experts in the order of the ids it gets, so it runs over the slot pool only when
 the slots ascend with the expert ids, else as one call per expert accumulated in id order (same fp32 adds).
-With a device tier, quantized experts run one per call (tokens identical in the tests; not bitwise guaranteed).
+With a device tier, quantized experts run one per call (tokens identical in the tests; not bitwise guaranteed),
+or, on a CUDA tier holding Q4_0 / Q8_0 slots (``device_kernel`` "triton"), all of a step's device experts in two
+Triton launches that read the slots' own bytes (``kernels.triton.slots_matmul``; fp32 sums, another order).
 
 Deterministic mode (``ops.set_deterministic``): float experts multiply through ``moe.expert_linear`` (as
 ``TorchExperts`` does) and quantized host experts always take the int8 kernels (``QuantizedExperts``'
@@ -19,17 +21,22 @@ Deterministic mode (``ops.set_deterministic``): float experts multiply through `
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
+import warnings
 from collections.abc import Callable
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
+from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.execution.planner import ExecutionPlanner, ExpertNeed
 from freetoken_agent.runtime.experts.capabilities import Capabilities
 from freetoken_agent.runtime.experts.layout import SlotViews
 from freetoken_agent.runtime.experts.store import ExpertStore
 from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.kernels.triton import SLOT_FORMATS, SlotWeights, slots_matmul
 from freetoken_agent.runtime.model.moe import activate, expert_linear, silu_kernel_ok
 from freetoken_agent.runtime.model.spec import MoESpec
 
@@ -86,9 +93,34 @@ class ManagedExperts:
         self._views: dict[str, tuple[int, SlotViews, QuantizedExperts | None]] = {}
         self._device_timings: list[DeviceTiming] = []
         """Timed device parts of earlier steps, read into the cost model once the device has passed them."""
+        self._slots_proven = False
+        """Whether the Triton slot kernels have run a step here (after that their errors are not caught)."""
+        self.device_kernel = self._pick_device_kernel()
+        """How device slots compute: "triton" (a step's device experts at once, from the slots' bytes) or "torch"
+        (one expert at a time; a quantized slot dequantized by torch ops first)."""
         for pool in (store.host, store.device):
             if pool is not None:  # a reallocated pool: drop the views, or they keep the old tensor alive
                 pool.on_reallocate.append(self._views.clear)
+
+    def _pick_device_kernel(self) -> str:
+        """"triton" for Q4_0 / Q8_0 slots on a CUDA tier with triton installed, else "torch".
+
+        ``FREETOKEN_DEVICE_EXPERTS`` = ``torch`` / ``triton`` forces it (``triton`` applies to any device tier whose
+        formats the slot kernels read, a simulated one included: the tests run it under ``TRITON_INTERPRET=1``).
+        """
+        choice = os.environ.get("FREETOKEN_DEVICE_EXPERTS", "auto").lower()
+        if choice not in ("auto", "torch", "triton"):
+            raise FreeTokenError(f"FREETOKEN_DEVICE_EXPERTS must be auto, torch or triton, got {choice!r}")
+        lay, dev = self.layout, self.store.device
+        readable = lay.quantized and all(f in SLOT_FORMATS for f in lay.formats)
+        if dev is None or not readable or choice == "torch":
+            return "torch"
+        has_triton = importlib.util.find_spec("triton") is not None
+        if choice == "triton":
+            if not has_triton:
+                raise FreeTokenError("FREETOKEN_DEVICE_EXPERTS=triton needs triton (pip install triton)")
+            return "triton"
+        return "triton" if dev.device.type == "cuda" and has_triton else "torch"
 
     @property
     def capabilities(self) -> Capabilities:
@@ -251,7 +283,19 @@ class ManagedExperts:
         # the CPU and keeps its scripted rates, so its decisions do not depend on the machine's timing
         if device and dev is not None and dev.device.type != "cpu" and all(paths[e] == "resident" for e in device):
             timing = DeviceTiming(dev.device, len(device), sum(spans[e][1] for e in device))
-        run(device, "device")
+        if self.device_kernel == "triton":
+            try:
+                self._slots_step(device, spans, paths, xin, token_of, weight_of, parts)
+                self._slots_proven = True
+            except Exception as exc:  # the first launch compiles: a GPU / triton pairing never tried falls back
+                if self._slots_proven or isinstance(exc, FreeTokenError):
+                    raise
+                warnings.warn(f"the Triton slot kernels failed on {xin.device} ({type(exc).__name__}: {exc}); "
+                              "device experts run one by one through torch ops instead", stacklevel=2)
+                self.device_kernel = "torch"
+                run(device, "device")
+        else:
+            run(device, "device")
         if timing is not None:
             timing.stop()
             self._device_timings.append(timing)
@@ -261,6 +305,67 @@ class ManagedExperts:
         for e, (a, n) in spans.items():
             out.index_add_(0, token_of[a : a + n], parts[e].to(out.dtype))
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _slots_step(
+        self, experts: list[int], spans: dict[int, tuple[int, int]], paths: dict[int, str], x: torch.Tensor,
+        token_of: torch.Tensor, weight_of: torch.Tensor, parts: dict[int, torch.Tensor],
+    ) -> None:  # fmt: skip
+        """The step's device experts together: acquire their slots (the next miss copied while this one settles),
+        then one ``_slots_compute``; where the pool cannot hold them all at once, in runs of what it holds."""
+        store = self.store
+        keys = [(self.layer, e) for e in experts]
+        j = 0
+        while j < len(experts):
+            held: list[tuple[int, int]] = []  # (expert, slot)
+            try:
+                while j < len(experts):
+                    if j + 1 < len(experts) and paths[experts[j + 1]] == "fetch":
+                        store.fetch_async(keys[j + 1], keys[j:])
+                    try:
+                        slot = store.acquire_device(keys[j])
+                    except FreeTokenError:
+                        if not held:  # not even one fits: the pool's own error
+                            raise
+                        break  # compute what is held, release it, go on
+                    held.append((experts[j], slot))
+                    j += 1
+                self._slots_compute(held, spans, x, token_of, weight_of, parts)
+            finally:
+                for _, slot in held:
+                    store.release_device(slot)
+
+    def _slots_compute(
+        self, held: list[tuple[int, int]], spans: dict[int, tuple[int, int]], x: torch.Tensor,
+        token_of: torch.Tensor, weight_of: torch.Tensor, parts: dict[int, torch.Tensor],
+    ) -> None:  # fmt: skip
+        """``parts[e]`` for held device experts: gate/up for all their (token, expert) pairs in one Triton launch,
+        the activation, then down in another, read from the slots as the pool stores them."""
+        views, _ = self._pool_views("device")
+        lay = self.layout
+        assert views.w13 is not None and views.w2 is not None
+        f13, f2 = lay.formats
+        dev = x.device
+        idx = torch.cat([torch.arange(spans[e][0], spans[e][0] + spans[e][1]) for e, _ in held])  # [P] sorted pairs
+        pair_slot = torch.cat([torch.full((spans[e][1],), s, dtype=torch.int64) for e, s in held])
+        if dev.type == "cuda":
+            idx, pair_slot = idx.pin_memory().to(dev, non_blocking=True), pair_slot.pin_memory().to(dev, non_blocking=True)
+        else:
+            idx, pair_slot = idx.to(dev), pair_slot.to(dev)
+        h = slots_matmul(x, SlotWeights(views.w13, 2 * lay.intermediate, lay.hidden, f13, lay.packed),
+                         token_of[idx], pair_slot)  # [P, 2I]
+        if views.gate_up_bias is not None:
+            h = h + views.gate_up_bias[pair_slot]
+        a = activate(h, self.spec, self.act).contiguous()  # [P, I]
+        y = slots_matmul(a, SlotWeights(views.w2, lay.hidden, lay.intermediate, f2, lay.packed),
+                         torch.arange(a.shape[0], device=dev), pair_slot)  # [P, D]
+        if views.down_bias is not None:
+            y = y + views.down_bias[pair_slot]
+        y = y * weight_of[idx, None]
+        start = 0
+        for e, _ in held:
+            n = spans[e][1]
+            parts[e] = y[start : start + n]
+            start += n
 
     def _observe_device(self) -> None:
         """Hand the cost model every timed device part the device has finished (never waits for it)."""

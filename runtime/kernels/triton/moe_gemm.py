@@ -88,7 +88,7 @@ def grouped_matmul(
     _kernels().grouped_gemm[grid](
         x, experts.codes, experts.scales, y, sorted_pair, block_slot, p, token_div, experts.n, experts.k,
         x.stride(0), y.stride(0), experts.codes.stride(0), experts.scales.stride(0),
-        IS_Q4=experts.is_q4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IS_Q4=experts.is_q4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LAYOUT=0, IEEE=False,
     )  # fmt: skip
     return y
 
@@ -119,3 +119,80 @@ def reference_moe_forward(
         y = (F.silu(h[:, :i]) * h[:, i:]) @ reference_dequantize(w2.slot(s)).T
         out.index_add_(0, tok, y * topk_weights[tok, kk, None].float())
     return out
+
+
+SLOT_FORMATS = ("q4_0", "q8_0")
+"""Block formats the slot kernels read as a pool stores them."""
+GEMV_MAX_PAIRS = 32
+"""Up to this many (token, expert) pairs ``slots_matmul`` runs one program per pair (no sort, no host read)."""
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """One projection of the experts in a slot pool, read where and as the pool keeps them.
+
+    ``data [S, bytes]`` uint8 (a view of the pool: any row stride, unit column stride); slot ``s`` holds an
+    ``[n, k]`` matrix from its first byte: GGUF Q8_0 / Q4_0 blocks ``[n, k/32, P]``, or the C kernels' tiles of 8 rows
+    (``packed``; ``runtime/kernels/layout.py``), so a GPU slot is computed from the bytes the host slot holds.
+    """
+
+    data: torch.Tensor
+    n: int
+    k: int
+    fmt: str
+    packed: bool
+
+    def __post_init__(self) -> None:
+        if self.fmt not in SLOT_FORMATS:
+            raise FreeTokenError(f"the slot kernels read {', '.join(SLOT_FORMATS)}, not {self.fmt!r}")
+        if self.k % BLOCK:
+            raise FreeTokenError(f"the slot kernels need k to be a multiple of {BLOCK}, got {self.k}")
+        rows = -(-self.n // 8) * 8 if self.packed else self.n
+        need = rows * (self.k // BLOCK) * (18 if self.fmt == "q4_0" else 34)
+        d = self.data
+        if d.dtype != torch.uint8 or d.dim() != 2 or d.shape[1] < need or (d.shape[1] > 1 and d.stride(1) != 1):
+            raise FreeTokenError(
+                f"slot weights must be uint8 [slots, >= {need}] with unit column stride, got {d.dtype} {tuple(d.shape)}"
+            )
+
+    @property
+    def layout(self) -> int:
+        return 2 if self.packed else 1
+
+
+def slots_matmul(
+    x: torch.Tensor, w: SlotWeights, pair_row: torch.Tensor, pair_slot: torch.Tensor,
+    gemv_max: int = GEMV_MAX_PAIRS,
+) -> torch.Tensor:  # fmt: skip
+    """``y [P, n]`` fp32: pair ``p`` multiplies row ``pair_row[p]`` of ``x [*, k]`` by the matrix in slot
+    ``pair_slot[p]``. Up to ``gemv_max`` pairs: one program per pair and block of rows, fp32 FMAs; more: pairs
+    grouped by slot (a host read to size the grid) through ``tl.dot`` at IEEE fp32 precision."""
+    p = pair_slot.numel()
+    if x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1:
+        raise FreeTokenError(f"slots_matmul: x must be [rows, {w.k}] with unit last stride, got {tuple(x.shape)}")
+    if pair_row.shape != pair_slot.shape or pair_row.dim() != 1:
+        raise FreeTokenError("slots_matmul: pair_row and pair_slot must be 1-D and of one length")
+    if x.device != w.data.device or pair_slot.device != x.device or pair_row.device != x.device:
+        raise FreeTokenError(f"slots_matmul: x, pairs and weights must share a device (x on {x.device}, "
+                             f"weights on {w.data.device})")
+    is_q4 = w.fmt == "q4_0"
+    if p <= gemv_max:
+        y = torch.empty(p, w.n, dtype=torch.float32, device=x.device)
+        if p:
+            block_n, block_k = 32, 128
+            _kernels().pairs_gemv[(p, -(-w.n // block_n))](
+                x, w.data, y, pair_row, pair_slot, w.n, w.k, x.stride(0), y.stride(0), w.data.stride(0),
+                IS_Q4=is_q4, BLOCK_N=block_n, BLOCK_K=block_k, LAYOUT=w.layout,
+            )  # fmt: skip
+        return y
+    block_m, block_n, block_k = 16, 64, 32
+    rows = x[pair_row].float().contiguous()  # [P, k]: the kernel reads row p for pair p
+    sorted_pair, block_slot = align_by_slot(pair_slot, w.data.shape[0], block_m)
+    y = torch.zeros(p, w.n, dtype=torch.float32, device=x.device)
+    grid = (block_slot.numel(), -(-w.n // block_n))
+    _kernels().grouped_gemm[grid](
+        rows, w.data, w.data, y, sorted_pair, block_slot, p, 1, w.n, w.k,
+        rows.stride(0), y.stride(0), w.data.stride(0), w.data.stride(0),
+        IS_Q4=is_q4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LAYOUT=w.layout, IEEE=True,
+    )  # fmt: skip
+    return y

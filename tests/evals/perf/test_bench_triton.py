@@ -16,5 +16,9 @@ def test_bench_triton_interpret_smoke() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert {r["kernel"] for r in rows} == {"triton-dequant-gemm", "triton-grouped-moe", "triton-paged-attention"}
+    assert {r["kernel"] for r in rows} == {"triton-dequant-gemm", "triton-grouped-moe", "triton-slots",
+                                           "triton-paged-attention"}
     assert all(r["rel_err"] < 3e-3 and r["seconds"] > 0 for r in rows)
+    slots = [r for r in rows if r["kernel"] == "triton-slots"]
+    assert {r["format"] for r in slots} == {"q4_0", "q4_0-tiles", "q8_0", "q8_0-tiles"}
+    assert all(r["rel_err"] < 1e-5 and r["torch_path_seconds"] > 0 for r in slots)

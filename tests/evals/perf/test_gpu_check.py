@@ -43,7 +43,7 @@ def test_dry_run_prints_one_json_report(tmp_path: Path) -> None:
     if tri["status"] == "ran":  # triton installed: the interpreter checked every kernel
         assert tri["interpret"] is True and tri["passed"] is True
         assert {k["kernel"] for k in tri["kernels"]} == {"triton-dequant-gemm", "triton-grouped-moe",
-                                                         "triton-paged-attention"}
+                                                         "triton-slots", "triton-paged-attention"}
         assert all(k["max_abs_err"] >= 0 and k["rel_err"] <= tri["rel_tol"] for k in tri["kernels"])
     else:
         assert tri["status"] == "skipped" and tri["reason"]
@@ -76,7 +76,8 @@ def test_residency_section_on_the_dry_run(tmp_path: Path, monkeypatch: pytest.Mo
     assert report["engine"] == {"status": "skipped", "reason": "--skip"}
     assert report["planner"]["status"] == "skipped"
     rows = {r["run"]: r for r in report["residency"]["rows"]}
-    assert set(rows) == {"lru", "heat", "lru-fetch", "cpu-moe"}
+    assert set(rows) == {"lru", "heat", "lru-fetch", "lru-fetch-torch", "cpu-moe"}
+    assert {r["device_kernel"] for r in rows.values()} == {"torch"}  # a simulated (CPU) tier: no Triton slot kernels
     assert rows["cpu-moe"]["planner"]["fetch"] == 0 and rows["cpu-moe"]["planner"]["resident"] == 0
     assert rows["lru-fetch"]["planner"]["host"] == 0
     assert rows["lru"]["planner"]["fetch"] > 0  # prefill chunks send many tokens per expert: fetched
@@ -89,6 +90,8 @@ def test_bad_flags_are_one_line_errors() -> None:
         gpu_check.main(["--dry-run", "--skip", "gpu"])
     with pytest.raises(SystemExit, match="--engine-prompt at least 8"):
         gpu_check.main(["--dry-run", "--engine-prompt", "2"])
+    with pytest.raises(SystemExit, match="unknown residency run 'lfu'"):
+        gpu_check.main(["--dry-run", "--residency", "--runs", "lru,lfu"])
 
 
 def test_profile_reports_where_the_engine_threads_steps_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -227,3 +227,108 @@ def test_two_tiers_any_budget_same_tokens(model: Path, tmp_path_factory: pytest.
     engine.residency.drain()
     for ledger in engine.residency.ledgers.values():
         assert ledger.peak <= ledger.limit
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("mixtral", "q4"), ("mixtral", "q8"), ("gpt_oss", "q4")])
+def test_triton_slot_kernels_on_the_simulated_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                     quant: str) -> None:
+    """Device slots computed by the Triton slot kernels (interpreted on the CPU) from the pool's own bytes give the
+    logits of plain torch over the dequantized experts (fp32, sums in another order) and its greedy tokens: prefill
+    through the grouped GEMM, decode through the per-pair GEMV; gpt-oss adds expert biases and its clamped
+    activation."""
+    from freetoken_agent.runtime.kernels.reference import dequantized_reference
+
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / arch
+    save_checkpoint(arch, folder, seed=3)
+    prompt = list(range(7, 30))  # 23 tokens x top-2: more pairs than the GEMV takes
+
+    def run(engine: Engine) -> tuple[torch.Tensor, list[int]]:
+        full = engine.logits(prompt)
+        cache = engine.decoder.new_cache()
+        engine.decoder.forward(torch.tensor(prompt[:-1]), cache)
+        last = engine.decoder.logits(engine.decoder.forward(torch.tensor(prompt[-1:]), cache))  # 2 pairs: the GEMV
+        return torch.cat([full, last]), engine.generate(prompt, max_new_tokens=6).token_ids
+
+    ref = Engine.from_pretrained(folder, quant=quant)
+    dequantized_reference(ref.decoder)
+    want_logits, want_ids = run(ref)
+    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "triton")
+    cfg = ResidencyConfig(simulate_device=True, planner="fetch", prefetch=False)
+    engine = Engine.from_pretrained(folder, quant=quant, budget=Budget(device=400_000), residency=cfg)
+    assert {b.device_kernel for b in engine.decoder.experts if b is not None} == {"triton"}
+    got_logits, got_ids = run(engine)
+    assert engine.stats()["residency"]["planner"]["fetch"] > 0
+    assert float((got_logits - want_logits).abs().max()) <= 1e-4
+    assert got_ids == want_ids
+
+
+def test_device_experts_setting_is_checked(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from freetoken_agent.runtime.errors import FreeTokenError
+
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "cuda-please")
+    cfg = ResidencyConfig(simulate_device=True, prefetch=False)
+    with pytest.raises(FreeTokenError, match="FREETOKEN_DEVICE_EXPERTS must be auto, torch or triton"):
+        Engine.from_pretrained(model, quant="q4", budget=Budget(device=200_000), residency=cfg)
+    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "auto")  # a CPU tier: the per-expert torch path
+    engine = Engine.from_pretrained(model, quant="q4", budget=Budget(device=200_000), residency=cfg)
+    assert {b.device_kernel for b in engine.decoder.experts if b is not None} == {"torch"}
+
+
+def test_triton_slot_kernels_run_a_step_in_turns_when_the_pool_cannot_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: Path
+) -> None:
+    """A planner that sends more experts to the device than its pool holds at once (slots held by copies in
+    flight, say): the slot kernels compute what is held, release it and go on — same logits as the oracle."""
+    import freetoken_agent.runtime.experts.backend as backend_module
+    from freetoken_agent.runtime.kernels.reference import dequantized_reference
+
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "triton")
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, w: object, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        calls.append(slots.numel())
+        return slots_matmul(x, w, rows, slots)
+
+    slots_matmul = backend_module.slots_matmul
+    monkeypatch.setattr(backend_module, "slots_matmul", counted)
+    cfg = ResidencyConfig(simulate_device=True, planner="fetch", prefetch=False)
+    engine = Engine.from_pretrained(model, quant="q4", budget=Budget(device=60_000), residency=cfg)
+    device_pool = engine.decoder.experts[0].store.device
+    monkeypatch.setattr(device_pool, "capacity_for_step", lambda: 99)  # the planner sends every expert there
+    prompt = list(range(7, 30))
+    got = engine.logits(prompt)
+    ref = Engine.from_pretrained(model, quant="q4")
+    dequantized_reference(ref.decoder)
+    assert float((got - ref.logits(prompt)).abs().max()) <= 1e-4
+    layers = sum(b is not None for b in engine.decoder.experts)
+    assert device_pool.n_slots < 8 and len(calls) > 2 * layers  # more than one turn per layer
+    assert engine.stats()["residency"]["planner"]["host"] == 0
+
+
+def test_a_slot_kernel_that_fails_at_its_first_launch_falls_back_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: Path
+) -> None:
+    """A GPU / triton pairing where the slot kernels do not compile: one warning, the step reruns one expert at a
+    time through the torch path, and the engine's tokens are those of the torch path from the start."""
+    import freetoken_agent.runtime.experts.backend as backend_module
+
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    cfg = ResidencyConfig(simulate_device=True, planner="fetch", prefetch=False)
+    prompt = list(range(7, 30))
+    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "torch")
+    want = Engine.from_pretrained(model, quant="q4", budget=Budget(device=200_000), residency=cfg).generate(
+        prompt, max_new_tokens=4).token_ids
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("PassManager::run failed")  # what a triton compile error looks like
+
+    monkeypatch.setattr(backend_module, "slots_matmul", broken)
+    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "triton")
+    engine = Engine.from_pretrained(model, quant="q4", budget=Budget(device=200_000), residency=cfg)
+    with pytest.warns(UserWarning, match="Triton slot kernels failed .*PassManager::run failed"):
+        got = engine.generate(prompt, max_new_tokens=4).token_ids
+    assert got == want
+    assert {b.device_kernel for b in engine.decoder.experts if b is not None} == {"torch"}

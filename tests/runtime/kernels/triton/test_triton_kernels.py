@@ -100,3 +100,43 @@ def test_launchers_check_shapes() -> None:
     experts = TritonQuantExperts.from_float(torch.randn(2, 8, 32), "q4", DEVICE)
     with pytest.raises(FreeTokenError, match="need 3 rows"):
         grouped_matmul(torch.randn(2, 32, device=DEVICE), experts, torch.zeros(6, dtype=torch.long), token_div=2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("pairs", [3, 37])  # 3: one program per pair (GEMV); 37: grouped by slot (tl.dot, IEEE fp32)
+def test_slot_kernels_read_a_pools_own_bytes(fmt: str, packed: bool, pairs: int) -> None:
+    """Slots of a pool-like uint8 tensor (rows wider than a matrix, the matrix at an offset) in GGUF blocks or the C
+    kernels' tiles (44 rows: the last tile padded), against fp32 matmuls over the dequantized slots."""
+    from freetoken_agent.runtime.kernels.triton import SlotWeights, slots_matmul
+    from freetoken_agent.runtime.quant.formats import block_format
+
+    f = block_format(fmt)
+    s, n, k = 3, 44, 96
+    blocks = torch.stack([f.quantize_rows(torch.randn(n, k)) for _ in range(s)])
+    raw = f.storage(blocks, packed)  # [S, bytes]
+    pool = torch.zeros(s, raw.shape[1] + 48, dtype=torch.uint8)
+    pool[:, 16 : 16 + raw.shape[1]] = raw
+    w = SlotWeights(pool[:, 16 : 16 + raw.shape[1]].to(DEVICE), n, k, fmt, packed)
+    deq = torch.stack([f.dequantize(raw[i], n, k, packed) for i in range(s)])
+    x = torch.randn(5, k)
+    rows, slots = torch.randint(0, 5, (pairs,)), torch.randint(0, s, (pairs,))
+    y = slots_matmul(x.to(DEVICE), w, rows.to(DEVICE), slots.to(DEVICE))
+    want = torch.einsum("pk,pnk->pn", x[rows], deq[slots])
+    assert y.shape == (pairs, n)
+    assert float((y.cpu() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_slot_kernels_check_their_inputs() -> None:
+    from freetoken_agent.runtime.kernels.triton import SlotWeights, slots_matmul
+
+    with pytest.raises(FreeTokenError, match="not 'q4_k'"):
+        SlotWeights(torch.zeros(2, 4096, dtype=torch.uint8), 8, 256, "q4_k", False)
+    with pytest.raises(FreeTokenError, match=r"uint8 \[slots, >= 576\]"):
+        SlotWeights(torch.zeros(2, 100, dtype=torch.uint8), 8, 128, "q4_0", False)  # 8 rows x 4 blocks x 18 bytes
+    w = SlotWeights(torch.zeros(2, 576, dtype=torch.uint8, device=DEVICE), 8, 128, "q4_0", False)
+    with pytest.raises(FreeTokenError, match=r"x must be \[rows, 128\]"):
+        slots_matmul(torch.zeros(2, 64, device=DEVICE), w, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(FreeTokenError, match="one length"):
+        slots_matmul(torch.zeros(2, 128, device=DEVICE), w, torch.zeros(2, dtype=torch.long, device=DEVICE),
+                     torch.zeros(1, dtype=torch.long, device=DEVICE))
