@@ -234,7 +234,7 @@ class Engine:
 
         gguf = open_gguf(path)  # a .gguf file / split file / folder holding one (runtime/gguf), else None
         spec = gguf.spec if gguf else spec_from_config(load_config(path))
-        reader = gguf.reader if gguf else open_checkpoint(path)  # FP8-block / MXFP4 tensors are decoded on read
+        reader = gguf.reader if gguf else open_checkpoint(path, spec.checkpoint_renames)  # FP8 / MXFP4 decoded on read
         torch_dtype = _dtype(dtype)
         show = progress if progress is not None else reader.total_bytes() > 256 * 2**20
         # weights, and the experts from their source (memory, cache file, GGUF blocks, tiers): runtime/experts/core.py

@@ -181,6 +181,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                            indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
                            hc_lowrank=16, eos_token_id=3),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
+    # a global (no rope, scaled logits) layer between two sliding ones, a dense first layer (its size has no generic
+    # key; the default is 32768)
+    "ergo": dict(first_dense_intermediate_size=96, global_attention_scale=1.3,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # all three attention kinds (sliding only, CSA, HCA) and both routers (hash, learned); small compression rates,
     # window and top-k so compressed entries, the indexer's choice and the window all bite within 24-56 tokens;
     # 8 indexer heads: with 2, all-zero relu scores tie often and top-k's tie order differs between batch shapes
@@ -227,6 +231,8 @@ def make_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
             elif name.endswith(("qk_norm.temp", ".hidden_states_scale", ".residual_scale", "input_hidden_states_scale",
                                 "router_states_scale")):  # ZAYA's key temperature (zeros) and scales (ones)
                 p.copy_(1 + torch.randn_like(p) * 0.2)
+            elif name.endswith(("residual_gate.weight", "post_expert_norm.weight")):  # Ergo's gates (zeros), norms
+                p.copy_(torch.randn_like(p) * 0.5 if "gate" in name else 1 + torch.randn_like(p) * 0.3)
             elif name.endswith((".hidden_states_bias", ".residual_bias", "input_hidden_states_bias")):  # ZAYA (zeros)
                 p.copy_(torch.randn_like(p) * 0.1)
             elif name.endswith(("e_score_correction_bias", "sinks", "expert_bias")):

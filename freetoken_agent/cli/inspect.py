@@ -27,7 +27,7 @@ def describe(path: Any) -> dict[str, Any]:
         spec, reader = gguf.spec, gguf.reader
     else:
         spec = spec_from_config(load_config(path))
-        reader = CheckpointReader(path)
+        reader = CheckpointReader(path, renames=spec.checkpoint_renames)  # counted under transformers' names
     expert_re = re.compile(r"\.experts\.|\.(input|output)_linear\.")
     expert_params = dense_params = expert_bytes = dense_bytes = 0
     for name, info in reader.infos.items():

@@ -5,6 +5,7 @@ Layouts seen in the wild, all addressed here by ``(layer, expert)``:
 - fused 3-D tensors: ``experts.gate_up_proj`` [E, 2I, D] + ``experts.down_proj`` [E, D, I] (transformers ≥5),
   Granite's ``input_linear.weight`` / ``output_linear.weight`` (same shapes);
 - transposed fused: ``experts.gate_up_proj`` [E, D, 2I] (gate columns then up) + ``experts.down_proj`` [E, I, D];
+  ungated (Ergo): ``experts.up_proj`` [E, D, I] + ``experts.down_proj`` [E, I, D];
 - DBRX: ``experts.mlp.w1`` / ``v1`` / ``w2``, each [E·I, D] (gate, up, down transposed);
 - GPT-OSS: ``experts.gate_up_proj`` [E, D, 2I] with gate/up interleaved by column, ``experts.down_proj`` [E, I, D],
   plus ``*_bias`` tensors.
@@ -55,7 +56,12 @@ class ExpertSource:
         e, i, d = moe.num_experts, moe.intermediate, hidden
         if not moe.gated:  # up [E, I, D] + down [E, D, I]; the normalized gate_up holds only the up rows
             up, dn = (f"{prefix}.{n}" for n in names.fused_names)
-            if up in reader:
+            if up in reader and names.gate_up_layout == "concat_transposed":  # up [E, D, I] + down [E, I, D] (Ergo)
+                _check(reader, up, (e, d, i))
+                _check(reader, dn, (e, i, d))
+                self._load = lambda k: ExpertTensors(reader.get_row(up, k).T, reader.get_row(dn, k).T)
+                self.layout = "fused-ungated-transposed"
+            elif up in reader:
                 _check(reader, up, (e, i, d))
                 _check(reader, dn, (e, d, i))
                 self._load = lambda k: ExpertTensors(reader.get_row(up, k), reader.get_row(dn, k))

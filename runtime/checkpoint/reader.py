@@ -11,6 +11,11 @@ checked: floating point (the model computes with nothing else) and, unless ``FRE
 NaN and infinity: one ``aminmax`` pass (a 224 MiB fp32 tensor: 65-200 ms on one core of a busy 2-core machine,
 about a third of the fp32 copy the load makes anyway and 14x cheaper than ``isfinite().all()``). The reader
 records which tensors were taken so strict loading can report anything left unused.
+
+Checkpoints saved in a model's original layout (transformers converts them on load: ``conversion_mapping.py``) are
+read under transformers' names: ``renames`` (``ModelSpec.checkpoint_renames``) rewrite every stored name by regex, in
+order, and a rule may mark its tensors as stored transposed (2-D: handed out transposed). Errors name the stored
+tensor.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -264,8 +271,10 @@ class _Rows:
 class CheckpointReader:
     """All tensors of a model folder, addressed by name, read lazily."""
 
-    def __init__(self, path: str | Path, check_finite: bool | None = None) -> None:
-        """``check_finite``: refuse NaN/infinity in tensors as they are read (default: ``FREETOKEN_CHECK_WEIGHTS``)."""
+    def __init__(self, path: str | Path, check_finite: bool | None = None,
+                 renames: Sequence[tuple[str, str, bool]] = ()) -> None:
+        """``check_finite``: refuse NaN/infinity in tensors as they are read (default: ``FREETOKEN_CHECK_WEIGHTS``);
+        ``renames``: (pattern, replacement, stored transposed) rules mapping stored names to the ones asked for."""
         self.path = Path(path)
         self.check_finite = check_weights_enabled() if check_finite is None else check_finite
         self.drop_cache = False
@@ -277,12 +286,37 @@ class CheckpointReader:
             raise CheckpointError(f"model folder not found: {self.path}")
         self.files = checkpoint_files(self.path)
         self._stored: dict[Path, dict[str, TensorInfo]] = {}  # per file, as stored (``infos`` may be remapped)
+        self.transposed: set[str] = set()
+        """Names (as asked for) whose tensors are stored transposed."""
         for file in self.files:
             self._stored[file] = read_header(file)
+            if renames:
+                self._stored[file] = self._renamed(self._stored[file], renames)
             for name, info in self._stored[file].items():
                 if name in self.infos:
                     raise CorruptCheckpointError(f"tensor {name!r} appears in both {self.infos[name].file.name} and {file.name}")
-                self.infos[name] = info
+                self.infos[name] = replace(info, shape=info.shape[::-1]) if name in self.transposed else info
+
+    def _renamed(self, infos: dict[str, TensorInfo], renames: Sequence[tuple[str, str, bool]]
+                 ) -> dict[str, TensorInfo]:
+        """One file's tensors under their renamed names (``TensorInfo.name`` keeps the stored one)."""
+        out: dict[str, TensorInfo] = {}
+        for stored, info in infos.items():
+            name, flip = stored, False
+            for pattern, replacement, transposed in renames:
+                new = re.sub(pattern, replacement, name)
+                if new != name:
+                    name, flip = new, flip or transposed
+            if flip and len(info.shape) != 2:
+                raise CorruptCheckpointError(f"{info.file.name}: tensor {stored!r} should be a matrix stored "
+                                             f"transposed, but has shape {list(info.shape)}")
+            if name in out:
+                raise CorruptCheckpointError(f"{info.file.name}: tensors {out[name].name!r} and {stored!r} are both "
+                                             f"read as {name!r}")
+            out[name] = info
+            if flip:
+                self.transposed.add(name)
+        return out
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -304,13 +338,18 @@ class CheckpointReader:
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Read ``tensor[start:stop]`` without reading the rest (one expert of a row-stacked tensor)."""
+        if name in self.transposed:
+            return self.checked(name, self.read(name)[start:stop].contiguous(), f"rows {start}:{stop}")
         return self.checked(name, self._handle(name).get_slice(name)[start:stop], f"rows {start}:{stop}")
 
     def read(self, name: str) -> torch.Tensor:
         """``get`` without the checks (subclasses that decode formats override this and ``read_row``)."""
-        return self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(name)
+        return tensor.t().contiguous() if name in self.transposed else tensor
 
     def read_row(self, name: str, index: int) -> torch.Tensor:
+        if name in self.transposed:
+            return self.read(name)[index].contiguous()
         return self._handle(name).get_slice(name)[index]
 
     def checked(self, name: str, tensor: torch.Tensor, part: str = "") -> torch.Tensor:

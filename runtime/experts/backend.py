@@ -188,7 +188,7 @@ class ManagedExperts:
         lay = self.layout
         f13, f2 = (block_format(f) for f in lay.formats)
         assert views.w13 is not None and views.w2 is not None
-        gate_up = f13.dequantize(views.w13[slot], 2 * lay.intermediate, lay.hidden, lay.packed)
+        gate_up = f13.dequantize(views.w13[slot], lay.rows13, lay.hidden, lay.packed)
         return gate_up, f2.dequantize(views.w2[slot], lay.hidden, lay.intermediate, lay.packed)
 
     # ---------------------------------------------------------------- the step
@@ -351,7 +351,7 @@ class ManagedExperts:
             idx, pair_slot = idx.pin_memory().to(dev, non_blocking=True), pair_slot.pin_memory().to(dev, non_blocking=True)
         else:
             idx, pair_slot = idx.to(dev), pair_slot.to(dev)
-        h = slots_matmul(x, SlotWeights(views.w13, 2 * lay.intermediate, lay.hidden, f13, lay.packed),
+        h = slots_matmul(x, SlotWeights(views.w13, lay.rows13, lay.hidden, f13, lay.packed),
                          token_of[idx], pair_slot)  # [P, 2I]
         if views.gate_up_bias is not None:
             h = h + views.gate_up_bias[pair_slot]

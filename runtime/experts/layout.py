@@ -5,7 +5,8 @@ Legend: ``S`` slots, ``D`` hidden, ``I`` expert intermediate size.
 Every tier holds experts as equal-size blobs, so one read (or one DMA) moves one expert and a pool of ``S`` slots is
 one ``uint8 [S, stride]`` tensor. ``ExpertLayout.views(pool)`` gives typed per-slot views with no copy:
 
-- float formats (``float32``/``bfloat16``/``float16``): ``gate_up [S, 2I, D]``, ``down [S, D, I]`` in that dtype;
+- float formats (``float32``/``bfloat16``/``float16``): ``gate_up [S, 2I, D]`` (ungated experts: up ``[S, I, D]``),
+  ``down [S, D, I]`` in that dtype;
 - block formats (``q4_0``/``q8_0``/``q4_k``/``q6_k``): ``w13 [S, b13]`` and ``w2 [S, b2]`` bytes in the CPU kernels'
   tile layout (or plain GGUF blocks when the kernels are unavailable), exactly as ``QuantizedExperts`` holds them, so
   its kernels run on a pool; down may have its own format (``down_fmt``: a Q4_K_M GGUF file's Q6_K down);
@@ -56,6 +57,8 @@ class ExpertLayout:
     """Quantized blobs only: tile layout of the C kernels (True) or plain GGUF blocks (False)."""
     down_fmt: str | None = None
     """Quantized blobs only: down's block format where it differs from ``fmt`` (gate/up); ``None``: ``fmt``."""
+    gated: bool = True
+    """False: ungated experts (down(act(up x))); the first projection holds the up rows alone, ``[I, D]``."""
 
     def __post_init__(self) -> None:
         if self.fmt not in FLOAT_FORMATS and self.fmt not in QUANT_FORMATS:
@@ -75,13 +78,18 @@ class ExpertLayout:
         """(gate/up, down) storage formats."""
         return self.fmt, self.down_fmt or self.fmt
 
+    @property
+    def rows13(self) -> int:
+        """Rows of the first projection: gate and up (2I), or up alone (I) for ungated experts."""
+        return 2 * self.intermediate if self.gated else self.intermediate
+
     def _weight_bytes(self) -> tuple[int, int]:
-        d, i = self.hidden, self.intermediate
+        d, i, r = self.hidden, self.intermediate, self.rows13
         if not self.quantized:
             es = FLOAT_FORMATS[self.fmt].itemsize
-            return 2 * i * d * es, d * i * es
+            return r * d * es, d * i * es
         f13, f2 = (block_format(f) for f in self.formats)
-        return f13.matrix_bytes(2 * i, d, self.packed), f2.matrix_bytes(d, i, self.packed)
+        return f13.matrix_bytes(r, d, self.packed), f2.matrix_bytes(d, i, self.packed)
 
     @property
     def _bias_itemsize(self) -> int:
@@ -95,7 +103,7 @@ class ExpertLayout:
         if self.bias:
             es = self._bias_itemsize
             start = _round(out["down"][1], ALIGN)
-            out["gate_up_bias"] = (start, start + 2 * self.intermediate * es)
+            out["gate_up_bias"] = (start, start + self.rows13 * es)
             start = _round(out["gate_up_bias"][1], ALIGN)
             out["down_bias"] = (start, start + self.hidden * es)
         return out
@@ -150,13 +158,13 @@ class ExpertLayout:
             return pool[:, a:b].view(dtype).view(s, *shape)
 
         bias_dtype = torch.float32 if self.quantized else FLOAT_FORMATS[self.fmt]
-        gub = typed("gate_up_bias", bias_dtype, 2 * i) if self.bias else None
+        gub = typed("gate_up_bias", bias_dtype, self.rows13) if self.bias else None
         db = typed("down_bias", bias_dtype, d) if self.bias else None
         if self.quantized:
             (a13, b13), (a2, b2) = off["gate_up"], off["down"]
             return SlotViews(w13=pool[:, a13:b13], w2=pool[:, a2:b2], gate_up_bias=gub, down_bias=db)
         dtype = FLOAT_FORMATS[self.fmt]
-        return SlotViews(gate_up=typed("gate_up", dtype, 2 * i, d), down=typed("down", dtype, d, i),
+        return SlotViews(gate_up=typed("gate_up", dtype, self.rows13, d), down=typed("down", dtype, d, i),
                          gate_up_bias=gub, down_bias=db)
 
     def to_json(self) -> dict[str, object]:
@@ -164,4 +172,6 @@ class ExpertLayout:
                                   "bias": self.bias, "packed": self.packed}
         if self.down_fmt is not None:  # absent when it is fmt: the cache keys of one-format layouts stay as they were
             out["down_fmt"] = self.down_fmt
+        if not self.gated:  # likewise absent for gated experts
+            out["gated"] = False
         return out

@@ -46,9 +46,9 @@ class QuantReport:
 
 
 def activation_for(moe: MoESpec, params: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The experts' activation ``[N, 2I] → [N, I]`` for the kernels' non-fused path; ``None``: plain SiLU(gate)*up,
-    which the fused C call computes itself."""
-    if moe.activation == "silu" and not moe.glu_clamp:
+    """The experts' activation ``[N, 2I] → [N, I]`` (ungated: ``[N, I] → [N, I]``) for the kernels' non-fused path;
+    ``None``: plain SiLU(gate)*up, which the fused C call computes itself."""
+    if moe.activation == "silu" and not moe.glu_clamp and moe.gated:
         return None
     return partial(activate, moe=moe, params=params)
 
@@ -62,7 +62,8 @@ def quantized_experts(
     default ``fmt``; see the module docstring); ``params``: the experts' learned activation parameters
     (``TorchExperts.act``)."""
     return QuantizedExperts(fmt, w13, w2, hidden, moe.intermediate, packed, activation=activation_for(moe, params),
-                            gate_up_bias=biases[0], down_bias=biases[1], placement=placement, down_fmt=down_fmt)
+                            gate_up_bias=biases[0], down_bias=biases[1], placement=placement, down_fmt=down_fmt,
+                            gated=moe.gated)
 
 
 def from_weights(weights: Any, fmt: str, kernels: bool) -> tuple[dict[int, Any], QuantReport]:

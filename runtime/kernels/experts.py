@@ -103,9 +103,11 @@ class QuantizedExperts:
         down_bias: torch.Tensor | None = None,
         placement: str = "resident",
         down_fmt: str | None = None,
+        gated: bool = True,
     ) -> None:
         """``w13``/``w2``: the expert-major byte tensors (``stored``); ``packed``: in the kernels' tile layout;
-        ``fmt`` the gate/up blocks' format, ``down_fmt`` the down blocks' (default ``fmt``).
+        ``fmt`` the gate/up blocks' format, ``down_fmt`` the down blocks' (default ``fmt``). ``gated`` False: the
+        experts are down(act(up x)) and ``w13`` holds only the up rows ``[I, D]`` (an ``activation`` is then needed).
 
         ``activation`` (``[N, 2I] -> [N, I]``) replaces SiLU(gate)*up, and ``gate_up_bias [E, 2I]`` /
         ``down_bias [E, D]`` add biases; either one moves decode from the fused call to per-expert C calls.
@@ -114,6 +116,9 @@ class QuantizedExperts:
         """
         if placement not in PLACEMENTS:
             raise FreeTokenError(f"unknown placement {placement!r}; expected one of {', '.join(PLACEMENTS)}")
+        if not gated and activation is None:
+            raise FreeTokenError("ungated experts need their activation (the default is SiLU(gate) * up)")
+        self.gated = gated
         self.activation = activation
         self.int4: list[tuple[Int4Weight, Int4Weight]] | None = None  # torch int4 copies (no-compiler q4 only)
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
@@ -134,6 +139,11 @@ class QuantizedExperts:
         self._codes: tuple[int, int] | None = None
         if placement != "managed":
             self.attach_int4()
+
+    @property
+    def rows13(self) -> int:
+        """Rows of an expert's first projection: gate and up (2I), or up alone (I) for ungated experts."""
+        return 2 * self.intermediate if self.gated else self.intermediate
 
     @property
     def capabilities(self) -> Capabilities:
@@ -170,18 +180,19 @@ class QuantizedExperts:
 
     @staticmethod
     def quantize(gate_up: torch.Tensor, down: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float experts ``gate_up [E, 2I, D]``, ``down [E, D, I]`` → their ``fmt`` blocks ``[E, 2I, nb(D), P]``,
-        ``[E, D, nb(I), P]`` (Q8_0 / Q4_0: the C quantizer where the kernels load, else the torch one, the same
-        bytes; the K-quants and MXFP4: their plain-torch quantizers)."""
+        """Float experts ``gate_up [E, 2I, D]`` (ungated: up ``[E, I, D]``), ``down [E, D, I]`` → their ``fmt`` blocks
+        ``[E, 2I or I, nb(D), P]``, ``[E, D, nb(I), P]`` (Q8_0 / Q4_0: the C quantizer where the kernels load, else
+        the torch one, the same bytes; the K-quants and MXFP4: their plain-torch quantizers)."""
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
             raise FreeTokenError(
-                f"experts need gate_up [E, 2I, D] and down [E, D, I], "
+                f"experts need gate_up [E, 2I, D] (or up [E, I, D]) and down [E, D, I], "
                 f"got {tuple(gate_up.shape)} and {tuple(down.shape)}"
             )
         e, two_i, d = gate_up.shape
-        if two_i % 2 or tuple(down.shape) != (e, d, two_i // 2):
-            raise FreeTokenError(f"down must be [E, D, I] = [{e}, {d}, {two_i // 2}], got {tuple(down.shape)}")
-        i = two_i // 2
+        i = down.shape[2]
+        if tuple(down.shape[:2]) != (e, d) or two_i not in (i, 2 * i):
+            raise FreeTokenError(f"down must be [E, D, I] with gate_up [E, 2I, D] or up [E, I, D]; got "
+                                 f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
         f = block_format(fmt)
         p = f.block_bytes
         # a few experts at a time: the quantizer's temporaries stay a few times one chunk, not the whole layer
@@ -211,7 +222,7 @@ class QuantizedExperts:
         b2 = b2.blocks if isinstance(b2, BlockQuantized) else b2
         e, two_i, _, p = b13.shape
         d, i = (b2.shape[1], two_i // 2) if hidden is None or intermediate is None else (hidden, intermediate)
-        want13 = (e, 2 * i, f13.nb(d), f13.block_bytes)
+        want13 = (e, two_i if two_i == i else 2 * i, f13.nb(d), f13.block_bytes)  # gate|up, or up alone
         want2 = (e, d, f2.nb(i), f2.block_bytes)
         if tuple(b13.shape) != want13 or tuple(b2.shape) != want2:
             raise FreeTokenError(
@@ -226,7 +237,7 @@ class QuantizedExperts:
         intermediate: int, use_kernels: bool | None = None, down_fmt: str | None = None,
     ) -> QuantizedExperts:  # fmt: skip
         """From GGUF blocks: ``w13 [E, 2I, nb(D), P]`` (``fmt``) and ``w2 [E, D, nb(I), P]`` (``down_fmt``, default
-        ``fmt``) uint8 (e.g. read from a GGUF)."""
+        ``fmt``) uint8 (e.g. read from a GGUF). Gated SiLU experts."""
         packed = build.load() is not None if use_kernels is None else use_kernels
         stored = cls.stored(w13, w2, fmt, packed, hidden, intermediate, down_fmt)
         return cls(fmt, *stored, hidden, intermediate, packed, down_fmt=down_fmt)
@@ -253,16 +264,16 @@ class QuantizedExperts:
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts as GGUF blocks: ``(w13 [E, 2I, nb(D), P], w2 [E, D, nb(I), P])``."""
         d, i = self.hidden, self.intermediate
-        return (self.format.blocks(self.w13, 2 * i, d, self.packed),
+        return (self.format.blocks(self.w13, self.rows13, d, self.packed),
                 self.down_format.blocks(self.w2, d, i, self.packed))
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fp32 experts these bytes stand for: ``(gate_up [E, 2I, D], down [E, D, I])``."""
+        """The fp32 experts these bytes stand for: ``(gate_up [E, 2I or I, D], down [E, D, I])``."""
         b13, b2 = self.blocks()
-        e, d, i = self.num_experts, self.hidden, self.intermediate
-        g = self.format.dequantize_rows(b13.reshape(e * 2 * i, *b13.shape[2:]), d)
+        e, d, i, r = self.num_experts, self.hidden, self.intermediate, self.rows13
+        g = self.format.dequantize_rows(b13.reshape(e * r, *b13.shape[2:]), d)
         w = self.down_format.dequantize_rows(b2.reshape(e * d, *b2.shape[2:]), i)
-        return g.reshape(e, 2 * i, d), w.reshape(e, d, i)
+        return g.reshape(e, r, d), w.reshape(e, d, i)
 
     @property
     def nbytes(self) -> int:
@@ -271,10 +282,10 @@ class QuantizedExperts:
     def _expert_float(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         d, i = self.hidden, self.intermediate
         if self.packed:  # the C dequantizer reads the tiles as they are
-            g = ops.dequantize(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]))
+            g = ops.dequantize(ops.PackedWeight(self.fmt, self.rows13, d, self.w13[e]))
             w = ops.dequantize(ops.PackedWeight(self.down_fmt, d, i, self.w2[e]))
             return g, w
-        return self.format.dequantize(self.w13[e], 2 * i, d), self.down_format.dequantize(self.w2[e], d, i)
+        return self.format.dequantize(self.w13[e], self.rows13, d), self.down_format.dequantize(self.w2[e], d, i)
 
     # ---------------------------------------------------------------- compute
 
@@ -308,7 +319,7 @@ class QuantizedExperts:
     def expert_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens with the C GEMV (int8 activations) → ``[n, D]``."""
         d, i = self.hidden, self.intermediate
-        h = ops.linear(ops.PackedWeight(self.fmt, 2 * i, d, self.w13[e]), x)
+        h = ops.linear(ops.PackedWeight(self.fmt, self.rows13, d, self.w13[e]), x)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[e]
         y = ops.linear(ops.PackedWeight(self.down_fmt, d, i, self.w2[e]), self._act(h))

@@ -351,6 +351,13 @@ class Decoder:
         if moe.scale_input:  # each chosen expert sees x scaled by its weight; outputs are summed unweighted
             ones = torch.ones_like(weights[:, :1])
             out = sum(backend.forward(xe * weights[:, k : k + 1], ids[:, k : k + 1], ones) for k in range(ids.shape[1]))
+        elif mw.expert_norm is not None:  # Ergo: one route per row (weight 1: the expert's own output), its norm,
+            t, k = ids.shape  # then the weighted sum
+            routes = backend.forward(xe.repeat_interleave(k, dim=0), ids.reshape(-1, 1),
+                                     torch.ones(t * k, 1, dtype=weights.dtype, device=weights.device))
+            normed = F.rms_norm(routes.float(), routes.shape[-1:], None, self.spec.norm_eps)
+            normed = (normed * mw.expert_norm[ids.reshape(-1)]).to(routes.dtype)
+            out = (normed.view(t, k, -1) * weights[..., None]).sum(1).to(xe.dtype)
         else:
             out = backend.forward(xe, ids, weights)
         if moe.latent:
@@ -361,6 +368,8 @@ class Decoder:
             shared = mlp(x, mw.shared, moe.shared) if gammas is None else stacked_shared(x, mw.shared, gammas, moe.shared)
             if mw.shared_gate is not None:
                 shared = torch.sigmoid(dense_linear(x, mw.shared_gate)) * shared
+            if mw.shared_norm is not None:
+                shared = rms_norm(shared, mw.shared_norm, self.spec.norm_eps)
             out = (out + shared) / 2 if moe.shared_average else out + shared
         if mw.output_bias is not None:
             out = out + mw.output_bias

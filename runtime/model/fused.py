@@ -185,6 +185,7 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
         mode = kernel_route_mode(moe.router, mw.correction)
         alone = (mode is not None and not moe.router.hash_table and "expert_scale" not in mw.router
                  and not moe.zero_experts and not moe.latent and not moe.scale_input and moe.shared is None
+                 and not moe.expert_out_norm
                  and mw.output_bias is None and mw.output_norm is None)
         call = getattr(backend, "one_token_call", None)
         if alone and call is not None and getattr(backend, "num_experts", -1) == router.shape[0]:

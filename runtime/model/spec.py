@@ -338,6 +338,12 @@ class MoESpec:
     shared_average: bool = False
     """Routed and shared outputs are averaged instead of summed (Cohere 2 MoE)."""
     output_norm: bool = False
+    expert_out_norm: bool = False
+    """Each routed expert's output passes an RMSNorm with that expert's own weight row before the weighted sum
+    (Ergo): weights [E, D] at ``{moe_prefix}.{names.expert_out_norm}.weight``. The backend then runs one route per
+    row (each token repeated top-k times, weight 1), so any expert backend serves it."""
+    shared_out_norm: bool = False
+    """The shared expert's output passes an RMSNorm (Ergo), weight at ``{moe_prefix}.{names.shared}.norm.weight``."""
     latent: int = 0
     """If > 0 (Nemotron-H latent MoE): routed experts run in a space of this width, entered through
     ``{moe_prefix}.fc1_latent_proj`` and left through ``fc2_latent_proj`` (biases with ``latent_bias``); the router
@@ -509,6 +515,11 @@ class WeightNames:
     gated_norm_roles: tuple[str, ...] = ()
     """Norm roles (``attn_in``, ``ffn_in``, ...) that are gated RMSNorms: y = rms(x)·w, y · sigmoid(W_up silu(W_down y)),
     stored as ``{name}.norm.weight``, ``{name}.W_down.weight``, ``{name}.W_up.weight`` (A.X K2)."""
+    residual_gates: tuple[str, str] | None = None
+    """Per sub-layer (mixer, FFN) a learned residual gate ``{name}.weight`` w [D] (Ergo): h = sigmoid(w)·f +
+    sqrt(1 + sigmoid(w))·exp(-softplus(w) / 2)·h, loaded as the affine residual of ``residual_affine``."""
+    expert_out_norm: str = "experts.post_expert_norm"
+    """With ``MoESpec.expert_out_norm``: the per-expert output norms' module under the MoE prefix."""
     residual_weights: tuple[str, str] | None = None
     """Learned per-channel residual scales (mixer, FFN) stored at ``model.layers.{i}.{name}`` (Doge)."""
     final_norm: str | None = "model.norm"
@@ -606,6 +617,10 @@ class ModelSpec:
     dropped at load; Inkling's ``unpadded_vocab_size``)."""
     max_position: int = 4096
     names: WeightNames = field(default_factory=WeightNames)
+    checkpoint_renames: tuple[tuple[str, str, bool], ...] = ()
+    """Checkpoints in a model's original layout: (regex, replacement, stored transposed) rules rewriting each stored
+    tensor name into the name this spec reads, applied in order (transformers' ``conversion_mapping`` for the type;
+    ``CheckpointReader``)."""
     ignored_tensors: tuple[str, ...] = ()
     """Regexes of checkpoint tensors knowingly unused (e.g. DeepSeek multi-token-prediction layers)."""
     bos_token_id: int | None = None

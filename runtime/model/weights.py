@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from freetoken_agent.runtime.checkpoint.experts import ExpertSource
 from freetoken_agent.runtime.checkpoint.reader import CheckpointReader
@@ -47,6 +48,8 @@ class MoEWeights:
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_gate: torch.Tensor | None = None  # [1, D]
     output_norm: torch.Tensor | None = None  # [D]
+    expert_norm: torch.Tensor | None = None  # [E, D] fp32: each routed expert's output norm (Ergo)
+    shared_norm: torch.Tensor | None = None  # [D]: the shared expert's output norm (Ergo)
     output_bias: torch.Tensor | None = None  # [D]
     latent: dict[str, torch.Tensor] = field(default_factory=dict)
     """Latent MoE projections: ``fc1_latent_proj.weight`` [L, D], ``fc2_latent_proj.weight`` [D, L] (+ biases)."""
@@ -427,6 +430,12 @@ class TensorLoader:
             weights.output_bias = self.take(f"{prefix}.bias", (d,))
         if m.output_norm:
             weights.output_norm = self.take(f"{layer_prefix}.{names.moe_output_norm}.weight", (d,))
+        if m.expert_out_norm:
+            weights.expert_norm = self.take(f"{prefix}.{names.expert_out_norm}.weight", (m.num_experts, d),
+                                            torch.float32)
+        if m.shared_out_norm and m.shared is not None:
+            base = layer_prefix if names.shared_at_layer else prefix
+            weights.shared_norm = self.norm(f"{base}.{names.shared}.norm.weight", d)
         if m.shared_gate:
             weights.shared_gate = self.take(f"{prefix}.{names.shared_gate}.weight", (1, d))
         return weights
@@ -558,6 +567,15 @@ def walk_weights(spec: ModelSpec, ld: TensorLoader,
         if layer.ple is not None and spec.gated_hyper is not None:  # Qwen4-Exp's per-layer n-gram embeddings
             lw.norms.update({f"ple.{k}": t for k, t in ple_weights(ld, f"{p}.ple", layer.ple, d,
                                                                    spec.gated_hyper.streams).items()})
+        if n.residual_gates:  # Ergo: sigmoid(w)·f + sqrt(1 + sigmoid(w))·exp(-softplus(w)/2)·h, as an affine residual
+            for role, name in zip(("affine_mix", "affine_ffn"), n.residual_gates):
+                w = ld.take(f"{p}.{name}.weight", (d,), torch.float32)
+                gate = torch.sigmoid(w)
+                zero = torch.zeros_like(w)
+                keep = torch.sqrt(1.0 + gate) * torch.exp(-0.5 * F.softplus(w))  # computed in fp32, stored as the
+                lw.norms.update({f"{role}.hidden_states_scale": gate.to(ld.dtype),  # other residual weights
+                                 f"{role}.hidden_states_bias": zero.to(ld.dtype),
+                                 f"{role}.residual_scale": keep.to(ld.dtype), f"{role}.residual_bias": zero.to(ld.dtype)})
         if n.residual_affine:  # ZAYA: (f + b_f)·s_f + (h + b_h)·s_h per sub-layer
             for role, name in zip(("affine_mix", "affine_ffn"), n.residual_affine):
                 for leaf in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias"):

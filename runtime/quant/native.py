@@ -15,6 +15,7 @@ its sources used.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ def _quant_config(path: Path) -> dict[str, Any]:
 class NativeQuantReader(CheckpointReader):
     """A checkpoint reader that decodes FP8-block and MXFP4 tensors on read (see the module docstring)."""
 
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | Path, renames: Sequence[tuple[str, str, bool]] = ()) -> None:
+        super().__init__(path, renames=renames)
         qc = _quant_config(self.path)
         block = qc.get("weight_block_size") or DEFAULT_BLOCK
         self.fp8_block = (int(block[0]), int(block[1]))
@@ -76,8 +77,8 @@ class NativeQuantReader(CheckpointReader):
 
     def read(self, name: str) -> torch.Tensor:
         if name in self._fp8:
-            weight = self._raw(name)
-            return dequantize_fp8_block(weight, self._raw(self._fp8[name]), self.fp8_block)
+            weight = dequantize_fp8_block(self._raw(name), self._raw(self._fp8[name]), self.fp8_block)
+            return weight.t().contiguous() if name in self.transposed else weight
         if name in self._mx:
             blocks, scales = self._mx[name]
             self.used.add(name)
@@ -96,7 +97,8 @@ class NativeQuantReader(CheckpointReader):
         return super().read_row(name, index)
 
 
-def open_checkpoint(path: str | Path) -> CheckpointReader:
-    """A ``NativeQuantReader`` when the folder holds FP8-block or MXFP4 tensors, else a plain ``CheckpointReader``."""
-    reader = NativeQuantReader(path)
-    return reader if reader.is_quantized else CheckpointReader(path)
+def open_checkpoint(path: str | Path, renames: Sequence[tuple[str, str, bool]] = ()) -> CheckpointReader:
+    """A ``NativeQuantReader`` when the folder holds FP8-block or MXFP4 tensors, else a plain ``CheckpointReader``;
+    ``renames``: the model's ``checkpoint_renames`` (see ``CheckpointReader``)."""
+    reader = NativeQuantReader(path, renames)
+    return reader if reader.is_quantized else CheckpointReader(path, renames=renames)

@@ -25,9 +25,6 @@ from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_ch
 
 # Model types without an adapter yet, and why (mirrored in the README support table).
 UNSUPPORTED: dict[str, str] = {
-    "ergo": "Amazon Ergo (transformers 5.25): each routed expert's output passes its own RMSNorm before the weighted "
-            "sum, the shared expert ends in a norm, and both residual adds are learned gates (sigmoid / softplus "
-            "scales of branch and residual) - three mechanisms no expert backend or decoder path has yet",
     "kolibri1_1": "Kolibri 1.1 (transformers 5.25): indexed sparse attention - indexer layers pick a pool of candidate "
                   "keys from 16-key block summaries, reindexer layers rescore the pool, sink and local tokens always "
                   "seen - with keys and values shared across layers: a new attention kind",

@@ -6,3 +6,4 @@ from freetoken_agent.runtime.model.families import deepseek_v4  # noqa: F401,E40
 from freetoken_agent.runtime.model.families import gemma4  # noqa: F401,E402
 from freetoken_agent.runtime.model.families import zaya  # noqa: F401,E402
 from freetoken_agent.runtime.model.families import qwen4  # noqa: F401,E402
+from freetoken_agent.runtime.model.families import ergo  # noqa: F401,E402
