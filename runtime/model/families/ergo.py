@@ -70,8 +70,13 @@ def ergo(cfg: Config) -> ModelSpec:
     params = cfg.get("rope_parameters") or {}
     if params and not all(isinstance(v, dict) or v is None for v in params.values()):
         params = {"sliding_attention": params, "full_attention": None}  # flat: the sliding layers' rope
-    rope_cfg = {**cfg, "rope_parameters": params or None, "head_dim": head_dim,
-                "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+    sliding = dict(params.get("sliding_attention") or {}) if params else {}
+    if sliding.get("rope_type", "default") == "default":  # Ergo's default rope turns the whole head: any
+        sliding.pop("partial_rotary_factor", None)  # partial_rotary_factor is not read (the other types read it)
+    rope_cfg = {**cfg, "rope_parameters": {"sliding_attention": sliding, "full_attention": None} if params else None,
+                "head_dim": head_dim, "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+    if sliding.get("rope_type", "default") == "default":
+        rope_cfg["partial_rotary_factor"] = None
 
     def attention(kind: str) -> AttentionSpec:
         if kind == "sliding_attention":
