@@ -181,6 +181,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                            indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
                            hc_lowrank=16, eos_token_id=3),
     "mistral4": dict(qk_nope_head_dim=8, head_dim=16, qk_head_dim=16),
+    # two indexers (pools of 16 keys in blocks of 4), an indexed layer with its own KV that uses the first pool, one
+    # reading the first indexer's KV under the second's pool; top-4 + 2 sinks + 3 local keys, so both selections bite
+    # within 24-56 tokens; a dense first layer
+    "kolibri1_1": dict(num_hidden_layers=6, layer_types=["sliding_attention", "indexed_attention", "indexed_attention",
+                                                         "sliding_attention", "indexed_attention", "indexed_attention"],
+                       index_layers=[1, 4], kv_source_layers=[0, 1, 2, 3, 4, 1], mlp_only_layers=[0],
+                       mlp_only_intermediate_size=96, index_topk=4, index_pool_size=16, index_compression=4,
+                       index_num_heads=2, index_num_local_tokens=3, index_num_sink_tokens=2),
     # a global (no rope, scaled logits) layer between two sliding ones, a dense first layer (its size has no generic
     # key; the default is 32768)
     "ergo": dict(first_dense_intermediate_size=96, global_attention_scale=1.3,

@@ -672,8 +672,8 @@ def options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokens", type=int, default=32)
     g.add_argument("--prompt", type=int, default=64)
     g.add_argument("--runs", default="lru,heat,lru-fetch,lru-fetch-torch,cpu-moe",
-                   help="comma-separated residency runs: lru, heat, lru-fetch, lru-fetch-torch (device slots by torch ops), "
-                   "cpu-moe")
+                   help="comma-separated residency runs: lru, heat, lru-fetch, lru-fetch-torch (device slots by torch "
+                   "ops), cpu-moe")
     g.add_argument("--layers", type=int, default=None, help="fewer layers than 48 (a quicker, smaller check)")
     g.add_argument("--cache", default=None, help="folder for the expert cache file (default $FREETOKEN_CACHE)")
     phase_gpu.add_flags(p)

@@ -348,7 +348,8 @@ class ManagedExperts:
         idx = torch.cat([torch.arange(spans[e][0], spans[e][0] + spans[e][1]) for e, _ in held])  # [P] sorted pairs
         pair_slot = torch.cat([torch.full((spans[e][1],), s, dtype=torch.int64) for e, s in held])
         if dev.type == "cuda":
-            idx, pair_slot = idx.pin_memory().to(dev, non_blocking=True), pair_slot.pin_memory().to(dev, non_blocking=True)
+            idx = idx.pin_memory().to(dev, non_blocking=True)
+            pair_slot = pair_slot.pin_memory().to(dev, non_blocking=True)
         else:
             idx, pair_slot = idx.to(dev), pair_slot.to(dev)
         h = slots_matmul(x, SlotWeights(views.w13, lay.rows13, lay.hidden, f13, lay.packed),

@@ -155,8 +155,8 @@ def expert_layouts(spec: ModelSpec, moe_layers: list[int], quant: str, dtype: to
     (or the compute dtype's float format) for experts read as floats."""
     first = spec.layers[moe_layers[0]].moe
     assert first is not None
-    shapes = {(spec.layers[i].moe.intermediate, spec.layers[i].moe.num_experts, spec.layers[i].moe.expert_bias,  # type: ignore[union-attr]
-               spec.layers[i].moe.gated) for i in moe_layers}  # type: ignore[union-attr]
+    moes = [spec.layers[i].moe for i in moe_layers]
+    shapes = {(m.intermediate, m.num_experts, m.expert_bias, m.gated) for m in moes}  # type: ignore[union-attr]
     if len(shapes) != 1:
         raise FreeTokenError("expert residency needs every MoE layer to have the same expert shape and count")
     fmt, packed = _storage_format(quant, dtype, kernels)

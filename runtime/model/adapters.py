@@ -115,10 +115,12 @@ def optional_field(cfg: Config, *names: str, default: Any = None) -> Any:
 
 WHOLE_HEAD_ROPE = frozenset({
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "doge", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
+    "deepseek_v3", "deepseek_v32", "doge", "dots1", "ergo", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+    "gemma4_text",
     "glm_moe_dsa",
     "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
-    "hy_v4", "jetmoe", "kolibri1", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "minicpm5_moe", "minimax",
+    "hy_v4", "jetmoe", "kolibri1", "kolibri1_1", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash",
+    "minicpm5_moe", "minimax",
     "mistral4",
     "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "sarvam_mla",
 })

@@ -25,6 +25,7 @@ from freetoken_agent.runtime.model.mlp_router import mlp_route
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
 from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.compressed import shared_kv_attention
+from freetoken_agent.runtime.model.indexed import indexed_attention
 from freetoken_agent.runtime.model.fused import FusedDecode
 from freetoken_agent.runtime.model.gemma import (
     per_layer_activation,
@@ -245,7 +246,8 @@ class Decoder:
             return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch)
         spec, layer = self.spec, self.spec.layers[i]
         att = layer.attention
-        batched = att.kind in ("gqa", "mla", "shared_kv") and (att.kind != "mla" or att.indexer is None)
+        batched = (att.kind in ("gqa", "mla", "shared_kv") and (att.kind != "mla" or att.indexer is None)
+                   and att.sparse_index is None)
         if layer.recurrent is None and batched:
             # projections over every row at once (each weight read once per step), attention per sequence
             spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
@@ -267,6 +269,8 @@ class Decoder:
             return cca_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, scratch)
         if layer.attention.kind == "relpos":
             return relpos_attention(x, lw.attn, layer.attention, i, cache, positions, spec.norm_eps, scratch)
+        if layer.attention.sparse_index is not None:  # Kolibri 1.1 (its own KV or another layer's)
+            return indexed_attention(x, lw.attn, layer.attention, i, cache, positions, spec.norm_eps, scratch)
         if layer.attention.kv_source is not None:
             return reused_kv_attention(x, lw.attn, layer.attention, self.rotary[i], cache, positions, spec.norm_eps)
         if layer.attention.kind == "shared_kv":

@@ -127,7 +127,8 @@ def plan_layer(spec: ModelSpec, i: int, lw: LayerWeights, rotary: Rotary | None,
     if (att.kind != "gqa" or att.kv_source is not None or att.k_eq_v or att.q_gate or att.clip_qkv is not None
             or att.v_norm or att.v_scale != 1.0 or att.qk_norm not in ("none", "head") or att.qk_norm_after_rope
             or att.q_scale_beta > 0 or att.q_scale_power > 0 or att.dynamic_mask or att.block_indexer is not None
-            or att.indexer is not None or att.output_gate != "none" or att.relpos is not None or att.qsa is not None
+            or att.indexer is not None or att.sparse_index is not None
+            or att.output_gate != "none" or att.relpos is not None or att.qsa is not None
             or att.compressor is not None or att.o_groups):
         return None
     norms, w = lw.norms, lw.attn

@@ -83,6 +83,24 @@ class BlockIndexerSpec:
 
 
 @dataclass(frozen=True)
+class SparseIndexSpec:
+    """Kolibri 1.1 indexed attention (``model/indexed.py``): each query attends to the ``topk`` keys that score
+    highest against its first ``num_heads`` query heads (ReLU of the logits against key head 0, both rounded to
+    NVFP4) among a pool of candidates, plus the first ``sinks`` and last ``local`` keys it sees. An indexer layer
+    (``pool_source``) picks the pool: every key when the query sees at most ``pool_size``, else the ``compression``-key
+    blocks whose NVFP4-rounded mean key scores highest; the following indexed layers reuse the latest indexer's pool.
+    The attention itself reads NVFP4-rounded keys and values."""
+
+    topk: int
+    pool_size: int
+    compression: int
+    num_heads: int
+    local: int
+    sinks: int
+    pool_source: bool
+
+
+@dataclass(frozen=True)
 class RelPosSpec:
     """Inkling's relative-position attention (``kind="relpos"``, no rotary): short causal convolutions on the keys
     and values (state kept per sequence), a learned bias per backward distance mixed per query and head from
@@ -164,6 +182,8 @@ class AttentionSpec:
     indexer: IndexerSpec | None = None
     block_indexer: BlockIndexerSpec | None = None
     """GQA + MiniMax-M3 block-sparse attention (see ``BlockIndexerSpec``)."""
+    sparse_index: SparseIndexSpec | None = None
+    """GQA + Kolibri 1.1 indexed attention (see ``SparseIndexSpec``)."""
     """MLA + DeepSeek sparse attention: each query attends only to the top-k keys chosen by a lightweight indexer."""
     qk_norm_after_rope: bool = False
     """Apply the per-head q/k norm after rotary instead of before (Hunyuan)."""

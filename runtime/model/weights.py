@@ -567,15 +567,15 @@ def walk_weights(spec: ModelSpec, ld: TensorLoader,
         if layer.ple is not None and spec.gated_hyper is not None:  # Qwen4-Exp's per-layer n-gram embeddings
             lw.norms.update({f"ple.{k}": t for k, t in ple_weights(ld, f"{p}.ple", layer.ple, d,
                                                                    spec.gated_hyper.streams).items()})
-        if n.residual_gates:  # Ergo: sigmoid(w)·f + sqrt(1 + sigmoid(w))·exp(-softplus(w)/2)·h, as an affine residual
+        if n.residual_gates:  # Ergo: sigmoid(w)·f + sqrt(1 + sigmoid(w))·exp(-softplus(w)/2)·h as an affine residual
             for role, name in zip(("affine_mix", "affine_ffn"), n.residual_gates):
                 w = ld.take(f"{p}.{name}.weight", (d,), torch.float32)
                 gate = torch.sigmoid(w)
                 zero = torch.zeros_like(w)
                 keep = torch.sqrt(1.0 + gate) * torch.exp(-0.5 * F.softplus(w))  # computed in fp32, stored as the
-                lw.norms.update({f"{role}.hidden_states_scale": gate.to(ld.dtype),  # other residual weights
-                                 f"{role}.hidden_states_bias": zero.to(ld.dtype),
-                                 f"{role}.residual_scale": keep.to(ld.dtype), f"{role}.residual_bias": zero.to(ld.dtype)})
+                parts = {"hidden_states_scale": gate, "hidden_states_bias": zero,  # other residual weights are
+                         "residual_scale": keep, "residual_bias": zero}
+                lw.norms.update({f"{role}.{leaf}": t.to(ld.dtype) for leaf, t in parts.items()})
         if n.residual_affine:  # ZAYA: (f + b_f)·s_f + (h + b_h)·s_h per sub-layer
             for role, name in zip(("affine_mix", "affine_ffn"), n.residual_affine):
                 for leaf in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias"):

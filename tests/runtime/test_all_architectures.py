@@ -25,9 +25,6 @@ from tests.runtime.arch_configs import make_config, moe_causal_lm_types, save_ch
 
 # Model types without an adapter yet, and why (mirrored in the README support table).
 UNSUPPORTED: dict[str, str] = {
-    "kolibri1_1": "Kolibri 1.1 (transformers 5.25): indexed sparse attention - indexer layers pick a pool of candidate "
-                  "keys from 16-key block summaries, reindexer layers rescore the pool, sink and local tokens always "
-                  "seen - with keys and values shared across layers: a new attention kind",
 }
 
 TYPES = moe_causal_lm_types()

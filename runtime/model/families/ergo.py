@@ -70,13 +70,8 @@ def ergo(cfg: Config) -> ModelSpec:
     params = cfg.get("rope_parameters") or {}
     if params and not all(isinstance(v, dict) or v is None for v in params.values()):
         params = {"sliding_attention": params, "full_attention": None}  # flat: the sliding layers' rope
-    sliding = dict(params.get("sliding_attention") or {}) if params else {}
-    if sliding.get("rope_type", "default") == "default":  # Ergo's default rope turns the whole head: any
-        sliding.pop("partial_rotary_factor", None)  # partial_rotary_factor is not read (the other types read it)
-    rope_cfg = {**cfg, "rope_parameters": {"sliding_attention": sliding, "full_attention": None} if params else None,
-                "head_dim": head_dim, "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
-    if sliding.get("rope_type", "default") == "default":
-        rope_cfg["partial_rotary_factor"] = None
+    rope_cfg = {**cfg, "rope_parameters": params or None, "head_dim": head_dim,  # the rope turns the whole head
+                "rope_theta": cfg.get("rope_theta", 1_000_000.0)}  # (adapters.WHOLE_HEAD_ROPE)
 
     def attention(kind: str) -> AttentionSpec:
         if kind == "sliding_attention":
@@ -93,7 +88,7 @@ def ergo(cfg: Config) -> ModelSpec:
         expert_out_norm=True,
     )  # fmt: skip
     dense = MLPSpec(int(cfg["first_dense_intermediate_size"]), "relu2", gated=False)
-    layers = [LayerSpec(attention=attention(t), moe=moe) if m == "sparse" else LayerSpec(attention=attention(t), mlp=dense)
-              for t, m in zip(types, mlp_types)]
+    layers = [LayerSpec(attention=attention(t), moe=moe) if m == "sparse"
+              else LayerSpec(attention=attention(t), mlp=dense) for t, m in zip(types, mlp_types)]
     return model_spec(cfg, layers, names=ERGO_NAMES, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                       norm_eps=float(cfg.get("rms_norm_eps", 1e-12)), checkpoint_renames=ERGO_RENAMES)

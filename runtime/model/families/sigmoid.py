@@ -19,7 +19,15 @@ from freetoken_agent.runtime.model.adapters import (
     required_field,
     adapter,
 )
-from freetoken_agent.runtime.model.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec, WeightNames
+from freetoken_agent.runtime.model.spec import (
+    LayerSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    RouterSpec,
+    SparseIndexSpec,
+    WeightNames,
+)
 
 
 def sigmoid_router(cfg: Config, **overrides: Any) -> RouterSpec:
@@ -209,9 +217,7 @@ def kolibri1(cfg: Config) -> ModelSpec:
 
     router = RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", False)), correction_bias=True,
                         correction_on_logits=True)
-    names = WeightNames(correction_bias="moe.router.expert_bias", correction_at_layer=True,
-                        attn_out_norm="post_attn_norm", ffn_out_norm="post_ffn_norm")
-    return model_spec(cfg, moe_layers(cfg, attn, router), names=names)
+    return model_spec(cfg, moe_layers(cfg, attn, router), names=KOLIBRI_NAMES, checkpoint_renames=KOLIBRI_RENAMES)
 
 
 @adapter("beam")
@@ -273,3 +279,53 @@ def minimax_m3(cfg: Config) -> ModelSpec:
     layers = [LayerSpec(attention=attns[i], moe=moe) if mlp_types[i] == "sparse" else
               LayerSpec(attention=attns[i], mlp=dense) for i in range(n)]
     return model_spec(cfg, layers, norm_weight_offset=1.0, ignored_tensors=mtp_ignored(cfg))
+
+
+@adapter("kolibri1_1")
+def kolibri1_1(cfg: Config) -> ModelSpec:
+    """Kolibri 1.1: sliding-window GQA layers with RoPE, and NoPE indexed-attention layers (``model/indexed.py``) of
+    which some read the keys and values another indexed layer cached; sandwich norms; a sigmoid router scored on
+    its logits plus a correction bias; shared experts; leading dense layers (``mlp_only_layers``)."""
+    n = int(cfg["num_hidden_layers"])
+    types = _types(cfg)
+    if len(types) != n or any(t not in ("sliding_attention", "indexed_attention") for t in types):
+        raise ValueError(f"layer_types must be {n} entries of 'sliding_attention' / 'indexed_attention', got {types!r}")
+    sources = list(cfg.get("kv_source_layers") or range(n))
+    index_layers = set(cfg.get("index_layers") or [])
+    indexed = [i for i, t in enumerate(types) if t == "indexed_attention"]
+    if len(sources) != n or any(not 0 <= s <= i or types[s] != types[i] or sources[s] != s
+                                for i, s in enumerate(sources)):
+        raise ValueError("kv_source_layers must name, per layer, an earlier layer of its type with its own K/V")
+    if indexed and indexed[0] not in index_layers:
+        raise ValueError("the first indexed-attention layer must be an indexer (index_layers)")
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    if head_dim % 16:
+        raise ValueError(f"NVFP4 rounding of keys and values needs head_dim a multiple of 16, got {head_dim}")
+
+    def attn(i: int) -> Any:
+        if types[i] == "sliding_attention":
+            return gqa_spec(cfg, qk_norm="head", sliding_window=int(cfg["sliding_window"]))
+        ix = SparseIndexSpec(
+            topk=int(cfg.get("index_topk", 2048)), pool_size=int(cfg.get("index_pool_size", 16384)),
+            compression=int(cfg.get("index_compression", 16)), num_heads=int(cfg.get("index_num_heads", 12)),
+            local=int(cfg.get("index_num_local_tokens", 128)), sinks=int(cfg.get("index_num_sink_tokens", 8)),
+            pool_source=i in index_layers,
+        )  # fmt: skip
+        return gqa_spec(cfg, qk_norm="head", rope=None, sparse_index=ix,
+                        kv_source=sources[i] if sources[i] != i else None)
+
+    router = RouterSpec(scoring="sigmoid", norm_topk=bool(cfg.get("norm_topk_prob", False)), correction_bias=True,
+                        correction_on_logits=True)
+    layers = moe_layers(cfg, attn, router, dense_size=int(cfg.get("mlp_only_intermediate_size") or 3584))
+    return model_spec(cfg, layers, names=KOLIBRI_NAMES, checkpoint_renames=KOLIBRI_RENAMES)
+
+
+KOLIBRI_NAMES = WeightNames(correction_bias="moe.router.expert_bias", correction_at_layer=True,
+                            attn_out_norm="post_attn_norm", ffn_out_norm="post_ffn_norm")
+"""Kolibri's tensor names as its checkpoints store them (and ``save_pretrained`` writes them back)."""
+KOLIBRI_RENAMES: tuple[tuple[str, str, bool], ...] = (
+    (r"\.post_self_attn_layernorm\.", ".post_attn_norm.", False),
+    (r"\.post_mlp_layernorm\.", ".post_ffn_norm.", False),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ".moe.router.expert_bias", False),
+)
+"""A Kolibri checkpoint under transformers' in-memory names read as the stored ones."""

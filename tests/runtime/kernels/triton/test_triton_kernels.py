@@ -136,7 +136,8 @@ def test_slot_kernels_check_their_inputs() -> None:
         SlotWeights(torch.zeros(2, 100, dtype=torch.uint8), 8, 128, "q4_0", False)  # 8 rows x 4 blocks x 18 bytes
     w = SlotWeights(torch.zeros(2, 576, dtype=torch.uint8, device=DEVICE), 8, 128, "q4_0", False)
     with pytest.raises(FreeTokenError, match=r"x must be \[rows, 128\]"):
-        slots_matmul(torch.zeros(2, 64, device=DEVICE), w, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        one = torch.zeros(1, dtype=torch.long)
+        slots_matmul(torch.zeros(2, 64, device=DEVICE), w, one, one)
     with pytest.raises(FreeTokenError, match="one length"):
         slots_matmul(torch.zeros(2, 128, device=DEVICE), w, torch.zeros(2, dtype=torch.long, device=DEVICE),
                      torch.zeros(1, dtype=torch.long, device=DEVICE))

@@ -1,0 +1,120 @@
+"""Kolibri 1.1 indexed attention (``AttentionSpec.sparse_index``): no position embeddings, each query attends to a
+few keys chosen by score, and keys and values rounded to NVFP4.
+
+Legend: ``T`` queries of this forward, ``S`` keys in the sequence's cache, ``nh`` routing heads, ``c`` compression.
+
+The selection follows transformers' reference (``Kolibri1_1Indexer``) operation for operation, so the same keys are
+chosen (ties towards earlier keys): routing queries are the first ``nh`` query heads rounded to NVFP4, scored against
+key head 0 (ReLU of each head's logits, summed over the heads in order, times ``Dh^-1/2 / nh``). An indexer layer
+picks the pool of candidates — every visible key while a query sees at most ``pool_size``, else the ``pool_size / c``
+best blocks of ``c`` keys by their NVFP4-rounded mean key (a query's incomplete last block competes with score 0,
+later blocks not at all) — and leaves it in the sequence's per-forward scratch for the indexed layers after it, each of
+which then keeps its own ``topk`` best candidates plus the first ``sinks`` and last ``local`` visible keys (a query
+that sees no more than that budget sees every key). A query's pool and keys depend only on its own position and the
+keys before it, so a decode step selects what the same query selected in a prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.kv.cache import KVCache
+from freetoken_agent.runtime.model.layers import attention_scores, linear, rms_norm
+from freetoken_agent.runtime.model.spec import AttentionSpec, SparseIndexSpec
+
+POOL_KEY = "kolibri_index_pool"
+"""The per-forward scratch entry holding the latest indexer's pool ``[T, S]`` bool."""
+
+
+def nvfp4_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to NVFP4 and back: E2M1 values with one E4M3 scale per 16 consecutive values of the last dimension,
+    nearest-even (transformers' ``nvfp4_fake_quantize``)."""
+    blocks = x.float().unflatten(-1, (-1, 16))
+    scale = (blocks.abs().amax(-1, keepdim=True) / 6).clamp(2**-9, 448).to(torch.float8_e4m3fn).float()
+    scaled = blocks / scale
+    magnitude = scaled.abs().clamp(max=6)
+    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))  # E2M1 spacing
+    rounded = torch.round(magnitude / step) * step
+    return (rounded.copysign(scaled) * scale).flatten(-2).to(x.dtype)
+
+
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the ``k`` highest finite scores of each row; ties go to the lowest indices."""
+    k = min(k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    tied = (scores == kth) & (kth > float("-inf"))
+    free = k - above.sum(-1, keepdim=True)
+    return above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= free))
+
+
+def _score(queries: torch.Tensor, keys: torch.Tensor, ix: SparseIndexSpec, head_dim: int) -> torch.Tensor:
+    """``queries [T, nh, Dh]`` against ``keys [N, Dh]`` → ``[T, N]``: ReLU logits summed over the heads in order."""
+    scores = queries.new_zeros(queries.shape[0], keys.shape[0])
+    for h in range(queries.shape[1]):
+        scores += (queries[:, h] @ keys.T).relu()
+    return scores * (head_dim**-0.5 / ix.num_heads)
+
+
+def select_keys(q: torch.Tensor, k_all: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec,
+                scratch: dict) -> torch.Tensor:
+    """``keep [T, S]``: the keys each query of ``q [T, H, Dh]`` (at ``positions``) attends to over ``k_all [S, Hkv,
+    Dh]`` (the module docstring); an indexer stores its pool in ``scratch``."""
+    ix = spec.sparse_index
+    assert ix is not None
+    s, dh = k_all.shape[0], spec.head_dim
+    lengths = positions.to(torch.int64) + 1  # a query at p sees keys [0, p]
+    visible = torch.arange(s, device=q.device)[None, :] < lengths[:, None]  # [T, S]
+    keys = k_all[:, 0]  # key head 0, [S, Dh]
+    routing = nvfp4_round(q[:, : ix.num_heads]).float()  # [T, nh, Dh]
+    if ix.pool_source:
+        pool = visible.clone()
+        long = lengths > ix.pool_size
+        if bool(long.any()):
+            c = ix.compression
+            nb = s // c
+            summaries = nvfp4_round(keys[: nb * c].float().unflatten(0, (nb, c)).sum(1) / c)  # [nb, Dh]
+            scores = torch.nn.functional.pad(_score(routing[long], summaries, ix, dh), (0, 1))  # [Tl, nb + 1]
+            blocks = torch.arange(nb + 1, device=q.device)
+            n = lengths[long][:, None]
+            scores = torch.where(blocks < n // c, scores, 0.0)  # the incomplete last block: score 0
+            scores = scores.masked_fill(blocks >= (n + c - 1) // c, float("-inf"))  # blocks past the query: out
+            chosen = top_k_mask(scores, ix.pool_size // c).repeat_interleave(c, dim=-1)[:, :s]
+            pool[long] = chosen & visible[long]
+        scratch[POOL_KEY] = pool
+    else:
+        pool = scratch.get(POOL_KEY)
+        if pool is None or pool.shape != visible.shape:
+            raise FreeTokenError("an indexed-attention layer ran before its indexer in this forward")
+    keep = visible.clone()
+    long = lengths > ix.topk + ix.local + ix.sinks
+    if bool(long.any()):
+        scores = _score(routing[long], nvfp4_round(keys).float(), ix, dh)  # [Tl, S]
+        pos = torch.arange(s, device=q.device)[None, :]
+        n = lengths[long][:, None]
+        sinks = pos < ix.sinks
+        local = (pos >= n - ix.local) & (pos < n)
+        candidates = pool[long] & ~sinks & (pos < n - ix.local)
+        chosen = top_k_mask(scores.masked_fill(~candidates, float("-inf")), ix.topk)
+        keep[long] = (chosen | sinks | local) & visible[long]
+    return keep
+
+
+def indexed_attention(x: torch.Tensor, w: dict[str, torch.Tensor], spec: AttentionSpec, layer: int, cache: KVCache,
+                      positions: torch.Tensor, eps: float, scratch: dict) -> torch.Tensor:
+    """x [T, D] → [T, D] for one sequence: q (and, unless the layer reads ``spec.kv_source``'s cache, k and v) with
+    per-head RMSNorm and no rotary; the keys chosen by ``select_keys``; attention over NVFP4-rounded keys and
+    values."""
+    t = x.shape[0]
+    q = rms_norm(linear(x, w, "q_proj").view(t, spec.num_heads, spec.head_dim), w["q_norm.weight"], eps)
+    if spec.kv_source is None:
+        k = rms_norm(linear(x, w, "k_proj").view(t, spec.num_kv_heads, spec.head_dim), w["k_norm.weight"], eps)
+        v = linear(x, w, "v_proj").view(t, spec.num_kv_heads, spec.v_head_dim)
+        k_all, v_all = cache.append(layer, k, v)[:2]
+    else:
+        k_all, v_all = cache.cached(spec.kv_source)[:2]
+    k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+    keep = select_keys(q, k_all, positions, spec, scratch)
+    out = attention_scores(q, nvfp4_round(k_all), nvfp4_round(v_all), positions, spec, None, keep=keep)
+    return linear(out, w, "o_proj")
