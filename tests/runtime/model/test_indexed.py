@@ -68,3 +68,20 @@ def test_a_follower_without_its_indexer_is_an_error() -> None:
     spec = spec_from_config({**make_config("kolibri1_1").to_dict(), "model_type": "kolibri1_1"})
     with pytest.raises(FreeTokenError, match="before its indexer"):
         select_keys(torch.randn(3, 4, 16), torch.randn(30, 2, 16), torch.arange(27, 30), spec.layers[2].attention, {})
+
+
+def test_attention_over_the_kept_keys_equals_masked_attention_over_all() -> None:
+    """Gathering the kept keys (and rounding only them) gives what masked attention over every rounded key gives."""
+    from freetoken_agent.runtime.model.indexed import kept_attention
+    from freetoken_agent.runtime.model.layers import attention_scores
+
+    spec = spec_from_config({**make_config("kolibri1_1").to_dict(), "model_type": "kolibri1_1"}).layers[1].attention
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(30, 4, 16, generator=gen), torch.randn(30, 2, 16, generator=gen), torch.randn(30, 2, 16,
+                                                                                                     generator=gen)
+    pos = torch.arange(30)
+    keep = select_keys(q, k, pos, spec, {})
+    cols = keep.any(0).nonzero().flatten()
+    got = kept_attention(q, nvfp4_round(k[cols]), nvfp4_round(v[cols]), keep[:, cols], spec.scale)
+    want = attention_scores(q, nvfp4_round(k), nvfp4_round(v), pos, spec, None, keep=keep)
+    assert float((got - want).abs().max()) <= 1e-5
