@@ -271,6 +271,9 @@ class _Rows:
 class CheckpointReader:
     """All tensors of a model folder, addressed by name, read lazily."""
 
+    transposed: set[str] | frozenset[str] = frozenset()
+    """Names (as asked for) whose tensors are stored transposed (set per instance when renames mark some)."""
+
     def __init__(self, path: str | Path, check_finite: bool | None = None,
                  renames: Sequence[tuple[str, str, bool]] = ()) -> None:
         """``check_finite``: refuse NaN/infinity in tensors as they are read (default: ``FREETOKEN_CHECK_WEIGHTS``);
@@ -286,8 +289,7 @@ class CheckpointReader:
             raise CheckpointError(f"model folder not found: {self.path}")
         self.files = checkpoint_files(self.path)
         self._stored: dict[Path, dict[str, TensorInfo]] = {}  # per file, as stored (``infos`` may be remapped)
-        self.transposed: set[str] = set()
-        """Names (as asked for) whose tensors are stored transposed."""
+        self.transposed = set()
         for file in self.files:
             self._stored[file] = read_header(file)
             if renames:
