@@ -185,6 +185,7 @@ class Engine:
         deterministic: bool = False,
         kv_dtype: str | torch.dtype = "auto",
         speculate: bool | int | SpeculationConfig = True,
+        draft_model: str | Path | Any = None,
     ) -> Engine:
         """Load a model folder (``config.json`` + ``*.safetensors``; tokenizer files when present).
 
@@ -210,6 +211,10 @@ class Engine:
         ``True`` (default: drafts only where they pay, per sequence and phase), ``False``, the most draft tokens per
         step, or a ``SpeculationConfig``. Greedy output is the same tokens as without it (bit for bit with
         ``deterministic``), sampled output the same distribution.
+
+        ``draft_model``: a small model of the same tokenizer that drafts for speculative decoding instead of prompt
+        lookup — a model folder or GGUF (loaded with this call's ``device``, ``dtype`` and ``threads``) or a loaded
+        ``Engine`` / ``DraftModel`` (``runtime/generation/draft_model.py``). Refused when its tokenizer differs.
 
         ``threads``: CPU threads for torch (default: ``$FREETOKEN_THREADS``, else the cores free right now).
         Raises a ``FreeTokenError`` subclass with one clear line for every kind of bad input.
@@ -276,9 +281,39 @@ class Engine:
                 engine.decode_torch_threads = 1
         built.install(engine.decoder)
         engine.quant, engine.residency = built.report, built.store
+        if draft_model is not None:
+            engine.attach_draft_model(draft_model, device=device, dtype=dtype, threads=threads)
         return engine
 
+    def attach_draft_model(self, model: str | Path | Any, **load: Any) -> Any:
+        """Draft with ``model`` (a path, an ``Engine`` or a ``DraftModel``; ``load``: ``from_pretrained`` options for
+        a path) from now on; returns the ``DraftModel``. Raises ``OptionError`` when its tokenizer differs."""
+        from dataclasses import replace
+
+        from freetoken_agent.runtime.generation.draft_model import DraftModel
+
+        if isinstance(model, DraftModel):
+            draft = model
+        elif isinstance(model, Engine):
+            draft = DraftModel(model)
+        else:
+            draft = DraftModel.load(model, **load)
+            draft.owned = True
+        try:
+            draft.check(self)
+        except Exception:
+            if draft.owned:
+                draft.close()
+            raise
+        self.speculation = replace(self.speculation, draft_model=draft)
+        return draft
+
     # ------------------------------------------------------------------------------------------------ text
+
+    @property
+    def tokenizer_or_none(self) -> Tokenizer | None:
+        """The tokenizer, or None for a model folder without tokenizer files."""
+        return self._tokenizer
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -394,8 +429,12 @@ class Engine:
         return self.generate(self.tokenizer.encode(prompt), params, **kwargs)
 
     def close(self) -> None:
-        """Stop the engine thread; requests still in flight fail with ``RequestCancelled``."""
+        """Stop the engine thread; requests still in flight fail with ``RequestCancelled``. A draft model attached
+        by path is closed with it."""
         self.scheduler.close()
+        draft = self.speculation.draft_model
+        if draft is not None and draft.owned:
+            draft.close()
 
     # ------------------------------------------------------------------------------------------------ phases, stats
 

@@ -932,6 +932,9 @@ class Scheduler:
                 # a row of k + 1 tokens in 1-token steps, k = 1..max_draft: what the policy prices drafts at
                 "row_cost": [round(1 + cfg.verify_cost * k if cfg.verify_cost is not None
                                    else self.step_cost.relative(k), 3) for k in range(1, cfg.max_draft + 1)],
+                "drafter": ("custom" if cfg.drafter is not None else "draft model" if cfg.draft_model is not None
+                            else "prompt lookup"),
+                "draft_model": cfg.draft_model.snapshot() if cfg.draft_model is not None else None,
                 **self.spec_stats.snapshot()}
 
     def snapshot(self) -> dict[str, Any]:

@@ -65,7 +65,7 @@ class SDKAgent:
 
 
 # Engine statistics that are not cumulative counters: kept as they are at the task's end, never subtracted.
-_NOT_COUNTERS = ("_rate", "_ratio", "_tok_s", "_per_s", "_cost", "threads", "phase")
+_NOT_COUNTERS = ("_rate", "_ratio", "_tok_s", "_per_s", "_per_token", "_cost", "_sessions", "threads", "phase")
 
 
 def _stats(backend: Any) -> dict[str, Any]:

@@ -32,6 +32,9 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculate", default="on", type=speculate_flag, metavar="on|off|K",
                    help="speculative decoding from the context (drafts where they pay, verified in the batch; same "
                         "greedy tokens, same sampled distribution): on (default), off, or at most K draft tokens")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a small model of the same tokenizer (folder or GGUF) that drafts for speculative decoding "
+                        "instead of prompt lookup; refused when its tokenizer differs")
     g.add_argument("--residency-policy", default=None, choices=["lru", "heat", "phase"],
                    help="which expert leaves a full slot pool (default: lru; phase for run/acp under a budget)")
 
@@ -49,7 +52,7 @@ def speculate_flag(value: str) -> bool | int:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=``/``threads=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=``/``draft_model=``/``threads=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if getattr(args, "quant_dense", "none") != "none":
@@ -60,6 +63,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quant["kv_dtype"] = args.kv_dtype
     if getattr(args, "speculate", True) is not True:
         quant["speculate"] = args.speculate
+    if getattr(args, "draft_model", None):
+        quant["draft_model"] = args.draft_model
     if getattr(args, "threads", None) is not None:  # torch's threads and the kernels' pool (Engine.from_pretrained)
         quant["threads"] = args.threads
     if device is None and host is None and policy is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from freetoken_agent.runtime.errors import OptionError
 
@@ -109,8 +109,9 @@ class SpeculationConfig:
     once (``GEMV_MAX_M``); a ninth token moves a step onto the GEMM path (measured: 1.8x → 3.0x a 1-token step on a
     q4 MoE, ``evals/perf/bench_speculative.py``)."""
     verify_cost: float | None = None
-    """Cost of each draft token of a row, in 1-token decode steps (1 + verify_cost · k for a row of k + 1); None:
-    what rows of each size cost, measured on this machine and model while decoding (``StepCost.relative``)."""
+    """Cost of each draft token of a row, in 1-token decode steps (1 + verify_cost · k for a row of k + 1), drafting
+    included; None: what rows of each size cost, measured on this machine and model while decoding
+    (``StepCost.relative``), plus a draft model's measured seconds per draft token."""
     key: int = 2
     """Tokens of the n-gram looked up in the context."""
     prior: float = 0.35
@@ -123,7 +124,10 @@ class SpeculationConfig:
     idle_decay: float = 0.97
     """Weight kept per step in which the sequence does not speculate (it tries again once its failures fade)."""
     drafter: Callable[[], Drafter] | None = field(default=None, compare=False)
-    """Builds each sequence's drafter (None: ``PromptLookup(key)``)."""
+    """Builds each sequence's drafter (None: the draft model's, else ``PromptLookup(key)``)."""
+    draft_model: Any = field(default=None, compare=False)
+    """A ``generation.draft_model.DraftModel``: a small model of the same tokenizer drafts instead of prompt lookup
+    (``Engine.from_pretrained(draft_model=...)``, ``--draft-model``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or not 0 <= self.max_draft <= 64:
@@ -284,7 +288,12 @@ class DraftPolicy:
         self.config, self.phases = config, phases
         self.cost = cost if cost is not None else StepCost()
         if drafter is None:
-            drafter = config.drafter() if config.drafter is not None else PromptLookup(config.key)
+            if config.drafter is not None:
+                drafter = config.drafter()
+            elif config.draft_model is not None:
+                drafter = config.draft_model.drafter()
+            else:
+                drafter = PromptLookup(config.key)
         self.drafter: Drafter = drafter
         self.accepted = 0.0
         self.rejected = 0.0
@@ -297,7 +306,15 @@ class DraftPolicy:
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
-        cost = self.config.verify_cost if self.config.verify_cost is not None else self.cost.relative
+        cost: float | Callable[[int], float]
+        if self.config.verify_cost is not None:  # a fixed price per draft token: drafting included
+            cost = self.config.verify_cost
+        else:
+            cost = self.cost.relative
+            drafting = getattr(self.drafter, "seconds_per_token", None)  # a draft model's own forwards, measured
+            one = self.cost.seconds().get(1)
+            if drafting and one:
+                cost = lambda k: self.cost.relative(k) + k * drafting / one  # noqa: E731
         k = min(limit, best_draft_length(self.acceptance(phase), self.config.max_draft, cost))
         if k <= 0:
             d = self.config.idle_decay

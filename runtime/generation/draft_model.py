@@ -1,0 +1,226 @@
+"""Speculative decoding with a draft model: a small model of the same tokenizer proposes the next tokens.
+
+Prompt lookup (``speculative.PromptLookup``) drafts only what the context already holds; a draft model drafts
+anything it can predict — prose in ``plan`` turns as well as copies in ``code`` turns. ``DraftModel`` wraps a second
+``Engine`` (any architecture and weight format the engine loads) and hands each sequence of the main engine a
+``ModelDrafter``. A drafter owns one of the draft engine's KV sessions while its sequence lives: a proposal is one
+greedy turn of at most k tokens on that session, so the draft model's KV follows the sequence incrementally — the
+session keeps what the sequence already fed, rolls rejected drafts back to the longest common prefix, and a hybrid
+draft model (recurrent layers) restarts from the state snapshot at the last verified position. When a sequence ends
+its session goes back to a small pool; the next sequence takes the one whose tokens share the longest prefix with
+its own (an agent's next turn continues the last one's context).
+
+Greedy drafts are proposals with certainty, so the main engine's verification (``Sampler.verify``: exact match when
+greedy, the speculative-sampling rule otherwise) keeps its output exactly as without speculation; the draft model
+changes only how many tokens a step yields. What drafting costs is measured (``seconds_per_token``) and priced into
+the draft length beside the verify row's cost (``DraftPolicy``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+from freetoken_agent.runtime.errors import OptionError
+
+PROBE = "def main(argv):\n    return {'path': \"src/ünïcode.py\", 'n': 42}  # ok → ✓\n"
+"""Text whose ids both tokenizers must agree on (code, unicode, digits, whitespace runs)."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slices compared in C, chunk by chunk)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i, step = 0, 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def vocabulary_mismatch(main: Any, draft: Any) -> str | None:
+    """Why the draft model's tokenizer cannot draft for the main model's (None: they agree). Compares the probe
+    text's ids and the text of ids sampled over the shared id range."""
+    if main is None or draft is None:
+        return None
+    a, b = main.encode(PROBE), draft.encode(PROBE)
+    if a != b:
+        return f"the tokenizers encode the same text differently ({a[:6]}... vs {b[:6]}...)"
+    n = min(main.vocab_size, draft.vocab_size)
+    for i in range(0, n, max(1, n // 2048)):
+        if main.decode([i]) != draft.decode([i]):
+            return f"token id {i} is {main.decode([i])!r} for the model and {draft.decode([i])!r} for the draft model"
+    return None
+
+
+class DraftModel:
+    """A small model drafting for a larger one of the same tokenizer (``SpeculationConfig.draft_model``).
+
+    ``engine``: the draft model's ``Engine`` (``DraftModel.load`` builds one). Its own speculation is turned off;
+    requests of its own may still run on it. ``sessions``: idle KV sessions kept for later sequences."""
+
+    def __init__(self, engine: Any, sessions: int = 8, name: str | None = None) -> None:
+        from freetoken_agent.runtime.generation.speculative import unsupported
+
+        why = unsupported(engine.spec)
+        if why is not None:
+            raise OptionError(f"this draft model cannot draft: {why}")
+        engine.speculation = False
+        self.engine, self.keep = engine, max(0, sessions)
+        self.name = name or (str(engine.path) if engine.path is not None else "draft model")
+        self.vocab_size = int(engine.spec.vocab_size)
+        self.max_position = int(engine.spec.max_position)
+        self.stateful = bool(engine.spec.state_layers())
+        self._lock = threading.Lock()
+        self._idle: list[Any] = []  # sessions no live drafter holds, most recently released last
+        self.proposals = 0
+        self.fed = 0
+        """Context tokens the draft model computed (those its sessions did not hold already)."""
+        self.drafted = 0
+        self.seconds = 0.0
+        self.failures = 0
+        self._seconds_per_token: float | None = None
+        self.disabled: str | None = None
+        """Why drafting stopped (a failed draft forward), or None."""
+        self.owned = False
+        """Loaded from a path for one engine, which closes it (``Engine.attach_draft_model``)."""
+
+    @classmethod
+    def load(cls, path: str | Path, main: Any = None, **kwargs: Any) -> DraftModel:
+        """Load the draft model at ``path`` (a model folder or GGUF, as ``Engine.from_pretrained``; ``kwargs`` go
+        there) and check it can draft for ``main`` (an ``Engine``: same tokenizer, where both have one)."""
+        from freetoken_agent.runtime.engine import Engine
+
+        engine = Engine.from_pretrained(path, speculate=False, **kwargs)
+        model = cls(engine, name=str(path))
+        if main is not None:
+            try:
+                model.check(main)
+            except OptionError:
+                model.close()
+                raise
+        return model
+
+    def check(self, main: Any) -> None:
+        """Refuse (``OptionError``) a draft model whose tokens mean other text than the main model's."""
+        why = vocabulary_mismatch(main.tokenizer_or_none, self.engine.tokenizer_or_none)
+        if why is not None:
+            raise OptionError(f"the draft model {self.name} does not share the model's tokenizer: {why}")
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Mean seconds of drafting per draft token (recent proposals weigh most); None before the first."""
+        return self._seconds_per_token
+
+    def drafter(self) -> ModelDrafter:
+        """A drafter for one sequence (``SpeculationConfig.drafter`` builds one per sequence)."""
+        return ModelDrafter(self)
+
+    def acquire(self, tokens: list[int]) -> Any:
+        """The idle session whose tokens share the longest prefix with ``tokens`` (a new one when none is idle)."""
+        with self._lock:
+            best, best_len = None, -1
+            for s in reversed(self._idle):  # ties: the most recently released
+                n = common_prefix(s.log, tokens)
+                if n > best_len:
+                    best, best_len = s, n
+            if best is not None:
+                self._idle.remove(best)
+                return best
+        return self.engine.session()
+
+    def release(self, session: Any) -> None:
+        """A drafter's sequence ended: keep its session for a later one (the oldest idle ones are closed)."""
+        if session.closed:
+            return
+        with self._lock:
+            self._idle.append(session)
+            extra = self._idle[: max(0, len(self._idle) - self.keep)]
+            del self._idle[: len(extra)]
+        for s in extra:
+            s.close()
+
+    def record(self, drafted: int, seconds: float) -> None:
+        self.proposals += 1
+        self.drafted += drafted
+        self.seconds += seconds
+        if drafted:
+            per = seconds / drafted
+            prev = self._seconds_per_token
+            self._seconds_per_token = per if prev is None else 0.8 * prev + 0.2 * per
+
+    def fail(self, exc: BaseException) -> None:
+        """A draft forward failed: drafting stops (the main model decodes on without drafts), once, with a
+        warning — a broken draft model never fails the main model's requests."""
+        self.failures += 1
+        if self.disabled is None:
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"draft model {self.name} failed ({self.disabled}); speculation goes on without it",
+                          RuntimeWarning, stacklevel=2)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the draft model did (``Engine.stats()["speculation"]["draft_model"]``)."""
+        spt = self._seconds_per_token
+        return {"name": self.name, "proposals": self.proposals, "fed": self.fed, "drafted": self.drafted,
+                "seconds": round(self.seconds, 4), "ms_per_token": None if spt is None else round(spt * 1e3, 3),
+                "idle_sessions": len(self._idle), "disabled": self.disabled}
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+        self.engine.close()
+
+
+class ModelDrafter:
+    """One sequence's drafter on a ``DraftModel`` (see the module docstring)."""
+
+    def __init__(self, model: DraftModel) -> None:
+        self.model = model
+        self.session: Any = None
+        self._finalizer: Any = None
+        self.match = 0
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return self.model.seconds_per_token
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        from freetoken_agent.runtime.generation.sampling import SamplingParams
+        from freetoken_agent.runtime.scheduler import Request
+
+        model = self.model
+        n = len(tokens)
+        if k <= 0 or not n or model.disabled is not None or n + k > model.max_position:
+            return []
+        if max(tokens[-(k + 8):]) >= model.vocab_size:  # a token the draft model has no embedding for
+            return []
+        t0 = time.perf_counter()
+        try:
+            if self.session is None or self.session.closed:
+                if max(tokens) >= model.vocab_size:
+                    return []
+                self.session = model.acquire(tokens)
+                self._finalizer = weakref.finalize(self, model.release, self.session)
+            session = self.session
+            if model.stateful and n > 1:
+                # a hybrid draft model cannot rewind its recurrent states: feed the verified tokens first, so the
+                # session snapshots them, and the drafts roll back to that snapshot next time
+                fed = session.submit(Request(tokens[:-1], kind="prefill")).result()
+                model.fed += n - 1 - fed.reused_tokens
+            result = session.submit(Request(list(tokens), SamplingParams(max_new_tokens=k))).result()
+            model.fed += n - result.reused_tokens
+        except Exception as exc:  # noqa: BLE001 — a broken draft model must never fail the main model's request
+            model.fail(exc)
+            return []
+        draft = list(result.token_ids[:k])
+        model.record(len(draft), time.perf_counter() - t0)
+        self.match = len(draft)
+        return draft
