@@ -339,6 +339,10 @@ def _close_all() -> None:
         sched.close()
 
 
+_NOT_STARTED = object()
+"""A step's proposal of a drafter without ``start`` (it drafts in ``propose``)."""
+
+
 class Scheduler:
     """Owns every sequence of one engine and the thread that steps them (``start`` on first submit)."""
 
@@ -624,6 +628,7 @@ class Scheduler:
         config = self.speculation
         if self._phase_acceptance.config is not config:
             self._phase_acceptance = PhaseAcceptance(config)
+        chosen: list[tuple[Sequence, int, int, Any]] = []  # (sequence, row tokens, k, a started proposal)
         for seq, n in plan:
             if budget <= 0:
                 break
@@ -636,7 +641,17 @@ class Scheduler:
                 continue
             if seq.spec is None or seq.spec.config is not config:
                 seq.spec = DraftPolicy(config, self._phase_acceptance, cost=self.step_cost)
-            draft = list(seq.spec.draft(seq.tokens, self._phase(seq), limit))[:limit]
+            k = seq.spec.length(self._phase(seq), limit)
+            if k <= 0:
+                continue
+            start = getattr(seq.spec.drafter, "start", None)  # a draft model: every proposal runs before any wait
+            chosen.append((seq, n, k, start(seq.tokens, k) if start is not None else _NOT_STARTED))
+            budget -= k
+        for seq, n, k, started in chosen:
+            assert seq.spec is not None
+            drafter = seq.spec.drafter
+            draft = list(drafter.propose(seq.tokens, k) if started is _NOT_STARTED
+                         else drafter.finish(started))[:k]  # type: ignore[attr-defined]
             bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # a drafter's token outside the vocabulary: the draft ends before it
                 del draft[bad:]
@@ -655,7 +670,6 @@ class Scheduler:
             except OutOfPages:
                 continue
             out[seq.id] = draft
-            budget -= len(draft)
         return out
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Speculative decoding on recorded agent turns: decode tok/s with and without it, oracle acceptance, verify cost.
 
-Three measurements (the recorded mini-swe-agent trajectories, rendered through the built-in model's chat template
+Four measurements (the recorded mini-swe-agent trajectories, rendered through the built-in model's chat template
 and labelled per token by phase as ``phase_trace`` does: ``plan`` text, ``code`` = the tool call, ``tool`` output):
 
 1. **Built-in model, real decode.** For each assistant span of a phase (``code``: the tool call; ``plan``: the
@@ -17,9 +17,15 @@ and labelled per token by phase as ``phase_trace`` does: ``plan`` text, ``code``
    after a ``--cost-context``-token prompt (the engine's own runner and paged KV; rows rolled back between runs).
    With (2) it gives the **projected** speedup for a trained model of that size: tokens per step / (cost of the
    step relative to a 1-token step). A random model accepts nothing of its own, so this is a projection.
+4. **Draft model** (``--draft-model``, default the built-in model; only the held-out sessions it was not trained
+   on): its greedy prediction at each position of a phase's spans given the recorded tokens before it (a greedy
+   chain of k drafts matches the recorded reply exactly as far as these do), giving tokens per step for fixed k;
+   and the real ``DraftModel``'s milliseconds per draft token along a session. With (3): the projected speedup of
+   a model of the synthetic's size that writes like the recorded agent, drafted by the draft model — tokens per
+   step / (relative verify cost + k · draft ms / 1-token step ms).
 
     nice -n 10 python -m freetoken_agent.evals.perf.bench_speculative [--trajectories DIR] [--sessions N]
-        [--turns N] [--window N] [--max-new N] [--moe DIR] [--json]
+        [--turns N] [--window N] [--max-new N] [--moe DIR] [--draft-model DIR] [--skip-draft] [--json]
 
 ``--moe``: a ``qwen3_moe`` folder (default: the 7.5B of ``bench_concurrent`` when it exists, else a 4-layer
 synthetic of the same block, 1.26B parameters, written under ``--scratch`` once).
@@ -118,6 +124,87 @@ def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phas
     return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 3) if steps else 0.0,
             "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else 0.0}
+
+
+# ------------------------------------------------------------------------------------------------ draft model
+
+
+def draft_predictions(engine: Any, ids: list[int], start: int, end: int, window: int) -> list[int]:
+    """The draft model's greedy next token at each position of [start, end) given the recorded tokens before it
+    (teacher forcing; context: up to ``window`` tokens before ``start``). A chain of greedy drafts from position i
+    matches the recorded tokens exactly as far as these single predictions do."""
+    s0 = max(0, start - window)
+    logits = engine.logits(ids[s0:end])  # [end - s0, V]: row j predicts position s0 + j + 1
+    return [int(t) for t in logits[start - 1 - s0 : end - 1 - s0].argmax(-1)]
+
+
+def draft_oracle(sessions: list, phase: str, draft_path: Path, window: int) -> dict[str, Any]:
+    """Tokens per verification step when the draft model drafts k tokens and the recorded reply is the model's
+    output (k in ``DRAFTS``), over every span of ``phase``."""
+    from freetoken_agent.runtime.engine import Engine
+
+    from freetoken_agent.runtime.generation.speculative import PromptLookup
+
+    engine = Engine.from_pretrained(draft_path, speculate=False)
+    limit = engine.spec.max_position
+    agg = {f"{how}{k}": {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0} for k in DRAFTS for how in ("", "+")}
+    top1 = total = 0
+    for _, ids, labels in sessions:
+        lookups = {k: PromptLookup() for k in DRAFTS}  # each sees the session's positions in increasing order
+        for start, end in spans(labels, phase):
+            if start < 16:
+                continue
+            end = min(end, start + limit - window - 1)
+            preds = draft_predictions(engine, ids, start, end, window)
+            ok = [p == t for p, t in zip(preds, ids[start:end])]
+            top1 += sum(ok)
+            total += len(ok)
+            for k in DRAFTS:
+                for how in ("", "+"):  # "+": prompt lookup where it matches 4 tokens or more, else the model
+                    a = agg[f"{how}{k}"]
+                    i = start
+                    while i < end:
+                        n = min(k, end - i - 1)
+                        kept = 0
+                        copy = lookups[k].propose(ids[:i], n) if how and n > 0 else []
+                        if copy and lookups[k].match >= 4:
+                            while kept < len(copy) and copy[kept] == ids[i + kept]:
+                                kept += 1
+                        else:
+                            while kept < n and ok[i - start + kept]:
+                                kept += 1
+                        a["steps"] += 1
+                        a["tokens"] += kept + 1
+                        a["drafted"] += n
+                        a["accepted"] += kept
+                        i += kept + 1
+    engine.close()
+    for a in agg.values():
+        a["tokens_per_step"] = round(a["tokens"] / a["steps"], 3) if a["steps"] else 0.0
+        a["acceptance"] = round(a["accepted"] / a["drafted"], 3) if a["drafted"] else 0.0
+    return {"top1": round(top1 / total, 3) if total else 0.0, "positions": total, **agg}
+
+
+def draft_cost(draft_path: Path, ids: list[int], context: int, k: int, proposals: int) -> dict[str, Any]:
+    """Seconds per draft token of the real drafter (``DraftModel``: a session of the draft engine, incremental KV)
+    along a recorded session: each proposal after the last advances the context by half a draft."""
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.generation.draft_model import DraftModel
+
+    model = DraftModel(Engine.from_pretrained(draft_path))
+    drafter = model.drafter()
+    at = min(context, len(ids) - proposals * k)
+    drafter.propose(ids[:at], k)  # the context's prefill, not timed
+    model.seconds = 0.0
+    drafted = 0
+    t0 = time.perf_counter()
+    for _ in range(proposals):
+        at += max(1, k // 2)
+        drafted += len(drafter.propose(ids[:at], k))
+    seconds = time.perf_counter() - t0
+    model.close()
+    return {"model": str(draft_path), "context": context, "k": k, "proposals": proposals,
+            "ms_per_draft_token": round(seconds / max(drafted, 1) * 1e3, 3)}
 
 
 # ------------------------------------------------------------------------------------------------ built-in model
@@ -230,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-builtin", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--draft-model", type=Path, default=None,
+                    help="a draft model of the built-in tokenizer for the draft-model oracle (default: the built-in "
+                         "model, on the held-out sessions it was not trained on)")
+    ap.add_argument("--skip-draft", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.trajectories.is_dir():
@@ -252,6 +343,17 @@ def main(argv: list[str] | None = None) -> int:
             per_k["adaptive" if k is None else str(k)] = agg
         report["oracle"][phase] = per_k
 
+    if not args.skip_draft:
+        from freetoken_agent.evals.builtin.data import session_files, split_sessions
+        from freetoken_agent.runtime.builtin import builtin_model_dir
+
+        draft_path = args.draft_model or builtin_model_dir()
+        held = {p.name.removesuffix(".traj.json") for p in split_sessions(session_files(args.trajectories)).held_out}
+        held_sessions = [s for s in labelled_sessions(args.trajectories, 10**6) if s[0] in held]
+        report["draft"] = {"model": str(draft_path), "sessions": len(held_sessions),
+                           "oracle": {p: draft_oracle(held_sessions, p, draft_path, args.window) for p in phases},
+                           "cost": draft_cost(draft_path, held_sessions[0][1], args.window, 4, 40)}
+
     if not args.skip_builtin:
         report["builtin"] = {p: builtin_decode(sessions, p, args.turns, args.window, args.max_new) for p in phases}
 
@@ -273,6 +375,18 @@ def main(argv: list[str] | None = None) -> int:
                 o = report["oracle"][phase][str(k)]
                 proj[f"{phase} k={k}"] = round(o["tokens_per_step"] / rel[k], 3)
         cost["projected_speedup"] = proj
+        if "draft" in report:  # the draft model's tokens per step over the verify row plus the drafting
+            d = report["draft"]
+            one_ms = cost["step_ms"][0]
+            draft_ms = d["cost"]["ms_per_draft_token"]
+            d["projected_speedup"] = {
+                f"{phase} k={k}": round(d["oracle"][phase][str(k)]["tokens_per_step"]
+                                        / (rel[k] + k * draft_ms / one_ms), 3)
+                for phase in phases for k in DRAFTS}
+            d["projected_speedup"].update({
+                f"{phase} k=+{k}": round(d["oracle"][phase][f"+{k}"]["tokens_per_step"]
+                                         / (rel[k] + k * draft_ms / one_ms), 3)
+                for phase in phases for k in DRAFTS})
         report["verify_cost"] = cost
 
     if args.json:
@@ -289,6 +403,16 @@ def format_report(r: dict[str, Any]) -> str:
     for phase, per_k in r["oracle"].items():
         for k, o in per_k.items():
             lines.append(f"| {phase} | {k} | {o['tokens_per_step']} | {o['acceptance']} |")
+    if "draft" in r:
+        d = r["draft"]
+        lines += ["", f"Draft model {d['model']} on {d['sessions']} held-out sessions (recorded reply as the model's "
+                  f"output; {d['cost']['ms_per_draft_token']} ms per draft token):",
+                  "| phase | top-1 | k (+k: prompt lookup where it matches >= 4 tokens) | tokens/step | acceptance |",
+                  "|---|---|---|---|---|"]
+        for phase, o in d["oracle"].items():
+            for k in (*DRAFTS, *(f"+{k}" for k in DRAFTS)):
+                lines.append(f"| {phase} | {o['top1']} | {k} | {o[str(k)]['tokens_per_step']} | "
+                             f"{o[str(k)]['acceptance']} |")
     if "builtin" in r:
         lines += ["", "Built-in model, greedy decode of the recorded turns (speculation off → on):",
                   "| phase | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
@@ -305,6 +429,10 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"| {k} | {ms} | {c['relative'][k]} |")
         lines += ["", "Projected speedup there (oracle tokens/step ÷ relative step cost; a projection):"]
         lines += [f"  {name}: {v}x" for name, v in c["projected_speedup"].items()]
+        if "projected_speedup" in r.get("draft", {}):
+            lines += ["", "Projected speedup there with the draft model (its tokens/step ÷ (relative verify cost + "
+                      "k · draft ms / step ms); a projection):"]
+            lines += [f"  {name}: {v}x" for name, v in r["draft"]["projected_speedup"].items()]
     return "\n".join(lines)
 
 

@@ -193,20 +193,25 @@ class ModelDrafter:
         return self.model.seconds_per_token
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.finish(self.start(tokens, k))
+
+    def start(self, tokens: list[int], k: int) -> Any:
+        """Begin a proposal: the draft model's request is submitted and runs on its engine's thread while the
+        caller starts other sequences' (the draft engine batches them); ``finish`` waits for it. None: no draft."""
         from freetoken_agent.runtime.generation.sampling import SamplingParams
         from freetoken_agent.runtime.scheduler import Request
 
         model = self.model
         n = len(tokens)
         if k <= 0 or not n or model.disabled is not None or n + k > model.max_position:
-            return []
+            return None
         if max(tokens[-(k + 8):]) >= model.vocab_size:  # a token the draft model has no embedding for
-            return []
+            return None
         t0 = time.perf_counter()
         try:
             if self.session is None or self.session.closed:
                 if max(tokens) >= model.vocab_size:
-                    return []
+                    return None
                 self.session = model.acquire(tokens)
                 self._finalizer = weakref.finalize(self, model.release, self.session)
             session = self.session
@@ -215,11 +220,24 @@ class ModelDrafter:
                 # session snapshots them, and the drafts roll back to that snapshot next time
                 fed = session.submit(Request(tokens[:-1], kind="prefill")).result()
                 model.fed += n - 1 - fed.reused_tokens
-            result = session.submit(Request(list(tokens), SamplingParams(max_new_tokens=k))).result()
-            model.fed += n - result.reused_tokens
+            handle = session.submit(Request(list(tokens), SamplingParams(max_new_tokens=k)))
         except Exception as exc:  # noqa: BLE001 — a broken draft model must never fail the main model's request
             model.fail(exc)
+            return None
+        return handle, n, k, t0
+
+    def finish(self, started: Any) -> list[int]:
+        """The draft tokens of a proposal ``start`` began ([] when it drafted nothing or the draft model failed)."""
+        if started is None:
             return []
+        handle, n, k, t0 = started
+        model = self.model
+        try:
+            result = handle.result()
+        except Exception as exc:  # noqa: BLE001 — as in ``start``
+            model.fail(exc)
+            return []
+        model.fed += n - result.reused_tokens
         draft = list(result.token_ids[:k])
         model.record(len(draft), time.perf_counter() - t0)
         self.match = len(draft)

@@ -30,7 +30,10 @@ from freetoken_agent.runtime.errors import OptionError
 
 
 class Drafter(Protocol):
-    """Proposes the tokens likely to follow a sequence (one instance per sequence; it may index incrementally)."""
+    """Proposes the tokens likely to follow a sequence (one instance per sequence; it may index incrementally).
+
+    A drafter that computes (a draft model) may also offer ``start(tokens, k)`` → a handle and ``finish(handle)`` →
+    the drafts: the scheduler then starts every sequence's proposal of a step before it waits for the first."""
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` draft tokens to follow ``tokens`` (the sequence's tokens so far; it only ever grows)."""
@@ -306,6 +309,11 @@ class DraftPolicy:
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
+        k = self.length(phase, limit)
+        return self.drafter.propose(tokens, k) if k > 0 else []
+
+    def length(self, phase: str | None, limit: int) -> int:
+        """How many tokens to draft this step (at most ``limit``; 0: speculating does not pay)."""
         cost: float | Callable[[int], float]
         if self.config.verify_cost is not None:  # a fixed price per draft token: drafting included
             cost = self.config.verify_cost
@@ -319,8 +327,8 @@ class DraftPolicy:
         if k <= 0:
             d = self.config.idle_decay
             self.accepted, self.rejected = self.accepted * d, self.rejected * d
-            return []
-        return self.drafter.propose(tokens, k)
+            return 0
+        return k
 
     def observe(self, phase: str | None, drafted: int, accepted: int) -> None:
         """A verification: ``accepted`` of ``drafted`` draft tokens were kept (a prefix of them)."""
