@@ -292,6 +292,9 @@ class Engine:
 
         from freetoken_agent.runtime.generation.draft_model import DraftModel
 
+        if model is self or (isinstance(model, DraftModel) and model.engine is self):
+            # its proposals would wait on this engine's own thread, which waits for them
+            raise OptionError("an engine cannot draft for itself: load the draft model as a second engine")
         if isinstance(model, DraftModel):
             draft = model
         elif isinstance(model, Engine):

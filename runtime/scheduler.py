@@ -339,10 +339,6 @@ def _close_all() -> None:
         sched.close()
 
 
-_NOT_STARTED = object()
-"""A step's proposal of a drafter without ``start`` (it drafts in ``propose``)."""
-
-
 class Scheduler:
     """Owns every sequence of one engine and the thread that steps them (``start`` on first submit)."""
 
@@ -628,7 +624,7 @@ class Scheduler:
         config = self.speculation
         if self._phase_acceptance.config is not config:
             self._phase_acceptance = PhaseAcceptance(config)
-        chosen: list[tuple[Sequence, int, int, Any]] = []  # (sequence, row tokens, k, a started proposal)
+        chosen: list[tuple[Sequence, int, int, Any]] = []  # (sequence, row tokens, k, drafts or a started proposal)
         for seq, n in plan:
             if budget <= 0:
                 break
@@ -645,13 +641,17 @@ class Scheduler:
             if k <= 0:
                 continue
             start = getattr(seq.spec.drafter, "start", None)  # a draft model: every proposal runs before any wait
-            chosen.append((seq, n, k, start(seq.tokens, k) if start is not None else _NOT_STARTED))
-            budget -= k
+            if start is not None:
+                chosen.append((seq, n, k, start(seq.tokens, k)))
+                budget -= k
+            else:
+                draft = list(seq.spec.drafter.propose(seq.tokens, k))[:k]
+                chosen.append((seq, n, k, draft))
+                budget -= len(draft)
         for seq, n, k, started in chosen:
             assert seq.spec is not None
-            drafter = seq.spec.drafter
-            draft = list(drafter.propose(seq.tokens, k) if started is _NOT_STARTED
-                         else drafter.finish(started))[:k]  # type: ignore[attr-defined]
+            draft = (started if isinstance(started, list)
+                     else list(seq.spec.drafter.finish(started))[:k])  # type: ignore[attr-defined]
             bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # a drafter's token outside the vocabulary: the draft ends before it
                 del draft[bad:]

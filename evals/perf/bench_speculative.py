@@ -129,6 +129,13 @@ def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phas
 # ------------------------------------------------------------------------------------------------ draft model
 
 
+def split_held(folder: Path) -> list[Path]:
+    """The sessions the built-in model was not trained on (its held-out split)."""
+    from freetoken_agent.evals.builtin.data import session_files, split_sessions
+
+    return split_sessions(session_files(folder)).held_out
+
+
 def draft_predictions(engine: Any, ids: list[int], start: int, end: int, window: int) -> list[int]:
     """The draft model's greedy next token at each position of [start, end) given the recorded tokens before it
     (teacher forcing; context: up to ``window`` tokens before ``start``). A chain of greedy drafts from position i
@@ -210,13 +217,17 @@ def draft_cost(draft_path: Path, ids: list[int], context: int, k: int, proposals
 # ------------------------------------------------------------------------------------------------ built-in model
 
 
-def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new: int) -> dict[str, Any]:
-    """Greedy decode of each span's turn with speculation off, then on (see the module docstring)."""
+def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new: int, model: Path | None = None,
+                   draft_model: Path | None = None, **load: Any) -> dict[str, Any]:
+    """Greedy decode of each span's turn with speculation off, then on (see the module docstring). ``model``: the
+    model decoding (default: the built-in one; ``load``: its ``from_pretrained`` options); ``draft_model``: drafts
+    come from it instead of prompt lookup."""
     from freetoken_agent.runtime.builtin import builtin_model_dir
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.generation.sampling import SamplingParams
 
-    engine = Engine.from_pretrained(builtin_model_dir())
+    engine = Engine.from_pretrained(model or builtin_model_dir(), draft_model=draft_model, **load)
+    with_draft = engine.speculation
     params = SamplingParams(max_new_tokens=max_new)
     prompts = []
     for _, ids, labels in sessions:
@@ -230,7 +241,7 @@ def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new:
     s0 = engine.scheduler.speculation_snapshot()
     for i, p in enumerate(prompts):  # modes interleaved per turn (and their order alternated): the same load
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-            engine.speculation = mode == "on"
+            engine.speculation = with_draft if mode == "on" else False
             r = engine.generate(p, params, phase=phase)  # the phase an agent announces for the turn
             results[mode].append(r.token_ids)
             if len(r.token_ids) > 1:
@@ -240,6 +251,7 @@ def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new:
     for mode, (toks, secs) in totals.items():
         out[mode] = {"decode_tok_s": round(toks / secs, 1) if secs else None, "tokens": toks,
                      "seconds": round(secs, 3)}
+    out["model"], out["drafter"] = str(model or "built-in"), s1["drafter"]
     drafted, acc = s1["drafted"] - s0["drafted"], s1["accepted"] - s0["accepted"]
     out["on"].update(drafted=drafted, accepted=acc, acceptance=round(acc / drafted, 3) if drafted else None,
                      verify_rows=s1["verify_rows"] - s0["verify_rows"], k_hist=s1["k_hist"])
@@ -321,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a draft model of the built-in tokenizer for the draft-model oracle (default: the built-in "
                          "model, on the held-out sessions it was not trained on)")
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--decode-moe", action="store_true",
+                    help="also decode the recorded turns on --moe itself (speculation off vs on with prompt lookup, "
+                         "and with --draft-model or the built-in model drafting)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.trajectories.is_dir():
@@ -344,11 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         report["oracle"][phase] = per_k
 
     if not args.skip_draft:
-        from freetoken_agent.evals.builtin.data import session_files, split_sessions
         from freetoken_agent.runtime.builtin import builtin_model_dir
 
         draft_path = args.draft_model or builtin_model_dir()
-        held = {p.name.removesuffix(".traj.json") for p in split_sessions(session_files(args.trajectories)).held_out}
+        held = {p.name.removesuffix(".traj.json") for p in split_held(args.trajectories)}
         held_sessions = [s for s in labelled_sessions(args.trajectories, 10**6) if s[0] in held]
         report["draft"] = {"model": str(draft_path), "sessions": len(held_sessions),
                            "oracle": {p: draft_oracle(held_sessions, p, draft_path, args.window) for p in phases},
@@ -356,6 +370,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.skip_builtin:
         report["builtin"] = {p: builtin_decode(sessions, p, args.turns, args.window, args.max_new) for p in phases}
+
+    if args.decode_moe and args.moe is not None:
+        from freetoken_agent.runtime.builtin import builtin_model_dir
+
+        held = {p.name.removesuffix(".traj.json") for p in split_held(args.trajectories)}
+        held_sessions = [s for s in labelled_sessions(args.trajectories, 10**6) if s[0] in held]
+        report["moe_decode"] = {
+            f"{p} {how}": builtin_decode(held_sessions, p, args.turns, args.window, args.max_new, args.moe,
+                                         draft, quant=args.quant)
+            for p in phases for how, draft in (("lookup", None), ("draft", args.draft_model or builtin_model_dir()))}
 
     if not args.skip_cost:
         model, note = args.moe, ""
@@ -413,6 +437,13 @@ def format_report(r: dict[str, Any]) -> str:
             for k in (*DRAFTS, *(f"+{k}" for k in DRAFTS)):
                 lines.append(f"| {phase} | {o['top1']} | {k} | {o[str(k)]['tokens_per_step']} | "
                              f"{o[str(k)]['acceptance']} |")
+    if "moe_decode" in r:
+        lines += ["", "The synthetic MoE decoding the held-out turns (speculation off → on):",
+                  "| phase, drafter | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, b in r["moe_decode"].items():
+            lines.append(f"| {name} | {b['turns']} | {b['off']['decode_tok_s']} | {b['on']['decode_tok_s']} | "
+                         f"{b.get('speedup')} | {b['on'].get('acceptance')} | {b['identical_turns']} |")
     if "builtin" in r:
         lines += ["", "Built-in model, greedy decode of the recorded turns (speculation off → on):",
                   "| phase | turns | tok/s off | tok/s on | speedup | acceptance | identical |",

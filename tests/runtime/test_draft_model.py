@@ -151,6 +151,10 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path: Path) -> None
     with pytest.raises(FreeTokenError):  # one clear error for a path that holds no model
         Engine.from_pretrained(main, draft_model=tmp_path / "missing")
     assert vocabulary_mismatch(None, object()) is None
+    engine = Engine.from_pretrained(main)
+    with pytest.raises(OptionError, match="cannot draft for itself"):  # it would wait on its own thread
+        engine.attach_draft_model(engine)
+    engine.close()
 
 
 def test_a_failing_draft_model_is_dropped_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,3 +185,42 @@ def test_common_prefix() -> None:
     for cut in (0, 1, 255, 256, 257, 700, 999):
         b = a[:cut] + [-1] + a[cut + 1 :]
         assert common_prefix(a, b) == cut
+
+
+def test_the_cli_flag_drafts_with_the_model_and_refuses_a_stranger(tmp_path: Path) -> None:
+    """``freetoken generate --draft-model`` in a real subprocess: the same greedy tokens as without speculation, the
+    draft model named in the stats; a draft model of another tokenizer is one clear error line, no traceback."""
+    import subprocess
+    import sys
+
+    from freetoken_agent.cli import build_parser
+    from freetoken_agent.cli.budget import engine_kwargs
+    from freetoken_agent.cli.run import agent_engine_kwargs
+
+    for argv in (["serve"], ["generate", "--prompt", "hi"], ["run", "task"], ["acp"]):
+        args = build_parser().parse_args([*argv, "--draft-model", "small"])
+        kwargs = agent_engine_kwargs(args) if argv[0] in ("run", "acp") else engine_kwargs(args)
+        assert kwargs["draft_model"] == "small"
+
+    main, other = tmp_path / "main", tmp_path / "other"
+    save_checkpoint("qwen3_moe", main)
+    words = [f"w{i}" for i in range(512)]
+    write_tokenizer(main, words)
+    shutil.copytree(main, other)
+    write_tokenizer(other, list(reversed(words)))
+    ids = ",".join(str(t) for t in repeating_prompts(1, seed=9)[0])
+
+    def generate(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "freetoken_agent.cli", "generate", "--model", str(main),
+                               "--prompt-ids", ids, "--max-new-tokens", "20", "--json", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    plain, drafted = generate("--speculate", "off"), generate("--draft-model", str(main))
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-2000:]
+    a, b = json.loads(plain.stdout.splitlines()[-1]), json.loads(drafted.stdout.splitlines()[-1])
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 20
+    assert b["stats"]["speculation"]["drafter"] == "draft model"
+    assert b["stats"]["speculation"]["draft_model"]["name"] == str(main)
+    bad = generate("--draft-model", str(other))
+    assert bad.returncode != 0 and "does not share the model's tokenizer" in bad.stderr
+    assert "Traceback" not in bad.stderr
