@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="code,plan")
     ap.add_argument("--moe", type=Path, default=None, help="the synthetic MoE for the verify cost (see above)")
     ap.add_argument("--quant", default="q4", choices=["none", "q8", "q4"])
+    ap.add_argument("--dense", default="none", choices=["none", "q8", "q4"], help="--decode-moe's dense weights")
     ap.add_argument("--cost-context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-builtin", action="store_true")
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         held_sessions = [s for s in labelled_sessions(args.trajectories, 10**6) if s[0] in held]
         report["moe_decode"] = {
             f"{p} {how}": builtin_decode(held_sessions, p, args.turns, args.window, args.max_new, args.moe,
-                                         draft, quant=args.quant)
+                                         draft, quant=args.quant, dense_quant=args.dense)
             for p in phases for how, draft in (("lookup", None), ("draft", args.draft_model or builtin_model_dir()))}
 
     if not args.skip_cost:

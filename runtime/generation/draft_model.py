@@ -18,6 +18,7 @@ the draft length beside the verify row's cost (``DraftPolicy``).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import warnings
@@ -86,6 +87,7 @@ class DraftModel:
         self.seconds = 0.0
         self.failures = 0
         self._seconds_per_token: float | None = None
+        self._recent: list[float] = []  # seconds per draft token of the last proposals that priced one
         self.disabled: str | None = None
         """Why drafting stopped (a failed draft forward), or None."""
         self.owned = False
@@ -115,7 +117,7 @@ class DraftModel:
 
     @property
     def seconds_per_token(self) -> float | None:
-        """Mean seconds of drafting per draft token (recent proposals weigh most); None before the first."""
+        """Seconds of drafting per draft token (the median of recent proposals; see ``record``); None before one."""
         return self._seconds_per_token
 
     def drafter(self) -> ModelDrafter:
@@ -146,14 +148,18 @@ class DraftModel:
         for s in extra:
             s.close()
 
-    def record(self, drafted: int, seconds: float) -> None:
+    def record(self, drafted: int, seconds: float, fed: int) -> None:
+        """A proposal drafted ``drafted`` tokens in ``seconds``, after feeding ``fed`` context tokens. Only proposals
+        that fed what a decode step adds (at most one more than they draft) price a draft token: a new sequence's
+        first proposal prefills its whole context once, which says nothing of the next ones. The price is the
+        median of the last 15 (a slow moment does not stop drafting for good)."""
         self.proposals += 1
         self.drafted += drafted
         self.seconds += seconds
-        if drafted:
-            per = seconds / drafted
-            prev = self._seconds_per_token
-            self._seconds_per_token = per if prev is None else 0.8 * prev + 0.2 * per
+        if drafted and fed <= drafted + 2:
+            self._recent.append(seconds / drafted)
+            del self._recent[:-15]
+            self._seconds_per_token = statistics.median(self._recent)
 
     def fail(self, exc: BaseException) -> None:
         """A draft forward failed: drafting stops (the main model decodes on without drafts), once, with a
@@ -237,8 +243,9 @@ class ModelDrafter:
         except Exception as exc:  # noqa: BLE001 — as in ``start``
             model.fail(exc)
             return []
-        model.fed += n - result.reused_tokens
+        fed = n - result.reused_tokens
+        model.fed += fed
         draft = list(result.token_ids[:k])
-        model.record(len(draft), time.perf_counter() - t0)
+        model.record(len(draft), time.perf_counter() - t0, fed)
         self.match = len(draft)
         return draft

@@ -224,3 +224,15 @@ def test_the_cli_flag_drafts_with_the_model_and_refuses_a_stranger(tmp_path: Pat
     bad = generate("--draft-model", str(other))
     assert bad.returncode != 0 and "does not share the model's tokenizer" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_the_draft_price_ignores_a_first_prefill_and_one_slow_moment(tmp_path: Path) -> None:
+    save_checkpoint("qwen3_moe", tmp_path)
+    model = DraftModel(Engine.from_pretrained(tmp_path))
+    model.record(4, 2.0, fed=900)  # a new sequence's first proposal: its whole context prefilled
+    assert model.seconds_per_token is None and model.proposals == 1
+    for _ in range(5):
+        model.record(4, 0.004, fed=3)
+    model.record(4, 4.0, fed=2)  # one slow moment
+    assert model.seconds_per_token == pytest.approx(0.001)
+    model.close()
