@@ -438,19 +438,15 @@ def format_report(r: dict[str, Any]) -> str:
             for k in (*DRAFTS, *(f"+{k}" for k in DRAFTS)):
                 lines.append(f"| {phase} | {o['top1']} | {k} | {o[str(k)]['tokens_per_step']} | "
                              f"{o[str(k)]['acceptance']} |")
-    if "moe_decode" in r:
-        lines += ["", "The synthetic MoE decoding the held-out turns (speculation off → on):",
-                  "| phase, drafter | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
+    for key, title, first in (("moe_decode", "The synthetic MoE decoding the held-out turns", "phase, drafter"),
+                              ("builtin", "Built-in model, greedy decode of the recorded turns", "phase")):
+        if key not in r:
+            continue
+        lines += ["", f"{title} (speculation off → on):",
+                  f"| {first} | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
                   "|---|---|---|---|---|---|---|"]
-        for name, b in r["moe_decode"].items():
+        for name, b in r[key].items():
             lines.append(f"| {name} | {b['turns']} | {b['off']['decode_tok_s']} | {b['on']['decode_tok_s']} | "
-                         f"{b.get('speedup')} | {b['on'].get('acceptance')} | {b['identical_turns']} |")
-    if "builtin" in r:
-        lines += ["", "Built-in model, greedy decode of the recorded turns (speculation off → on):",
-                  "| phase | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
-                  "|---|---|---|---|---|---|---|"]
-        for phase, b in r["builtin"].items():
-            lines.append(f"| {phase} | {b['turns']} | {b['off']['decode_tok_s']} | {b['on']['decode_tok_s']} | "
                          f"{b.get('speedup')} | {b['on'].get('acceptance')} | {b['identical_turns']} |")
     if "verify_cost" in r:
         c = r["verify_cost"]

@@ -1,0 +1,35 @@
+"""``bench_speculative``'s draft-model measurements on a tiny model: teacher-forced predictions of a model over its
+own greedy output are all right (top-1 1.0, every draft accepted, k + 1 tokens per step but at the span's end), and
+the real drafter's cost is measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from freetoken_agent.evals.perf.bench_speculative import DRAFTS, draft_cost, draft_oracle
+from freetoken_agent.runtime.engine import Engine
+from freetoken_agent.runtime.generation.sampling import SamplingParams
+
+pytest.importorskip("transformers")
+from tests.runtime.arch_configs import save_checkpoint  # noqa: E402
+from tests.runtime.batched_engines import batch_invariant  # noqa: E402,F401 (autouse fixture)
+
+
+def test_a_model_predicts_its_own_greedy_output(tmp_path: Path) -> None:
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, speculate=False)
+    prompt = [(7 * i) % 500 + 1 for i in range(40)]
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=60, stop_token_ids=())).token_ids
+    engine.close()
+    ids = prompt + out
+    labels: list[str | None] = [None] * len(prompt) + ["code"] * len(out)
+    r = draft_oracle([("s", ids, labels)], "code", tmp_path, window=64)
+    assert r["top1"] == 1.0 and r["positions"] == 60
+    for k in DRAFTS:
+        steps = -(-60 // (k + 1))  # every draft accepted: k + 1 tokens a step, the last step what is left
+        assert r[str(k)]["steps"] == steps and r[str(k)]["acceptance"] == 1.0
+        assert r[str(k)]["tokens"] == 60 and r[f"+{k}"]["tokens"] == 60
+    cost = draft_cost(tmp_path, ids, context=40, k=4, proposals=5)
+    assert cost["ms_per_draft_token"] > 0 and cost["proposals"] == 5
