@@ -624,7 +624,7 @@ class Scheduler:
         config = self.speculation
         if self._phase_acceptance.config is not config:
             self._phase_acceptance = PhaseAcceptance(config)
-        chosen: list[tuple[Sequence, int, int, Any]] = []  # (sequence, row tokens, k, drafts or a started proposal)
+        chosen: list[tuple[Sequence, int, int, bool, Any]] = []  # (sequence, row tokens, k, started?, drafts or handle)
         for seq, n in plan:
             if budget <= 0:
                 break
@@ -642,16 +642,15 @@ class Scheduler:
                 continue
             start = getattr(seq.spec.drafter, "start", None)  # a draft model: every proposal runs before any wait
             if start is not None:
-                chosen.append((seq, n, k, start(seq.tokens, k)))
+                chosen.append((seq, n, k, True, start(seq.tokens, k)))
                 budget -= k
             else:
                 draft = list(seq.spec.drafter.propose(seq.tokens, k))[:k]
-                chosen.append((seq, n, k, draft))
+                chosen.append((seq, n, k, False, draft))
                 budget -= len(draft)
-        for seq, n, k, started in chosen:
+        for seq, n, k, started, got in chosen:
             assert seq.spec is not None
-            draft = (started if isinstance(started, list)
-                     else list(seq.spec.drafter.finish(started))[:k])  # type: ignore[attr-defined]
+            draft = list(seq.spec.drafter.finish(got))[:k] if started else got  # type: ignore[attr-defined]
             bad = next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # a drafter's token outside the vocabulary: the draft ends before it
                 del draft[bad:]

@@ -198,7 +198,7 @@ def draft_cost(draft_path: Path, ids: list[int], context: int, k: int, proposals
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.generation.draft_model import DraftModel
 
-    model = DraftModel(Engine.from_pretrained(draft_path))
+    model = DraftModel(Engine.from_pretrained(draft_path), lookup_match=0)  # the model's own forwards only
     drafter = model.drafter()
     at = min(context, len(ids) - proposals * k)
     drafter.propose(ids[:at], k)  # the context's prefill, not timed

@@ -42,7 +42,7 @@ def test_a_model_drafting_for_itself_has_every_draft_accepted(arch: str, tmp_pat
     lengths = [20, 9, 26, 14]
     alone = [engine.generate(p, greedy(n)).token_ids for p, n in zip(ps, lengths)]
 
-    draft = DraftModel(Engine.from_pretrained(tmp_path, speculate=False))
+    draft = DraftModel(Engine.from_pretrained(tmp_path, speculate=False), lookup_match=0)  # the model drafts all
     engine.speculation = always_draft(draft)
     assert [engine.generate(p, greedy(n)).token_ids for p, n in zip(ps, lengths)] == alone
     s = engine.stats()["speculation"]
@@ -72,6 +72,22 @@ def test_a_model_drafting_for_itself_has_every_draft_accepted(arch: str, tmp_pat
     if not draft.stateful:
         assert draft.fed - before < len(turn2) // 2, (draft.fed - before, len(turn2))
     engine.close()
+    draft.close()
+
+
+def test_prompt_lookup_drafts_first_where_it_matches(tmp_path: Path) -> None:
+    """Where the context's last tokens match an earlier run of 4 or more, the copy is the draft (no forward of the
+    draft model, no session taken); elsewhere the model drafts."""
+    save_checkpoint("qwen3_moe", tmp_path)
+    draft = DraftModel(Engine.from_pretrained(tmp_path))
+    base = list(range(10, 40))
+    drafter = draft.drafter()
+    assert drafter.finish(drafter.start(base * 2 + base[:6], 4)) == base[6:10]
+    assert drafter.session is None and draft.copied == 4 and draft.proposals == 0
+    fresh = draft.drafter()
+    out = fresh.propose([5, 9, 200, 7, 1, 3], 3)
+    assert len(out) == 3 and fresh.session is not None and draft.proposals == 1
+    assert draft.snapshot()["copied"] == 4
     draft.close()
 
 
