@@ -637,7 +637,7 @@ class Scheduler:
                 continue
             if seq.spec is None or seq.spec.config is not config:
                 seq.spec = DraftPolicy(config, self._phase_acceptance, cost=self.step_cost)
-            k = seq.spec.length(self._phase(seq), limit)
+            k = seq.spec.length(self._phase(seq), limit, seq.tokens)
             if k <= 0:
                 continue
             start = getattr(seq.spec.drafter, "start", None)  # a draft model: every proposal runs before any wait

@@ -200,6 +200,7 @@ class ModelDrafter:
 
         self.model = model
         self.lookup = PromptLookup() if model.lookup_match else None
+        self._copied_at: tuple[int, list[int]] | None = None
         self.session: Any = None
         self._finalizer: Any = None
         self.match = 0
@@ -207,6 +208,23 @@ class ModelDrafter:
     @property
     def seconds_per_token(self) -> float | None:
         return self.model.seconds_per_token
+
+    def source(self, tokens: list[int]) -> tuple[str, float | None]:
+        """Where the next proposal after ``tokens`` comes from: ``copy`` (prompt lookup matches enough: free) or
+        ``model`` (its measured seconds per draft token); ``DraftPolicy`` prices and trusts each on its own."""
+        copy = self._copy(tokens)
+        return ("copy", None) if copy else ("model", self.model.seconds_per_token)
+
+    def _copy(self, tokens: list[int]) -> list[int]:
+        """Prompt lookup's draft of up to ``max_draft`` tokens after ``tokens`` when its match covers
+        ``lookup_match`` tokens, else []; one lookup per length (``source`` and ``start`` of a step share it)."""
+        if self.lookup is None:
+            return []
+        n = len(tokens)
+        if self._copied_at is None or self._copied_at[0] != n:
+            copy = self.lookup.propose(tokens, 64)
+            self._copied_at = (n, copy if copy and self.lookup.match >= self.model.lookup_match else [])
+        return self._copied_at[1]
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return self.finish(self.start(tokens, k))
@@ -221,10 +239,9 @@ class ModelDrafter:
         n = len(tokens)
         if k <= 0 or not n:
             return None
-        if self.lookup is not None:  # a copy from the context: no forward needed
-            copy = self.lookup.propose(tokens, k)
-            if copy and self.lookup.match >= model.lookup_match:
-                return copy
+        copy = self._copy(tokens)
+        if copy:  # a copy from the context: no forward needed
+            return copy[:k]
         if model.disabled is not None or n + k > model.max_position:
             return None
         if max(tokens[-(k + 8):]) >= model.vocab_size:  # a token the draft model has no embedding for

@@ -298,35 +298,44 @@ class DraftPolicy:
             else:
                 drafter = PromptLookup(config.key)
         self.drafter: Drafter = drafter
-        self.accepted = 0.0
-        self.rejected = 0.0
-        """Decayed counts of this sequence's verified draft tokens: accepted, and rejections (one per step that
+        self._counts: dict[str | None, list[float]] = {}
+        """Source of the drafts (None, or what the drafter's ``source`` names: a draft model's ``copy`` / ``model``)
+        → decayed counts of this sequence's verified draft tokens: accepted, and rejections (one per step that
         rejected one; the tokens after a rejection were never judged)."""
+        self._source: str | None = None  # the source of this step's draft
 
-    def acceptance(self, phase: str | None) -> float:
+    def acceptance(self, phase: str | None, source: str | None = None) -> float:
+        a, r = self._counts.get(source, (0.0, 0.0))
         w = self.config.prior_weight
-        return (self.accepted + w * self.phases.estimate(phase)) / (self.accepted + self.rejected + w)
+        return (a + w * self.phases.estimate(phase)) / (a + r + w)
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
-        k = self.length(phase, limit)
+        k = self.length(phase, limit, tokens)
         return self.drafter.propose(tokens, k) if k > 0 else []
 
-    def length(self, phase: str | None, limit: int) -> int:
-        """How many tokens to draft this step (at most ``limit``; 0: speculating does not pay)."""
+    def length(self, phase: str | None, limit: int, tokens: list[int] | None = None) -> int:
+        """How many tokens to draft this step (at most ``limit``; 0: speculating does not pay). A drafter with
+        ``source(tokens)`` → (name, seconds per draft token or None) says where its next draft comes from — a draft
+        model: a free copy from the context, or its forwards — and each source is priced and trusted on its own."""
+        source, drafting = None, getattr(self.drafter, "seconds_per_token", None)
+        which = getattr(self.drafter, "source", None)
+        if which is not None and tokens is not None:
+            source, drafting = which(tokens)
+        self._source = source
         cost: float | Callable[[int], float]
         if self.config.verify_cost is not None:  # a fixed price per draft token: drafting included
             cost = self.config.verify_cost
         else:
             cost = self.cost.relative
-            drafting = getattr(self.drafter, "seconds_per_token", None)  # a draft model's own forwards, measured
             one = self.cost.seconds().get(1)
-            if drafting and one:
+            if drafting and one:  # a draft model's own forwards, measured
                 cost = lambda k: self.cost.relative(k) + k * drafting / one  # noqa: E731
-        k = min(limit, best_draft_length(self.acceptance(phase), self.config.max_draft, cost))
+        k = min(limit, best_draft_length(self.acceptance(phase, source), self.config.max_draft, cost))
         if k <= 0:
             d = self.config.idle_decay
-            self.accepted, self.rejected = self.accepted * d, self.rejected * d
+            for counts in self._counts.values():
+                counts[0], counts[1] = counts[0] * d, counts[1] * d
             return 0
         return k
 
@@ -334,8 +343,9 @@ class DraftPolicy:
         """A verification: ``accepted`` of ``drafted`` draft tokens were kept (a prefix of them)."""
         d = self.config.decay
         rejected = 1 if accepted < drafted else 0
-        self.accepted = self.accepted * d + accepted
-        self.rejected = self.rejected * d + rejected
+        counts = self._counts.setdefault(self._source, [0.0, 0.0])
+        counts[0] = counts[0] * d + accepted
+        counts[1] = counts[1] * d + rejected
         self.phases.observe(phase, accepted, rejected)
 
 

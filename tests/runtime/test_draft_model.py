@@ -252,3 +252,47 @@ def test_the_draft_price_ignores_a_first_prefill_and_one_slow_moment(tmp_path: P
     model.record(4, 4.0, fed=2)  # one slow moment
     assert model.seconds_per_token == pytest.approx(0.001)
     model.close()
+
+
+def test_the_policy_trusts_and_prices_each_source_on_its_own() -> None:
+    """A drafter naming its sources: free copies that are always right keep drafting long while the same
+    sequence's model drafts, always wrong, fall to a token or none — neither's record spoils the other's; and a model
+    whose draft token costs half a step never drafts at all."""
+    from freetoken_agent.runtime.generation.speculative import DraftPolicy, PhaseAcceptance, StepCost
+
+    class TwoSources:
+        def __init__(self, model_seconds: float) -> None:
+            self.next, self.model_seconds = "copy", model_seconds
+
+        def source(self, tokens: list[int]) -> tuple[str, float | None]:
+            return (self.next, None) if self.next == "copy" else (self.next, self.model_seconds)
+
+        def propose(self, tokens: list[int], k: int) -> list[int]:
+            return [1] * k
+
+    cost = StepCost()
+    for _ in range(20):
+        for t, sec in ((1, 0.010), (2, 0.011), (4, 0.013), (8, 0.016)):
+            cost.observe(t, sec)
+    config = SpeculationConfig()
+    drafter = TwoSources(model_seconds=0.0002)
+    policy = DraftPolicy(config, PhaseAcceptance(config), drafter, cost)
+    for _ in range(8):
+        drafter.next = "copy"
+        k = policy.length("code", 7, [1, 2, 3])
+        policy.observe("code", k, k)
+        drafter.next = "model"
+        if m := policy.length("code", 7, [1, 2, 3]):
+            policy.observe("code", m, 0)
+    assert policy.acceptance("code", "copy") > 0.8 > 0.5 > policy.acceptance("code", "model")
+    drafter.next = "copy"
+    assert policy.length("code", 7, [1, 2, 3]) == 7
+    drafter.next = "model"
+    assert policy.length("code", 7, [1, 2, 3]) <= 1
+
+    slow = TwoSources(model_seconds=0.005)
+    slow.next = "model"
+    fresh = DraftPolicy(config, PhaseAcceptance(config), slow, cost)
+    assert fresh.length("code", 7, [1, 2, 3]) == 0
+    slow.next = "copy"
+    assert fresh.length("code", 7, [1, 2, 3]) > 0
