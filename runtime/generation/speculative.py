@@ -15,7 +15,9 @@ copy more than ``plan`` turns); a verified row of k + 1 tokens is priced at what
 while decoding cost against 1-token steps (``StepCost``: mean seconds per step size; ``verify_cost`` fixes a linear
 price instead). The policy picks the k with the most tokens per unit of cost, and
 k = 0 — plain decode, nothing drafted, nothing verified — when no draft pays. A sequence that stops speculating
-forgets its failures slowly (``idle_decay`` per step), so it tries again later.
+forgets its failures slowly (``idle_decay`` per step), so it tries again later. A drafter with several sources (a
+draft model behind prompt lookup: ``generation/draft_model.py``) names the source of each next draft; acceptance and
+price (a draft model's measured seconds per token) are then kept per source.
 
 Dimensions: L = the sequence's tokens so far, k = draft tokens of one step.
 """
@@ -265,20 +267,21 @@ class StepCost:
 
 
 class PhaseAcceptance:
-    """Acceptance per phase across all sequences (decayed counts), the prior of each sequence's own estimate."""
+    """Acceptance per phase (and draft source) across all sequences (decayed counts), the prior of each sequence's
+    own estimate."""
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
-        self._counts: dict[str | None, list[float]] = {}  # phase → [accepted, rejected]
+        self._counts: dict[tuple[str | None, str | None], list[float]] = {}  # (phase, source) → [accepted, rejected]
 
-    def estimate(self, phase: str | None) -> float:
+    def estimate(self, phase: str | None, source: str | None = None) -> float:
         prior = self.config.phase_prior.get(phase, self.config.prior) if phase is not None else self.config.prior
-        a, r = self._counts.get(phase, (0.0, 0.0))
+        a, r = self._counts.get((phase, source), (0.0, 0.0))
         w = 8.0  # the configured prior counts for this many tokens against what the phase measured
         return (a + w * prior) / (a + r + w)
 
-    def observe(self, phase: str | None, accepted: int, rejected: int) -> None:
-        counts = self._counts.setdefault(phase, [0.0, 0.0])
+    def observe(self, phase: str | None, accepted: int, rejected: int, source: str | None = None) -> None:
+        counts = self._counts.setdefault((phase, source), [0.0, 0.0])
         counts[0] = counts[0] * 0.99 + accepted
         counts[1] = counts[1] * 0.99 + rejected
 
@@ -307,7 +310,7 @@ class DraftPolicy:
     def acceptance(self, phase: str | None, source: str | None = None) -> float:
         a, r = self._counts.get(source, (0.0, 0.0))
         w = self.config.prior_weight
-        return (a + w * self.phases.estimate(phase)) / (a + r + w)
+        return (a + w * self.phases.estimate(phase, source)) / (a + r + w)
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""
@@ -346,7 +349,7 @@ class DraftPolicy:
         counts = self._counts.setdefault(self._source, [0.0, 0.0])
         counts[0] = counts[0] * d + accepted
         counts[1] = counts[1] * d + rejected
-        self.phases.observe(phase, accepted, rejected)
+        self.phases.observe(phase, accepted, rejected, self._source)
 
 
 @dataclass
