@@ -165,7 +165,13 @@ class Engine:
 
     @speculation.setter
     def speculation(self, value: bool | int | SpeculationConfig) -> None:
-        self.scheduler.speculation = SpeculationConfig.of(value)
+        config = SpeculationConfig.of(value)
+        draft = self.scheduler.speculation.draft_model
+        if not isinstance(value, SpeculationConfig) and draft is not None:  # on/off/K keeps the attached draft model
+            from dataclasses import replace
+
+            config = replace(config, draft_model=draft)
+        self.scheduler.speculation = config
 
     # ------------------------------------------------------------------------------------------------ loading
 

@@ -8,7 +8,9 @@ greedy turn of at most k tokens on that session, so the draft model's KV follows
 session keeps what the sequence already fed, rolls rejected drafts back to the longest common prefix, and a hybrid
 draft model (recurrent layers) restarts from the state snapshot at the last verified position. When a sequence ends
 its session goes back to a small pool; the next sequence takes the one whose tokens share the longest prefix with
-its own (an agent's next turn continues the last one's context).
+its own (an agent's next turn continues the last one's context). Where prompt lookup matches ``lookup_match`` tokens
+or more, its copy is the draft instead (free); the drafter names each draft's source (``copy`` / ``model``) and
+``DraftPolicy`` keeps their acceptance and price apart.
 
 Greedy drafts are proposals with certainty, so the main engine's verification (``Sampler.verify``: exact match when
 greedy, the speculative-sampling rule otherwise) keeps its output exactly as without speculation; the draft model

@@ -99,6 +99,9 @@ def test_a_quantized_copy_drafts_with_acceptances_and_rejections(tmp_path: Path)
     alone = [engine.generate(p, greedy(n)).token_ids for p, n in zip(ps, lengths)]
     draft = engine.attach_draft_model(Engine.from_pretrained(tmp_path, quant="q4", dense_quant="q4"))
     assert engine.speculation.draft_model is draft
+    engine.speculation = False  # off and on again (or a draft length) keeps the draft model
+    engine.speculation = 5
+    assert engine.speculation.draft_model is draft and engine.speculation.max_draft == 5
     engine.speculation = always_draft(draft, max_draft=6)
     assert run_concurrently(engine, ps, [greedy(n) for n in lengths]) == alone
     assert [engine.generate(p, greedy(n)).token_ids for p, n in zip(ps, lengths)] == alone
