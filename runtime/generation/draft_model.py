@@ -29,22 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agent.runtime.errors import OptionError
+from freetoken_agent.runtime.generation.prompt import common_prefix
 
 PROBE = "def main(argv):\n    return {'path': \"src/ünïcode.py\", 'n': 42}  # ok → ✓\n"
 """Text whose ids both tokenizers must agree on (code, unicode, digits, whitespace runs)."""
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (slices compared in C, chunk by chunk)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i, step = 0, 256
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def vocabulary_mismatch(main: Any, draft: Any) -> str | None:
@@ -205,7 +193,7 @@ class ModelDrafter:
         self._copied_at: tuple[int, list[int]] | None = None
         self.session: Any = None
         self._finalizer: Any = None
-        self.match = 0
+        self._checked = 0  # tokens[:_checked] are known to lie inside the draft model's vocabulary
 
     @property
     def seconds_per_token(self) -> float | None:
@@ -246,13 +234,13 @@ class ModelDrafter:
             return copy[:k]
         if model.disabled is not None or n + k > model.max_position:
             return None
-        if max(tokens[-(k + 8):]) >= model.vocab_size:  # a token the draft model has no embedding for
-            return None
+        if self._checked < n:  # a token the draft model has no embedding for: it cannot draft after it
+            if max(tokens[self._checked :]) >= model.vocab_size:
+                return None
+            self._checked = n
         t0 = time.perf_counter()
         try:
             if self.session is None or self.session.closed:
-                if max(tokens) >= model.vocab_size:
-                    return None
                 self.session = model.acquire(tokens)
                 self._finalizer = weakref.finalize(self, model.release, self.session)
             session = self.session
@@ -273,7 +261,6 @@ class ModelDrafter:
             return []
         if isinstance(started, list):  # prompt lookup's copy
             self.model.copied += len(started)
-            self.match = len(started)
             return started
         handle, n, k, t0 = started
         model = self.model
@@ -286,5 +273,4 @@ class ModelDrafter:
         model.fed += fed
         draft = list(result.token_ids[:k])
         model.record(len(draft), time.perf_counter() - t0, fed)
-        self.match = len(draft)
         return draft

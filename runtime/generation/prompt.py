@@ -38,3 +38,16 @@ def as_token_ids(token_ids: Any) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise PromptError(f"prompt token id at position {i} must be an integer, got {t!r:.40}")
     return [int(t) for t in token_ids]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slices compared in C, chunk by chunk)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i, step = 0, 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

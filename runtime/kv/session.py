@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from freetoken_agent.runtime.generation.prompt import common_prefix
 from freetoken_agent.runtime.kv.paged import PagedKVCache
 from freetoken_agent.runtime.kv.pool import OutOfPages, PagePool
 from freetoken_agent.runtime.kv.prestage import PrefixStager, Warmed
@@ -54,14 +55,6 @@ class KVConfig:
     """Recompute-cost estimate before any prefill has been measured."""
     reload_gbps: float = 10.0
     """Host→device copy bandwidth used to price an offloaded session's return (from the hardware probe)."""
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -283,7 +276,7 @@ class Session:
         if self.stateful:
             return self._prepare_stateful(prompt, keep_one)
         stats = self.manager.stats
-        common = _lcp(prompt, self.log)
+        common = common_prefix(prompt, self.log)
         if common < len(self.log):
             stats.divergences += 1
             self.cache.truncate(common)
@@ -301,7 +294,7 @@ class Session:
     def _prepare_stateful(self, prompt: list[int], keep_one: bool) -> int:
         """Reuse for hybrid models: continue from the cache if the prompt extends it, else roll back to the latest
         snapshot at or before the common prefix (recomputing from there)."""
-        common = _lcp(prompt, self.log)
+        common = common_prefix(prompt, self.log)
         target = min(common, len(prompt) - 1 if keep_one else len(prompt))
         if target == len(self.log) == self.cache.length:
             return target

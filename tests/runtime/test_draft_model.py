@@ -17,7 +17,8 @@ import pytest
 
 from freetoken_agent.runtime.engine import Engine, Request
 from freetoken_agent.runtime.errors import FreeTokenError, OptionError
-from freetoken_agent.runtime.generation.draft_model import DraftModel, common_prefix, vocabulary_mismatch
+from freetoken_agent.runtime.generation.draft_model import DraftModel, vocabulary_mismatch
+from freetoken_agent.runtime.generation.prompt import common_prefix
 from freetoken_agent.runtime.generation.sampling import SamplingParams
 from freetoken_agent.runtime.generation.speculative import SpeculationConfig
 from freetoken_agent.runtime.kv import KVConfig
@@ -194,6 +195,26 @@ def test_a_failing_draft_model_is_dropped_with_a_warning(tmp_path: Path, monkeyp
     assert any("draft forward failed" in str(w.message) for w in caught)
     assert draft.disabled is not None and draft.failures == 1
     assert engine.stats()["speculation"]["draft_model"]["disabled"].startswith("RuntimeError")
+    engine.close()
+    draft.close()
+
+
+def test_tokens_outside_the_draft_vocabulary_end_drafting_not_the_request(tmp_path: Path) -> None:
+    """A draft model with a smaller vocabulary: a sequence that holds an id it has no embedding for gets no drafts
+    from it after that id (and the draft model is not dropped as failed); the output is the model's own."""
+    main, small = tmp_path / "main", tmp_path / "small"
+    save_checkpoint("qwen3_moe", main)
+    save_checkpoint("qwen3_moe", small, vocab_size=300)
+    engine = Engine.from_pretrained(main, speculate=False)
+    inside, outside = [5, 9, 200, 7, 1, 3, 250, 12], [5, 9, 200, 7, 1, 3, 450, 12]
+    want = [engine.generate(p, greedy(12)).token_ids for p in (inside, outside)]
+    draft = engine.attach_draft_model(DraftModel(Engine.from_pretrained(small), lookup_match=0))
+    engine.speculation = always_draft(draft)
+    assert engine.generate(inside, greedy(12)).token_ids == want[0]
+    before = draft.proposals
+    assert before > 0
+    assert engine.generate(outside, greedy(12)).token_ids == want[1]
+    assert draft.proposals == before and draft.disabled is None
     engine.close()
     draft.close()
 
