@@ -217,11 +217,14 @@ def measure(
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     ours = Engine.from_pretrained(folder, quant="q4", threads=threads, dense_quant=dense, speculate=False)
-    ops.set_threads(threads)
-    load_s = time.perf_counter() - t0
-    gguf_path = ensure_gguf(folder, threads, dense)
-    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
-    r = compare(ours, gguf_path, vocab, threads, tokens, rounds, prompt_len, prefill_len)
+    try:
+        ops.set_threads(threads)
+        load_s = time.perf_counter() - t0
+        gguf_path = ensure_gguf(folder, threads, dense)
+        vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+        r = compare(ours, gguf_path, vocab, threads, tokens, rounds, prompt_len, prefill_len)
+    finally:  # a row per prompt length: engines left open held a model each (a 7.5B's three rows filled 24 GiB)
+        ours.close()
     return {
         "dense_float_bytes": ours.dense_quant.float_bytes if ours.dense_quant else 0,
         "dense_quant_bytes": ours.dense_quant.quant_bytes if ours.dense_quant else 0,
@@ -239,9 +242,12 @@ def measure_file(gguf_path: Path, threads: int, tokens: int, rounds: int, prompt
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     ours = Engine.from_pretrained(gguf_path, threads=threads, speculate=False, require_tokenizer=False)
-    ops.set_threads(threads)
-    load_s = time.perf_counter() - t0
-    r = compare(ours, gguf_path, ours.spec.vocab_size, threads, tokens, rounds, prompt_len, prefill_len)
+    try:
+        ops.set_threads(threads)
+        load_s = time.perf_counter() - t0
+        r = compare(ours, gguf_path, ours.spec.vocab_size, threads, tokens, rounds, prompt_len, prefill_len)
+    finally:
+        ours.close()
     return {"params": gguf_param_count(gguf_path), "dense": "as stored", "load_s": round(load_s, 1),
             "formats": gguf_formats(gguf_path), **r}
 
@@ -272,8 +278,9 @@ def _inputs(vocab: int, prompt_len: int, tokens: int, prefill_len: int) -> tuple
     return prompt, follow, torch.randint(low, vocab, (prefill_len,), generator=gen).tolist()
 
 
-Side = tuple[Callable[[int], float], Callable[[], float], Callable[[], list[int]]]
-"""One side's (seconds of n decode steps after the prompt, seconds of the long prompt's prefill, 8 greedy ids)."""
+Side = tuple[Callable[[int], float], Callable[[], float], Callable[[], list[int]], Callable[[], None]]
+"""One side's (seconds of n decode steps after the prompt, seconds of the long prompt's prefill, 8 greedy ids,
+release what the side holds)."""
 
 
 def _our_side(ours: Any, prompt: list[int], long_prompt: list[int]) -> Side:
@@ -292,7 +299,7 @@ def _our_side(ours: Any, prompt: list[int], long_prompt: list[int]) -> Side:
     def greedy() -> list[int]:
         return list(ours.generate(prompt, max_new_tokens=8, stop_token_ids=[]).token_ids)
 
-    return decode, prefill, greedy
+    return decode, prefill, greedy, lambda: None  # the engine is the caller's to close
 
 
 LLAMA_Q8_0 = 8
@@ -340,7 +347,7 @@ def _llama_side(gguf_path: Path, threads: int, prompt: list[int], follow: list[i
                 break
         return ids
 
-    return decode, prefill, greedy
+    return decode, prefill, greedy, llm.close
 
 
 def _summary(rates: dict[str, list[float]], prefill: dict[str, list[float]], ids: dict[str, list[int]],
@@ -367,18 +374,22 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
     prompt, follow, long_prompt = _inputs(vocab, prompt_len, tokens, prefill_len)
     sides = {"ours": _our_side(ours, prompt, long_prompt),
              "llama.cpp": _llama_side(gguf_path, threads, prompt, follow, long_prompt)}
-    for decode, _, _ in sides.values():
-        decode(2)
-    rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
-    prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
-    for i in range(rounds):
-        order = list(sides.items())
-        for label, (decode, pre, _) in order if i % 2 == 0 else order[::-1]:
-            rates[label].append(tokens / decode(tokens))
-            if prefill_len and i == 0:
-                prefill[label].append(prefill_len / pre())
-    # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
-    ids = {label: greedy() for label, (_, _, greedy) in sides.items()}
+    try:
+        for decode, _, _, _ in sides.values():
+            decode(2)
+        rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+        prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+        for i in range(rounds):
+            order = list(sides.items())
+            for label, (decode, pre, _, _) in order if i % 2 == 0 else order[::-1]:
+                rates[label].append(tokens / decode(tokens))
+                if prefill_len and i == 0:
+                    prefill[label].append(prefill_len / pre())
+        # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
+        ids = {label: greedy() for label, (_, _, greedy, _) in sides.items()}
+    finally:
+        for _, _, _, release in sides.values():
+            release()
     return _summary(rates, prefill, ids, prompt_len, threads, tokens, rounds, prefill_len)
 
 
@@ -398,7 +409,7 @@ def measure_side(side: str, gguf_path: Path, threads: int, tokens: int, rounds: 
 
         vocab = GGUFFile(gguf_path).tensors["token_embd.weight"].shape[0]  # as the GGUF loader reads it
     prompt, follow, long_prompt = _inputs(vocab, prompt_len, tokens, prefill_len)
-    decode, pre, greedy = _our_side(ours, prompt, long_prompt) if side == "ours" else \
+    decode, pre, greedy, _ = _our_side(ours, prompt, long_prompt) if side == "ours" else \
         _llama_side(gguf_path, threads, prompt, follow, long_prompt)
     decode(2)
     rates = [tokens / decode(tokens) for _ in range(rounds)]
