@@ -225,7 +225,8 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
      * over d in 8-lane steps, reduced by hsum8x8's fixed tree, then the d tail by fmaf: the same bits in any     \
      * tile. An odd n also writes sc at key n (a copy of key n - 1's score: not read). */                          \
     FT_AVX2 static void qk_rows_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n,    \
-                                      int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nx) {          \
+                                      int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {          \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 2) {                                                                   \
             const T *k0 = k + i * stride, *k1 = i + 1 < n ? k0 + stride : k0;                                  \
@@ -234,7 +235,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 ft_prefetch_span(k0 + (ATTN_AHEAD + 1) * stride, pf);                                          \
             }                                                                                                  \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
-                if (nx) attn_pf_step(nx);                                                                          \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                          \
                 const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
@@ -256,12 +257,14 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                       \
     }                                                                                                          \
     /* o[r][0:dv] = sum_i p[r * ATTN_BLOCK + i] * v[i] for R rows (a multiple of 4), each 16-value piece of a     \
      * value row loaded (and widened) once for 4 rows. Every output is fma(p_i, v_i, .) in key order from 0: any  \
      * tile, any lane or the scalar tail give the same bits. */                                                \
     FT_AVX2 static void pv_rows_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,          \
-                                      int64_t dv, float *const *o, int64_t pf, attn_pf *nx) {                 \
+                                      int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {                 \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
         const int64_t d16 = dv / 16 * 16;                                                                      \
         for (int64_t d0 = 0; d0 < d16; d0 += 16)                                                               \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
@@ -270,7 +273,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                             *p3 = p2 + ATTN_BLOCK;                                                             \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nx) attn_pf_step(nx);                                                                      \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                      \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n) /* the first pass fetches the rows */    \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m256 x0 = LOAD8(vr), x1 = LOAD8(vr + 8);                                           \
@@ -286,6 +289,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 _mm256_storeu_ps(o[r + 3] + d0, a6);                                                           \
                 _mm256_storeu_ps(o[r + 3] + d0 + 8, a7);                                                       \
             }                                                                                                  \
+        if (nxp) *nxp = nxl;                                                                                       \
         FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
@@ -313,7 +317,8 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
  * per output value in key order whatever the width. Half the instructions for the same arithmetic. */
 #define FT_ATTN_LOOPS512(SUF, T, LOAD2X8, LOAD16, SCALAR)                                                          \
     FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
-                                         int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nx) {       \
+                                         int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {       \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 4) {                                                                   \
             const T *kk[4];                                                                                    \
@@ -321,7 +326,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
             if (pf && i + ATTN_AHEAD + 3 < n)                                                                  \
                 for (int j = 0; j < 4; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                 \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
-                if (nx) attn_pf_step(nx);                                                                          \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                          \
                 const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
@@ -344,11 +349,37 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                     }                                                                                          \
             }                                                                                                  \
         }                                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                       \
     }                                                                                                          \
     FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
-                                         int64_t dv, float *const *o, int64_t pf, attn_pf *nx) {              \
-        const int64_t d32 = dv / 32 * 32, d16 = dv / 16 * 16;                                                  \
-        for (int64_t d0 = 0; d0 < d16; d0 += d0 < d32 ? 32 : 16) {                                             \
+                                         int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {              \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
+        const int64_t d64 = dv / 64 * 64, d32 = dv / 32 * 32, d16 = dv / 16 * 16;                              \
+        /* 4 rows x 64 values a tile (16 accumulators): each probability broadcast once for 4 FMAs */         \
+        for (int64_t d0 = 0; d0 < d64; d0 += 64)                                                               \
+            for (int64_t r = 0; r < R; r += 4) {                                                               \
+                __m512 acc[16];                                                                                \
+                for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();                                     \
+                const float *pr = p + r * ATTN_BLOCK;                                                          \
+                const T *vr = v + d0;                                                                          \
+                for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
+                    if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
+                        ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
+                    const __m512 x0 = LOAD16(vr), x1 = LOAD16(vr + 16), x2 = LOAD16(vr + 32),                 \
+                                 x3 = LOAD16(vr + 48);                                                         \
+                    for (int u = 0; u < 4; u++) {                                                              \
+                        const __m512 f = ft_bcast1(pr + u * ATTN_BLOCK + i);                                   \
+                        acc[4 * u] = _mm512_fmadd_ps(f, x0, acc[4 * u]);                                       \
+                        acc[4 * u + 1] = _mm512_fmadd_ps(f, x1, acc[4 * u + 1]);                               \
+                        acc[4 * u + 2] = _mm512_fmadd_ps(f, x2, acc[4 * u + 2]);                               \
+                        acc[4 * u + 3] = _mm512_fmadd_ps(f, x3, acc[4 * u + 3]);                               \
+                    }                                                                                          \
+                }                                                                                              \
+                for (int u = 0; u < 4; u++)                                                                    \
+                    for (int w = 0; w < 4; w++) _mm512_storeu_ps(o[r + u] + d0 + 16 * w, acc[4 * u + w]);     \
+            }                                                                                                  \
+        for (int64_t d0 = d64; d0 < d16; d0 += d0 < d32 ? 32 : 16) {                                           \
             const int two = d0 < d32;                                                                          \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
@@ -356,7 +387,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                             *p3 = p2 + ATTN_BLOCK;                                                             \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nx) attn_pf_step(nx);                                                                      \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                      \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m512 x0 = LOAD16(vr), x1 = two ? LOAD16(vr + 16) : x0;                             \
@@ -374,6 +405,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                       \
         FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
@@ -771,7 +803,8 @@ static void attn_rows_item(void *p, int64_t item) {
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
         const int64_t tiles = (g + 3) / 4; /* tiles of 4 rows per pass for one query */
         const int64_t qk_steps = heads * tiles * (wide ? (n + 3) / 4 : (n + 1) / 2);
-        const int64_t pv_steps = heads * tiles * n * (wide ? (c->dv + 31) / 32 : (c->dv + 15) / 16);
+        const int64_t rest = c->dv % 64; /* the 512-bit value passes: 64 values, then 32, then 16 */
+        const int64_t pv_steps = heads * tiles * n * (wide ? c->dv / 64 + rest / 32 + rest % 32 / 16 : c->dv / 16);
         kx = (attn_pf){(const char *)c->k + (s1 * c->k_stride + h0 * c->dh) * es, c->k_stride * es,
                        heads * c->dh * es, rows, 0, 0, 1};
         vx = (attn_pf){(const char *)c->v + (s1 * c->v_stride + h0 * c->dv) * es, c->v_stride * es,
