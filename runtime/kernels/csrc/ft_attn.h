@@ -226,7 +226,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
      * tile. An odd n also writes sc at key n (a copy of key n - 1's score: not read). */                          \
     FT_AVX2 static void qk_rows_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n,    \
                                       int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {          \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 2) {                                                                   \
             const T *k0 = k + i * stride, *k1 = i + 1 < n ? k0 + stride : k0;                                  \
@@ -235,7 +235,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 ft_prefetch_span(k0 + (ATTN_AHEAD + 1) * stride, pf);                                          \
             }                                                                                                  \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
-                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                          \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                       \
                 const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
@@ -257,14 +257,14 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        if (nxp) *nxp = nxl;                                                                                       \
+        if (nxp) *nxp = nxl;                                                                                      \
     }                                                                                                          \
     /* o[r][0:dv] = sum_i p[r * ATTN_BLOCK + i] * v[i] for R rows (a multiple of 4), each 16-value piece of a     \
      * value row loaded (and widened) once for 4 rows. Every output is fma(p_i, v_i, .) in key order from 0: any  \
      * tile, any lane or the scalar tail give the same bits. */                                                \
     FT_AVX2 static void pv_rows_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,          \
                                       int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {                 \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
         const int64_t d16 = dv / 16 * 16;                                                                      \
         for (int64_t d0 = 0; d0 < d16; d0 += 16)                                                               \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
@@ -273,7 +273,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                             *p3 = p2 + ATTN_BLOCK;                                                             \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                      \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                   \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n) /* the first pass fetches the rows */    \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m256 x0 = LOAD8(vr), x1 = LOAD8(vr + 8);                                           \
@@ -289,7 +289,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 _mm256_storeu_ps(o[r + 3] + d0, a6);                                                           \
                 _mm256_storeu_ps(o[r + 3] + d0 + 8, a7);                                                       \
             }                                                                                                  \
-        if (nxp) *nxp = nxl;                                                                                       \
+        if (nxp) *nxp = nxl;                                                                                      \
         FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
@@ -318,7 +318,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
 #define FT_ATTN_LOOPS512(SUF, T, LOAD2X8, LOAD16, SCALAR)                                                          \
     FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
                                          int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {       \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 4) {                                                                   \
             const T *kk[4];                                                                                    \
@@ -326,7 +326,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
             if (pf && i + ATTN_AHEAD + 3 < n)                                                                  \
                 for (int j = 0; j < 4; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                 \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
-                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                          \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                       \
                 const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
@@ -349,11 +349,11 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                     }                                                                                          \
             }                                                                                                  \
         }                                                                                                      \
-        if (nxp) *nxp = nxl;                                                                                       \
+        if (nxp) *nxp = nxl;                                                                                      \
     }                                                                                                          \
     FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
                                          int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {              \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                             \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
         const int64_t d64 = dv / 64 * 64, d32 = dv / 32 * 32, d16 = dv / 16 * 16;                              \
         /* 4 rows x 64 values a tile (16 accumulators): each probability broadcast once for 4 FMAs */         \
         for (int64_t d0 = 0; d0 < d64; d0 += 64)                                                               \
@@ -363,7 +363,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 const float *pr = p + r * ATTN_BLOCK;                                                          \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                   \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m512 x0 = LOAD16(vr), x1 = LOAD16(vr + 16), x2 = LOAD16(vr + 32),                 \
@@ -387,7 +387,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                             *p3 = p2 + ATTN_BLOCK;                                                             \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                                      \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                   \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m512 x0 = LOAD16(vr), x1 = two ? LOAD16(vr + 16) : x0;                             \
@@ -405,7 +405,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        if (nxp) *nxp = nxl;                                                                                       \
+        if (nxp) *nxp = nxl;                                                                                      \
         FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
@@ -688,7 +688,8 @@ FT_AMX static void attn_run_amx(const attn_ctx *c, int64_t R, const int64_t *qro
  * (the per-query loops loaded it once per query head).
  * The pass covers the longest of the run's ranges in the block; a shorter query's scores past its end are set to 0
  * before the value sum (fma(0, v, o) = o), so each query's bits are those it gets alone. */
-FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t blk, attn_pf *qk_nx, attn_pf *pv_nx) {
+FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t blk, attn_pf *qk_nx,
+                                   attn_pf *pv_nx) {
     const int64_t g = c->h / c->hkv, t1 = (grp + 1) * ATTN_QUERIES_PER_ITEM < c->t ? (grp + 1) * ATTN_QUERIES_PER_ITEM : c->t;
     const int64_t rmax = (ATTN_QUERIES_PER_ITEM * g + 3) / 4 * 4, pad = c->dh > c->dv + 2 ? c->dh : c->dv + 2;
     /* scores [rmax][ATTN_BLOCK], a zero query row / dummy output row for the padding rows of the last tile of 4,
@@ -747,14 +748,17 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
         const int64_t kpf = c->dh * (int64_t)es, vpf = c->dv * (int64_t)es; /* this head's part of a row */
         if (c->kv_type == FT_KV_F16)
-            (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc, kpf, qk_nx);
+            (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc,
+                                                        kpf, qk_nx);
         else if (c->kv_type == FT_KV_BF16)
             (wide ? qk_rows512_bf16 : qk_rows_bf16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale,
                                                           sc, kpf, qk_nx);
         else if (c->kv_type == FT_KV_F8)
-            (wide ? qk_rows512_f8 : qk_rows_f8_avx2)(qr, R4, (const uint8_t *)kb, c->k_stride, n, c->dh, c->scale, sc, kpf, qk_nx);
+            (wide ? qk_rows512_f8 : qk_rows_f8_avx2)(qr, R4, (const uint8_t *)kb, c->k_stride, n, c->dh, c->scale, sc,
+                                                      kpf, qk_nx);
         else
-            (wide ? qk_rows512_f32 : qk_rows_avx2)(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc, kpf, qk_nx);
+            (wide ? qk_rows512_f32 : qk_rows_avx2)(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc, kpf,
+                                                    qk_nx);
         for (int64_t r = 0; r < R4; r++) {
             float *row = sc + r * ATTN_BLOCK;
             if (r < R) {
@@ -766,11 +770,14 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
             for (int64_t i = nrow[r]; i < n; i++) row[i] = 0.f;
         }
         if (c->kv_type == FT_KV_F16)
-            (wide ? pv_rows512_f16 : pv_rows_f16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, vpf, pv_nx);
+            (wide ? pv_rows512_f16 : pv_rows_f16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, vpf,
+                                                        pv_nx);
         else if (c->kv_type == FT_KV_BF16)
-            (wide ? pv_rows512_bf16 : pv_rows_bf16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, vpf, pv_nx);
+            (wide ? pv_rows512_bf16 : pv_rows_bf16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, vpf,
+                                                          pv_nx);
         else if (c->kv_type == FT_KV_F8)
-            (wide ? pv_rows512_f8 : pv_rows_f8_avx2)(sc, R4, (const uint8_t *)vb, c->v_stride, n, c->dv, orow, vpf, pv_nx);
+            (wide ? pv_rows512_f8 : pv_rows_f8_avx2)(sc, R4, (const uint8_t *)vb, c->v_stride, n, c->dv, orow, vpf,
+                                                      pv_nx);
         else
             (wide ? pv_rows512_f32 : pv_rows_avx2)(sc, R4, (const float *)vb, c->v_stride, n, c->dv, orow, vpf, pv_nx);
         tq = te;
