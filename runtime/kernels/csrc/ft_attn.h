@@ -319,36 +319,43 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
     FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
                                          int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {       \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
-        const int64_t d8 = dh / 8 * 8;                                                                         \
-        for (int64_t i = 0; i < n; i += 4) {                                                                   \
-            const T *kk[4];                                                                                    \
-            for (int j = 0; j < 4; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                     \
-            if (pf && i + ATTN_AHEAD + 3 < n)                                                                  \
-                for (int j = 0; j < 4; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                 \
-            for (int64_t r = 0; r < R; r += 4) {                                                               \
+        const int64_t d8 = dh / 8 * 8;                                                                            \
+        for (int64_t i = 0; i < n; i += 8) { /* 4 rows x 8 keys a tile: each query piece broadcast once for 4 pairs */\
+            const T *kk[8];                                                                                       \
+            for (int j = 0; j < 8; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                         \
+            if (pf && i + ATTN_AHEAD + 7 < n)                                                                     \
+                for (int j = 0; j < 8; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                    \
+            for (int64_t r = 0; r < R; r += 4) {                                                                  \
                 if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                       \
-                const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-                for (int64_t d = 0; d < d8; d += 8) {                                                          \
-                    const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);       \
-                    FT_TILE4X2(__m512, _mm512_fmadd_ps, ft_bcast8x2, q0 + d, q1 + d, q2 + d, q3 + d, x0, x1);  \
-                }                                                                                              \
-                /* keys 0, 1 of each row, then keys 2, 3: the AVX2 tile's (row, key) accumulator order */       \
-                const __m256 lo[8] = {ft_lo8(a0), ft_hi8(a0), ft_lo8(a2), ft_hi8(a2),                          \
-                                      ft_lo8(a4), ft_hi8(a4), ft_lo8(a6), ft_hi8(a6)};                         \
-                const __m256 hi[8] = {ft_lo8(a1), ft_hi8(a1), ft_lo8(a3), ft_hi8(a3),                          \
-                                      ft_lo8(a5), ft_hi8(a5), ft_lo8(a7), ft_hi8(a7)};                         \
-                float s8[16];                                                                                  \
-                _mm256_storeu_ps(s8, hsum8x8(lo));                                                             \
-                _mm256_storeu_ps(s8 + 8, hsum8x8(hi));                                                         \
-                for (int u = 0; u < 4; u++)                                                                    \
-                    for (int j = 0; j < 4; j++) {                                                              \
-                        float x = s8[(j / 2) * 8 + 2 * u + j % 2];                                             \
-                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);         \
-                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                          \
-                    }                                                                                          \
-            }                                                                                                  \
-        }                                                                                                      \
+                __m512 a[4][4]; /* [row][pair of keys] */                                                         \
+                for (int u = 0; u < 4; u++)                                                                       \
+                    for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();                                    \
+                for (int64_t d = 0; d < d8; d += 8) {                                                             \
+                    const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);          \
+                    const __m512 x2 = LOAD2X8(kk[4] + d, kk[5] + d), x3 = LOAD2X8(kk[6] + d, kk[7] + d);          \
+                    for (int u = 0; u < 4; u++) {                                                                 \
+                        const __m512 f = ft_bcast8x2(q[r + u] + d);                                               \
+                        a[u][0] = _mm512_fmadd_ps(f, x0, a[u][0]);                                                \
+                        a[u][1] = _mm512_fmadd_ps(f, x1, a[u][1]);                                                \
+                        a[u][2] = _mm512_fmadd_ps(f, x2, a[u][2]);                                                \
+                        a[u][3] = _mm512_fmadd_ps(f, x3, a[u][3]);                                                \
+                    }                                                                                             \
+                }                                                                                                 \
+                /* per pair of keys, the AVX2 tile's (row, key) accumulator order: row 0 key 2w, row 0 key 2w + 1, ... */\
+                float s8[32];                                                                                     \
+                for (int w = 0; w < 4; w++) {                                                                     \
+                    const __m256 h[8] = {ft_lo8(a[0][w]), ft_hi8(a[0][w]), ft_lo8(a[1][w]), ft_hi8(a[1][w]),      \
+                                         ft_lo8(a[2][w]), ft_hi8(a[2][w]), ft_lo8(a[3][w]), ft_hi8(a[3][w])};     \
+                    _mm256_storeu_ps(s8 + 8 * w, hsum8x8(h));                                                     \
+                }                                                                                                 \
+                for (int u = 0; u < 4; u++)                                                                       \
+                    for (int j = 0; j < 8; j++) {                                                                 \
+                        float x = s8[(j / 2) * 8 + 2 * u + j % 2];                                                \
+                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);             \
+                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                             \
+                    }                                                                                             \
+            }                                                                                                     \
+        }                                                                                                         \
         if (nxp) *nxp = nxl;                                                                                      \
     }                                                                                                          \
     FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
@@ -809,7 +816,7 @@ static void attn_rows_item(void *p, int64_t item) {
         const int64_t rn = c->hi[tq] - c->lo[tq] - blk * ATTN_BLOCK, n = rn < ATTN_BLOCK ? rn : ATTN_BLOCK;
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
         const int64_t tiles = (g + 3) / 4; /* tiles of 4 rows per pass for one query */
-        const int64_t qk_steps = heads * tiles * (wide ? (n + 3) / 4 : (n + 1) / 2);
+        const int64_t qk_steps = heads * tiles * (wide ? (n + 7) / 8 : (n + 1) / 2);
         const int64_t rest = c->dv % 64; /* the 512-bit value passes: 64 values, then 32, then 16 */
         const int64_t pv_steps = heads * tiles * n * (wide ? c->dv / 64 + rest / 32 + rest % 32 / 16 : c->dv / 16);
         kx = (attn_pf){(const char *)c->k + (s1 * c->k_stride + h0 * c->dh) * es, c->k_stride * es,
