@@ -226,7 +226,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
      * tile. An odd n also writes sc at key n (a copy of key n - 1's score: not read). */                          \
     FT_AVX2 static void qk_rows_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n,    \
                                       int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {          \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 2) {                                                                   \
             const T *k0 = k + i * stride, *k1 = i + 1 < n ? k0 + stride : k0;                                  \
@@ -235,7 +235,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 ft_prefetch_span(k0 + (ATTN_AHEAD + 1) * stride, pf);                                          \
             }                                                                                                  \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
-                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                       \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                    \
                 const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                 for (int64_t d = 0; d < d8; d += 8) {                                                          \
@@ -257,14 +257,14 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        if (nxp) *nxp = nxl;                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                   \
     }                                                                                                          \
     /* o[r][0:dv] = sum_i p[r * ATTN_BLOCK + i] * v[i] for R rows (a multiple of 4), each 16-value piece of a     \
      * value row loaded (and widened) once for 4 rows. Every output is fma(p_i, v_i, .) in key order from 0: any  \
      * tile, any lane or the scalar tail give the same bits. */                                                \
     FT_AVX2 static void pv_rows_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,          \
                                       int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {                 \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d16 = dv / 16 * 16;                                                                      \
         for (int64_t d0 = 0; d0 < d16; d0 += 16)                                                               \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
@@ -273,8 +273,8 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                             *p3 = p2 + ATTN_BLOCK;                                                             \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                   \
-                    if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n) /* the first pass fetches the rows */    \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
+                    if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n) /* the first pass fetches the rows */   \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m256 x0 = LOAD8(vr), x1 = LOAD8(vr + 8);                                           \
                     FT_TILE4X2(__m256, _mm256_fmadd_ps, _mm256_broadcast_ss, p0 + i, p1 + i, p2 + i, p3 + i, x0,  \
@@ -289,7 +289,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 _mm256_storeu_ps(o[r + 3] + d0, a6);                                                           \
                 _mm256_storeu_ps(o[r + 3] + d0 + 8, a7);                                                       \
             }                                                                                                  \
-        if (nxp) *nxp = nxl;                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                   \
         FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
@@ -318,51 +318,51 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
 #define FT_ATTN_LOOPS512(SUF, T, LOAD2X8, LOAD16, SCALAR)                                                          \
     FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
                                          int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {       \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
-        const int64_t d8 = dh / 8 * 8;                                                                            \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
+        const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 8) { /* 4 rows x 8 keys a tile: each query piece broadcast once for 4 pairs */\
-            const T *kk[8];                                                                                       \
-            for (int j = 0; j < 8; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                         \
-            if (pf && i + ATTN_AHEAD + 7 < n)                                                                     \
-                for (int j = 0; j < 8; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                    \
-            for (int64_t r = 0; r < R; r += 4) {                                                                  \
-                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                       \
-                __m512 a[4][4]; /* [row][pair of keys] */                                                         \
-                for (int u = 0; u < 4; u++)                                                                       \
-                    for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();                                    \
-                for (int64_t d = 0; d < d8; d += 8) {                                                             \
-                    const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);          \
-                    const __m512 x2 = LOAD2X8(kk[4] + d, kk[5] + d), x3 = LOAD2X8(kk[6] + d, kk[7] + d);          \
-                    for (int u = 0; u < 4; u++) {                                                                 \
-                        const __m512 f = ft_bcast8x2(q[r + u] + d);                                               \
-                        a[u][0] = _mm512_fmadd_ps(f, x0, a[u][0]);                                                \
-                        a[u][1] = _mm512_fmadd_ps(f, x1, a[u][1]);                                                \
-                        a[u][2] = _mm512_fmadd_ps(f, x2, a[u][2]);                                                \
-                        a[u][3] = _mm512_fmadd_ps(f, x3, a[u][3]);                                                \
-                    }                                                                                             \
-                }                                                                                                 \
+            const T *kk[8];                                                                                    \
+            for (int j = 0; j < 8; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                      \
+            if (pf && i + ATTN_AHEAD + 7 < n)                                                                  \
+                for (int j = 0; j < 8; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                 \
+            for (int64_t r = 0; r < R; r += 4) {                                                               \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                    \
+                __m512 a[4][4]; /* [row][pair of keys] */                                                      \
+                for (int u = 0; u < 4; u++)                                                                    \
+                    for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();                                 \
+                for (int64_t d = 0; d < d8; d += 8) {                                                          \
+                    const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);       \
+                    const __m512 x2 = LOAD2X8(kk[4] + d, kk[5] + d), x3 = LOAD2X8(kk[6] + d, kk[7] + d);       \
+                    for (int u = 0; u < 4; u++) {                                                              \
+                        const __m512 f = ft_bcast8x2(q[r + u] + d);                                            \
+                        a[u][0] = _mm512_fmadd_ps(f, x0, a[u][0]);                                             \
+                        a[u][1] = _mm512_fmadd_ps(f, x1, a[u][1]);                                             \
+                        a[u][2] = _mm512_fmadd_ps(f, x2, a[u][2]);                                             \
+                        a[u][3] = _mm512_fmadd_ps(f, x3, a[u][3]);                                             \
+                    }                                                                                          \
+                }                                                                                              \
                 /* per pair of keys, the AVX2 tile's (row, key) accumulator order: row 0 key 2w, row 0 key 2w + 1, ... */\
-                float s8[32];                                                                                     \
-                for (int w = 0; w < 4; w++) {                                                                     \
-                    const __m256 h[8] = {ft_lo8(a[0][w]), ft_hi8(a[0][w]), ft_lo8(a[1][w]), ft_hi8(a[1][w]),      \
-                                         ft_lo8(a[2][w]), ft_hi8(a[2][w]), ft_lo8(a[3][w]), ft_hi8(a[3][w])};     \
-                    _mm256_storeu_ps(s8 + 8 * w, hsum8x8(h));                                                     \
-                }                                                                                                 \
-                for (int u = 0; u < 4; u++)                                                                       \
-                    for (int j = 0; j < 8; j++) {                                                                 \
-                        float x = s8[(j / 2) * 8 + 2 * u + j % 2];                                                \
-                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);             \
-                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                             \
-                    }                                                                                             \
-            }                                                                                                     \
-        }                                                                                                         \
-        if (nxp) *nxp = nxl;                                                                                      \
+                float s8[32];                                                                                  \
+                for (int w = 0; w < 4; w++) {                                                                  \
+                    const __m256 h[8] = {ft_lo8(a[0][w]), ft_hi8(a[0][w]), ft_lo8(a[1][w]), ft_hi8(a[1][w]),   \
+                                         ft_lo8(a[2][w]), ft_hi8(a[2][w]), ft_lo8(a[3][w]), ft_hi8(a[3][w])};  \
+                    _mm256_storeu_ps(s8 + 8 * w, hsum8x8(h));                                                  \
+                }                                                                                              \
+                for (int u = 0; u < 4; u++)                                                                    \
+                    for (int j = 0; j < 8; j++) {                                                              \
+                        float x = s8[(j / 2) * 8 + 2 * u + j % 2];                                             \
+                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);          \
+                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                          \
+                    }                                                                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                   \
     }                                                                                                          \
     FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
                                          int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {              \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                            \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d64 = dv / 64 * 64, d32 = dv / 32 * 32, d16 = dv / 16 * 16;                              \
-        /* 4 rows x 64 values a tile (16 accumulators): each probability broadcast once for 4 FMAs */         \
+        /* 4 rows x 64 values a tile (16 accumulators): each probability broadcast once for 4 FMAs */          \
         for (int64_t d0 = 0; d0 < d64; d0 += 64)                                                               \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
                 __m512 acc[16];                                                                                \
@@ -370,10 +370,10 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 const float *pr = p + r * ATTN_BLOCK;                                                          \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                   \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
-                    const __m512 x0 = LOAD16(vr), x1 = LOAD16(vr + 16), x2 = LOAD16(vr + 32),                 \
+                    const __m512 x0 = LOAD16(vr), x1 = LOAD16(vr + 16), x2 = LOAD16(vr + 32),                  \
                                  x3 = LOAD16(vr + 48);                                                         \
                     for (int u = 0; u < 4; u++) {                                                              \
                         const __m512 f = ft_bcast1(pr + u * ATTN_BLOCK + i);                                   \
@@ -384,7 +384,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                     }                                                                                          \
                 }                                                                                              \
                 for (int u = 0; u < 4; u++)                                                                    \
-                    for (int w = 0; w < 4; w++) _mm512_storeu_ps(o[r + u] + d0 + 16 * w, acc[4 * u + w]);     \
+                    for (int w = 0; w < 4; w++) _mm512_storeu_ps(o[r + u] + d0 + 16 * w, acc[4 * u + w]);      \
             }                                                                                                  \
         for (int64_t d0 = d64; d0 < d16; d0 += d0 < d32 ? 32 : 16) {                                           \
             const int two = d0 < d32;                                                                          \
@@ -394,7 +394,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                             *p3 = p2 + ATTN_BLOCK;                                                             \
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
-                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                   \
+                    if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
                     if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
                         ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
                     const __m512 x0 = LOAD16(vr), x1 = two ? LOAD16(vr + 16) : x0;                             \
@@ -412,7 +412,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        if (nxp) *nxp = nxl;                                                                                      \
+        if (nxp) *nxp = nxl;                                                                                   \
         FT_PV_TAIL(SCALAR, d16);                                                                               \
     }
 
