@@ -8,6 +8,7 @@ path that runs the layers, ``runtime/runner.py``) → ``Scheduler`` (continuous 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -168,9 +169,7 @@ class Engine:
         config = SpeculationConfig.of(value)
         draft = self.scheduler.speculation.draft_model
         if not isinstance(value, SpeculationConfig) and draft is not None:  # on/off/K keeps the attached draft model
-            from dataclasses import replace
-
-            config = replace(config, draft_model=draft)
+            config = dataclasses.replace(config, draft_model=draft)
         self.scheduler.speculation = config
 
     # ------------------------------------------------------------------------------------------------ loading

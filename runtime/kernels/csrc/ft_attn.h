@@ -114,9 +114,8 @@ static float *attn_scratch(int64_t floats) {
 #ifdef FT_X86
 /* Software prefetch (into L1) of every cache line of [p, p + bytes) */
 static inline void ft_prefetch_span(const void *p, int64_t bytes) {
-    const char *c = (const char *)p;
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-    _mm_prefetch(c + bytes - 1, _MM_HINT_T0); /* the last line where p is not line-aligned */
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T0);
 }
 
 /* A prefetch stream over the next work item's cache rows (rows of `span` bytes, `stride` bytes apart), issued `per`
@@ -225,14 +224,14 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
      * over d in 8-lane steps, reduced by hsum8x8's fixed tree, then the d tail by fmaf: the same bits in any     \
      * tile. An odd n also writes sc at key n (a copy of key n - 1's score: not read). */                          \
     FT_AVX2 static void qk_rows_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n,    \
-                                      int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {          \
+                                      int64_t dh, float scale, float *sc, attn_pf *nxp) {          \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 2) {                                                                   \
             const T *k0 = k + i * stride, *k1 = i + 1 < n ? k0 + stride : k0;                                  \
-            if (pf && i + ATTN_AHEAD + 1 < n) { /* the rows a few keys ahead */                                \
-                ft_prefetch_span(k0 + ATTN_AHEAD * stride, pf);                                                \
-                ft_prefetch_span(k0 + (ATTN_AHEAD + 1) * stride, pf);                                          \
+            if (i + ATTN_AHEAD + 1 < n) { /* the rows a few keys ahead */                                \
+                ft_prefetch_span(k0 + ATTN_AHEAD * stride, dh * (int64_t)sizeof(T));                           \
+                ft_prefetch_span(k0 + (ATTN_AHEAD + 1) * stride, dh * (int64_t)sizeof(T));                     \
             }                                                                                                  \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
                 if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                    \
@@ -263,7 +262,7 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
      * value row loaded (and widened) once for 4 rows. Every output is fma(p_i, v_i, .) in key order from 0: any  \
      * tile, any lane or the scalar tail give the same bits. */                                                \
     FT_AVX2 static void pv_rows_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,          \
-                                      int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {                 \
+                                      int64_t dv, float *const *o, attn_pf *nxp) {                 \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d16 = dv / 16 * 16;                                                                      \
         for (int64_t d0 = 0; d0 < d16; d0 += 16)                                                               \
@@ -274,8 +273,8 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
                     if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
-                    if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n) /* the first pass fetches the rows */   \
-                        ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
+                    if (d0 == 0 && r == 0 && i + ATTN_AHEAD < n) /* the first pass fetches the rows */   \
+                        ft_prefetch_span(vr + ATTN_AHEAD * stride, dv * (int64_t)sizeof(T));                   \
                     const __m256 x0 = LOAD8(vr), x1 = LOAD8(vr + 8);                                           \
                     FT_TILE4X2(__m256, _mm256_fmadd_ps, _mm256_broadcast_ss, p0 + i, p1 + i, p2 + i, p3 + i, x0,  \
                                x1);                                                                            \
@@ -317,14 +316,14 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
  * per output value in key order whatever the width. Half the instructions for the same arithmetic. */
 #define FT_ATTN_LOOPS512(SUF, T, LOAD2X8, LOAD16, SCALAR)                                                          \
     FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
-                                         int64_t dh, float scale, float *sc, int64_t pf, attn_pf *nxp) {       \
+                                         int64_t dh, float scale, float *sc, attn_pf *nxp) {       \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 8) { /* 4 rows x 8 keys a tile: each query piece broadcast once for 4 pairs */\
             const T *kk[8];                                                                                    \
             for (int j = 0; j < 8; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                      \
-            if (pf && i + ATTN_AHEAD + 7 < n)                                                                  \
-                for (int j = 0; j < 8; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, pf);                 \
+            if (i + ATTN_AHEAD + 7 < n)                                                                  \
+                for (int j = 0; j < 8; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, dh * (int64_t)sizeof(T)); \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
                 if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                    \
                 __m512 a[4][4]; /* [row][pair of keys] */                                                      \
@@ -359,7 +358,7 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
         if (nxp) *nxp = nxl;                                                                                   \
     }                                                                                                          \
     FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
-                                         int64_t dv, float *const *o, int64_t pf, attn_pf *nxp) {              \
+                                         int64_t dv, float *const *o, attn_pf *nxp) {              \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d64 = dv / 64 * 64, d32 = dv / 32 * 32, d16 = dv / 16 * 16;                              \
         /* 4 rows x 64 values a tile (16 accumulators): each probability broadcast once for 4 FMAs */          \
@@ -371,8 +370,8 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
                     if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
-                    if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
-                        ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
+                    if (d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
+                        ft_prefetch_span(vr + ATTN_AHEAD * stride, dv * (int64_t)sizeof(T));                   \
                     const __m512 x0 = LOAD16(vr), x1 = LOAD16(vr + 16), x2 = LOAD16(vr + 32),                  \
                                  x3 = LOAD16(vr + 48);                                                         \
                     for (int u = 0; u < 4; u++) {                                                              \
@@ -395,8 +394,8 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                 const T *vr = v + d0;                                                                          \
                 for (int64_t i = 0; i < n; i++, vr += stride) {                                                \
                     if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                \
-                    if (pf && d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
-                        ft_prefetch_span(vr + ATTN_AHEAD * stride, pf);                                        \
+                    if (d0 == 0 && r == 0 && i + ATTN_AHEAD < n)                                         \
+                        ft_prefetch_span(vr + ATTN_AHEAD * stride, dv * (int64_t)sizeof(T));                   \
                     const __m512 x0 = LOAD16(vr), x1 = two ? LOAD16(vr + 16) : x0;                             \
                     FT_TILE4X2(__m512, _mm512_fmadd_ps, ft_bcast1, p0 + i, p1 + i, p2 + i, p3 + i, x0, x1);    \
                 }                                                                                              \
@@ -753,19 +752,15 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         }
 #endif
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
-        const int64_t kpf = c->dh * (int64_t)es, vpf = c->dv * (int64_t)es; /* this head's part of a row */
         if (c->kv_type == FT_KV_F16)
-            (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc,
-                                                        kpf, qk_nx);
+            (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
         else if (c->kv_type == FT_KV_BF16)
             (wide ? qk_rows512_bf16 : qk_rows_bf16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale,
-                                                          sc, kpf, qk_nx);
+                                                          sc, qk_nx);
         else if (c->kv_type == FT_KV_F8)
-            (wide ? qk_rows512_f8 : qk_rows_f8_avx2)(qr, R4, (const uint8_t *)kb, c->k_stride, n, c->dh, c->scale, sc,
-                                                      kpf, qk_nx);
+            (wide ? qk_rows512_f8 : qk_rows_f8_avx2)(qr, R4, (const uint8_t *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
         else
-            (wide ? qk_rows512_f32 : qk_rows_avx2)(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc, kpf,
-                                                    qk_nx);
+            (wide ? qk_rows512_f32 : qk_rows_avx2)(qr, R4, (const float *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
         for (int64_t r = 0; r < R4; r++) {
             float *row = sc + r * ATTN_BLOCK;
             if (r < R) {
@@ -777,16 +772,13 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
             for (int64_t i = nrow[r]; i < n; i++) row[i] = 0.f;
         }
         if (c->kv_type == FT_KV_F16)
-            (wide ? pv_rows512_f16 : pv_rows_f16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, vpf,
-                                                        pv_nx);
+            (wide ? pv_rows512_f16 : pv_rows_f16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, pv_nx);
         else if (c->kv_type == FT_KV_BF16)
-            (wide ? pv_rows512_bf16 : pv_rows_bf16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, vpf,
-                                                          pv_nx);
+            (wide ? pv_rows512_bf16 : pv_rows_bf16_avx2)(sc, R4, (const uint16_t *)vb, c->v_stride, n, c->dv, orow, pv_nx);
         else if (c->kv_type == FT_KV_F8)
-            (wide ? pv_rows512_f8 : pv_rows_f8_avx2)(sc, R4, (const uint8_t *)vb, c->v_stride, n, c->dv, orow, vpf,
-                                                      pv_nx);
+            (wide ? pv_rows512_f8 : pv_rows_f8_avx2)(sc, R4, (const uint8_t *)vb, c->v_stride, n, c->dv, orow, pv_nx);
         else
-            (wide ? pv_rows512_f32 : pv_rows_avx2)(sc, R4, (const float *)vb, c->v_stride, n, c->dv, orow, vpf, pv_nx);
+            (wide ? pv_rows512_f32 : pv_rows_avx2)(sc, R4, (const float *)vb, c->v_stride, n, c->dv, orow, pv_nx);
         tq = te;
     }
 }
