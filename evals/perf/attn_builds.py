@@ -12,6 +12,7 @@ from memory as in a model's decode step, where the layers' weights pass through 
 calls of a layer; without it an 8k-key cache (17 MB) sits in a large L3 and the row measures L3 bandwidth.
 
     python -m freetoken_agent.evals.perf.attn_builds OLD.so NEW.so [--threads 2] [--repeats 40] [--cold] [--json]
+        [--isa avx2]  # both builds on one ISA path (default: cpuid's best)
     freetoken bench attn-builds -- OLD.so NEW.so
 """
 
@@ -34,8 +35,16 @@ SHAPES = [(16, 4, 128, 4096, 1), (32, 4, 128, 4096, 1), (16, 4, 128, 8192, 1), (
 """(query heads, kv heads, head dim, keys, queries)."""
 
 
-def load(path: str, threads: int) -> ctypes.CDLL:
+ISAS = {"best": None, "portable": 0, "avx2": 1, "avx512": 2}
+"""``--isa``: the library's ISA path (``ft_set_isa``); ``best`` keeps what it picks from cpuid."""
+
+
+def load(path: str, threads: int, isa: str = "best") -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
+    if ISAS[isa] is not None:
+        lib.ft_set_isa.argtypes = [ctypes.c_int]
+        if lib.ft_set_isa(ISAS[isa]) != ISAS[isa]:
+            raise OSError(f"{path}: this CPU has no {isa} path")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ft_attn_queries_kv.argtypes = [p, i64, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, i64, i64,
                                        ctypes.c_float, p, p]
@@ -65,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--cold", action="store_true", help="evict the caches between calls (read 2x the LLC)")
+    ap.add_argument("--isa", choices=list(ISAS), default="best",
+                    help="the ISA path both builds run (default: cpuid's best)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.repeats < 6:
         ap.error("--threads must be at least 1 and --repeats at least 6")
     try:
-        libs = {"old": load(args.old, args.threads), "new": load(args.new, args.threads)}
+        libs = {"old": load(args.old, args.threads, args.isa), "new": load(args.new, args.threads, args.isa)}
     except (OSError, AttributeError) as exc:
         ap.error(f"not a build of the kernels library: {exc}")
     rows: list[dict[str, Any]] = []

@@ -171,6 +171,17 @@ def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> 
         lines.append(f"| {Path(str(x['model'])).name} | {x['params'] / 1e9:.2f}B | {x.get('dense', 'fp32')} | "
                      f"{x['threads']} | {x['prompt_len']} | {x['ours_tok_s']:.2f} | {x['peer_tok_s']:.2f} | "
                      f"{x['ratio']:.2f}x |")
+    streams = [x for x in r["runs"] if x.get("stream")]
+    if streams:
+        lines += ["", "our decode's stream against the read bandwidth measured just before each of our rounds",
+                  "| threads | prompt | bytes a step reads | ours GB/s (rounds) | read GB/s (rounds) | "
+                  "share (rounds) | median share |", "|---|---|---|---|---|---|---|"]
+        for x in streams:
+            st = x["stream"]
+            lines.append(f"| {x['threads']} | {x['prompt_len']} | {st['step_bytes'] / 1e9:.3f} GB | "
+                         f"{', '.join(f'{v:.1f}' for v in st['ours_gbps'])} | "
+                         f"{', '.join(f'{v:.1f}' for v in st['read_gbps'])} | "
+                         f"{', '.join(f'{v:.2f}' for v in st['share'])} | {st['share_median']:.2f} |")
     pre = [x for x in r["runs"] if x.get("prefill_len")]
     if pre:
         lines += ["", "prefill tok/s (one call per side)", "| model | threads | prompt | ours | peer | ours / peer |",

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from freetoken_agent.evals.perf import machine
 from freetoken_agent.evals.perf.timing import DecodeTiming
 
 CONFIG: dict[str, Any] = dict(
@@ -269,6 +270,40 @@ def gguf_formats(path: Path) -> dict[str, int]:
     return out
 
 
+def gguf_step_weight_bytes(path: Path) -> int:
+    """Weight bytes one single-token decode step reads from a GGUF file: every tensor but the token embedding (one
+    row of it), and the routed experts' tensors (``*_exps``) times experts used / experts stored. Both sides read
+    these: the rows compare the same weights."""
+    from freetoken_agent.runtime.gguf.file import GGUFFile
+
+    f = GGUFFile(path)
+    used, count = int(f.arch_get("expert_used_count", 0) or 0), int(f.arch_get("expert_count", 0) or 0)
+    total = 0
+    for t in f.tensors.values():
+        if t.name == "token_embd.weight":
+            total += t.nbytes // max(t.shape[0], 1)
+        elif "_exps." in t.name and count:
+            total += t.nbytes * used // count
+        else:
+            total += t.nbytes
+    return total
+
+
+BANDWIDTH_BYTES = 256 << 20
+"""Bytes of each round's bandwidth reading (``machine.best_read_gbps``, 3 tries per thread count): taken just before
+our side's decode in every round, so a row's share of the bandwidth compares one minute with the same minute (this
+VM's reads moved between 35 and 55 GB/s within an hour)."""
+
+
+def stream_share(step_bytes: float, rates: list[float], read_gbps: list[float]) -> dict[str, Any]:
+    """What our decode streamed per round (tok/s x bytes a step reads) against the bandwidth read beside it."""
+    ours = [r * step_bytes / 1e9 for r in rates]
+    share = [o / b for o, b in zip(ours, read_gbps)]
+    return {"step_bytes": int(step_bytes), "read_gbps": [round(b, 2) for b in read_gbps],
+            "ours_gbps": [round(o, 2) for o in ours], "share": [round(x, 3) for x in share],
+            "share_median": round(statistics.median(share), 3)}
+
+
 def _inputs(vocab: int, prompt_len: int, tokens: int, prefill_len: int) -> tuple[list[int], list[int], list[int]]:
     """The prompt, the tokens fed one by one after it, and the long prompt of the prefill timing (seeded)."""
     gen = torch.Generator().manual_seed(0)
@@ -379,9 +414,12 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
             decode(2)
         rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
         prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+        read_gbps: list[float] = []
         for i in range(rounds):
             order = list(sides.items())
             for label, (decode, pre, _, _) in order if i % 2 == 0 else order[::-1]:
+                if label == "ours":
+                    read_gbps.append(machine.best_read_gbps(BANDWIDTH_BYTES, rounds=3)[0])
                 rates[label].append(tokens / decode(tokens))
                 if prefill_len and i == 0:
                     prefill[label].append(prefill_len / pre())
@@ -390,7 +428,11 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
     finally:
         for _, _, _, release in sides.values():
             release()
-    return _summary(rates, prefill, ids, prompt_len, threads, tokens, rounds, prefill_len)
+    out = _summary(rates, prefill, ids, prompt_len, threads, tokens, rounds, prefill_len)
+    # a step after the prompt reads the weights and the KV of its context: on average prompt + (tokens + 1) / 2
+    step = gguf_step_weight_bytes(gguf_path) + ours.kv_bytes_per_token() * (prompt_len + (tokens + 1) / 2)
+    out["stream"] = stream_share(step, rates["ours"], read_gbps)
+    return out
 
 
 def measure_side(side: str, gguf_path: Path, threads: int, tokens: int, rounds: int, prompt_len: int,

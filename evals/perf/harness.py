@@ -167,6 +167,10 @@ def parse(r: Row, argv: list[str], prog: str, record_default: bool) -> argparse.
     return args
 
 
+LOCATION_SETTINGS = frozenset({"FREETOKEN_CACHE", "FREETOKEN_BENCH_HISTORY"})
+"""``FREETOKEN_*`` variables that only say where files are kept: they change no result, so they tag no run."""
+
+
 def run_row(r: Row, args: argparse.Namespace, command: str,
             bandwidth: Callable[[], dict[str, Any]] | None = None) -> Record:
     """Run the row and return its record (not yet written anywhere). The machine's facts and load average are read
@@ -181,7 +185,8 @@ def run_row(r: Row, args: argparse.Namespace, command: str,
     if bandwidth is not None or getattr(args, "record", True):
         facts.update((bandwidth or machine.bandwidth)())
     options = {k: _jsonable(v) for k, v in vars(args).items() if k not in ("json", "record", "history", "func")}
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FREETOKEN_")}  # e.g. a pinned ISA path
+    env = {k: v for k, v in sorted(os.environ.items())  # e.g. a pinned ISA path; not where files are kept
+           if k.startswith("FREETOKEN_") and k not in LOCATION_SETTINGS}
     return Record(r.name, command, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), facts, options,
                   _jsonable((r.headline or default_headline)(report)), _jsonable(report), round(wall, 2),
                   tags={"env": env} if env else {})

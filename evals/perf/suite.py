@@ -125,13 +125,14 @@ def run(quick: bool = True, threads: int = 1, root: Path | None = None,
     g = bench_gguf_decode.measure(folder, threads, sz.tokens, sz.rounds)
     rows["cpu_decode_q4"] = {"ours_tok_s": g["ours_tok_s"], "peer": "llama.cpp Q4_0", "peer_tok_s": g["llama_cpp_tok_s"],
                              "ratio": g["ratio"], "runs": g["rates"], "params": g["params"], "dense": "fp32 / F32",
-                             "greedy_prefix_agreement": g["greedy_prefix_agreement"]}  # fmt: skip
+                             "greedy_prefix_agreement": g["greedy_prefix_agreement"],
+                             "stream": g["stream"]}  # fmt: skip
     say("q4 decode with Q8_0 dense weights on both sides (ours: dense_quant='q8'; the GGUF gets the same blocks)")
     gq = bench_gguf_decode.measure(folder, threads, sz.tokens, sz.rounds, dense="q8")
     rows["cpu_decode_q4_dense_q8"] = {
         "ours_tok_s": gq["ours_tok_s"], "peer": "llama.cpp Q4_0 + Q8_0 dense", "peer_tok_s": gq["llama_cpp_tok_s"],
         "ratio": gq["ratio"], "runs": gq["rates"], "params": gq["params"], "dense": "Q8_0 (both)",
-        "greedy_prefix_agreement": gq["greedy_prefix_agreement"]}  # fmt: skip
+        "greedy_prefix_agreement": gq["greedy_prefix_agreement"], "stream": gq["stream"]}  # fmt: skip
     say(f"q4 prefill + TTFT ({sz.prompt_tokens}-token prompt) and agent-session replay: ours vs llama.cpp")
     ours = Engine.from_pretrained(folder, quant="q4", threads=threads)
     llm = open_llama(folder / "model-q4_0.gguf", threads, n_ctx=max(sz.prompt_tokens, sz.replay_context) + 64)

@@ -219,36 +219,52 @@ FT_AVX2 static inline __m256 hsum8x8(const __m256 *a) {
  * load; fp16: F16C's _mm256_cvtph_ps; bf16: a 16-bit shift), SCALAR(x) one. The same products and sums in the
  * same order for every type: a 16-bit cache gives the bits an fp32 one holding the widened values gives. */
 #define FT_ATTN_LOOPS(SUF, T, LOAD8, SCALAR)                                                                       \
-    /* sc[r * ATTN_BLOCK + i] = q[r] . k[i] * scale for R query rows (R a multiple of 4) and n keys, each key's   \
-     * 8-value vector loaded (and widened) once for a tile of 4 rows x 2 keys. Every (row, key) is one FMA chain  \
-     * over d in 8-lane steps, reduced by hsum8x8's fixed tree, then the d tail by fmaf: the same bits in any     \
-     * tile. An odd n also writes sc at key n (a copy of key n - 1's score: not read). */                          \
-    FT_AVX2 static void qk_rows_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n,    \
-                                      int64_t dh, float scale, float *sc, attn_pf *nxp) {          \
+    /* sc[r * ATTN_BLOCK + i] = q[r] . k[i] * scale for R query rows (R a multiple of 4) and n keys, each key's \
+     * 8-value piece loaded (and widened) once for a tile of 4 rows x 2 keys. Every (row, key) is two FMA chains in \
+     * 8 lanes, the even 8-value pieces of d (d = 0, 16, 32, ...) and the odd ones (d = 8, 24, ...), run one after \
+     * the other over the tile's keys (their rows stay in L1 between the passes), added lane by lane, reduced by \
+     * hsum8x8's fixed tree, then the d tail past the last whole piece by fmaf: the 512-bit loops' order (there a \
+     * register holds an even piece and the odd one after it), the same bits in any tile. An odd n also writes sc \
+     * at key n (a copy of key n - 1's score: not read). */                                                    \
+    FT_AVX2 static void qk_rows_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
+                                      int64_t dh, float scale, float *sc, attn_pf *nxp) {                      \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
         const int64_t d8 = dh / 8 * 8;                                                                         \
         for (int64_t i = 0; i < n; i += 2) {                                                                   \
             const T *k0 = k + i * stride, *k1 = i + 1 < n ? k0 + stride : k0;                                  \
-            if (i + ATTN_AHEAD + 1 < n) { /* the rows a few keys ahead */                                \
+            if (i + ATTN_AHEAD + 1 < n) { /* the rows a few keys ahead */                                      \
                 ft_prefetch_span(k0 + ATTN_AHEAD * stride, dh * (int64_t)sizeof(T));                           \
                 ft_prefetch_span(k0 + (ATTN_AHEAD + 1) * stride, dh * (int64_t)sizeof(T));                     \
             }                                                                                                  \
             for (int64_t r = 0; r < R; r += 4) {                                                               \
                 if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                    \
                 const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];                        \
+                __m256 even[8];                                                                                \
+                {                                                                                              \
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                    for (int64_t d = 0; d < d8; d += 16) {                                                     \
+                        const __m256 x0 = LOAD8(k0 + d), x1 = LOAD8(k1 + d);                                   \
+                        FT_TILE4X2(__m256, _mm256_fmadd_ps, _mm256_loadu_ps, q0 + d, q1 + d, q2 + d, q3 + d, x0, x1); \
+                    }                                                                                          \
+                    even[0] = a0, even[1] = a1, even[2] = a2, even[3] = a3;                                    \
+                    even[4] = a4, even[5] = a5, even[6] = a6, even[7] = a7;                                    \
+                }                                                                                              \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-                for (int64_t d = 0; d < d8; d += 8) {                                                          \
+                for (int64_t d = 8; d < d8; d += 16) {                                                         \
                     const __m256 x0 = LOAD8(k0 + d), x1 = LOAD8(k1 + d);                                       \
                     FT_TILE4X2(__m256, _mm256_fmadd_ps, _mm256_loadu_ps, q0 + d, q1 + d, q2 + d, q3 + d, x0, x1); \
                 }                                                                                              \
-                const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};                                        \
+                const __m256 acc[8] = {_mm256_add_ps(even[0], a0), _mm256_add_ps(even[1], a1),                 \
+                                       _mm256_add_ps(even[2], a2), _mm256_add_ps(even[3], a3),                 \
+                                       _mm256_add_ps(even[4], a4), _mm256_add_ps(even[5], a5),                 \
+                                       _mm256_add_ps(even[6], a6), _mm256_add_ps(even[7], a7)};                \
                 float s8[8];                                                                                   \
                 _mm256_storeu_ps(s8, hsum8x8(acc));                                                            \
                 if (d8 < dh)                                                                                   \
                     for (int u = 0; u < 8; u++) {                                                              \
                         const float *qq = q[r + u / 2];                                                        \
                         const T *kk = u % 2 ? k1 : k0;                                                         \
-                        for (int64_t d = d8; d < dh; d++) s8[u] = fmaf(qq[d], SCALAR(kk[d]), s8[u]);          \
+                        for (int64_t d = d8; d < dh; d++) s8[u] = fmaf(qq[d], SCALAR(kk[d]), s8[u]);           \
                     }                                                                                          \
                 for (int u = 0; u < 4; u++) {                                                                  \
                     sc[(r + u) * ATTN_BLOCK + i] = s8[2 * u] * scale;                                          \
@@ -310,53 +326,68 @@ FT_ATTN_LOOPS(f16_avx2, uint16_t, FT_LOAD_F16, fp16_to_fp32)
 FT_ATTN_LOOPS(bf16_avx2, uint16_t, load_bf16x8, bf16_to_f32)
 FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
 
-/* The same loops in 512-bit registers (the AVX-512 ISA settings), bitwise equal to the AVX2 ones: qk puts two
- * keys' 8-value pieces side by side in one register against the query piece broadcast to both halves, so each half
- * is exactly an AVX2 accumulator (4 rows x 4 keys per tile, reduced by the same hsum8x8 tree); pv is one FMA chain
- * per output value in key order whatever the width. Half the instructions for the same arithmetic. */
+/* The same loops in 512-bit registers (the AVX-512 ISA settings), bitwise equal to the AVX2 ones: qk loads 16 values
+ * of d of a key at once against 16 of the query row, so a register's low half is the AVX2 loop's even-piece chain
+ * and its high half the odd-piece chain (4 rows x 4 keys per tile, halves added, reduced by the same hsum8x8 tree);
+ * pv is one FMA chain per output value in key order whatever the width. Half the instructions for the same
+ * arithmetic. */
 #define FT_ATTN_LOOPS512(SUF, T, LOAD2X8, LOAD16, SCALAR)                                                          \
     FT_VNNI static void qk_rows512_##SUF(const float *const *q, int64_t R, const T *k, int64_t stride, int64_t n, \
-                                         int64_t dh, float scale, float *sc, attn_pf *nxp) {       \
-        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
-        const int64_t d8 = dh / 8 * 8;                                                                         \
-        for (int64_t i = 0; i < n; i += 8) { /* 4 rows x 8 keys a tile: each query piece broadcast once for 4 pairs */\
-            const T *kk[8];                                                                                    \
-            for (int j = 0; j < 8; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                      \
-            if (i + ATTN_AHEAD + 7 < n)                                                                  \
-                for (int j = 0; j < 8; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, dh * (int64_t)sizeof(T)); \
-            for (int64_t r = 0; r < R; r += 4) {                                                               \
-                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                    \
-                __m512 a[4][4]; /* [row][pair of keys] */                                                      \
-                for (int u = 0; u < 4; u++)                                                                    \
-                    for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();                                 \
-                for (int64_t d = 0; d < d8; d += 8) {                                                          \
-                    const __m512 x0 = LOAD2X8(kk[0] + d, kk[1] + d), x1 = LOAD2X8(kk[2] + d, kk[3] + d);       \
-                    const __m512 x2 = LOAD2X8(kk[4] + d, kk[5] + d), x3 = LOAD2X8(kk[6] + d, kk[7] + d);       \
-                    for (int u = 0; u < 4; u++) {                                                              \
-                        const __m512 f = ft_bcast8x2(q[r + u] + d);                                            \
-                        a[u][0] = _mm512_fmadd_ps(f, x0, a[u][0]);                                             \
-                        a[u][1] = _mm512_fmadd_ps(f, x1, a[u][1]);                                             \
-                        a[u][2] = _mm512_fmadd_ps(f, x2, a[u][2]);                                             \
-                        a[u][3] = _mm512_fmadd_ps(f, x3, a[u][3]);                                             \
-                    }                                                                                          \
-                }                                                                                              \
-                /* per pair of keys, the AVX2 tile's (row, key) accumulator order: row 0 key 2w, row 0 key 2w + 1, ... */\
-                float s8[32];                                                                                  \
-                for (int w = 0; w < 4; w++) {                                                                  \
-                    const __m256 h[8] = {ft_lo8(a[0][w]), ft_hi8(a[0][w]), ft_lo8(a[1][w]), ft_hi8(a[1][w]),   \
-                                         ft_lo8(a[2][w]), ft_hi8(a[2][w]), ft_lo8(a[3][w]), ft_hi8(a[3][w])};  \
-                    _mm256_storeu_ps(s8 + 8 * w, hsum8x8(h));                                                  \
-                }                                                                                              \
-                for (int u = 0; u < 4; u++)                                                                    \
-                    for (int j = 0; j < 8; j++) {                                                              \
-                        float x = s8[(j / 2) * 8 + 2 * u + j % 2];                                             \
-                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);          \
-                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                          \
-                    }                                                                                          \
-            }                                                                                                  \
-        }                                                                                                      \
-        if (nxp) *nxp = nxl;                                                                                   \
-    }                                                                                                          \
+                                         int64_t dh, float scale, float *sc, attn_pf *nxp) {                     \
+        attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                           \
+        const int64_t d8 = dh / 8 * 8, d16 = dh / 16 * 16;                                                       \
+        for (int64_t i = 0; i < n; i += 4) { /* 4 rows x 4 keys a tile, 16 values of d a step */                 \
+            const T *kk[4];                                                                                      \
+            for (int j = 0; j < 4; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;                        \
+            if (i + ATTN_AHEAD + 3 < n)                                                                          \
+                for (int j = 0; j < 4; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, dh * (int64_t)sizeof(T)); \
+            for (int64_t r = 0; r < R; r += 4) {                                                                 \
+                if (nxl.row < nxl.rows) attn_pf_step(&nxl);                                                      \
+                __m512 a[4][4]; /* [row][key]: lanes 0-7 the even pieces' chain, 8-15 the odd ones' */           \
+                for (int u = 0; u < 4; u++)                                                                      \
+                    for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();                                   \
+                for (int64_t d = 0; d < d16; d += 16) {                                                          \
+                    const __m512 x0 = LOAD16(kk[0] + d), x1 = LOAD16(kk[1] + d), x2 = LOAD16(kk[2] + d),         \
+                                 x3 = LOAD16(kk[3] + d);                                                         \
+                    for (int u = 0; u < 4; u++) {                                                                \
+                        const __m512 f = _mm512_loadu_ps(q[r + u] + d);                                          \
+                        a[u][0] = _mm512_fmadd_ps(f, x0, a[u][0]);                                               \
+                        a[u][1] = _mm512_fmadd_ps(f, x1, a[u][1]);                                               \
+                        a[u][2] = _mm512_fmadd_ps(f, x2, a[u][2]);                                               \
+                        a[u][3] = _mm512_fmadd_ps(f, x3, a[u][3]);                                               \
+                    }                                                                                            \
+                }                                                                                                \
+                if (d16 < d8) { /* a last even piece alone: the odd lanes are masked off and keep their bits */  \
+                    const __m512 x0 = LOAD2X8(kk[0] + d16, kk[0] + d16), x1 = LOAD2X8(kk[1] + d16, kk[1] + d16), \
+                                 x2 = LOAD2X8(kk[2] + d16, kk[2] + d16), x3 = LOAD2X8(kk[3] + d16, kk[3] + d16); \
+                    for (int u = 0; u < 4; u++) {                                                                \
+                        const __m512 f = ft_bcast8x2(q[r + u] + d16);                                            \
+                        a[u][0] = _mm512_mask3_fmadd_ps(f, x0, a[u][0], 0x00ff);                                 \
+                        a[u][1] = _mm512_mask3_fmadd_ps(f, x1, a[u][1], 0x00ff);                                 \
+                        a[u][2] = _mm512_mask3_fmadd_ps(f, x2, a[u][2], 0x00ff);                                 \
+                        a[u][3] = _mm512_mask3_fmadd_ps(f, x3, a[u][3], 0x00ff);                                 \
+                    }                                                                                            \
+                }                                                                                                \
+                /* even + odd chains lane by lane, then hsum8x8 over 2 rows x 4 keys at a time */                \
+                float s8[16];                                                                                    \
+                for (int h2 = 0; h2 < 2; h2++) {                                                                 \
+                    __m256 h[8];                                                                                 \
+                    for (int e = 0; e < 8; e++) {                                                                \
+                        const __m512 z = a[2 * h2 + e / 4][e % 4];                                               \
+                        h[e] = _mm256_add_ps(ft_lo8(z), ft_hi8(z));                                              \
+                    }                                                                                            \
+                    _mm256_storeu_ps(s8 + 8 * h2, hsum8x8(h));                                                   \
+                }                                                                                                \
+                for (int u = 0; u < 4; u++)                                                                      \
+                    for (int j = 0; j < 4; j++) {                                                                \
+                        float x = s8[4 * u + j];                                                                 \
+                        for (int64_t d = d8; d < dh; d++) x = fmaf(q[r + u][d], SCALAR(kk[j][d]), x);            \
+                        sc[(r + u) * ATTN_BLOCK + i + j] = x * scale;                                            \
+                    }                                                                                            \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (nxp) *nxp = nxl;                                                                                     \
+    }                                                                                                            \
     FT_VNNI static void pv_rows512_##SUF(const float *p, int64_t R, const T *v, int64_t stride, int64_t n,       \
                                          int64_t dv, float *const *o, attn_pf *nxp) {              \
         attn_pf nxl = nxp ? *nxp : (attn_pf){0}; /* in registers: the loops step it */                         \
@@ -808,7 +839,7 @@ static void attn_rows_item(void *p, int64_t item) {
         const int64_t rn = c->hi[tq] - c->lo[tq] - blk * ATTN_BLOCK, n = rn < ATTN_BLOCK ? rn : ATTN_BLOCK;
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
         const int64_t tiles = (g + 3) / 4; /* tiles of 4 rows per pass for one query */
-        const int64_t qk_steps = heads * tiles * (wide ? (n + 7) / 8 : (n + 1) / 2);
+        const int64_t qk_steps = heads * tiles * (wide ? (n + 3) / 4 : (n + 1) / 2);
         const int64_t rest = c->dv % 64; /* the 512-bit value passes: 64 values, then 32, then 16 */
         const int64_t pv_steps = heads * tiles * n * (wide ? c->dv / 64 + rest / 32 + rest % 32 / 16 : c->dv / 16);
         kx = (attn_pf){(const char *)c->k + (s1 * c->k_stride + h0 * c->dh) * es, c->k_stride * es,

@@ -113,6 +113,7 @@ def test_runs_with_freetoken_settings_are_tagged_and_kept_apart(square_row: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     hist = tmp_path / "results.jsonl"
     bandwidth = lambda: {"read_gbps": 1.0, "read_threads": 1}  # noqa: E731
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))  # a location, not a setting: no tag
     for env in (None, "avx512vnni"):
         if env:
             monkeypatch.setenv("FREETOKEN_ISA", env)

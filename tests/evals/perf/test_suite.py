@@ -62,6 +62,16 @@ def test_decode_rows_pairwise_with_ratios(report: tuple[dict[str, Any], Path]) -
     assert f32_bytes / 3.2 < f32_bytes - bw["bytes_per_token"] < f32_bytes  # the quantized dense weights read less
     frac = bw["bytes_per_token"] * q8["ours_tok_s"] / (bw["read_gbps"] * 1e9)
     assert r["bandwidth_fraction"] == pytest.approx(frac, rel=0.01) and 0 < frac
+    # the GGUF-side count of a step's bytes (tensor headers) against the config-side one (capacity.model_size)
+    kv_per_pos = suite.decode_bytes_per_token(SMALL, 1) - suite.decode_bytes_per_token(SMALL, 0)
+    for key, expected in (("cpu_decode_q4", f32_bytes), ("cpu_decode_q4_dense_q8", bw["bytes_per_token"])):
+        st = r["rows"][key]["stream"]
+        step = expected - kv_per_pos * (32 + 8) + kv_per_pos * (32 + 4.5)  # mean context of 8 steps after 32
+        assert abs(st["step_bytes"] - step) <= SMALL["hidden_size"] * 4 + 1  # + one embedding row
+        assert len(st["read_gbps"]) == len(st["ours_gbps"]) == len(st["share"]) == 3 and min(st["read_gbps"]) > 0
+        assert st["share_median"] == pytest.approx(statistics.median(st["share"]), abs=1e-3)
+        first = r["rows"][key]["runs"]["ours"][0] * st["step_bytes"] / 1e9
+        assert st["ours_gbps"][0] == pytest.approx(first, abs=0.006)
     folder = root / "gguf" / "qwen3_moe-d256-l2-e8"
     assert (folder / "model-q4_0.gguf").is_file() and (folder / "model-q4_0-dense-q8.gguf").is_file()
 

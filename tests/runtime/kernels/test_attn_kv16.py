@@ -143,7 +143,9 @@ def test_engine_attention_over_a_16bit_cache_equals_the_widened_cache(dtype: tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["fp32", *IDS])
-@pytest.mark.parametrize("dims", [(133, 8, 2, 64, 64), (70, 6, 2, 36, 20), (150, 8, 2, 48, 112)])
+# head dims: whole 16-value steps (64, 48), a tail after them (36), an even 8-value piece alone then a tail (59)
+@pytest.mark.parametrize("dims", [(133, 8, 2, 64, 64), (70, 6, 2, 36, 20), (150, 8, 2, 48, 112),
+                                  (100, 8, 2, 59, 72)])
 def test_a_verify_row_reads_its_keys_once_and_matches_decoding_alone(dims: tuple[int, ...], dtype: torch.dtype,
                                                                        isas: list[str]) -> None:
     """A row of consecutive queries over one key range (speculative decoding's last token and drafts, a causal
