@@ -160,17 +160,33 @@ def decode_report(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append({"model": str(folder), "peer_tok_s": r.pop("llama_cpp_tok_s"), **r})
     for r in runs:
         r["ratio"] = round(r["ours_tok_s"] / r["peer_tok_s"], 3)
+    keep_rates(runs)
     return {"peer": args.peer, "tokens": args.tokens, "rounds": args.rounds, "runs": runs,
             "ours_tok_s": runs[0]["ours_tok_s"], "peer_tok_s": runs[0]["peer_tok_s"], "ratio": runs[0]["ratio"]}
 
 
+def keep_rates(runs: list[dict[str, Any]]) -> None:
+    """Each run after a longer prompt gets ``of_short``: our rate over ours after the shortest prompt of the same
+    model, dense format and thread count (``short_prompt``) — how much of its speed a long context keeps."""
+    for r in runs:
+        same = [x for x in runs if (x["model"], x.get("dense"), x["threads"]) == (r["model"], r.get("dense"),
+                                                                                   r["threads"])]
+        short = min(same, key=lambda x: x["prompt_len"])
+        if short["prompt_len"] < r["prompt_len"]:
+            r["of_short"], r["short_prompt"] = round(r["ours_tok_s"] / short["ours_tok_s"], 3), short["prompt_len"]
+
+
 def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> str:
+    kept = any("of_short" in x for x in r["runs"])
     lines = [f"decode tok/s, ours vs {r['peer']}, {r['tokens']} tokens, median of {r['rounds']} alternating rounds",
-             "| model | params | dense | threads | prompt | ours | peer | ours / peer |", "|---|---|---|---|---|---|---|---|"]
+             "| model | params | dense | threads | prompt | ours | peer | ours / peer |"
+             + (" ours / ours after the shortest prompt |" if kept else ""), "|---|---|---|---|---|---|---|---|"
+             + ("---|" if kept else "")]
     for x in r["runs"]:
         lines.append(f"| {Path(str(x['model'])).name} | {x['params'] / 1e9:.2f}B | {x.get('dense', 'fp32')} | "
                      f"{x['threads']} | {x['prompt_len']} | {x['ours_tok_s']:.2f} | {x['peer_tok_s']:.2f} | "
-                     f"{x['ratio']:.2f}x |")
+                     f"{x['ratio']:.2f}x |" + ((f" {x['of_short']:.2f} |" if "of_short" in x else " 1.00 |")
+                                               if kept else ""))
     streams = [x for x in r["runs"] if x.get("stream")]
     if streams:
         lines += ["", "our decode's stream against the read bandwidth measured just before each of our rounds",
@@ -182,6 +198,18 @@ def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> 
                          f"{', '.join(f'{v:.1f}' for v in st['ours_gbps'])} | "
                          f"{', '.join(f'{v:.1f}' for v in st['read_gbps'])} | "
                          f"{', '.join(f'{v:.2f}' for v in st['share'])} | {st['share_median']:.2f} |")
+    paired = [x for x in r["runs"] if x.get("paired_short")]
+    if paired:
+        lines += ["", "what a long context keeps of our short-prompt rate, measured in the same round (our decode after "
+                  f"{paired[0]['paired_short']['prompt_len']} tokens timed right after each long round)",
+                  "| threads | prompt | ours (rounds) | ours after the short prompt (rounds) | kept (rounds) | "
+                  "median kept |", "|---|---|---|---|---|---|"]
+        for x in paired:
+            ps = x["paired_short"]
+            lines.append(f"| {x['threads']} | {x['prompt_len']} | "
+                         f"{', '.join(f'{v:.1f}' for v in x['rates']['ours'])} | "
+                         f"{', '.join(f'{v:.1f}' for v in ps['rates'])} | {', '.join(f'{v:.2f}' for v in ps['kept'])} | "
+                         f"{ps['kept_median']:.2f} |")
     pre = [x for x in r["runs"] if x.get("prefill_len")]
     if pre:
         lines += ["", "prefill tok/s (one call per side)", "| model | threads | prompt | ours | peer | ours / peer |",

@@ -295,6 +295,11 @@ our side's decode in every round, so a row's share of the bandwidth compares one
 VM's reads moved between 35 and 55 GB/s within an hour)."""
 
 
+SHORT_PROMPT = 32
+"""The short prompt a long row's rounds are paired with (``compare``): our decode after this many tokens, timed right
+after each of our long rounds, so the share a long context keeps is measured within one minute of this VM."""
+
+
 def stream_share(step_bytes: float, rates: list[float], read_gbps: list[float]) -> dict[str, Any]:
     """What our decode streamed per round (tok/s x bytes a step reads) against the bandwidth read beside it."""
     ours = [r * step_bytes / 1e9 for r in rates]
@@ -407,20 +412,26 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
     """Decode tok/s of our loaded engine and llama.cpp on ``gguf_path`` in alternating rounds (medians), the greedy
     tokens both produce, and with ``prefill_len`` the prefill tok/s of a prompt that long (one call each side)."""
     prompt, follow, long_prompt = _inputs(vocab, prompt_len, tokens, prefill_len)
+    short = _our_side(ours, _inputs(vocab, SHORT_PROMPT, tokens, 0)[0], [])[0] if prompt_len > SHORT_PROMPT else None
     sides = {"ours": _our_side(ours, prompt, long_prompt),
              "llama.cpp": _llama_side(gguf_path, threads, prompt, follow, long_prompt)}
     try:
         for decode, _, _, _ in sides.values():
             decode(2)
+        if short:
+            short(2)
         rates: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
         prefill: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
         read_gbps: list[float] = []
+        short_rates: list[float] = []
         for i in range(rounds):
             order = list(sides.items())
             for label, (decode, pre, _, _) in order if i % 2 == 0 else order[::-1]:
                 if label == "ours":
                     read_gbps.append(machine.best_read_gbps(BANDWIDTH_BYTES, rounds=3)[0])
                 rates[label].append(tokens / decode(tokens))
+                if label == "ours" and short:  # the same minute's short-prompt rate
+                    short_rates.append(tokens / short(tokens))
                 if prefill_len and i == 0:
                     prefill[label].append(prefill_len / pre())
         # same weights: both greedy-decode from the prompt; count agreeing tokens before the first difference
@@ -432,6 +443,10 @@ def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, r
     # a step after the prompt reads the weights and the KV of its context: on average prompt + (tokens + 1) / 2
     step = gguf_step_weight_bytes(gguf_path) + ours.kv_bytes_per_token() * (prompt_len + (tokens + 1) / 2)
     out["stream"] = stream_share(step, rates["ours"], read_gbps)
+    if short_rates:
+        kept = [a / b for a, b in zip(rates["ours"], short_rates)]
+        out["paired_short"] = {"prompt_len": SHORT_PROMPT, "rates": [round(x, 2) for x in short_rates],
+                               "kept": [round(x, 3) for x in kept], "kept_median": round(statistics.median(kept), 3)}
     return out
 
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from freetoken_agent.evals.perf import harness, history, machine
@@ -231,3 +232,20 @@ def test_attn_builds_cold_reads_past_the_last_level_cache(tmp_path: Path, monkey
     report = harness.run_json_main(attn_builds.main, [str(lib), str(lib), "--threads", "1", "--repeats", "6", "--cold"])
     assert report["cold"] is True and sizes == [2 * (1 << 20) // 4]  # twice the cache, in floats
     assert all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in report["rows"])
+
+
+def test_long_rows_report_what_they_keep_of_the_short_rate() -> None:
+    from freetoken_agent.evals.perf import bench_decode
+
+    def run(model: str, threads: int, prompt: int, ours: float) -> dict[str, Any]:
+        return {"model": model, "params": 7.5e9, "dense": "q8", "threads": threads, "prompt_len": prompt,
+                "ours_tok_s": ours, "peer_tok_s": 10.0, "ratio": ours / 10.0}
+
+    runs = [run("m", 2, 32, 40.0), run("m", 2, 4096, 30.0), run("m", 1, 8192, 9.0), run("m", 1, 64, 18.0),
+            run("other", 2, 8192, 5.0)]
+    bench_decode.keep_rates(runs)
+    assert runs[1]["of_short"] == 0.75 and runs[1]["short_prompt"] == 32
+    assert runs[2]["of_short"] == 0.5 and runs[2]["short_prompt"] == 64  # same thread count only
+    assert all("of_short" not in r for r in (runs[0], runs[3], runs[4]))  # the shortest, or alone
+    text = bench_decode.format_report({"peer": "llama.cpp", "tokens": 16, "rounds": 3, "runs": runs})
+    assert "ours / ours after the shortest prompt" in text and "| 4096 | 30.00 | 10.00 | 3.00x | 0.75 |" in text

@@ -148,3 +148,18 @@ def test_cli_wiring_keeps_kernels_and_rejects_bad_flags(tmp_path: Path) -> None:
     assert empty.returncode == 2 and "no *.traj.json" in empty.stderr
     assert "suite" in cli("--help").stdout and "--working-set-mb" in cli("kernels", "--help").stdout
     assert "--trajectories" in cli("suite", "--help").stdout
+
+
+def test_a_long_row_pairs_each_round_with_a_short_prompt(report: tuple[dict[str, Any], Path]) -> None:
+    """A row after a longer prompt times our decode after 32 tokens right after each of its rounds: the share a
+    long context keeps, measured in the same minute (this VM's bandwidth moves by half between minutes)."""
+    _, root = report
+    r = bench_gguf_decode.measure(root / "gguf" / "qwen3_moe-d256-l2-e8", 1, 4, 2, prompt_len=64)
+    ps = r["paired_short"]
+    assert ps["prompt_len"] == bench_gguf_decode.SHORT_PROMPT and len(ps["rates"]) == len(ps["kept"]) == 2
+    for long, short, kept in zip(r["rates"]["ours"], ps["rates"], ps["kept"]):
+        assert kept == pytest.approx(long / short, abs=2e-3) and short > 0
+    assert ps["kept_median"] == pytest.approx(statistics.median(ps["kept"]), abs=1e-3)
+    assert r["stream"]["step_bytes"] > 0 and len(r["stream"]["share"]) == 2
+    assert "paired_short" not in bench_gguf_decode.measure(root / "gguf" / "qwen3_moe-d256-l2-e8", 1, 4, 2,
+                                                           prompt_len=32)
