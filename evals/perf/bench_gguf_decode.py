@@ -410,7 +410,10 @@ def _summary(rates: dict[str, list[float]], prefill: dict[str, list[float]], ids
 def compare(ours: Any, gguf_path: Path, vocab: int, threads: int, tokens: int, rounds: int, prompt_len: int,
             prefill_len: int = 0) -> dict[str, Any]:  # fmt: skip
     """Decode tok/s of our loaded engine and llama.cpp on ``gguf_path`` in alternating rounds (medians), the greedy
-    tokens both produce, and with ``prefill_len`` the prefill tok/s of a prompt that long (one call each side)."""
+    tokens both produce, and with ``prefill_len`` the prefill tok/s of a prompt that long (one call each side).
+    ``stream``: the bandwidth read just before each of our rounds and what our decode streamed in it;
+    ``paired_short`` (a prompt longer than ``SHORT_PROMPT``): our rate after the short prompt (the long one's first
+    tokens) timed right after each of our rounds, and the share the long context keeps, round by round."""
     prompt, follow, long_prompt = _inputs(vocab, prompt_len, tokens, prefill_len)
     short = _our_side(ours, _inputs(vocab, SHORT_PROMPT, tokens, 0)[0], [])[0] if prompt_len > SHORT_PROMPT else None
     sides = {"ours": _our_side(ours, prompt, long_prompt),
