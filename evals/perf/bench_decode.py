@@ -176,6 +176,10 @@ def keep_rates(runs: list[dict[str, Any]]) -> None:
             r["of_short"], r["short_prompt"] = round(r["ours_tok_s"] / short["ours_tok_s"], 3), short["prompt_len"]
 
 
+def _rounds(values: list[float], digits: int = 1) -> str:
+    return ", ".join(f"{v:.{digits}f}" for v in values)
+
+
 def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> str:
     kept = any("of_short" in x for x in r["runs"])
     lines = [f"decode tok/s, ours vs {r['peer']}, {r['tokens']} tokens, median of {r['rounds']} alternating rounds",
@@ -195,9 +199,8 @@ def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> 
         for x in streams:
             st = x["stream"]
             lines.append(f"| {x['threads']} | {x['prompt_len']} | {st['step_bytes'] / 1e9:.3f} GB | "
-                         f"{', '.join(f'{v:.1f}' for v in st['ours_gbps'])} | "
-                         f"{', '.join(f'{v:.1f}' for v in st['read_gbps'])} | "
-                         f"{', '.join(f'{v:.2f}' for v in st['share'])} | {st['share_median']:.2f} |")
+                         f"{_rounds(st['ours_gbps'])} | {_rounds(st['read_gbps'])} | {_rounds(st['share'], 2)} | "
+                         f"{st['share_median']:.2f} |")
     paired = [x for x in r["runs"] if x.get("paired_short")]
     if paired:
         lines += ["", "what a long context keeps of our short-prompt rate, measured in the same round (our decode after "
@@ -206,10 +209,8 @@ def format_report(r: dict[str, Any], args: argparse.Namespace | None = None) -> 
                   "median kept |", "|---|---|---|---|---|---|"]
         for x in paired:
             ps = x["paired_short"]
-            lines.append(f"| {x['threads']} | {x['prompt_len']} | "
-                         f"{', '.join(f'{v:.1f}' for v in x['rates']['ours'])} | "
-                         f"{', '.join(f'{v:.1f}' for v in ps['rates'])} | {', '.join(f'{v:.2f}' for v in ps['kept'])} | "
-                         f"{ps['kept_median']:.2f} |")
+            lines.append(f"| {x['threads']} | {x['prompt_len']} | {_rounds(x['rates']['ours'])} | "
+                         f"{_rounds(ps['rates'])} | {_rounds(ps['kept'], 2)} | {ps['kept_median']:.2f} |")
     pre = [x for x in r["runs"] if x.get("prefill_len")]
     if pre:
         lines += ["", "prefill tok/s (one call per side)", "| model | threads | prompt | ours | peer | ours / peer |",

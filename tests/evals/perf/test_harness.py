@@ -249,3 +249,16 @@ def test_long_rows_report_what_they_keep_of_the_short_rate() -> None:
     assert all("of_short" not in r for r in (runs[0], runs[3], runs[4]))  # the shortest, or alone
     text = bench_decode.format_report({"peer": "llama.cpp", "tokens": 16, "rounds": 3, "runs": runs})
     assert "ours / ours after the shortest prompt" in text and "| 4096 | 30.00 | 10.00 | 3.00x | 0.75 |" in text
+
+
+def test_decode_report_prints_each_rounds_stream_and_kept_share() -> None:
+    from freetoken_agent.evals.perf import bench_decode, bench_gguf_decode
+
+    run = {"model": "m", "params": 7.5e9, "dense": "q8", "threads": 2, "prompt_len": 8192, "ours_tok_s": 22.5,
+           "peer_tok_s": 10.0, "ratio": 2.25, "rates": {"ours": [22.0, 23.0]},
+           "stream": bench_gguf_decode.stream_share(1e9, [22.0, 23.0], [44.0, 23.0]),
+           "paired_short": {"prompt_len": 32, "rates": [40.0, 46.0], "kept": [0.55, 0.5], "kept_median": 0.52}}
+    assert run["stream"]["share"] == [0.5, 1.0] and run["stream"]["share_median"] == 0.75
+    text = bench_decode.format_report({"peer": "llama.cpp", "tokens": 16, "rounds": 2, "runs": [run]})
+    assert "| 2 | 8192 | 1.000 GB | 22.0, 23.0 | 44.0, 23.0 | 0.50, 1.00 | 0.75 |" in text
+    assert "| 2 | 8192 | 22.0, 23.0 | 40.0, 46.0 | 0.55, 0.50 | 0.52 |" in text
