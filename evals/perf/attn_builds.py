@@ -13,6 +13,7 @@ calls of a layer; without it an 8k-key cache (17 MB) sits in a large L3 and the 
 
     python -m freetoken_agent.evals.perf.attn_builds OLD.so NEW.so [--threads 2] [--repeats 40] [--cold] [--json]
         [--isa avx2]  # both builds on one ISA path (default: cpuid's best)
+        [--caches fp32,fp16,bf16]  # the cache element types timed (default fp32,fp16)
     freetoken bench attn-builds -- OLD.so NEW.so
 """
 
@@ -33,6 +34,11 @@ from freetoken_agent.evals.perf.harness import row, run_json_main
 SHAPES = [(16, 4, 128, 4096, 1), (32, 4, 128, 4096, 1), (16, 4, 128, 8192, 1), (16, 16, 128, 4096, 1),
           (16, 4, 128, 32, 1), (16, 4, 128, 4096, 8), (4, 2, 64, 1024, 8)]
 """(query heads, kv heads, head dim, keys, queries)."""
+
+
+CACHES = {"fp32": (torch.float32, 0), "fp16": (torch.float16, 1), "bf16": (torch.bfloat16, 2),
+          "fp8": (torch.float8_e4m3fn, 3)}
+"""``--caches``: the cache's torch dtype and the library's kv_type code."""
 
 
 ISAS = {"best": None, "portable": 0, "avx2": 1, "avx512": 2}
@@ -76,8 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", action="store_true", help="evict the caches between calls (read 2x the LLC)")
     ap.add_argument("--isa", choices=list(ISAS), default="best",
                     help="the ISA path both builds run (default: cpuid's best)")
+    ap.add_argument("--caches", default="fp32,fp16",
+                    help="cache element types to time, comma-separated: " + ", ".join(CACHES))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    if not caches or any(c not in CACHES for c in caches):
+        ap.error(f"--caches: pick from {', '.join(CACHES)}")
     if args.threads < 1 or args.repeats < 6:
         ap.error("--threads must be at least 1 and --repeats at least 6")
     try:
@@ -89,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print("| cache | heads (q/kv x dim) | keys | queries | old ms | new ms | speed-up |")
         print("|---|---|---|---|---|---|---|")
-    for dtype, code in ((torch.float32, 0), (torch.float16, 1)):
+    for cache in caches:
+        dtype, code = CACHES[cache]
         for h, hkv, dh, s, t in SHAPES:
             k, v = torch.randn(s, hkv, dh).to(dtype), torch.randn(s, hkv, dh).to(dtype)
             q, out = torch.randn(t, h, dh), torch.empty(t, h, dh)
@@ -108,11 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                     if rc != 0:
                         raise SystemExit(f"{name}: ft_attn_queries_kv returned {rc}")
             old, new = (statistics.median(times[n][5:]) * 1e3 for n in ("old", "new"))
-            name = str(dtype).split(".")[-1]
-            rows.append({"cache": name, "heads": h, "kv_heads": hkv, "head_dim": dh, "keys": s, "queries": t,
+            rows.append({"cache": cache, "heads": h, "kv_heads": hkv, "head_dim": dh, "keys": s, "queries": t,
                          "old_ms": round(old, 4), "new_ms": round(new, 4), "speedup": round(old / new, 3)})
             if not args.json:
-                print(f"| {name} | {h}/{hkv} x {dh} | {s} | {t} | {old:.3f} | {new:.3f} | {old / new:.2f}x |")
+                print(f"| {cache} | {h}/{hkv} x {dh} | {s} | {t} | {old:.3f} | {new:.3f} | {old / new:.2f}x |")
     if args.json:
         print(json.dumps({"threads": args.threads, "repeats": args.repeats, "cold": args.cold, "rows": rows}))
     return 0

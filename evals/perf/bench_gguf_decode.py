@@ -346,13 +346,22 @@ LLAMA_Q8_0 = 8
 """ggml's GGML_TYPE_Q8_0: llama.cpp's 8-bit KV cache type (blocks of 32 int8 values and an fp16 scale)."""
 
 
+LLAMA_BF16 = 30
+"""ggml's GGML_TYPE_BF16."""
+
+
 def llama_kv_kwargs() -> dict[str, Any]:
     """llama.cpp's KV cache settings that match ours (``$FREETOKEN_KV_DTYPE``, as our engine resolves it): an 8-bit
-    cache (our fp8) → its q8_0 keys and values, which need its flash attention; anything else → its default (f16)."""
+    cache (our fp8) → its q8_0 keys and values, which need its flash attention; bf16 → its bf16 keys and values (its
+    CPU attention then rounds Q to bf16 and uses AVX512-BF16 dot products where the CPU has them, as ours does);
+    anything else → its default (f16)."""
     from freetoken_agent.runtime.kv.pool import resolve_kv_dtype
 
-    if resolve_kv_dtype("auto", "cpu", torch.float32) == torch.float8_e4m3fn:
+    dtype = resolve_kv_dtype("auto", "cpu", torch.float32)
+    if dtype == torch.float8_e4m3fn:
         return {"type_k": LLAMA_Q8_0, "type_v": LLAMA_Q8_0, "flash_attn": True}
+    if dtype == torch.bfloat16:
+        return {"type_k": LLAMA_BF16, "type_v": LLAMA_BF16}
     return {}
 
 

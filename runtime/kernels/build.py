@@ -118,6 +118,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_attn_amx_applies": (i32, [i32, i64, i64]),
         "ft_attn_amx_calls": (i64, []),
         "ft_attn_set_amx": (i32, [i32]),
+        "ft_attn_bf16_dot_applies": (i32, []),
+        "ft_attn_set_bf16_dot": (i32, [i32]),
         "ft_attn_step_work": (i64, [p]),
         "ft_kv_store": (i32, [p, i64, p, i32]),
         "ft_attn_step": (i32, [p, i64, p, p, p, p, p, p, i32, i64, i64, i64, p, p, p, p]),

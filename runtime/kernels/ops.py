@@ -651,6 +651,26 @@ def attn_uses_amx(dtype: torch.dtype, head_dim: int, v_head_dim: int | None = No
     return bool(_lib().ft_attn_amx_applies(code, head_dim, dv))
 
 
+def set_attn_bf16_dot(on: bool) -> bool:
+    """The score pass over a bf16 cache on AVX512-BF16 dot products (on by default where the CPU has them and an
+    AVX-512 path is in use; off with ``$FREETOKEN_ATTN_BF16_DOT=0`` at load); returns the previous setting. On, the
+    query rows are rounded to bf16 (as llama.cpp's CPU attention rounds Q to a bf16 cache's type) and each
+    VDPBF16PS does two exact products a lane: the pass's arithmetic halves, 1.15x / 1.3x a decode step over 8,192
+    keys from memory / cache (16/4 heads of 128, 2 threads, Zen 4). Off, the scores are bitwise the fp32 kernel's
+    over the widened cache. Either way a query's bits do not depend on the other queries of its call (a decode
+    step, a verify row and a prefill chunk take the same path). See ``attn_uses_bf16_dot``."""
+    return bool(_lib().ft_attn_set_bf16_dot(int(bool(on))))
+
+
+def attn_uses_bf16_dot(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether attention over a ``dtype`` cache rounds its queries to bf16 for AVX512-BF16 dot products here: a bf16
+    cache, the mode on (``set_attn_bf16_dot``), an AVX-512 ISA path in use, the CPU has AVX512-BF16. The AMX path,
+    where it is turned on, takes precedence (``attn_uses_amx``)."""
+    if dtype != torch.bfloat16 or (not _loaded and build.load() is None):
+        return False
+    return bool(_lib().ft_attn_bf16_dot_applies())
+
+
 def attn_amx_calls() -> int:
     """Key blocks (up to 128 keys of one kv head for some queries) attention has run on AMX tiles since the library
     loaded: proof in tests and benchmarks that the tile path did the work."""

@@ -75,10 +75,15 @@ static _Atomic int64_t amx_calls; /* pieces of work run through AMX since load (
  * default is exact mode. -1: not yet decided. */
 static int amx_bf16 = -1;
 
+static int amx_bf16_cpu = -1; /* cpuid's answer, asked once (in a VM cpuid exits to the hypervisor); -1: not yet */
+
 static int amx_bf16_supported(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1)) return 0; /* AMX-BF16 */
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);        /* AVX512_BF16 */
+    if (amx_bf16_cpu < 0) {
+        unsigned a, b, c, d;
+        amx_bf16_cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) && /* AMX-BF16 */
+                       __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);     /* AVX512_BF16 */
+    }
+    return amx_bf16_cpu;
 }
 
 static inline int amx_bf16_on(void) {

@@ -72,6 +72,7 @@ typedef struct {
     int64_t hk_item;    /* kv heads per work item (AVX2 path): all of them where there are enough blocks */
     const uint16_t *qs; /* AMX path: each query row as three bf16 parts [T, H, 3, Dh] (attn_split_queries) */
     int amx;            /* AMX path: a bf16 cache on a CPU with AMX-BF16, Dh and Dv multiples of 32 */
+    int bf16_dot;       /* a bf16 cache's score pass on VDPBF16PS (attn_bf16_dot_on) */
 } attn_ctx;
 
 /* ---- 16-bit keys and values: widen n rows of d values (row i at src + i * stride elements) to dst [n, d] */
@@ -489,6 +490,114 @@ FT_ATTN_LOOPS512(f32, float, ft_pair_f32, FT_LOAD16_F32, FT_SAME_F32)
 FT_ATTN_LOOPS512(f16, uint16_t, ft_pair_f16, FT_LOAD16_F16, fp16_to_fp32)
 FT_ATTN_LOOPS512(bf16, uint16_t, ft_pair_bf16, FT_LOAD16_BF16, bf16_to_f32)
 FT_ATTN_LOOPS512(f8, uint8_t, ft_pair_f8, FT_LOAD16_F8, fp8_to_fp32)
+
+/* ---------------------------------------------------------------- AVX512-BF16 score pass for bf16 caches
+ * A bf16 cache's keys go into VDPBF16PS as they are (32 values a register, two products a lane), against the query
+ * rows rounded to bf16 once per block (RNE, attn_bf16_rows): one instruction does the work of a widen and two FMAs
+ * of the 16-value loop, so the score pass's arithmetic, which bounds it once the cache streams (4 query rows per
+ * key: 4 flops a byte), halves. Rounding the query is what llama.cpp's CPU attention does over a bf16 cache (its
+ * Q converted to the cache's type); the scores are no longer bitwise those of the fp32 kernel on the widened cache
+ * (each product q_bf16 * k is exact in fp32; only q's rounding differs), so the path is a mode (attn_bf16_dot_on):
+ * on by default where the CPU has AVX512-BF16, off with $FREETOKEN_ATTN_BF16_DOT=0 or ft_attn_set_bf16_dot(0). A
+ * decode step, a verify row and a prefill chunk take the same path, so a query's bits do not depend on how many
+ * queries share its block. The value pass is unchanged. */
+#define FT_BF16DOT __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")))
+
+static int attn_bf16_dot_cpu = -1; /* the CPU has AVX512-BF16 (cpuid: a VM exit, so asked once); -1: not yet asked */
+static int attn_bf16_dot_mode = -1; /* -1: not yet read from the environment */
+
+static int attn_bf16_dot_supported(void) {
+    if (attn_bf16_dot_cpu < 0) {
+        unsigned a, b, c, d;
+        attn_bf16_dot_cpu = __builtin_cpu_supports("avx512f") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+    }
+    return attn_bf16_dot_cpu;
+}
+
+/* the mode as set, or as $FREETOKEN_ATTN_BF16_DOT says at first use (on unless it is 0) */
+static int attn_bf16_dot_setting(void) {
+    if (attn_bf16_dot_mode < 0) {
+        const char *env = getenv("FREETOKEN_ATTN_BF16_DOT");
+        attn_bf16_dot_mode = !(env && env[0] == '0');
+    }
+    return attn_bf16_dot_mode;
+}
+
+static int attn_bf16_dot_on(void) {
+    return attn_bf16_dot_setting() && g_isa >= FT_ISA_AVX512VNNI && attn_bf16_dot_supported();
+}
+
+/* R query rows of dh floats as bf16 rows of dp (dh rounded up to 32) values, zero past dh */
+FT_BF16DOT static void attn_bf16_rows(const float *const *q, int64_t R, int64_t dh, int64_t dp, uint16_t *out) {
+    for (int64_t r = 0; r < R; r++) {
+        uint16_t *o = out + r * dp;
+        for (int64_t d = 0; d < dp; d += 32) {
+            const int64_t m0 = dh - d >= 16 ? 16 : dh - d > 0 ? dh - d : 0;
+            const int64_t m1 = dh - d - 16 >= 16 ? 16 : dh - d - 16 > 0 ? dh - d - 16 : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)((1u << m0) - 1), q[r] + d);
+            const __m512 hi = m1 ? _mm512_maskz_loadu_ps((__mmask16)((1u << m1) - 1), q[r] + d + 16) : _mm512_setzero_ps();
+            _mm512_storeu_si512((void *)(o + d), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* qk_rows512_bf16 with the query rows as bf16 (qb: R rows of dp values) and VDPBF16PS: 4 rows x 4 keys a tile, 32
+ * values of d a step, the last partial step's key values loaded under a mask (zeros: the query's padding is zero) */
+FT_BF16DOT static void qk_rows512_bf16dot(const uint16_t *qb, int64_t dp, int64_t R, const uint16_t *k, int64_t stride,
+                                          int64_t n, int64_t dh, float scale, float *sc, attn_pf *nxp) {
+    attn_pf nxl = nxp ? *nxp : (attn_pf){0};
+    const int64_t d32 = dh / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1ull << (dh - d32)) - 1);
+    for (int64_t i = 0; i < n; i += 4) {
+        const uint16_t *kk[4];
+        for (int j = 0; j < 4; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;
+        if (i + ATTN_AHEAD + 3 < n)
+            for (int j = 0; j < 4; j++) ft_prefetch_span(kk[j] + ATTN_AHEAD * stride, dh * 2);
+        for (int64_t r = 0; r < R; r += 4) {
+            if (nxl.row < nxl.rows) attn_pf_step(&nxl);
+            __m512 a[4][4];
+            for (int u = 0; u < 4; u++)
+                for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();
+            const uint16_t *qr = qb + r * dp;
+            for (int64_t d = 0; d < d32; d += 32) {
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512(kk[0] + d), x1 = (__m512bh)_mm512_loadu_si512(kk[1] + d),
+                               x2 = (__m512bh)_mm512_loadu_si512(kk[2] + d), x3 = (__m512bh)_mm512_loadu_si512(kk[3] + d);
+                for (int u = 0; u < 4; u++) {
+                    const __m512bh f = (__m512bh)_mm512_loadu_si512(qr + u * dp + d);
+                    a[u][0] = _mm512_dpbf16_ps(a[u][0], f, x0);
+                    a[u][1] = _mm512_dpbf16_ps(a[u][1], f, x1);
+                    a[u][2] = _mm512_dpbf16_ps(a[u][2], f, x2);
+                    a[u][3] = _mm512_dpbf16_ps(a[u][3], f, x3);
+                }
+            }
+            if (d32 < dh) {
+                const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[0] + d32),
+                               x1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[1] + d32),
+                               x2 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[2] + d32),
+                               x3 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[3] + d32);
+                for (int u = 0; u < 4; u++) {
+                    const __m512bh f = (__m512bh)_mm512_loadu_si512(qr + u * dp + d32);
+                    a[u][0] = _mm512_dpbf16_ps(a[u][0], f, x0);
+                    a[u][1] = _mm512_dpbf16_ps(a[u][1], f, x1);
+                    a[u][2] = _mm512_dpbf16_ps(a[u][2], f, x2);
+                    a[u][3] = _mm512_dpbf16_ps(a[u][3], f, x3);
+                }
+            }
+            float s8[16];
+            for (int h2 = 0; h2 < 2; h2++) {
+                __m256 h[8];
+                for (int e = 0; e < 8; e++) {
+                    const __m512 z = a[2 * h2 + e / 4][e % 4];
+                    h[e] = _mm256_add_ps(ft_lo8(z), ft_hi8(z));
+                }
+                _mm256_storeu_ps(s8 + 8 * h2, hsum8x8(h));
+            }
+            for (int u = 0; u < 4; u++)
+                for (int j = 0; j < 4; j++) sc[(r + u) * ATTN_BLOCK + i + j] = s8[4 * u + j] * scale;
+        }
+    }
+    if (nxp) *nxp = nxl;
+}
 #endif
 
 #define ATTN_QUERIES_PER_ITEM 8 /* queries of a chunk that share an item: its key block is read once for them */
@@ -737,7 +846,8 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
 #else
     const int64_t extra = 0;
 #endif
-    float *sc = attn_scratch(base + extra);
+    const int64_t dp = (c->dh + 31) / 32 * 32; /* the bf16 score pass's query rows (bf16_dot) */
+    float *sc = attn_scratch(base + extra + (c->bf16_dot ? rmax * dp / 2 : 0));
     if (!sc) {
         atomic_store(&c->failed, 1);
         return;
@@ -746,6 +856,7 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
     const float **qr = (const float **)(spare + (pad + 7) / 8 * 8);
     float **orow = (float **)(spare + (pad + 7) / 8 * 8 + 2 * rmax);
     int64_t *nrow = (int64_t *)(spare + (pad + 7) / 8 * 8 + 4 * rmax);
+    uint16_t *qbf = (uint16_t *)(sc + base + extra);
     const size_t es = kv_elsize(c->kv_type);
     for (int64_t tq = grp * ATTN_QUERIES_PER_ITEM; tq < t1;) {
         const int64_t s0 = c->lo[tq] + blk * ATTN_BLOCK;
@@ -783,7 +894,10 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         }
 #endif
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
-        if (c->kv_type == FT_KV_F16)
+        if (c->bf16_dot) {
+            attn_bf16_rows(qr, R4, c->dh, dp, qbf);
+            qk_rows512_bf16dot(qbf, dp, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
+        } else if (c->kv_type == FT_KV_F16)
             (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
         else if (c->kv_type == FT_KV_BF16)
             (wide ? qk_rows512_bf16 : qk_rows_bf16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale,
@@ -989,11 +1103,16 @@ int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, 
 #else
     const int amx = 0;
 #endif
+#ifdef FT_X86
+    const int bf16_dot = !amx && kv_type == FT_KV_BF16 && attn_bf16_dot_on();
+#else
+    const int bf16_dot = 0;
+#endif
     int rc = 0;
     for (int64_t t0 = 0; t0 < t && !rc; t0 += round) {
         const int64_t n = t - t0 < round ? t - t0 : round;
         attn_ctx c = {q + t0 * h * dh, k, v, sinks, lo + t0, hi + t0, n, h, hkv, dh, dv, k_stride, v_stride, blocks,
-                      scale, part, out + t0 * h * dv, kv_type, 0, hkv, qs ? qs + t0 * h * 3 * dh : NULL, amx};
+                      scale, part, out + t0 * h * dv, kv_type, 0, hkv, qs ? qs + t0 * h * 3 * dh : NULL, amx, bf16_dot};
         const int64_t groups = (n + ATTN_QUERIES_PER_ITEM - 1) / ATTN_QUERIES_PER_ITEM;
 #ifdef FT_X86
         if (g_isa >= FT_ISA_AVX2) {
@@ -1053,6 +1172,29 @@ int ft_attn_set_amx(int on) {
 #ifdef FT_HAVE_AMX
     const int before = attn_amx_mode > 0;
     attn_amx_mode = on != 0;
+    return before;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+/* 1 if a bf16 cache's score pass runs on AVX512-BF16 dot products here (turned on, an AVX-512 path in use, the CPU
+ * has AVX512-BF16), else 0 */
+int ft_attn_bf16_dot_applies(void) {
+#ifdef FT_X86
+    if (g_isa < 0) g_isa = detect_isa();
+    return attn_bf16_dot_on();
+#else
+    return 0;
+#endif
+}
+
+/* Turn the AVX512-BF16 score pass for bf16 caches on (1) or off (0); returns the previous setting */
+int ft_attn_set_bf16_dot(int on) {
+#ifdef FT_X86
+    const int before = attn_bf16_dot_setting();
+    attn_bf16_dot_mode = on != 0;
     return before;
 #else
     (void)on;

@@ -79,15 +79,17 @@ def test_the_decode_row_runs_both_sides_in_one_process_or_each_in_its_own(tmp_pa
 
 def test_an_8bit_cache_on_our_side_runs_llama_cpp_with_its_8bit_cache(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``$FREETOKEN_KV_DTYPE=fp8`` the peer keeps q8_0 keys and values (flash attention on); else its default
-    f16. The row runs with the 8-bit setting (greedy tokens are not compared: an 8-bit cache on either side moves a
+    """With ``$FREETOKEN_KV_DTYPE=fp8`` the peer keeps q8_0 keys and values (flash attention on), with bf16 its bf16
+    ones; else its default f16. The row runs with the 8-bit setting (greedy tokens are not compared: an 8-bit cache on either side moves a
     tiny random model's near-flat logits within a few tokens)."""
-    from freetoken_agent.evals.perf.bench_gguf_decode import LLAMA_Q8_0, llama_kv_kwargs, measure_file
+    from freetoken_agent.evals.perf.bench_gguf_decode import LLAMA_BF16, LLAMA_Q8_0, llama_kv_kwargs, measure_file
 
     monkeypatch.delenv("FREETOKEN_KV_DTYPE", raising=False)
     assert llama_kv_kwargs() == {}
     monkeypatch.setenv("FREETOKEN_KV_DTYPE", "fp16")
     assert llama_kv_kwargs() == {}
+    monkeypatch.setenv("FREETOKEN_KV_DTYPE", "bf16")
+    assert llama_kv_kwargs() == {"type_k": LLAMA_BF16, "type_v": LLAMA_BF16}
     monkeypatch.setenv("FREETOKEN_KV_DTYPE", "fp8")
     assert llama_kv_kwargs() == {"type_k": LLAMA_Q8_0, "type_v": LLAMA_Q8_0, "flash_attn": True}
     folder = write_checkpoint(tmp_path / "tiny", seed=2, config=TINY)

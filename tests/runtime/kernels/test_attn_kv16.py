@@ -43,6 +43,12 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: i
     return torch.einsum("hs,shd->hd", probs, vv).float()
 
 
+def _scored(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q`` as the score pass on the ISA path in use takes it: rounded to bf16 where a bf16 cache's scores run on
+    AVX512-BF16 dot products (``ops.attn_uses_bf16_dot``), else as it is."""
+    return q.bfloat16().float() if ops.attn_uses_bf16_dot(dtype) else q
+
+
 def _paged(s: int, hkv: int, dh: int, dv: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     """fp32 k, v and their 16-bit copies as strided views (a run of pool pages: offset rows, an extra head)."""
     g = torch.Generator().manual_seed(seed)
@@ -67,8 +73,14 @@ def test_decode_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dtype, is
     with every_path(isas) as paths:
         for isa, threads in paths:
             got = ops.attn_decode(q, k16, v16, scale, sinks)
-            assert torch.equal(got, ops.attn_decode(q, k16.float(), v16.float(), scale, sinks)), (isa, threads)
-            assert torch.allclose(got, widened, rtol=1e-5, atol=1e-5), (isa, threads)
+            qs = _scored(q, dtype)
+            if qs is q:  # the fp32 arithmetic on the widened values
+                assert torch.equal(got, ops.attn_decode(q, k16.float(), v16.float(), scale, sinks)), (isa, threads)
+                assert torch.allclose(got, widened, rtol=1e-5, atol=1e-5), (isa, threads)
+            else:  # bf16 dot products: exact products of the rounded query, fp32 sums
+                ref = _reference(qs, k16.float(), v16.float(), 0, s, scale, sinks)
+                assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (isa, threads)
+                assert (got - unrounded).abs().max().item() <= ROUNDING_TOL[dtype], (isa, threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -92,7 +104,7 @@ def test_query_chunks_over_a_16bit_cache(dims: tuple[int, ...], dtype: torch.dty
             for i in range(t):
                 a, b = int(lo[i]), int(hi[i])
                 assert torch.equal(out[i], ops.attn_decode(q[i], k16[a:b], v16[a:b], 0.2, sinks)), (isa, threads, i)
-                ref = _reference(q[i], k16.float(), v16.float(), a, b, 0.2, sinks)
+                ref = _reference(_scored(q[i], dtype), k16.float(), v16.float(), a, b, 0.2, sinks)
                 assert torch.allclose(out[i], ref, rtol=1e-5, atol=1e-5), (isa, threads, i)
 
 
@@ -138,7 +150,8 @@ def test_engine_attention_over_a_16bit_cache_equals_the_widened_cache(dtype: tor
     with every_path(isas, threads=(1, 2)) as paths:
         for isa, threads in paths:
             got = layers.attention_scores(q, k16, v16, q_pos, spec, sinks)
-            want = layers.attention_scores(q, k16.float(), v16.float(), q_pos, spec, sinks)
+            qs = q if case == "long_prefill" else _scored(q, dtype)  # long prefills widen the cache for torch
+            want = layers.attention_scores(qs, k16.float(), v16.float(), q_pos, spec, sinks)
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5), (isa, threads)
 
 
@@ -162,12 +175,13 @@ def test_a_verify_row_reads_its_keys_once_and_matches_decoding_alone(dims: tuple
         with every_path(isas) as paths:
             for isa, threads in paths:
                 out = ops.attn_queries(q, k, v, lo, hi, 0.15, None)
+                dot = ops.attn_uses_bf16_dot(k.dtype)
                 if isa != "portable":  # the AVX2 loops and their 512-bit form: the same arithmetic, the same bits
-                    assert torch.equal(vector.setdefault("any", out), out), (isa, threads, t)
+                    assert torch.equal(vector.setdefault(f"dot={dot}", out), out), (isa, threads, t)
                 for i in range(t):
                     b = int(hi[i])
                     assert torch.equal(out[i], ops.attn_decode(q[i], k[:b], v[:b], 0.15)), (isa, threads, t, i)
-                    ref = _reference(q[i], k.float(), v.float(), 0, b, 0.15, None)
+                    ref = _reference(_scored(q[i], k.dtype), k.float(), v.float(), 0, b, 0.15, None)
                     assert torch.allclose(out[i], ref, rtol=1e-5, atol=1e-5), (isa, threads, t, i)
 
 
@@ -228,3 +242,53 @@ def test_an_accelerator_decode_step_takes_the_masked_path() -> None:
         assert out.shape == (1, 64)
     with pytest.raises(RuntimeError, match="meta tensors"):  # what reading the position would have done
         int(torch.tensor([8]).to("meta")[0])
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return " avx512_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def test_bf16_score_pass_mode(isas: list[str]) -> None:
+    """A bf16 cache's score pass runs on AVX512-BF16 dot products by default where the CPU has them and an AVX-512
+    path is in use: the query rounded to bf16, exact products, fp32 sums. Turned off it is the fp32 kernel's
+    arithmetic on the widened cache, bit for bit; fp16 caches and the AVX2 / portable paths never take it."""
+    s, h, hkv, dh = 700, 16, 4, 72
+    _, _, k16, v16 = _paged(s, hkv, dh, dh, torch.bfloat16, seed=21)
+    q = torch.randn(h, dh, generator=torch.Generator().manual_seed(5)) * 2
+    assert not ops.attn_uses_bf16_dot(torch.float16) and not ops.attn_uses_bf16_dot(torch.float32)
+    with every_path(isas, threads=(2,)) as paths:
+        for isa, _ in paths:
+            exact = ops.attn_decode(q, k16.float(), v16.float(), 0.1)  # this path's fp32 kernel, widened cache
+            dot = ops.attn_uses_bf16_dot(torch.bfloat16)
+            assert dot == (isa in ("avx512vnni", "amx") and _cpu_has_avx512_bf16()), isa
+            before = ops.set_attn_bf16_dot(False)
+            try:
+                assert not ops.attn_uses_bf16_dot(torch.bfloat16)
+                assert torch.equal(ops.attn_decode(q, k16, v16, 0.1), exact), isa
+                ops.set_attn_bf16_dot(True)
+                assert ops.attn_uses_bf16_dot(torch.bfloat16) == dot, isa
+                got = ops.attn_decode(q, k16, v16, 0.1)
+                want = _reference(q.bfloat16().float() if dot else q, k16.float(), v16.float(), 0, s, 0.1)
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), isa
+                assert dot or torch.equal(got, exact), isa
+            finally:
+                ops.set_attn_bf16_dot(before)
+
+
+def test_bf16_score_pass_can_be_turned_off_at_load(isas: list[str]) -> None:
+    """``$FREETOKEN_ATTN_BF16_DOT=0`` keeps a bf16 cache's scores on the widened fp32 arithmetic from the start."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from freetoken_agent.runtime.kernels import ops\n"
+            "print(ops.attn_uses_bf16_dot(torch.bfloat16), ops.set_attn_bf16_dot(True), ops.attn_uses_bf16_dot())")
+    has = str(ops.attn_uses_bf16_dot())  # the default here (the isas fixture restored the best path)
+    for value, want in (("0", ["False", "False", has]), ("1", [has, "True", has])):
+        env = {**os.environ, "FREETOKEN_ATTN_BF16_DOT": value}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == want, (value, proc.stdout)
