@@ -27,7 +27,8 @@
  * what the fp32 kernel gives on the widened cache, on every path, at half the bytes streamed from memory (widening a
  * block into L1 once for all G heads measured 1.3-2x slower on an AVX2 EPYC than widening in registers; sharing each
  * widened register between 4 rows is what pays). The AVX-512 settings run the same arithmetic in 512-bit registers
- * (FT_ATTN_LOOPS512), bitwise equal to the AVX2 loops.
+ * (FT_ATTN_LOOPS512), bitwise equal to the AVX2 loops. One exception, a mode on by default: where the CPU has
+ * AVX512-BF16, a bf16 cache's score pass rounds the query rows to bf16 and runs VDPBF16PS (qk_rows512_bf16dot).
  *
  * An 8-bit cache (FT_KV_F8, float8 e4m3fn) is read the same way: 8 or 16 codes zero-extended to 16 bits, moved into an
  * IEEE half's bit places (exact: the half holds the value times 2^-8), widened by F16C and multiplied by 256 (exact),
@@ -501,6 +502,9 @@ FT_ATTN_LOOPS512(f8, uint8_t, ft_pair_f8, FT_LOAD16_F8, fp8_to_fp32)
  * on by default where the CPU has AVX512-BF16, off with $FREETOKEN_ATTN_BF16_DOT=0 or ft_attn_set_bf16_dot(0). A
  * decode step, a verify row and a prefill chunk take the same path, so a query's bits do not depend on how many
  * queries share its block. The value pass is unchanged. */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define FT_HAVE_BF16DOT 1 /* the compiler has the AVX512-BF16 intrinsics (else the path is never taken) */
+#include <cpuid.h>
 #define FT_BF16DOT __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")))
 
 static int attn_bf16_dot_cpu = -1; /* the CPU has AVX512-BF16 (cpuid: a VM exit, so asked once); -1: not yet asked */
@@ -598,6 +602,7 @@ FT_BF16DOT static void qk_rows512_bf16dot(const uint16_t *qb, int64_t dp, int64_
     }
     if (nxp) *nxp = nxl;
 }
+#endif /* FT_HAVE_BF16DOT */
 #endif
 
 #define ATTN_QUERIES_PER_ITEM 8 /* queries of a chunk that share an item: its key block is read once for them */
@@ -894,10 +899,13 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         }
 #endif
         const int wide = g_isa >= FT_ISA_AVX512VNNI;
+#ifdef FT_HAVE_BF16DOT
         if (c->bf16_dot) {
             attn_bf16_rows(qr, R4, c->dh, dp, qbf);
             qk_rows512_bf16dot(qbf, dp, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
-        } else if (c->kv_type == FT_KV_F16)
+        } else
+#endif
+        if (c->kv_type == FT_KV_F16)
             (wide ? qk_rows512_f16 : qk_rows_f16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale, sc, qk_nx);
         else if (c->kv_type == FT_KV_BF16)
             (wide ? qk_rows512_bf16 : qk_rows_bf16_avx2)(qr, R4, (const uint16_t *)kb, c->k_stride, n, c->dh, c->scale,
@@ -1103,7 +1111,7 @@ int ft_attn_queries_kv(const float *q, int64_t t, const void *k, const void *v, 
 #else
     const int amx = 0;
 #endif
-#ifdef FT_X86
+#ifdef FT_HAVE_BF16DOT
     const int bf16_dot = !amx && kv_type == FT_KV_BF16 && attn_bf16_dot_on();
 #else
     const int bf16_dot = 0;
@@ -1182,7 +1190,7 @@ int ft_attn_set_amx(int on) {
 /* 1 if a bf16 cache's score pass runs on AVX512-BF16 dot products here (turned on, an AVX-512 path in use, the CPU
  * has AVX512-BF16), else 0 */
 int ft_attn_bf16_dot_applies(void) {
-#ifdef FT_X86
+#ifdef FT_HAVE_BF16DOT
     if (g_isa < 0) g_isa = detect_isa();
     return attn_bf16_dot_on();
 #else
@@ -1192,7 +1200,7 @@ int ft_attn_bf16_dot_applies(void) {
 
 /* Turn the AVX512-BF16 score pass for bf16 caches on (1) or off (0); returns the previous setting */
 int ft_attn_set_bf16_dot(int on) {
-#ifdef FT_X86
+#ifdef FT_HAVE_BF16DOT
     const int before = attn_bf16_dot_setting();
     attn_bf16_dot_mode = on != 0;
     return before;

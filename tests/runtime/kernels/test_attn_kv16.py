@@ -4,7 +4,9 @@ plain-torch references, on every ISA path this CPU has plus the portable one, at
 A narrow cache widens exactly to fp32, and the kernel runs the fp32 arithmetic on the widened values, so two facts
 are checked: the narrow call equals the fp32 kernel on the widened cache bit for bit, and both are within fp32
 rounding of a float64 softmax attention over the widened values. Against the unrounded (fp32) cache the error is
-the cache's own rounding: ``ROUNDING_TOL``.
+the cache's own rounding: ``ROUNDING_TOL``. Where a bf16 cache's score pass runs on AVX512-BF16 dot products (the
+default on CPUs that have them, ``ops.attn_uses_bf16_dot``) the query is rounded to bf16 first: the reference then
+takes the rounded query (``_scored``), and the error against the unrounded cache stays within ``ROUNDING_TOL``.
 """
 
 from __future__ import annotations
