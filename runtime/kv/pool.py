@@ -245,7 +245,7 @@ class PagePool:
         return first
 
     def alloc(self) -> int:
-        """A fresh page with reference count 1 (the most recently freed); raises ``OutOfPages`` when none is free."""
+        """A fresh page with reference count 1; raises ``OutOfPages`` when none is free."""
         if not self._free:
             raise OutOfPages(f"KV pool ({self.tier}) is full: all {self.active} pages of {self.page_size} "
                              "positions are in use")

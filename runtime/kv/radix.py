@@ -5,8 +5,7 @@ The KV of a position depends on every earlier token, so a page is reusable only 
 which is what the tree encodes. The tree holds one reference on each of its pages; sessions hold their own.
 
 What mutates: ``match_prefix`` touches access times; ``insert`` adds nodes (and references); ``lock/unlock``
-change pin counts along a path; ``evict`` removes unpinned leaves (LRU first) and drops their references;
-``move_page`` copies a page only the tree holds to a fresh one (same KV, same node).
+change pin counts along a path; ``evict`` removes unpinned leaves (LRU first) and drops their references.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_nodes = 0
         self.evicted_pages = 0
-        self.moved_pages = 0
 
     def _chunks(self, tokens: list[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -124,28 +122,6 @@ class RadixCache:
             self.evicted_pages += len(branch)
             return True
         return False
-
-    def move_page(self, page: int) -> bool:
-        """Let go of ``page`` without losing what it caches: when the tree is its only holder, copy its KV into a
-        fresh page, point the node there and drop the tree's reference, so ``page`` is free. For a sequence that
-        grows into the next page id to stay one run: one page copied, where it would otherwise copy every page it
-        has into a free run (a request that re-matches a long prefix, as each turn of a session-less client does)
-        or evict the cached branch below. False when the tree does not hold ``page``, anyone else does too, or no
-        page is free."""
-        if not 0 <= page < self.pool.num_pages or self.pool.refs[page] != 1:
-            return False
-        node = next((n for n in self._nodes() if n.page == page), None)
-        if node is None or not self.pool.num_free:
-            return False
-        fresh = self.pool.alloc()  # the most recently freed page: memory already touched, likely still in cache
-        if fresh == page + 1 and self.pool.num_free:  # the page the grower wants after this one: take another
-            fresh, spare = self.pool.alloc(), fresh
-            self.pool.decref(spare)
-        self.pool.copy_page(page, fresh)
-        node.page = fresh
-        self.pool.decref(page)
-        self.moved_pages += 1
-        return True
 
     def clear(self) -> int:
         """Drop every unpinned node (repeatedly, so whole unpinned branches go)."""

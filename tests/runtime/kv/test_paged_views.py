@@ -107,33 +107,3 @@ def test_a_cached_continuation_next_to_the_run_gives_way_when_no_run_is_free() -
     assert second.pages == [0, 1, 2] and tree.evicted_pages == 2  # the continuation's branch gave way
     assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # still views
     assert pool.refs[blocker.pages[0]] == 1 and blocker.pages[0] not in second.pages  # the live page untouched
-
-
-def test_a_cached_continuation_next_to_the_run_moves_aside() -> None:
-    """With a spare page elsewhere, the tree's copy of the page after the shared prompt moves there (one page
-    copied, same KV, same node) instead of the growing sequence copying its whole run or the branch being dropped;
-    a page a live sequence also holds does not move."""
-    from freetoken_agent.runtime.kv.radix import RadixCache
-
-    pool = PagePool(num_layers=1, num_pages=12, page_size=4)
-    tree = RadixCache(pool)
-    gen = torch.Generator().manual_seed(5)
-    first = PagedKVCache(pool, pool.alloc, tree.evict_page, tree.move_page)
-    keys, values, _ = _fill(first, [8, 8], gen)  # pages 0, 1 (the prompt), 2, 3 (a continuation)
-    prompt, reply = list(range(8)), list(range(100, 108))
-    tree.insert(prompt + reply, first.pages)
-    assert not tree.move_page(2)  # the finished turn still holds it too
-    first.release()
-    second = PagedKVCache(pool, pool.alloc, tree.evict_page, tree.move_page)
-    second.adopt(tree.match_prefix(prompt).pages, 8)
-    more_k, _, (k_all, _) = _fill(second, [1], gen)
-    assert second.pages == [0, 1, 2] and tree.moved_pages == 1 and tree.evicted_pages == 0
-    assert torch.equal(k_all, torch.cat([keys[:8], more_k]))
-    assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # views, one run
-    moved = tree.match_prefix(prompt + reply).pages
-    assert moved[:2] == [0, 1] and moved[3] == 3 and moved[2] not in (2, 3) and pool.refs[moved[2]] == 1
-    k_pages, v_pages = pool.data[0]
-    assert torch.equal(k_pages[moved[2]], keys[8:12]) and torch.equal(v_pages[moved[2]], values[8:12])  # unchanged
-    second.release()
-    tree.clear()
-    assert pool.num_used == 0 and not tree.move_page(5) and not tree.move_page(-1)

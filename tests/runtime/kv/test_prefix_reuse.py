@@ -135,30 +135,3 @@ def test_prefill_during_tool_pause_leaves_only_the_tail(engine: Engine) -> None:
     s.close()
     manager.radix.clear()
     assert manager.pool.num_used == 0
-
-
-def test_a_request_over_a_cached_prompt_moves_one_page_not_its_prefix(engine: Engine,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A session-less client sends the whole conversation again each turn: the request adopts the prompt's full
-    pages from the tree and must recompute the page after them (its last token's logits), whose cached copy the
-    tree holds right after the adopted run. That copy moves aside (one page), so the request grows in place as one
-    run instead of copying every adopted page into a free run; its tokens equal the first request's."""
-    manager = engine.kv_manager(KVConfig(page_size=4, device_pages=256))
-    manager.radix.clear()
-    copied: list[int] = []
-    copy_to_run = manager.pool.copy_to_run
-
-    def counting(pages: list[int], first: int) -> None:
-        copied.append(len(pages))
-        copy_to_run(pages, first)
-
-    monkeypatch.setattr(manager.pool, "copy_to_run", counting)
-    prompt = [(7 * i + 3) % VOCAB for i in range(30)]
-    first = engine.generate(prompt, max_new_tokens=3, stop_token_ids=[])
-    moved, evicted = manager.radix.moved_pages, manager.radix.evicted_pages
-    again = engine.generate(prompt, max_new_tokens=3, stop_token_ids=[])
-    assert again.token_ids == first.token_ids
-    assert manager.radix.moved_pages == moved + 1 and manager.radix.evicted_pages == evicted
-    assert copied == []  # no relocation of the 7 adopted pages
-    manager.radix.clear()
-    assert manager.pool.num_used == 0
