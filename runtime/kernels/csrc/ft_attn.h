@@ -370,16 +370,8 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                         a[u][3] = _mm512_mask3_fmadd_ps(f, x3, a[u][3], 0x00ff);                                 \
                     }                                                                                            \
                 }                                                                                                \
-                /* even + odd chains lane by lane, then hsum8x8 over 2 rows x 4 keys at a time */                \
                 float s8[16];                                                                                    \
-                for (int h2 = 0; h2 < 2; h2++) {                                                                 \
-                    __m256 h[8];                                                                                 \
-                    for (int e = 0; e < 8; e++) {                                                                \
-                        const __m512 z = a[2 * h2 + e / 4][e % 4];                                               \
-                        h[e] = _mm256_add_ps(ft_lo8(z), ft_hi8(z));                                              \
-                    }                                                                                            \
-                    _mm256_storeu_ps(s8 + 8 * h2, hsum8x8(h));                                                   \
-                }                                                                                                \
+                ft_hsum4x4(a, s8);                                                                               \
                 for (int u = 0; u < 4; u++)                                                                      \
                     for (int j = 0; j < 4; j++) {                                                                \
                         float x = s8[4 * u + j];                                                                 \
@@ -450,6 +442,18 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
 
 FT_VNNI static inline __m256 ft_lo8(__m512 z) { return _mm512_castps512_ps256(z); }
 FT_VNNI static inline __m256 ft_hi8(__m512 z) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)); }
+/* s[4 * u + j] = the sum of a[u][j]'s 16 lanes, for a tile of 4 rows x 4 keys: halves added lane by lane (the
+ * even and odd 8-value chains), then hsum8x8 over 2 rows x 4 keys at a time */
+FT_VNNI static inline void ft_hsum4x4(__m512 a[4][4], float *s) {
+    for (int h2 = 0; h2 < 2; h2++) {
+        __m256 h[8];
+        for (int e = 0; e < 8; e++) {
+            const __m512 z = a[2 * h2 + e / 4][e % 4];
+            h[e] = _mm256_add_ps(ft_lo8(z), ft_hi8(z));
+        }
+        _mm256_storeu_ps(s + 8 * h2, hsum8x8(h));
+    }
+}
 /* the float at p in every lane */
 FT_VNNI static inline __m512 ft_bcast1(const float *p) { return _mm512_set1_ps(*p); }
 /* 8 floats at p in both halves */
@@ -546,12 +550,11 @@ FT_BF16DOT static void attn_bf16_rows(const float *const *q, int64_t R, int64_t 
 }
 
 /* qk_rows512_bf16 with the query rows as bf16 (qb: R rows of dp values) and VDPBF16PS: 4 rows x 4 keys a tile, 32
- * values of d a step, the last partial step's key values loaded under a mask (zeros: the query's padding is zero) */
+ * values of d a step, a last partial step's key values loaded under a mask (zeros: the query's padding is zero) */
 FT_BF16DOT static void qk_rows512_bf16dot(const uint16_t *qb, int64_t dp, int64_t R, const uint16_t *k, int64_t stride,
                                           int64_t n, int64_t dh, float scale, float *sc, attn_pf *nxp) {
     attn_pf nxl = nxp ? *nxp : (attn_pf){0};
-    const int64_t d32 = dh / 32 * 32;
-    const __mmask32 tail = (__mmask32)((1ull << (dh - d32)) - 1);
+    const __mmask32 tail = (__mmask32)((1ull << (dh % 32)) - 1); /* the last step's values when dh is off 32 */
     for (int64_t i = 0; i < n; i += 4) {
         const uint16_t *kk[4];
         for (int j = 0; j < 4; j++) kk[j] = k + (i + j < n ? i + j : n - 1) * stride;
@@ -563,9 +566,12 @@ FT_BF16DOT static void qk_rows512_bf16dot(const uint16_t *qb, int64_t dp, int64_
             for (int u = 0; u < 4; u++)
                 for (int w = 0; w < 4; w++) a[u][w] = _mm512_setzero_ps();
             const uint16_t *qr = qb + r * dp;
-            for (int64_t d = 0; d < d32; d += 32) {
-                const __m512bh x0 = (__m512bh)_mm512_loadu_si512(kk[0] + d), x1 = (__m512bh)_mm512_loadu_si512(kk[1] + d),
-                               x2 = (__m512bh)_mm512_loadu_si512(kk[2] + d), x3 = (__m512bh)_mm512_loadu_si512(kk[3] + d);
+            for (int64_t d = 0; d < dh; d += 32) {
+                const __mmask32 m = d + 32 <= dh ? (__mmask32)~0u : tail;
+                const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(m, kk[0] + d),
+                               x1 = (__m512bh)_mm512_maskz_loadu_epi16(m, kk[1] + d),
+                               x2 = (__m512bh)_mm512_maskz_loadu_epi16(m, kk[2] + d),
+                               x3 = (__m512bh)_mm512_maskz_loadu_epi16(m, kk[3] + d);
                 for (int u = 0; u < 4; u++) {
                     const __m512bh f = (__m512bh)_mm512_loadu_si512(qr + u * dp + d);
                     a[u][0] = _mm512_dpbf16_ps(a[u][0], f, x0);
@@ -574,28 +580,8 @@ FT_BF16DOT static void qk_rows512_bf16dot(const uint16_t *qb, int64_t dp, int64_
                     a[u][3] = _mm512_dpbf16_ps(a[u][3], f, x3);
                 }
             }
-            if (d32 < dh) {
-                const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[0] + d32),
-                               x1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[1] + d32),
-                               x2 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[2] + d32),
-                               x3 = (__m512bh)_mm512_maskz_loadu_epi16(tail, kk[3] + d32);
-                for (int u = 0; u < 4; u++) {
-                    const __m512bh f = (__m512bh)_mm512_loadu_si512(qr + u * dp + d32);
-                    a[u][0] = _mm512_dpbf16_ps(a[u][0], f, x0);
-                    a[u][1] = _mm512_dpbf16_ps(a[u][1], f, x1);
-                    a[u][2] = _mm512_dpbf16_ps(a[u][2], f, x2);
-                    a[u][3] = _mm512_dpbf16_ps(a[u][3], f, x3);
-                }
-            }
             float s8[16];
-            for (int h2 = 0; h2 < 2; h2++) {
-                __m256 h[8];
-                for (int e = 0; e < 8; e++) {
-                    const __m512 z = a[2 * h2 + e / 4][e % 4];
-                    h[e] = _mm256_add_ps(ft_lo8(z), ft_hi8(z));
-                }
-                _mm256_storeu_ps(s8 + 8 * h2, hsum8x8(h));
-            }
+            ft_hsum4x4(a, s8);
             for (int u = 0; u < 4; u++)
                 for (int j = 0; j < 4; j++) sc[(r + u) * ATTN_BLOCK + i + j] = s8[4 * u + j] * scale;
         }
