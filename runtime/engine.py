@@ -167,9 +167,10 @@ class Engine:
     @speculation.setter
     def speculation(self, value: bool | int | SpeculationConfig) -> None:
         config = SpeculationConfig.of(value)
-        draft = self.scheduler.speculation.draft_model
-        if not isinstance(value, SpeculationConfig) and draft is not None:  # on/off/K keeps the attached draft model
-            config = dataclasses.replace(config, draft_model=draft)
+        current = self.scheduler.speculation
+        if not isinstance(value, SpeculationConfig):  # on/off/K keeps the attached draft model and the history
+            config = dataclasses.replace(config, draft_model=current.draft_model, history=current.history,
+                                         history_tokens=current.history_tokens)
         self.scheduler.speculation = config
 
     # ------------------------------------------------------------------------------------------------ loading

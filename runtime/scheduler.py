@@ -866,13 +866,18 @@ class Scheduler:
             seq.computed += k
         phase = self._phase(seq)
         judged = min(len(events), k)
-        st.record(phase, k, kept, len(events))
+        st.record(phase, k, kept, len(events), seq.spec.last_source if seq.spec is not None else None)
         if seq.spec is not None:
             seq.spec.observe(phase, judged, kept)
         self._deliver(seq, events)
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         self._release(seq, publish=True)
+        history = self.speculation.history
+        if history is not None and self.speculation.enabled and seq.request.kind == "generate":
+            # what it generated, for later sequences to draft from (only outputs decoded with speculation on)
+            history.add(seq.tokens[max(0, seq.prompt_len - history.prompt_tail) : seq.prompt_len],
+                        seq.tokens[seq.prompt_len :])
         self._busy_sessions.discard(seq.session.id if seq.session is not None else -1)
         now = time.perf_counter()
         first = seq.t_first or now
@@ -946,7 +951,8 @@ class Scheduler:
                 "row_cost": [round(1 + cfg.verify_cost * k if cfg.verify_cost is not None
                                    else self.step_cost.relative(k), 3) for k in range(1, cfg.max_draft + 1)],
                 "drafter": ("custom" if cfg.drafter is not None else "draft model" if cfg.draft_model is not None
-                            else "prompt lookup"),
+                            else "prompt lookup + history" if cfg.history is not None else "prompt lookup"),
+                "history": cfg.history.snapshot() if cfg.history is not None else None,
                 "draft_model": cfg.draft_model.snapshot() if cfg.draft_model is not None else None,
                 **self.spec_stats.snapshot()}
 

@@ -19,7 +19,15 @@ forgets its failures slowly (``idle_decay`` per step), so it tries again later. 
 draft model behind prompt lookup: ``generation/draft_model.py``) names the source of each next draft; acceptance and
 price (a draft model's measured seconds per token) are then kept per source.
 
-Dimensions: L = the sequence's tokens so far, k = draft tokens of one step.
+What an engine generated before is a second source (``TokenHistory``, SuffixDecoding's global cache): every
+finished request's output, with the last few prompt tokens before it, is indexed engine-wide, and ``ContextLookup``
+drafts from whichever of the sequence's own tokens and that history matches the sequence's last tokens further back.
+An agent's turns repeat one another across sessions (the same commands, the same edit and test idioms, a retried
+request's whole reply), so copies come from there as often as from the context. Only outputs of requests decoded
+with speculation on are recorded; drafts are verified as any other, so what a sequence emits never depends on what
+other sequences wrote — only how many steps it takes.
+
+Dimensions: L = the sequence's tokens so far, k = draft tokens of one step, H = tokens the history holds.
 """
 
 from __future__ import annotations
@@ -97,6 +105,139 @@ class PromptLookup:
         return draft
 
 
+class TokenHistory:
+    """Recent outputs of an engine's requests, indexed by n-gram for drafting (one per engine, shared by its
+    sequences; used from the engine's thread).
+
+    Each recorded document is the last ``prompt_tail`` prompt tokens of a request and what it generated, so a reply's
+    first tokens can be matched from the prompt's end (``<|im_start|>assistant``...). ``lookup`` finds, among the
+    ``candidates`` most recent occurrences of a sequence's last ``key`` tokens, the one whose match extends furthest
+    back (up to ``max_match`` tokens; ties to the most recent); ``continuation`` copies what followed it, never past
+    the end of its document. At most about ``capacity`` tokens are kept: when twice that has been recorded the oldest
+    documents are dropped and the index is rebuilt (amortized O(1) a token)."""
+
+    def __init__(self, capacity: int = 65536, key: int = 2, candidates: int = 16, max_match: int = 64,
+                 prompt_tail: int = 8) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise OptionError(f"the token history needs a capacity of at least one token, got {capacity!r}")
+        if key < 1:
+            raise OptionError(f"the lookup key needs at least one token, got {key}")
+        self.capacity, self.key, self.candidates, self.max_match = capacity, key, candidates, max_match
+        self.prompt_tail = prompt_tail
+        self._tokens: list[int] = []
+        """Documents one after another, each followed by -1 (a token no match or continuation crosses)."""
+        self._starts: list[int] = []
+        """Where each document begins in ``_tokens``."""
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        """Key (``key`` tokens) → the positions that followed an occurrence of it, ascending."""
+        self.recorded = 0
+        """Documents recorded since the history was made (dropped ones included)."""
+
+    @property
+    def size(self) -> int:
+        """Tokens held (separators excluded)."""
+        return len(self._tokens) - len(self._starts)
+
+    def add(self, prompt: list[int], output: list[int]) -> None:
+        """Record one request: the tail of its ``prompt`` and its ``output`` (nothing when it generated nothing)."""
+        if not output:
+            return
+        doc = [*prompt[len(prompt) - self.prompt_tail :], *output] if self.prompt_tail > 0 else list(output)
+        doc = doc[-self.capacity :]
+        self.recorded += 1
+        self._starts.append(len(self._tokens))
+        self._index_doc(len(self._tokens), doc)
+        if len(self._tokens) > 2 * self.capacity:
+            self._compact()
+
+    def _index_doc(self, base: int, doc: list[int]) -> None:
+        toks, g, index = self._tokens, self.key, self._index
+        toks.extend(doc)
+        toks.append(-1)
+        for i in range(base + g, base + len(doc) + 1):
+            key = tuple(toks[i - g : i])
+            found = index.get(key)
+            if found is None:
+                index[key] = [i]
+            else:
+                found.append(i)
+
+    def _compact(self) -> None:
+        """Keep the newest documents that fit in ``capacity`` tokens; rebuild the index over them."""
+        ends = [*self._starts[1:], len(self._tokens)]
+        keep, total = len(self._starts), 0
+        while keep > 0 and total + ends[keep - 1] - 1 - self._starts[keep - 1] <= self.capacity:
+            keep -= 1
+            total += ends[keep] - 1 - self._starts[keep]
+        docs = [self._tokens[a : b - 1] for a, b in zip(self._starts[keep:], ends[keep:])]
+        self._tokens, self._starts, self._index = [], [], {}
+        for doc in docs:
+            self._starts.append(len(self._tokens))
+            self._index_doc(len(self._tokens), doc)
+
+    def lookup(self, tokens: list[int]) -> tuple[int, int]:
+        """(position, match length) of the best earlier occurrence of ``tokens``' last tokens: what followed it starts
+        at the position; (-1, 0) when none."""
+        n, g = len(tokens), self.key
+        if n < g:
+            return -1, 0
+        found = self._index.get(tuple(tokens[n - g :]))
+        if not found:
+            return -1, 0
+        hist, best, best_len = self._tokens, -1, -1
+        for start in reversed(found[-self.candidates :]):
+            length = g
+            while (length < self.max_match and length < n and start - length - 1 >= 0
+                   and hist[start - length - 1] == tokens[n - length - 1]):
+                length += 1
+            if length > best_len:
+                best, best_len = start, length
+        return best, best_len
+
+    def continuation(self, position: int, k: int) -> list[int]:
+        """Up to ``k`` tokens from ``position`` of a ``lookup`` answer, stopping at its document's end."""
+        out = self._tokens[position : position + k] if position >= 0 else []
+        if -1 in out:
+            out = out[: out.index(-1)]
+        return out
+
+    def snapshot(self) -> dict[str, int]:
+        return {"tokens": self.size, "documents": len(self._starts), "recorded": self.recorded,
+                "capacity": self.capacity}
+
+
+class ContextLookup:
+    """Prompt lookup in the sequence's own tokens and in the engine's ``TokenHistory``: the draft comes from
+    whichever match reaches further back (the sequence's own on a tie). ``source(tokens)`` names it — ``context`` or
+    ``history`` — so ``DraftPolicy`` keeps each one's acceptance on its own."""
+
+    def __init__(self, history: TokenHistory, key: int = 2) -> None:
+        self.local, self.history = PromptLookup(key), history
+        self._at: tuple[int, str, list[int]] | None = None  # (len(tokens), source, draft of up to max_match)
+        self.match = 0
+
+    def _best(self, tokens: list[int]) -> tuple[str, list[int]]:
+        n = len(tokens)
+        if self._at is None or self._at[0] != n:
+            draft = self.local.propose(tokens, self.history.max_match)
+            source, self.match = "context", self.local.match
+            position, length = self.history.lookup(tokens)
+            if length > self.match:
+                copied = self.history.continuation(position, self.history.max_match)
+                if copied:
+                    source, draft, self.match = "history", copied, length
+            self._at = (n, source, draft)
+        return self._at[1], self._at[2]
+
+    def source(self, tokens: list[int]) -> tuple[str, float | None]:
+        return self._best(tokens)[0], None
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        return self._best(tokens)[1][:k]
+
+
 PHASE_PRIOR = {"code": 0.55, "plan": 0.4, "tool": 0.3}
 """Acceptance assumed for a phase before any of its drafts were verified: the per-token acceptance a whose
 1 + a + a² matches the tokens per step of 2-token drafts with the recorded replies as the model's output (code 1.84,
@@ -129,10 +270,17 @@ class SpeculationConfig:
     idle_decay: float = 0.97
     """Weight kept per step in which the sequence does not speculate (it tries again once its failures fade)."""
     drafter: Callable[[], Drafter] | None = field(default=None, compare=False)
-    """Builds each sequence's drafter (None: the draft model's, else ``PromptLookup(key)``)."""
+    """Builds each sequence's drafter (None: the draft model's, else ``ContextLookup`` over the sequence and
+    ``history``, or ``PromptLookup(key)`` without a history)."""
     draft_model: Any = field(default=None, compare=False)
     """A ``generation.draft_model.DraftModel``: a small model of the same tokenizer drafts instead of prompt lookup
     (``Engine.from_pretrained(draft_model=...)``, ``--draft-model``)."""
+    history_tokens: int = 65536
+    """Tokens of earlier outputs kept for drafting (``TokenHistory``; 0: drafts from the sequence's own tokens
+    only)."""
+    history: TokenHistory | None = field(default=None, compare=False)
+    """The engine's history of outputs (made from ``history_tokens`` when None; kept when the engine's speculation
+    is switched off and on)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or not 0 <= self.max_draft <= 64:
@@ -142,6 +290,13 @@ class SpeculationConfig:
         for name in ("prior", "decay", "idle_decay"):
             if not 0 <= getattr(self, name) <= 1:
                 raise OptionError(f"{name} must be in 0..1, got {getattr(self, name)!r}")
+        h = self.history_tokens
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise OptionError(f"history_tokens must be an integer ≥ 0, got {h!r}")
+        if h == 0:
+            self.history = None
+        elif self.history is None or self.history.capacity != h:
+            self.history = TokenHistory(h, key=self.key)
 
     @classmethod
     def of(cls, value: bool | int | SpeculationConfig | None) -> SpeculationConfig:
@@ -298,6 +453,8 @@ class DraftPolicy:
                 drafter = config.drafter()
             elif config.draft_model is not None:
                 drafter = config.draft_model.drafter()
+            elif config.history is not None:
+                drafter = ContextLookup(config.history, config.key)
             else:
                 drafter = PromptLookup(config.key)
         self.drafter: Drafter = drafter
@@ -305,7 +462,8 @@ class DraftPolicy:
         """Source of the drafts (None, or what the drafter's ``source`` names: a draft model's ``copy`` / ``model``)
         → decayed counts of this sequence's verified draft tokens: accepted, and rejections (one per step that
         rejected one; the tokens after a rejection were never judged)."""
-        self._source: str | None = None  # the source of this step's draft
+        self.last_source: str | None = None
+        """The source of this step's draft (what the drafter's ``source`` named; None for a drafter without)."""
 
     def acceptance(self, phase: str | None, source: str | None = None) -> float:
         a, r = self._counts.get(source, (0.0, 0.0))
@@ -325,7 +483,7 @@ class DraftPolicy:
         which = getattr(self.drafter, "source", None)
         if which is not None and tokens is not None:
             source, drafting = which(tokens)
-        self._source = source
+        self.last_source = source
         cost: float | Callable[[int], float]
         if self.config.verify_cost is not None:  # a fixed price per draft token: drafting included
             cost = self.config.verify_cost
@@ -346,10 +504,10 @@ class DraftPolicy:
         """A verification: ``accepted`` of ``drafted`` draft tokens were kept (a prefix of them)."""
         d = self.config.decay
         rejected = 1 if accepted < drafted else 0
-        counts = self._counts.setdefault(self._source, [0.0, 0.0])
+        counts = self._counts.setdefault(self.last_source, [0.0, 0.0])
         counts[0] = counts[0] * d + accepted
         counts[1] = counts[1] * d + rejected
-        self.phases.observe(phase, accepted, rejected, self._source)
+        self.phases.observe(phase, accepted, rejected, self.last_source)
 
 
 @dataclass
@@ -370,16 +528,20 @@ class SpeculationStats:
     """Draft length → rows."""
     by_phase: dict[str, list[int]] = field(default_factory=dict)
     """Phase (``none`` when unannounced) → [drafted, accepted]."""
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+    """Where drafts came from (``context``, ``history``, a draft model's ``copy`` / ``model``; ``drafter`` for a
+    drafter that does not say) → [drafted, accepted]."""
 
-    def record(self, phase: str | None, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, phase: str | None, drafted: int, accepted: int, emitted: int, source: str | None = None) -> None:
         self.verify_rows += 1
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
         self.k_hist[drafted] = self.k_hist.get(drafted, 0) + 1
-        counts = self.by_phase.setdefault(phase or "none", [0, 0])
-        counts[0] += drafted
-        counts[1] += accepted
+        for table, name in ((self.by_phase, phase or "none"), (self.by_source, source or "drafter")):
+            counts = table.setdefault(name, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
 
     def snapshot(self) -> dict:
         rate = round(self.accepted / self.drafted, 4) if self.drafted else None
@@ -391,4 +553,6 @@ class SpeculationStats:
             "k_hist": dict(sorted(self.k_hist.items())),
             "by_phase": {p: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 4) if d else None}
                          for p, (d, a) in sorted(self.by_phase.items())},
+            "by_source": {p: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 4) if d else None}
+                          for p, (d, a) in sorted(self.by_source.items())},
         }

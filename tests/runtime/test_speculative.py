@@ -1,7 +1,8 @@
 """Speculative decoding (drafts from the context, verified as one row of the batched step): greedy output equals
 greedy output without it for three families (GQA, MLA, hybrid Gated DeltaNet) alone and under concurrency, with
 drafts that are really accepted and really rejected; stateful processors see exactly the kept tokens; sampled
-output follows the model's distribution; rejected drafts' pages go back to the pool; the option and the stats."""
+output follows the model's distribution; rejected drafts' pages go back to the pool; the option and the stats; drafts
+from the engine's history of earlier outputs."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from freetoken_agent.runtime.errors import OptionError
 from freetoken_agent.runtime.generation.processors import Chain, LogprobRecorder, Penalties, RepetitionPenalty
 from freetoken_agent.runtime.generation.sampling import Sampler, SamplingParams
 from freetoken_agent.runtime.generation.speculative import (
+    ContextLookup,
     PromptLookup,
     SpeculationConfig,
     StepCost,
+    TokenHistory,
     best_draft_length,
     expected_tokens,
 )
@@ -291,6 +294,71 @@ def test_prompt_lookup_and_draft_length() -> None:
     assert best_draft_length(0.0, 8, 0.1) == 0  # nothing is ever accepted: plain decode
     assert best_draft_length(0.95, 8, 0.1) == 8
     assert 0 < best_draft_length(0.5, 8, 0.1) < 8
+
+
+def test_token_history_lookup_continuation_and_capacity() -> None:
+    h = TokenHistory(capacity=40, key=2, prompt_tail=3)
+    h.add([90, 91, 1, 2, 3], [10, 11, 12, 13])  # recorded: 1 2 3 | 10 11 12 13
+    h.add([92, 93, 7, 2, 3], [20, 21])  # 7 2 3 | 20 21
+    # "2 3" occurs in both; the older one matches further back ("1 2 3") and wins over the more recent
+    position, length = h.lookup([5, 1, 2, 3])
+    assert length == 3 and h.continuation(position, 8) == [10, 11, 12, 13]  # never past its document's end
+    position, length = h.lookup([7, 2, 3])
+    assert length == 3 and h.continuation(position, 1) == [20]
+    assert h.lookup([4, 4]) == (-1, 0) and h.lookup([3]) == (-1, 0) and h.continuation(-1, 3) == []
+    assert h.lookup([11, 12])[1] == 2 and h.continuation(h.lookup([11, 12])[0], 5) == [13]
+    h.add([1], [])  # nothing generated: nothing recorded
+    assert h.snapshot() == {"tokens": 12, "documents": 2, "recorded": 2, "capacity": 40}
+    # past twice the capacity the oldest documents go; what is kept is still found, what went is not
+    for i in range(30):
+        h.add([], [100 + i, 200 + i, 300 + i])
+    snap = h.snapshot()
+    assert snap["tokens"] <= 2 * h.capacity and snap["recorded"] == 32
+    assert h.lookup([5, 1, 2, 3]) == (-1, 0)
+    position, length = h.lookup([129, 229])
+    assert length == 2 and h.continuation(position, 2) == [329]
+    big = TokenHistory(capacity=5, key=2, prompt_tail=0)
+    big.add([], list(range(50)))  # one document longer than the capacity keeps its end
+    assert big.size == 5 and big.continuation(big.lookup([46, 47])[0], 3) == [48, 49]
+    with pytest.raises(OptionError, match="capacity"):
+        TokenHistory(capacity=0)
+    with pytest.raises(OptionError, match="history_tokens"):
+        SpeculationConfig(history_tokens=-1)
+    assert SpeculationConfig(history_tokens=0).history is None
+
+
+def test_context_lookup_takes_the_longer_match() -> None:
+    h = TokenHistory(capacity=100, key=2, prompt_tail=0)
+    h.add([], [1, 2, 3, 4, 5, 6])
+    d = ContextLookup(h, key=2)
+    tokens = [9, 3, 4, 8, 2, 3, 4]  # context: "3 4" once before (match 2); history: "2 3 4" (match 3)
+    assert d.source(tokens) == ("history", None) and d.propose(tokens, 2) == [5, 6] and d.match == 3
+    tokens = [2, 3, 4, 7, 8, 2, 3, 4]  # the context matches "2 3 4" too: a tie goes to the sequence's own tokens
+    assert d.source(tokens)[0] == "context" and d.propose(tokens, 3) == [7, 8, 2]
+    assert d.propose(tokens, 0) == []
+
+
+def test_drafts_from_earlier_outputs_keep_greedy_output(engine: Engine) -> None:
+    g = random.Random(5)
+    prompts = [[g.randrange(512) for _ in range(g.randint(12, 30))] for _ in range(4)]
+    history = TokenHistory()
+    engine.speculation = SpeculationConfig(enabled=False, history=history)
+    alone = [engine.generate(p, greedy(18)).token_ids for p in prompts]
+    assert history.recorded == 0  # outputs decoded without speculation are not recorded
+    engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=6, history=history)
+    assert run_concurrently(engine, prompts, [greedy(18)] * 4) == alone
+    assert history.recorded == 4
+    s0 = engine.stats()["speculation"]
+    assert s0["history"]["documents"] == 4 and s0["drafter"] == "prompt lookup + history"
+    # the same requests again: their outputs are in the history now, drafts come from there and are verified
+    assert [engine.generate(p, greedy(18)).token_ids for p in prompts[:2]] == alone[:2]
+    assert run_concurrently(engine, prompts, [greedy(18)] * 4) == alone
+    s1 = engine.stats()["speculation"]
+    hist = s1["by_source"]["history"]
+    assert hist["accepted"] - s0["by_source"].get("history", {}).get("accepted", 0) > 30
+    engine.speculation = False  # switching off and on keeps the history
+    engine.speculation = True
+    assert engine.speculation.history is history and history.recorded == 10
 
 
 def test_step_cost_is_fitted_from_decode_steps() -> None:
