@@ -8,10 +8,13 @@ and labelled per token by phase as ``phase_trace`` does: ``plan`` text, ``code``
    greedily with speculation off and on (defaults of ``SpeculationConfig``), the request tagged with its phase as
    the SDK's ``Agent`` tags it. Decode tok/s = generated tokens after
    the first / seconds after the first (``RequestResult.decode_s``), summed over the turns; the outputs with and
-   without are compared token for token.
+   without are compared token for token. One engine decodes a phase's turns in order, so with speculation on it
+   drafts from its history of the earlier turns' outputs too (only runs with speculation on are recorded: a turn
+   never drafts from its own run without speculation).
 2. **Oracle acceptance** (model-free; what a model that writes exactly the recorded reply would accept): at each
    position of a phase's spans, ``PromptLookup`` over the whole session so far proposes k tokens; the longest prefix
-   equal to the recorded next tokens is kept plus one token, and decoding moves on. Reported per phase: tokens per
+   equal to the recorded next tokens is kept plus one token, and decoding moves on. Again with the engine's history
+   (``ContextLookup``): the recorded replies of the sessions before, as an engine that served them would hold. Reported per phase: tokens per
    verification step (fixed k, and the adaptive ``DraftPolicy``), acceptance rate.
 3. **Verify cost** on a random-weight synthetic MoE at q4: seconds of one step with a row of k + 1 tokens vs 1 token
    after a ``--cost-context``-token prompt (the engine's own runner and paged KV; rows rolled back between runs).
@@ -87,10 +90,14 @@ def spans(labels: list[str | None], phase: str) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------ oracle
 
 
-def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phase: str) -> dict[str, float]:
+def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phase: str,
+           history: Any = None) -> dict[str, float]:
     """Speculation with the recorded tokens as the model's output over ``span_list``: k fixed, or None for the
-    adaptive policy (``DraftPolicy`` with the default config, its phase's prior)."""
+    adaptive policy (``DraftPolicy`` with the default config, its phase's prior). ``history``: a ``TokenHistory`` of
+    what came before this session (``record_replies``): drafts come from the session or from it
+    (``ContextLookup``), else from the session only (``PromptLookup``)."""
     from freetoken_agent.runtime.generation.speculative import (
+        ContextLookup,
         DraftPolicy,
         PhaseAcceptance,
         PromptLookup,
@@ -100,7 +107,8 @@ def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phas
     config = SpeculationConfig()
     phases = PhaseAcceptance(config)
     steps = tokens = drafted = accepted = 0
-    lookup = PromptLookup(config.key)  # the session's tokens only grow: one index for all its spans
+    # the session's tokens only grow: one index for all its spans
+    lookup = ContextLookup(history, config.key) if history is not None else PromptLookup(config.key)
     for start, end in span_list:
         policy = DraftPolicy(config, phases, lookup)
         i = start
@@ -124,6 +132,40 @@ def oracle(ids: list[int], span_list: list[tuple[int, int]], k: int | None, phas
     return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 3) if steps else 0.0,
             "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else 0.0}
+
+
+def record_replies(history: Any, ids: list[int], labels: list[str | None]) -> None:
+    """Add a session's assistant replies (each run of adjacent ``plan`` and ``code`` spans) to ``history``, as the
+    engine records what it generated."""
+    replies: list[list[int]] = []
+    for a, b in sorted(spans(labels, "plan") + spans(labels, "code")):
+        if replies and replies[-1][1] == a:
+            replies[-1][1] = b
+        else:
+            replies.append([a, b])
+    for a, b in replies:
+        history.add(ids[max(0, a - history.prompt_tail) : a], ids[a:b])
+
+
+def oracle_table(sessions: list, phase: str, with_history: bool) -> dict[str, dict[str, Any]]:
+    """``oracle`` summed over the sessions for each k in ``DRAFTS`` and the adaptive policy; ``with_history``: each
+    session also drafts from the replies of the sessions before it."""
+    from freetoken_agent.runtime.generation.speculative import TokenHistory
+
+    per_k = {}
+    for k in (*DRAFTS, None):
+        agg = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
+        history = TokenHistory() if with_history else None
+        for _, ids, labels in sessions:
+            r = oracle(ids, spans(labels, phase), k, phase, history)
+            for key in agg:
+                agg[key] += r[key]
+            if history is not None:
+                record_replies(history, ids, labels)
+        agg["tokens_per_step"] = round(agg["tokens"] / agg["steps"], 3) if agg["steps"] else 0.0
+        agg["acceptance"] = round(agg["accepted"] / agg["drafted"], 3) if agg["drafted"] else 0.0
+        per_k["adaptive" if k is None else str(k)] = agg
+    return per_k
 
 
 # ------------------------------------------------------------------------------------------------ draft model
@@ -218,13 +260,18 @@ def draft_cost(draft_path: Path, ids: list[int], context: int, k: int, proposals
 
 
 def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new: int, model: Path | None = None,
-                   draft_model: Path | None = None, **load: Any) -> dict[str, Any]:
+                   draft_model: Path | None = None, history_tokens: int | None = None, **load: Any) -> dict[str, Any]:
     """Greedy decode of each span's turn with speculation off, then on (see the module docstring). ``model``: the
     model decoding (default: the built-in one; ``load``: its ``from_pretrained`` options); ``draft_model``: drafts
-    come from it instead of prompt lookup."""
+    come from it instead of prompt lookup; ``history_tokens``: ``SpeculationConfig.history_tokens`` (None: the
+    default)."""
     from freetoken_agent.runtime.builtin import builtin_model_dir
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.generation.sampling import SamplingParams
+    from freetoken_agent.runtime.generation.speculative import SpeculationConfig
+
+    if history_tokens is not None:  # a config (and history) of this engine's own
+        load["speculate"] = SpeculationConfig(history_tokens=history_tokens)
 
     engine = Engine.from_pretrained(model or builtin_model_dir(), draft_model=draft_model, **load)
     with_draft = engine.speculation
@@ -253,8 +300,13 @@ def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new:
                      "seconds": round(secs, 3)}
     out["model"], out["drafter"] = str(model or "built-in"), s1["drafter"]
     drafted, acc = s1["drafted"] - s0["drafted"], s1["accepted"] - s0["accepted"]
+    by_source = {}
+    for name, c in s1["by_source"].items():
+        before = s0["by_source"].get(name, {"drafted": 0, "accepted": 0})
+        d, a = c["drafted"] - before["drafted"], c["accepted"] - before["accepted"]
+        by_source[name] = {"drafted": d, "accepted": a, "acceptance": round(a / d, 3) if d else None}
     out["on"].update(drafted=drafted, accepted=acc, acceptance=round(acc / drafted, 3) if drafted else None,
-                     verify_rows=s1["verify_rows"] - s0["verify_rows"], k_hist=s1["k_hist"])
+                     verify_rows=s1["verify_rows"] - s0["verify_rows"], k_hist=s1["k_hist"], by_source=by_source)
     same = sum(a == b for a, b in zip(results["off"], results["on"]))
     out["identical_turns"] = f"{same}/{len(prompts)}"
     if out["off"]["decode_tok_s"] and out["on"]["decode_tok_s"]:
@@ -337,27 +389,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-moe", action="store_true",
                     help="also decode the recorded turns on --moe itself (speculation off vs on with prompt lookup, "
                          "and with --draft-model or the built-in model drafting)")
+    ap.add_argument("--history-tokens", type=int, default=None,
+                    help="SpeculationConfig.history_tokens of the decoding engines (0: drafts from each sequence's "
+                         "own tokens only; default: the engine's default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.history_tokens is not None and args.history_tokens < 0:
+        ap.error("--history-tokens must be >= 0")
+    spec_load = {"history_tokens": args.history_tokens}
     if not args.trajectories.is_dir():
         ap.error(f"no trajectories at {args.trajectories} (pass --trajectories DIR)")
     sessions = labelled_sessions(args.trajectories, args.sessions)
     phases = [p for p in args.phases.split(",") if p]
     report: dict[str, Any] = {"sessions": len(sessions), "tokens": sum(len(ids) for _, ids, _ in sessions)}
 
-    report["oracle"] = {}
-    for phase in phases:
-        per_k = {}
-        for k in (*DRAFTS, None):
-            agg = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
-            for _, ids, labels in sessions:
-                r = oracle(ids, spans(labels, phase), k, phase)
-                for key in agg:
-                    agg[key] += r[key]
-            agg["tokens_per_step"] = round(agg["tokens"] / agg["steps"], 3) if agg["steps"] else 0.0
-            agg["acceptance"] = round(agg["accepted"] / agg["drafted"], 3) if agg["drafted"] else 0.0
-            per_k["adaptive" if k is None else str(k)] = agg
-        report["oracle"][phase] = per_k
+    report["oracle"] = {phase: oracle_table(sessions, phase, False) for phase in phases}
+    report["oracle_history"] = {phase: oracle_table(sessions, phase, True) for phase in phases}
 
     if not args.skip_draft:
         from freetoken_agent.runtime.builtin import builtin_model_dir
@@ -370,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                            "cost": draft_cost(draft_path, held_sessions[0][1], args.window, 4, 40)}
 
     if not args.skip_builtin:
-        report["builtin"] = {p: builtin_decode(sessions, p, args.turns, args.window, args.max_new) for p in phases}
+        report["builtin"] = {p: builtin_decode(sessions, p, args.turns, args.window, args.max_new, **spec_load)
+                             for p in phases}
 
     if args.decode_moe and args.moe is not None:
         from freetoken_agent.runtime.builtin import builtin_model_dir
@@ -379,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         held_sessions = [s for s in labelled_sessions(args.trajectories, 10**6) if s[0] in held]
         report["moe_decode"] = {
             f"{p} {how}": builtin_decode(held_sessions, p, args.turns, args.window, args.max_new, args.moe,
-                                         draft, quant=args.quant, dense_quant=args.dense)
+                                         draft, quant=args.quant, dense_quant=args.dense, **spec_load)
             for p in phases for how, draft in (("lookup", None), ("draft", args.draft_model or builtin_model_dir()))}
 
     if not args.skip_cost:
@@ -399,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             for k in DRAFTS:
                 o = report["oracle"][phase][str(k)]
                 proj[f"{phase} k={k}"] = round(o["tokens_per_step"] / rel[k], 3)
+                o = report["oracle_history"][phase][str(k)]
+                proj[f"{phase} k={k}, + history"] = round(o["tokens_per_step"] / rel[k], 3)
         cost["projected_speedup"] = proj
         if "draft" in report:  # the draft model's tokens per step over the verify row plus the drafting
             d = report["draft"]
@@ -423,11 +473,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"{r['sessions']} sessions, {r['tokens']} tokens", "",
-             "Oracle (recorded reply as the model's output; prompt lookup over the whole session so far):",
-             "| phase | k | tokens/step | acceptance |", "|---|---|---|---|"]
+             "Oracle (recorded reply as the model's output; prompt lookup over the whole session so far, and also "
+             "over the replies of the sessions before it — the engine's history):",
+             "| phase | k | tokens/step | acceptance | + history: tokens/step | acceptance |",
+             "|---|---|---|---|---|---|"]
     for phase, per_k in r["oracle"].items():
         for k, o in per_k.items():
-            lines.append(f"| {phase} | {k} | {o['tokens_per_step']} | {o['acceptance']} |")
+            h = r.get("oracle_history", {}).get(phase, {}).get(k, {})
+            lines.append(f"| {phase} | {k} | {o['tokens_per_step']} | {o['acceptance']} | "
+                         f"{h.get('tokens_per_step')} | {h.get('acceptance')} |")
     if "draft" in r:
         d = r["draft"]
         lines += ["", f"Draft model {d['model']} on {d['sessions']} held-out sessions (recorded reply as the model's "
@@ -443,11 +497,14 @@ def format_report(r: dict[str, Any]) -> str:
         if key not in r:
             continue
         lines += ["", f"{title} (speculation off → on):",
-                  f"| {first} | turns | tok/s off | tok/s on | speedup | acceptance | identical |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"| {first} | turns | tok/s off | tok/s on | speedup | acceptance | identical | drafted "
+                  "(accepted) by source |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, b in r[key].items():
+            sources = ", ".join(f"{n} {c['drafted']} ({c['accepted']})"
+                                for n, c in b["on"].get("by_source", {}).items() if c["drafted"])
             lines.append(f"| {name} | {b['turns']} | {b['off']['decode_tok_s']} | {b['on']['decode_tok_s']} | "
-                         f"{b.get('speedup')} | {b['on'].get('acceptance')} | {b['identical_turns']} |")
+                         f"{b.get('speedup')} | {b['on'].get('acceptance')} | {b['identical_turns']} | {sources} |")
     if "verify_cost" in r:
         c = r["verify_cost"]
         lines += ["", f"Verify cost on {c['model']} ({c['layers']} layers, {c['quant']}, context {c['context']})"

@@ -116,9 +116,10 @@ class DraftModel:
         """Seconds of drafting per draft token (the median of recent proposals; see ``record``); None before one."""
         return self._seconds_per_token
 
-    def drafter(self) -> ModelDrafter:
-        """A drafter for one sequence (``SpeculationConfig.drafter`` builds one per sequence)."""
-        return ModelDrafter(self)
+    def drafter(self, history: Any = None) -> ModelDrafter:
+        """A drafter for one sequence (``SpeculationConfig.drafter`` builds one per sequence); ``history``: the
+        engine's ``TokenHistory``, which copies come from too."""
+        return ModelDrafter(self, history)
 
     def acquire(self, tokens: list[int]) -> Any:
         """The idle session whose tokens share the longest prefix with ``tokens`` (a new one when none is idle)."""
@@ -185,11 +186,13 @@ class DraftModel:
 class ModelDrafter:
     """One sequence's drafter on a ``DraftModel`` (see the module docstring)."""
 
-    def __init__(self, model: DraftModel) -> None:
-        from freetoken_agent.runtime.generation.speculative import PromptLookup
+    def __init__(self, model: DraftModel, history: Any = None) -> None:
+        from freetoken_agent.runtime.generation.speculative import ContextLookup, PromptLookup
 
         self.model = model
-        self.lookup = PromptLookup() if model.lookup_match else None
+        self.lookup: Any = None
+        if model.lookup_match:  # copies: from the sequence's own tokens, and the engine's history when it has one
+            self.lookup = ContextLookup(history) if history is not None else PromptLookup()
         self._copied_at: tuple[int, list[int]] | None = None
         self.session: Any = None
         self._finalizer: Any = None

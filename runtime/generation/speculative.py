@@ -452,7 +452,7 @@ class DraftPolicy:
             if config.drafter is not None:
                 drafter = config.drafter()
             elif config.draft_model is not None:
-                drafter = config.draft_model.drafter()
+                drafter = config.draft_model.drafter(config.history)
             elif config.history is not None:
                 drafter = ContextLookup(config.history, config.key)
             else:
