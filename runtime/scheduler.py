@@ -706,7 +706,7 @@ class Scheduler:
                 from freetoken_agent.runtime.kv.paged import PagedKVCache
 
                 alloc = manager.alloc_cached if seq.request.opportunistic else manager.alloc
-                seq.cache = PagedKVCache(manager.pool, alloc, manager.radix.evict_page)
+                seq.cache = PagedKVCache(manager.pool, alloc, manager.radix.evict_page, manager.radix.move_page)
                 reused = 0
                 if seq.request.reuse and not manager.stateful:
                     match = manager.radix.match_prefix(seq.tokens)

@@ -25,10 +25,13 @@ class PagedKVCache(RecurrentStates):
     Recurrent layers (hybrid models) keep their per-sequence state here too, outside the pages.
     """
 
-    def __init__(self, pool: PagePool, alloc: Callable[[], int], reclaim: Callable[[int], bool] | None = None) -> None:
-        """``reclaim(page)``: free that page if only a cache holds it (the radix tree's ``evict_page``), so the
-        sequence can grow into it and stay one run when no run is free to move into."""
-        self.pool, self._alloc, self._reclaim = pool, alloc, reclaim
+    def __init__(self, pool: PagePool, alloc: Callable[[], int], reclaim: Callable[[int], bool] | None = None,
+                 move: Callable[[int, int], bool] | None = None) -> None:
+        """``move(page, limit)``: free that page by moving a cache's copy of it elsewhere (the radix tree's
+        ``move_page``) when that is cheaper than copying our ``limit`` pages into a free run, so the sequence grows
+        into it and stays one run; ``reclaim(page)``: free it by dropping what a cache holds there (``evict_page``),
+        the last resort when neither a move nor a free run to relocate into is possible."""
+        self.pool, self._alloc, self._reclaim, self._move = pool, alloc, reclaim, move
         self.pages: list[int] = []
         self.length = 0
         self._pending = 0
@@ -57,6 +60,9 @@ class PagedKVCache(RecurrentStates):
         while len(self.pages) * ps < self.length + n:
             # the page after our last one when it is free: the sequence stays one run, served as views of the pool
             page = pool.take(self.pages[-1] + 1) if self.pages else None
+            if page is None and self.pages and self._move is not None and self._move(self.pages[-1] + 1,
+                                                                                      len(self.pages)):
+                page = pool.take(self.pages[-1] + 1)  # the cache's copy of the next page moved aside
             if page is None and self.pages and self._relocate(-(-(self.length + n) // ps)):
                 continue
             if page is None and self.pages and self._reclaim is not None and self._reclaim(self.pages[-1] + 1):

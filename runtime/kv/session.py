@@ -246,7 +246,8 @@ class Session:
 
     def __init__(self, engine: Engine, manager: KVManager, session_id: int) -> None:
         self.engine, self.manager, self.id = engine, manager, session_id
-        self.cache = PagedKVCache(manager.pool, manager.alloc, manager.radix.evict_page)
+        self.cache = PagedKVCache(manager.pool, manager.alloc, manager.radix.evict_page,
+                                   manager.radix.move_page)
         self.log: list[int] = []
         """Token ids whose KV is in ``cache`` (``len(log) == cache.length``), append-only between turns."""
         self._pinned: Node | None = None

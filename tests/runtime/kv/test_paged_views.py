@@ -107,3 +107,67 @@ def test_a_cached_continuation_next_to_the_run_gives_way_when_no_run_is_free() -
     assert second.pages == [0, 1, 2] and tree.evicted_pages == 2  # the continuation's branch gave way
     assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # still views
     assert pool.refs[blocker.pages[0]] == 1 and blocker.pages[0] not in second.pages  # the live page untouched
+
+
+def test_a_cached_tail_next_to_the_run_moves_aside_and_the_path_heals() -> None:
+    """A request re-sending a cached prompt adopts its full pages and must write the page after them, which the tree
+    holds (the prompt's last page and the reply after it). That short tail moves aside, one page at a time as the
+    sequence grows (same KV, same nodes), so it grows in place instead of copying its prefix into a free run; when it
+    is inserted, the moved nodes take its pages and the cached path is one run again. A page a live sequence holds
+    too, or one with more cached pages through it than the grower would copy, does not move."""
+    from freetoken_agent.runtime.kv.radix import RadixCache
+
+    pool = PagePool(num_layers=1, num_pages=32, page_size=4)
+    tree = RadixCache(pool)
+    gen = torch.Generator().manual_seed(5)
+    first = PagedKVCache(pool, pool.alloc, tree.evict_page, tree.move_page)
+    keys, values, _ = _fill(first, [24, 8], gen)  # pages 0-5 (the prompt), 6-7 (a reply)
+    tokens = list(range(24)) + list(range(100, 108))
+    tree.insert(tokens, first.pages)
+    assert not tree.move_page(5, 10)  # the finished turn still holds it too
+    first.release()
+    assert not tree.move_page(5, 3)  # three cached pages run through it: a grower of 3 pages copies as little
+    second = PagedKVCache(pool, pool.alloc, tree.evict_page, tree.move_page)
+    second.adopt(tree.match_prefix(tokens[:24]).pages[:5], 20)  # the prompt's last page is recomputed
+    more_k, _, (k_all, _) = _fill(second, [4, 4, 1], gen)  # over pages 5, 6 and 7 of the cached path
+    assert second.pages == list(range(8)) and tree.moved_pages == 3 and tree.evicted_pages == 0
+    assert torch.equal(k_all, torch.cat([keys[:20], more_k]))
+    assert k_all.untyped_storage().data_ptr() == pool.data[0][0].untyped_storage().data_ptr()  # views, one run
+    moved = tree.match_prefix(tokens).pages
+    assert moved[:5] == list(range(5)) and not set(moved[5:]) & {5, 6, 7} and all(pool.refs[p] == 1 for p in moved[5:])
+    k_pages, v_pages = pool.data[0]
+    for i, page in enumerate(moved[5:], 5):  # what the tree caches is unchanged
+        assert torch.equal(k_pages[page], keys[4 * i : 4 * i + 4])
+        assert torch.equal(v_pages[page], values[4 * i : 4 * i + 4])
+    # the grower's first 28 positions as the path's tokens (here the same tokens over other KV, to see the pages)
+    tree.insert(tokens[:28], second.pages)
+    assert tree.match_prefix(tokens).pages == [*range(7), moved[7]] and tree.repointed_pages == 2
+    assert pool.refs[moved[5]] == 0 and pool.refs[moved[6]] == 0  # the moved copies went back to the pool
+    second.release()
+    tree.clear()
+    assert pool.num_used == 0 and not tree.move_page(5, 10) and not tree.move_page(-1, 10)
+
+
+def test_a_long_cached_path_is_not_broken_for_a_short_grower() -> None:
+    """A short request branching off a long cached prompt's first page needs that prompt's second page: moving it
+    would leave every later request over the long prompt with a page table that is not one run. The short request
+    copies its one page into a free run instead, and the long path keeps its pages."""
+    from freetoken_agent.runtime.kv.radix import RadixCache
+
+    pool = PagePool(num_layers=1, num_pages=32, page_size=4)
+    tree = RadixCache(pool)
+    gen = torch.Generator().manual_seed(6)
+    long = PagedKVCache(pool, pool.alloc, tree.evict_page, tree.move_page)
+    _fill(long, [40], gen)
+    tokens = list(range(40))
+    tree.insert(tokens, long.pages)
+    long.release()
+    path = tree.match_prefix(tokens).pages
+    short = PagedKVCache(pool, pool.alloc, tree.evict_page, tree.move_page)
+    short.adopt(path[:1], 4)
+    keys, _, (k_all, _) = _fill(short, [2], gen)
+    assert tree.moved_pages == 0 and tree.match_prefix(tokens).pages == path == list(range(10))
+    assert short.pages[0] != 0 and short.pages == list(range(short.pages[0], short.pages[0] + len(short.pages)))
+    short.release()
+    tree.clear()
+    assert pool.num_used == 0

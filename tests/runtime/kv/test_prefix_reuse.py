@@ -135,3 +135,34 @@ def test_prefill_during_tool_pause_leaves_only_the_tail(engine: Engine) -> None:
     s.close()
     manager.radix.clear()
     assert manager.pool.num_used == 0
+
+
+def test_a_re_sent_prompt_grows_in_place_and_its_path_stays_one_run(engine: Engine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session-less client sends the same prompt again (its next turn re-sends the conversation; a retry): the
+    request adopts the prompt's full pages and recomputes the page after them, whose cached copy the tree holds
+    right after the adopted run. That copy and the reply's pages after it move aside one page at a time, so the
+    request grows in place instead of copying every adopted page into a free run; its tokens equal the first
+    request's, and once it finishes the cached path is one run of pages again."""
+    manager = engine.kv_manager(KVConfig(page_size=4, device_pages=256))
+    manager.radix.clear()
+    copied: list[int] = []
+    copy_to_run = manager.pool.copy_to_run
+
+    def counting(pages: list[int], first: int) -> None:
+        copied.append(len(pages))
+        copy_to_run(pages, first)
+
+    monkeypatch.setattr(manager.pool, "copy_to_run", counting)
+    prompt = [(7 * i + 3) % VOCAB for i in range(30)]
+    first = engine.generate(prompt, max_new_tokens=9, stop_token_ids=[])
+    moved, evicted = manager.radix.moved_pages, manager.radix.evicted_pages
+    for _ in range(3):
+        again = engine.generate(prompt, max_new_tokens=9, stop_token_ids=[])
+        assert again.token_ids == first.token_ids
+        path = manager.radix.match_prefix(prompt + again.token_ids).pages
+        assert len(path) == 9 and path == list(range(path[0], path[0] + 9))  # one run again
+    assert manager.radix.moved_pages >= moved + 3 and manager.radix.evicted_pages == evicted
+    assert copied == []  # never a relocation of the 7 adopted pages
+    manager.radix.clear()
+    assert manager.pool.num_used == 0
