@@ -157,6 +157,67 @@ def format_report(report: dict[str, Any]) -> str:
     return console.file.getvalue() + json.dumps(summary, indent=2)
 
 
+def resend_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder or GGUF, 'builtin' (default) or 'synthetic:ARCH'")
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=17, help="greedy tokens per request")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-dtype", default="auto")
+
+
+@row("resend", "a session-less request re-sending a cached prompt: its prefill and decode with the radix tree's tail "
+     "moved aside (now) and with the prefix copied into a fresh run (before)", resend_options,
+     format=lambda r, a: format_resend(r))
+def resend_row(args: argparse.Namespace) -> dict[str, Any]:
+    """The same random prompt sent ``--rounds`` times per mode after a first request cached it; the modes alternate
+    by round (the tree each request finds is the one the previous request left)."""
+    import random
+
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.models import resolve_model
+
+    if args.prompt_len < 2 or args.tokens < 2 or args.rounds < 1:
+        raise BenchError("--prompt-len and --tokens must be >= 2, --rounds >= 1")
+    engine = Engine.from_pretrained(resolve_model(args.model), threads=args.threads, speculate=False,
+                                    require_tokenizer=False, kv_dtype=args.kv_dtype)
+    try:
+        vocab = engine.spec.vocab_size
+        g = random.Random(0)
+        prompt = [g.randrange(min(300, vocab // 2), vocab) for _ in range(args.prompt_len)]
+        kw = dict(max_new_tokens=args.tokens, stop_token_ids=[])
+        engine.generate(prompt, **kw)
+        radix = engine.kv_manager().radix
+        runs: dict[str, list[dict[str, float]]] = {"move": [], "relocate": []}
+        for r in range(args.rounds):
+            for mode in ("move", "relocate") if r % 2 == 0 else ("relocate", "move"):
+                radix.move_tails = mode == "move"
+                moved, reused = radix.moved_pages, engine.scheduler.stats.reused_tokens
+                out = engine.generate(prompt, **kw)
+                runs[mode].append({"prefill_ms": round(out.prefill_s * 1e3, 1),
+                                   "decode_tok_s": round((len(out.token_ids) - 1) / out.decode_s, 2),
+                                   "reused": engine.scheduler.stats.reused_tokens - reused,
+                                   "moved_pages": radix.moved_pages - moved})
+        radix.move_tails = True
+    finally:
+        engine.close()
+    summary = {mode: {"median_prefill_ms": statistics.median(x["prefill_ms"] for x in rs),
+                      "median_decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs)}
+               for mode, rs in runs.items()}
+    return {"model": str(engine.path), "prompt_len": args.prompt_len, "tokens": args.tokens,
+            "kv_dtype": args.kv_dtype, "summary": summary, "runs": runs}
+
+
+def format_resend(r: dict[str, Any]) -> str:
+    lines = [f"{r['model']}: a cached {r['prompt_len']}-token prompt sent again, {r['tokens']} greedy tokens, KV "
+             f"{r['kv_dtype']}", "| mode | prefill ms (each round) | decode tok/s (each round) | pages moved |",
+             "|---|---|---|---|"]
+    for mode, rs in r["runs"].items():
+        lines.append(f"| {mode} | {' / '.join(str(x['prefill_ms']) for x in rs)} | "
+                     f"{' / '.join(str(x['decode_tok_s']) for x in rs)} | {sum(x['moved_pages'] for x in rs)} |")
+    return "\n".join(lines) + "\n" + json.dumps(r["summary"], indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     return module_main("kv-reuse", argv)
 

@@ -56,6 +56,9 @@ class RadixCache:
         self.evicted_pages = 0
         self.moved_pages = 0
         self.repointed_pages = 0
+        self.move_tails = True
+        """``move_page`` moves anything at all (False: a grower over a cached tail copies its prefix instead, as
+        before tails moved; ``freetoken bench resend`` compares the two)."""
         self._by_page: dict[int, Node] = {}
         """Pool page → the node holding it."""
 
@@ -168,7 +171,7 @@ class RadixCache:
         would otherwise copy its ``limit`` pages into a free run). False otherwise (nothing moved): a page the tree
         does not hold, one someone else holds too, a long cached path through it, no free page."""
         node = self._by_page.get(page)
-        if node is None or self.pool.refs[page] != 1 or not self.pool.num_free:
+        if not self.move_tails or node is None or self.pool.refs[page] != 1 or not self.pool.num_free:
             return False
         count, stack = 0, [node]
         while stack:  # the node's subtree, counted up to the limit

@@ -1,6 +1,6 @@
 """``bench_speculative``'s draft-model measurements on a tiny model: teacher-forced predictions of a model over its
 own greedy output are all right (top-1 1.0, every draft accepted, k + 1 tokens per step but at the span's end), and
-the real drafter's cost is measured."""
+the real drafter's cost is measured; the oracle with the engine's history drafts a reply another session wrote."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_agent.evals.perf.bench_speculative import DRAFTS, draft_cost, draft_oracle
+from freetoken_agent.evals.perf.bench_speculative import DRAFTS, draft_cost, draft_oracle, oracle_table, record_replies
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.generation.sampling import SamplingParams
 
@@ -33,3 +33,25 @@ def test_a_model_predicts_its_own_greedy_output(tmp_path: Path) -> None:
         assert r[str(k)]["tokens"] == 60 and r[f"+{k}"]["tokens"] == 60
     cost = draft_cost(tmp_path, ids, context=40, k=4, proposals=5)
     assert cost["ms_per_draft_token"] > 0 and cost["proposals"] == 5
+
+
+def test_the_oracle_drafts_from_the_replies_of_earlier_sessions() -> None:
+    from freetoken_agent.runtime.generation.speculative import TokenHistory
+
+    reply = [900 + i for i in range(40)]  # a reply the first session wrote and the second writes again
+    sessions = []
+    for n in range(2):
+        prompt = [10 * n + i % 7 for i in range(30)]
+        thought = [500 + n]
+        ids = prompt + thought + reply + [1, 2, 3]
+        labels = [None] * len(prompt) + ["plan"] + ["code"] * len(reply) + [None] * 3
+        sessions.append((f"s{n}", ids, labels))
+    plain, with_history = oracle_table(sessions, "code", False), oracle_table(sessions, "code", True)
+    for k in (*map(str, DRAFTS), "adaptive"):
+        assert plain[k]["tokens"] == with_history[k]["tokens"] == 80
+        assert with_history[k]["steps"] < plain[k]["steps"]  # the second session's reply comes from the history
+    # first session: one token a step; second: two before the key (last two tokens) matches, then 8 a step
+    assert with_history["7"]["steps"] == 40 + 2 + 5
+    history = TokenHistory(prompt_tail=2)
+    record_replies(history, *sessions[0][1:])  # the thought and the code after it are one reply
+    assert history.snapshot()["documents"] == 1 and history.size == 2 + 41

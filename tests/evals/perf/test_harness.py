@@ -43,7 +43,7 @@ def test_every_benchmark_module_registers_a_row() -> None:
     expected = {"kernels", "decode", "long-context", "prefill", "agent-replay", "over-budget", "suite", "serve",
                 "kv-reuse", "residency", "kv-dtype", "phase-replay", "phase-live", "phase-kv", "speculative",
                 "constrained", "overhead", "batch", "load-memory", "quantize-rate", "triton", "gpu-check", "routing",
-                "moe-layer", "attn-builds", "amx-epilogue", "weight-builds"}
+                "moe-layer", "attn-builds", "amx-epilogue", "weight-builds", "resend"}
     assert expected <= set(rows)
     registering = {r.module.rsplit(".", 1)[-1] for r in rows.values()}
     for file in PERF.glob("*.py"):
