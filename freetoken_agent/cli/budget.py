@@ -32,6 +32,9 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculate", default="on", type=speculate_flag, metavar="on|off|K",
                    help="speculative decoding from the context (drafts where they pay, verified in the batch; same "
                         "greedy tokens, same sampled distribution): on (default), off, or at most K draft tokens")
+    g.add_argument("--draft-history", default=None, type=_draft_history, metavar="TOKENS",
+                   help="tokens of earlier outputs the engine keeps to draft from (default 65536; 0: drafts come "
+                        "from each sequence's own tokens only)")
     g.add_argument("--draft-model", default=None, metavar="PATH",
                    help="a small model of the same tokenizer (folder or GGUF) that drafts for speculative decoding "
                         "instead of prompt lookup; refused when its tokenizer differs")
@@ -51,8 +54,14 @@ def speculate_flag(value: str) -> bool | int:
     raise argparse.ArgumentTypeError(f"expected on, off or a number of draft tokens 0..64, got {value!r}")
 
 
+def _draft_history(value: str) -> int:
+    if not value.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0, got {value!r}")
+    return int(value)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=``/``draft_model=``/``threads=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
+    """``quant=``/``dense_quant=``/``deterministic=``/``kv_dtype=``/``speculate=`` (with ``--draft-history``)/``draft_model=``/``threads=``/``budget=``/``residency=`` for ``Engine.from_pretrained`` from the parsed flags ({} when none)."""
     device, host, policy = (getattr(args, n, None) for n in ("device_memory", "host_memory", "residency_policy"))
     quant = {"quant": args.quant} if getattr(args, "quant", "none") != "none" else {}
     if getattr(args, "quant_dense", "none") != "none":
@@ -63,6 +72,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quant["kv_dtype"] = args.kv_dtype
     if getattr(args, "speculate", True) is not True:
         quant["speculate"] = args.speculate
+    if getattr(args, "draft_history", None) is not None:
+        from freetoken_agent.runtime.generation.speculative import SpeculationConfig
+
+        on = getattr(args, "speculate", True)  # the config --speculate gives, with this history size
+        config = SpeculationConfig.of(on)
+        quant["speculate"] = SpeculationConfig(enabled=config.enabled, max_draft=config.max_draft,
+                                               history_tokens=args.draft_history)
     if getattr(args, "draft_model", None):
         quant["draft_model"] = args.draft_model
     if getattr(args, "threads", None) is not None:  # torch's threads and the kernels' pool (Engine.from_pretrained)

@@ -399,3 +399,23 @@ def test_step_cost_prices_rows_from_the_sizes_it_measured() -> None:
         noisy.observe(1, 0.010)
         noisy.observe(4, 0.009)  # noise: a bigger step measured faster
     assert noisy.relative(3) >= 1 + 0.03 * 3  # drafts never look free
+
+
+def test_draft_history_flag_reaches_the_engine(tmp_path: Path) -> None:
+    import argparse
+
+    from freetoken_agent.cli.budget import add_budget_flags, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_budget_flags(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--draft-history", "0", "--speculate", "3"]))
+    config = kwargs["speculate"]
+    assert config.history is None and config.enabled and config.max_draft == 3
+    assert engine_kwargs(parser.parse_args(["--draft-history", "100"]))["speculate"].history.capacity == 100
+    assert not engine_kwargs(parser.parse_args(["--draft-history", "100", "--speculate", "off"]))["speculate"].enabled
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--draft-history", "-5"])
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, **engine_kwargs(parser.parse_args(["--draft-history", "0"])))
+    assert engine.stats()["speculation"]["drafter"] == "prompt lookup" and engine.speculation.history is None
+    engine.close()
