@@ -76,17 +76,45 @@ class LogitsProcessor(Protocol):
         ...
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def position_uniform(key: int, index: int) -> float:
+    """A uniform number in [0, 1) for generated position ``index`` of a request keyed ``key`` (the ``index``-th
+    output of splitmix64 seeded with ``key``; 53 bits)."""
+    x = (key + (index + 1) * _GOLDEN64) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
 class Sampler:
-    """Picks the next token from logits [V]; owns its random generator so runs are reproducible by seed.
-    A request's ``processor`` sees the logits first and learns each pick."""
+    """Picks the next token from logits [V], reproducibly by seed. A request's ``processor`` sees the logits first
+    and learns each pick.
+
+    Each generated position draws its own uniform number u from (seed, position) — ``position_uniform`` — and the
+    token is where u falls in the cumulative distribution (inverse CDF). So the token at a position depends only on
+    the seed, the position and the distribution there: a seeded request gives the same tokens with speculation on
+    or off, whatever was drafted (verification draws the position's token and keeps the draft when they are the
+    same, which happens with probability p(draft): the speculative-sampling rule for a draft proposed with
+    certainty)."""
 
     def __init__(self, params: SamplingParams) -> None:
+        import os
+
         self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.key = (params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
+        self.index = 0
+        """The generated position the next pick is for."""
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """The token at this position: where its uniform number falls in ``probs``' cumulative sums."""
+        cdf = probs.cumsum(0)
+        u = position_uniform(self.key, self.index)
+        # the first token whose cumulative mass exceeds u of the total: never one of probability 0
+        token = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])]), right=True)[0])
+        return min(token, int(probs.shape[-1]) - 1)
 
     def __call__(self, logits: torch.Tensor) -> int:
         processor = self.params.processor
@@ -99,10 +127,13 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V] by the request's temperature, top-k, top-p and seed."""
         if self.params.temperature == 0.0:
-            return _argmax(logits)
-        probs = self.distribution(logits)
-        assert probs is not None
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+            token = _argmax(logits)
+        else:
+            probs = self.distribution(logits)
+            assert probs is not None
+            token = self.draw(probs)
+        self.index += 1
+        return token
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The probabilities [V] (fp32, CPU) ``pick`` draws from: temperature, top-k and top-p applied to
@@ -128,30 +159,15 @@ class Sampler:
     def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
         """Speculative decoding: the token at a position where ``draft`` was proposed, and whether it is the draft.
 
-        Greedy: the argmax (the draft is accepted when it is the argmax). Sampled (the rule of speculative sampling
-        for a draft that proposes one token with certainty): the draft is accepted with probability p(draft) under
-        the request's processed distribution p; else a token is drawn from p without the draft, renormalized. Either
-        way the token is distributed exactly as ``self(logits)``'s. The request's processor sees the logits and
+        The token is the one ``self(logits)`` gives at this position — the argmax when greedy, else the position's
+        own draw (see the class) — and the draft is kept when it is that token: when sampled, with probability
+        p(draft) under the request's processed distribution p, the speculative-sampling rule for a draft proposed
+        with certainty, and the token is distributed exactly as p. The request's processor sees the logits and
         learns the token, as in ``__call__``."""
         processor = self.params.processor
         if processor is not None:
             logits = processor(logits)
-        probs = None if self.params.temperature == 0.0 else self.distribution(logits)
-        if probs is None:
-            token = _argmax(logits)
-        else:
-            p_draft = float(probs[draft]) if 0 <= draft < probs.shape[-1] else 0.0
-            u = float(torch.rand(1, generator=self.generator).item())
-            if u < p_draft:
-                token = draft
-            else:
-                residual = probs.clone()
-                if 0 <= draft < residual.shape[-1]:
-                    residual[draft] = 0.0
-                if not float(residual.sum()) > 0.0:  # p(draft) = 1 in floating point: nothing else can be drawn
-                    token = draft
-                else:
-                    token = int(torch.multinomial(residual, 1, generator=self.generator).item())
+        token = self.pick(logits)
         if processor is not None:
             processor.accept(token)
         return token, token == draft

@@ -419,3 +419,41 @@ def test_draft_history_flag_reaches_the_engine(tmp_path: Path) -> None:
     engine = Engine.from_pretrained(tmp_path, **engine_kwargs(parser.parse_args(["--draft-history", "0"])))
     assert engine.stats()["speculation"]["drafter"] == "prompt lookup" and engine.speculation.history is None
     engine.close()
+
+
+def test_seeded_sampling_gives_the_same_tokens_whatever_is_drafted(engine: Engine) -> None:
+    """Each generated position draws its own uniform number from (seed, position): a seeded sampled request gives
+    the same tokens without speculation, with prompt lookup, with drafts from the history (its own earlier output:
+    the second run drafts it all) and with a drafter that is wrong every third token."""
+    prompts = repeating_prompts(3, seed=11)
+    params = [SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.95, seed=40 + i, stop_token_ids=())
+              for i in range(3)]
+    engine.speculation = False
+    alone = [engine.generate(p, q).token_ids for p, q in zip(prompts, params)]
+    assert len({tuple(a) for a in alone}) == 3
+    engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=5, history=TokenHistory())
+    for _ in range(2):  # the second time every output is in the history
+        assert run_concurrently(engine, prompts, params) == alone
+    assert engine.stats()["speculation"]["by_source"]["history"]["accepted"] > 0
+    references = {tuple(p): a for p, a in zip(prompts, alone)}
+    vocab = engine.spec.vocab_size
+    engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=5, drafter=lambda: Oracle(references, vocab))
+    assert [engine.generate(p, q).token_ids for p, q in zip(prompts, params)] == alone
+    engine.speculation = True
+
+
+def test_position_draws_are_uniform_and_keyed() -> None:
+    from freetoken_agent.runtime.generation.sampling import position_uniform
+
+    draws = [position_uniform(7, i) for i in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01  # mean of a uniform
+    assert sum(u < 0.1 for u in draws) / len(draws) == pytest.approx(0.1, abs=0.01)
+    assert [position_uniform(7, i) for i in range(5)] == draws[:5] and position_uniform(8, 0) != draws[0]
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75])  # a draw never lands on a token of probability 0
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    seen = []
+    for _ in range(400):
+        seen.append(sampler.draw(probs))
+        sampler.index += 1
+    assert set(seen) == {1, 3} and 0.18 < seen.count(1) / len(seen) < 0.32

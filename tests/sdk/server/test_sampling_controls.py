@@ -238,7 +238,9 @@ def test_n_choices(served) -> None:
 
 def test_n_streamed_choices_equal_the_whole(served) -> None:
     client, _backend = served
-    ask = dict(model="builtin", messages=HI, max_tokens=8, temperature=1.0, seed=3, n=3)
+    # more tokens than one step can give a choice (a token and up to 7 verified drafts: the streamed request drafts
+    # the whole request's replies from the engine's history), so the three must share steps
+    ask = dict(model="builtin", messages=HI, max_tokens=24, temperature=1.0, seed=3, n=3)
     whole = client.chat.completions.create(**ask)
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     texts: dict[int, str] = {}
