@@ -516,7 +516,6 @@ class Scheduler:
 
     def step(self) -> bool:
         """Plan and run one step; returns False when there was nothing to run."""
-        t_plan = time.perf_counter()
         rows, seqs, prefill, decode = self._plan()
         if not rows:
             return False
@@ -550,9 +549,8 @@ class Scheduler:
             if seq.id in decode:
                 generated += seq.generated - before
         self._step_drafts.clear()
-        if not prefill:  # a decode step's seconds against its tokens (rows and drafts): planning (drafting
-            # included), the forward and the verification, what a draft has to pay for
-            self.step_cost.observe(sum(int(r.tokens.shape[0]) for r in rows), time.perf_counter() - t_plan)
+        if not prefill:  # a decode step's seconds against its tokens (rows and drafts)
+            self.step_cost.observe(sum(int(r.tokens.shape[0]) for r in rows), seconds)
         if self.on_step is not None:
             self.on_step(self, seconds, prefill, generated)
         return True

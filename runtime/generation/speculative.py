@@ -345,9 +345,6 @@ def best_draft_length(accept: float, max_draft: int, verify_cost: float | Callab
 class StepCost:
     """What a decode step of T tokens costs on this machine and model, measured while decoding.
 
-    A step's seconds are the scheduler's whole step — planning (drafting included), the forward, sampling or
-    verifying — so a draft pays for its bookkeeping too, not only for the rows it adds to the forward.
-
     Two views of the same observations (decode steps' seconds against their tokens, exponentially decayed):
     a table of mean seconds per step size T, and a least-squares line a + b · T through all of them. The table is
     what prices a draft: the cost of a step does not grow linearly with its tokens — the first draft token moves a
