@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -101,8 +102,6 @@ class Sampler:
     certainty)."""
 
     def __init__(self, params: SamplingParams) -> None:
-        import os
-
         self.params = params
         self.key = (params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
         self.index = 0

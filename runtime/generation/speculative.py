@@ -50,6 +50,34 @@ class Drafter(Protocol):
         ...
 
 
+def index_ngrams(index: dict[tuple[int, ...], list[int]], tokens: list[int], start: int, stop: int,
+                 key: int) -> None:
+    """Record in ``index`` each position ``i`` in [start, stop) under the ``key`` tokens before it."""
+    for i in range(start, stop):
+        k = tuple(tokens[i - key : i])
+        found = index.get(k)
+        if found is None:
+            index[k] = [i]
+        else:
+            found.append(i)
+
+
+def longest_match(source: list[int], tokens: list[int], found: list[int], key: int, candidates: int,
+                  max_match: int) -> tuple[int, int]:
+    """Among the last ``candidates`` positions of ``found`` (each follows an occurrence in ``source`` of
+    ``tokens``' last ``key`` tokens), the one whose match with ``tokens``' end extends furthest back (up to
+    ``max_match`` tokens; ties to the most recent): (position, match length)."""
+    n, best, best_len = len(tokens), -1, -1
+    for start in reversed(found[-candidates:]):
+        length = key
+        while (length < max_match and length < n and start - length - 1 >= 0
+               and source[start - length - 1] == tokens[n - length - 1]):
+            length += 1
+        if length > best_len:
+            best, best_len = start, length
+    return best, best_len
+
+
 class PromptLookup:
     """N-gram lookup in the sequence's own tokens (prompt lookup decoding).
 
@@ -70,14 +98,7 @@ class PromptLookup:
         """Tokens the last proposal's match covered (0: none found)."""
 
     def _update(self, tokens: list[int]) -> None:
-        g, index = self.key, self._index
-        for i in range(max(self._indexed, g), len(tokens)):
-            key = tuple(tokens[i - g : i])
-            found = index.get(key)
-            if found is None:
-                index[key] = [i]
-            else:
-                found.append(i)
+        index_ngrams(self._index, tokens, max(self._indexed, self.key), len(tokens), self.key)
         self._indexed = max(self._indexed, len(tokens))
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -89,14 +110,7 @@ class PromptLookup:
         found = self._index.get(tuple(tokens[n - g :]))
         if not found:
             return []
-        best, best_len = -1, -1
-        for start in reversed(found[-self.candidates :]):  # `start` follows an occurrence of the key
-            length = g
-            while (length < self.max_match and start - length - 1 >= 0
-                   and tokens[start - length - 1] == tokens[n - length - 1]):
-                length += 1
-            if length > best_len:
-                best, best_len = start, length
+        best, best_len = longest_match(tokens, tokens, found, g, self.candidates, self.max_match)
         self.match = best_len
         draft: list[int] = []
         for t in range(k):
@@ -151,16 +165,9 @@ class TokenHistory:
             self._compact()
 
     def _index_doc(self, base: int, doc: list[int]) -> None:
-        toks, g, index = self._tokens, self.key, self._index
-        toks.extend(doc)
-        toks.append(-1)
-        for i in range(base + g, base + len(doc) + 1):
-            key = tuple(toks[i - g : i])
-            found = index.get(key)
-            if found is None:
-                index[key] = [i]
-            else:
-                found.append(i)
+        self._tokens.extend(doc)
+        self._tokens.append(-1)
+        index_ngrams(self._index, self._tokens, base + self.key, base + len(doc) + 1, self.key)
 
     def _compact(self) -> None:
         """Keep the newest documents that fit in ``capacity`` tokens; rebuild the index over them."""
@@ -184,15 +191,7 @@ class TokenHistory:
         found = self._index.get(tuple(tokens[n - g :]))
         if not found:
             return -1, 0
-        hist, best, best_len = self._tokens, -1, -1
-        for start in reversed(found[-self.candidates :]):
-            length = g
-            while (length < self.max_match and length < n and start - length - 1 >= 0
-                   and hist[start - length - 1] == tokens[n - length - 1]):
-                length += 1
-            if length > best_len:
-                best, best_len = start, length
-        return best, best_len
+        return longest_match(self._tokens, tokens, found, g, self.candidates, self.max_match)
 
     def continuation(self, position: int, k: int) -> list[int]:
         """Up to ``k`` tokens from ``position`` of a ``lookup`` answer, stopping at its document's end."""
