@@ -370,6 +370,10 @@ FT_ATTN_LOOPS(f8_avx2, uint8_t, load_f8x8, fp8_to_fp32)
                         a[u][3] = _mm512_mask3_fmadd_ps(f, x3, a[u][3], 0x00ff);                                 \
                     }                                                                                            \
                 }                                                                                                \
+                if (d8 == dh) { /* no d tail: the tile's 16 scores scaled and stored 4 at a time */             \
+                    ft_store_scores4x4(ft_hsum4x4v(a), scale, sc + r * ATTN_BLOCK + i, ATTN_BLOCK);             \
+                    continue;                                                                                    \
+                }                                                                                                \
                 float s8[16];                                                                                    \
                 ft_hsum4x4(a, s8);                                                                               \
                 for (int u = 0; u < 4; u++)                                                                      \
@@ -444,16 +448,85 @@ FT_VNNI static inline __m256 ft_lo8(__m512 z) { return _mm512_castps512_ps256(z)
 FT_VNNI static inline __m256 ft_hi8(__m512 z) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)); }
 /* s[4 * u + j] = the sum of a[u][j]'s 16 lanes, for a tile of 4 rows x 4 keys: halves added lane by lane (the
  * even and odd 8-value chains), then hsum8x8 over 2 rows x 4 keys at a time */
-FT_VNNI static inline void ft_hsum4x4(__m512 a[4][4], float *s) {
-    for (int h2 = 0; h2 < 2; h2++) {
-        __m256 h[8];
-        for (int e = 0; e < 8; e++) {
-            const __m512 z = a[2 * h2 + e / 4][e % 4];
-            h[e] = _mm256_add_ps(ft_lo8(z), ft_hi8(z));
-        }
-        _mm256_storeu_ps(s + 8 * h2, hsum8x8(h));
-    }
+FT_VNNI static inline __m512 ft_hsum4x4v(__m512 a[4][4]) {
+    /* The same sums, all 16 in one vector (lane 4u + j), each step one add over several tiles' lanes lined up by
+     * shuffles (float addition commutes, so only the tree matters): z = a[e / 4][e % 4]; v[p] = [h(z[2p]),
+     * h(z[2p + 1])] with h = lo + hi (128-bit chunks h0-3 | h4-7 of each) */
+    const __m512 *z = &a[0][0];
+    __m512 v[8], x[4], y[2];
+    for (int p = 0; p < 8; p++)
+        v[p] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * p], z[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(z[2 * p], z[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++) /* chunk c: [h0 + h1, h2 + h3] of v[2p]'s chunk c, then of v[2p + 1]'s */
+        x[p] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * p], v[2 * p + 1], 0x88),
+                             _mm512_shuffle_ps(v[2 * p], v[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++) /* chunk c lane l: the 4-lane sum of v[4p + l]'s chunk c */
+        y[p] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * p], x[2 * p + 1], 0x88),
+                             _mm512_shuffle_ps(x[2 * p], x[2 * p + 1], 0xDD));
+    /* chunks 0 + 1 of v[p] are z[2p]'s halves, 2 + 3 z[2p + 1]'s: lane 4c + l of t is z[8 (c / 2) + 2l + c % 2] */
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), t);
 }
+FT_VNNI static inline void ft_hsum4x4(__m512 a[4][4], float *s) { _mm512_storeu_ps(s, ft_hsum4x4v(a)); }
+/* Row r + u's 4 scores of keys i..i + 3 = lane 4u..4u + 3 of s (the tile's sums) times scale */
+FT_VNNI static inline void ft_store_scores4x4(__m512 s, float scale, float *sc, int64_t ld) {
+    s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+    _mm_storeu_ps(sc, _mm512_castps512_ps128(s));
+    _mm_storeu_ps(sc + ld, _mm512_extractf32x4_ps(s, 1));
+    _mm_storeu_ps(sc + 2 * ld, _mm512_extractf32x4_ps(s, 2));
+    _mm_storeu_ps(sc + 3 * ld, _mm512_extractf32x4_ps(s, 3));
+}
+/* exp256 on 16 lanes: the same operations lane by lane, so the same bits */
+FT_VNNI static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* exp_sub_sum_avx2 16 values a step: the 8-lane sum takes the low half, then the high half (the AVX2 loop's two
+ * steps), so the same bits */
+FT_VNNI static float exp_sub_sum512(float *x, int64_t n, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+        _mm512_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(_mm256_add_ps(acc, ft_lo8(e)), ft_hi8(e));
+    }
+    if (i + 8 <= n) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+        i += 8;
+    }
+    float s = hsum256(acc);
+    for (; i < n; i++) s += (x[i] = expf(x[i] - m));
+    return s;
+}
+
+/* max of x[0:n] (n >= 1), 16 lanes at a time (exact in any order) */
+FT_VNNI static float max512(const float *x, int64_t n) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* the float at p in every lane */
 FT_VNNI static inline __m512 ft_bcast1(const float *p) { return _mm512_set1_ps(*p); }
 /* 8 floats at p in both halves */
@@ -580,10 +653,7 @@ FT_BF16DOT static void qk_rows512_bf16dot(const uint16_t *qb, int64_t dp, int64_
                     a[u][3] = _mm512_dpbf16_ps(a[u][3], f, x3);
                 }
             }
-            float s8[16];
-            ft_hsum4x4(a, s8);
-            for (int u = 0; u < 4; u++)
-                for (int j = 0; j < 4; j++) sc[(r + u) * ATTN_BLOCK + i + j] = s8[4 * u + j] * scale;
+            ft_store_scores4x4(ft_hsum4x4v(a), scale, sc + r * ATTN_BLOCK + i, ATTN_BLOCK);
         }
     }
     if (nxp) *nxp = nxl;
@@ -903,9 +973,9 @@ FT_AVX2 static void attn_item_rows(attn_ctx *c, int64_t grp, int64_t hk, int64_t
         for (int64_t r = 0; r < R4; r++) {
             float *row = sc + r * ATTN_BLOCK;
             if (r < R) {
-                const float m = max_avx2(row, nrow[r]);
+                const float m = wide ? max512(row, nrow[r]) : max_avx2(row, nrow[r]);
                 orow[r][0] = m;
-                orow[r][1] = exp_sub_sum_avx2(row, nrow[r], m);
+                orow[r][1] = wide ? exp_sub_sum512(row, nrow[r], m) : exp_sub_sum_avx2(row, nrow[r], m);
                 orow[r] += 2; /* the value sum's place in the row */
             }
             for (int64_t i = nrow[r]; i < n; i++) row[i] = 0.f;

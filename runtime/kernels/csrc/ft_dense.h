@@ -197,6 +197,27 @@ FT_AVX2 static int64_t gemm_tiles_avx2(const float *w, const uint16_t *wb, const
     return 3 * tiles;
 }
 
+/* Lane e of the result = hsum256(lo half + hi half of z[e]) for 16 accumulators at once, bitwise (float addition
+ * commutes, so only the tree matters): halves added, then lanes i and i + 4, then i and i + 2, then the pair, each
+ * step one add over several accumulators lined up by shuffles (15 adds and ~30 shuffles where one at a time takes
+ * 16 x 8 narrow operations and 16 scalar stores). */
+FT_VNNI static inline __m512 hsum256x16(const __m512 *z) {
+    __m512 v[8], u[4], w[2];
+    for (int p = 0; p < 8; p++) /* [v(z[2p]), v(z[2p + 1])], v = lo + hi: 128-bit chunks c0 c1 | c2 c3 */
+        v[p] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * p], z[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(z[2 * p], z[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++) /* chunk c: z[4p + c]'s v0..3 + v4..7 */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++) /* chunk c: [u0 + u2, u1 + u3] of z[8p + c], then of z[8p + 4 + c] */
+        w[p] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[2 * p]), _mm512_castps_pd(u[2 * p + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[2 * p]), _mm512_castps_pd(u[2 * p + 1]))));
+    /* lane 4c + l: the sum of z[c + 4l] */
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
 /* 4 weight rows (row r at w + r * k) x 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
  * gemv_row_avx2 reduces it (a 16-lane accumulator's halves are its two 8-lane ones), with 4x fewer loads; one body
  * for fp32 weights and for bf16 ones widened in registers */
@@ -208,20 +229,23 @@ FT_AVX2 static int64_t gemm_tiles_avx2(const float *w, const uint16_t *wb, const
         int64_t i = 0;                                                                                         \
         for (; i + 16 <= k; i += 16) {                                                                         \
             __m512 wv[4];                                                                                      \
-            for (int r = 0; r < 4; r++) wv[r] = LOAD16(w + r * k + i);                                         \
+            for (int r = 0; r < 4; r++) { /* the next 4 rows' same columns: the next tile streams in meanwhile */ \
+                _mm_prefetch((const char *)(w + (r + 4) * k + i), _MM_HINT_T0);                                \
+                wv[r] = LOAD16(w + r * k + i);                                                                 \
+            }                                                                                                  \
             for (int j = 0; j < 4; j++) {                                                                      \
                 const __m512 xv = _mm512_loadu_ps(x + j * k + i);                                              \
                 for (int r = 0; r < 4; r++) acc[j][r] = _mm512_fmadd_ps(wv[r], xv, acc[j][r]);                 \
             }                                                                                                  \
         }                                                                                                      \
-        for (int j = 0; j < 4; j++)                                                                            \
-            for (int r = 0; r < 4; r++) {                                                                      \
-                const __m256 lo = _mm512_castps512_ps256(acc[j][r]);                                           \
-                const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][r]), 1));    \
-                float s = hsum256(_mm256_add_ps(lo, hi));                                                      \
-                for (int64_t t = i; t < k; t++) s += SCALAR(w[r * k + t]) * x[j * k + t];                      \
-                out[j * 4 + r] = s;                                                                            \
-            }                                                                                                  \
+        _mm512_storeu_ps(out, hsum256x16(&acc[0][0]));                                                         \
+        if (i < k)                                                                                             \
+            for (int j = 0; j < 4; j++)                                                                        \
+                for (int r = 0; r < 4; r++) {                                                                  \
+                    float s = out[j * 4 + r];                                                                  \
+                    for (int64_t t = i; t < k; t++) s += SCALAR(w[r * k + t]) * x[j * k + t];                  \
+                    out[j * 4 + r] = s;                                                                        \
+                }                                                                                              \
     }
 
 FT_VNNI static inline __m512 load_bf16x16(const uint16_t *p) {
