@@ -5,7 +5,8 @@
  *   on the kernels' pool. Every (row, output) pair is one dot product reduced in one fixed order — lanes k mod 16
  *   (two 8-lane accumulators, or one 16-lane one on AVX-512), added half to half, a fixed horizontal tree, then the
  *   K mod 16 tail in order — whatever M, the row's place among them, the thread count or the tiling: row i's bits
- *   never depend on the other rows (batch invariance). The AVX-512 path tiles 4 weight rows x 4 activation rows and
+ *   never depend on the other rows (batch invariance). The AVX-512 path tiles 4 weight rows x up to 4 activation rows
+ *   (from 4 rows: a verify row of up to 8 meets each weight tile in L1, a longer chunk goes 4 rows at a time) and
  *   the AVX2 path 3 x 4 from 9 rows up (GEMV_MAX_M), both with the row-at-a-time kernel's bits; the portable path
  *   has its own fixed order (8 lanes, pairwise).
  *   torch's CPU fp32 GEMV runs on one thread at M = 1 and its GEMM changes algorithm with M.
@@ -218,34 +219,46 @@ FT_VNNI static inline __m512 hsum256x16(const __m512 *z) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
 }
 
-/* 4 weight rows (row r at w + r * k) x 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
- * gemv_row_avx2 reduces it (a 16-lane accumulator's halves are its two 8-lane ones), with 4x fewer loads; one body
- * for fp32 weights and for bf16 ones widened in registers */
-#define FT_GEMM4X4(NAME, WT, LOAD16, SCALAR)                                                                   \
-    FT_VNNI static void NAME(const WT *w, const float *x, int64_t k, float *out) {                            \
+/* 4 weight rows (row r at w + r * k) x JN <= 4 activation rows, out[j * 4 + r]: each pair reduced exactly as
+ * gemv_row_avx2 reduces it (a 16-lane accumulator's halves are its two 8-lane ones), each weight load meeting JN
+ * rows; one body for fp32 weights and for bf16 ones widened in registers, inlined per JN (a constant) */
+#define FT_GEMM4XJ(NAME, WT, LOAD16, SCALAR)                                                                   \
+    FT_VNNI static inline __attribute__((always_inline)) void NAME##_j(const WT *w, const float *x, int64_t k,   \
+                                                                        float *out, const int jn) {            \
         __m512 acc[4][4];                                                                                      \
         for (int j = 0; j < 4; j++)                                                                            \
             for (int r = 0; r < 4; r++) acc[j][r] = _mm512_setzero_ps();                                       \
+        /* weights ahead of each row's read: the next tile's row (short rows: the 4 rows share pages, so the L2   \
+         * streamer does not follow them), else FT_TILE_AHEAD bytes on in the row */                          \
+        const int64_t ahead = k <= 512 ? 4 * k : FT_TILE_AHEAD / (int64_t)sizeof(WT);                          \
         int64_t i = 0;                                                                                         \
         for (; i + 16 <= k; i += 16) {                                                                         \
             __m512 wv[4];                                                                                      \
-            for (int r = 0; r < 4; r++) { /* the next 4 rows' same columns: the next tile streams in meanwhile */ \
-                _mm_prefetch((const char *)(w + (r + 4) * k + i), _MM_HINT_T0);                                \
+            for (int r = 0; r < 4; r++) {                                                                      \
+                _mm_prefetch((const char *)(w + r * k + i + ahead), _MM_HINT_T0);                              \
                 wv[r] = LOAD16(w + r * k + i);                                                                 \
             }                                                                                                  \
-            for (int j = 0; j < 4; j++) {                                                                      \
+            for (int j = 0; j < jn; j++) {                                                                     \
                 const __m512 xv = _mm512_loadu_ps(x + j * k + i);                                              \
                 for (int r = 0; r < 4; r++) acc[j][r] = _mm512_fmadd_ps(wv[r], xv, acc[j][r]);                 \
             }                                                                                                  \
         }                                                                                                      \
         _mm512_storeu_ps(out, hsum256x16(&acc[0][0]));                                                         \
         if (i < k)                                                                                             \
-            for (int j = 0; j < 4; j++)                                                                        \
+            for (int j = 0; j < jn; j++)                                                                       \
                 for (int r = 0; r < 4; r++) {                                                                  \
                     float s = out[j * 4 + r];                                                                  \
                     for (int64_t t = i; t < k; t++) s += SCALAR(w[r * k + t]) * x[j * k + t];                  \
                     out[j * 4 + r] = s;                                                                        \
                 }                                                                                              \
+    }                                                                                                          \
+    FT_VNNI static void NAME(const WT *w, const float *x, int64_t k, int jn, float *out) {                     \
+        switch (jn) {                                                                                          \
+        case 1: NAME##_j(w, x, k, out, 1); break;                                                              \
+        case 2: NAME##_j(w, x, k, out, 2); break;                                                              \
+        case 3: NAME##_j(w, x, k, out, 3); break;                                                              \
+        default: NAME##_j(w, x, k, out, 4); break;                                                             \
+        }                                                                                                      \
     }
 
 FT_VNNI static inline __m512 load_bf16x16(const uint16_t *p) {
@@ -253,8 +266,8 @@ FT_VNNI static inline __m512 load_bf16x16(const uint16_t *p) {
 }
 
 #define FT_SAME(v) (v)
-FT_GEMM4X4(gemm4x4_avx512, float, _mm512_loadu_ps, FT_SAME)
-FT_GEMM4X4(gemm4x4_bf16_avx512, uint16_t, load_bf16x16, bf16_to_f32)
+FT_GEMM4XJ(gemm4xj_avx512, float, _mm512_loadu_ps, FT_SAME)
+FT_GEMM4XJ(gemm4xj_bf16_avx512, uint16_t, load_bf16x16, bf16_to_f32)
 #endif
 
 /* y[j, r0 + r] for weight rows r0 + [0, nr) (row r at w + r * k, fp32, or at wb + r * k, bf16, w NULL) and
@@ -265,15 +278,19 @@ static void gemv_block(const gemv_ctx *c, const float *w, const uint16_t *wb, in
     float out[GEMV_MAX_M * 4];
     int64_t r = 0;
 #ifdef FT_X86
-    if (g_isa >= FT_ISA_AVX512VNNI && j1 - j0 == 4)
-        for (; r + 4 <= nr; r += 4) {
-            if (w)
-                gemm4x4_avx512(w + r * k, c->x + j0 * k, k, out);
-            else
-                gemm4x4_bf16_avx512(wb + r * k, c->x + j0 * k, k, out);
-            for (int64_t j = 0; j < 4; j++)
-                for (int u = 0; u < 4; u++) c->y[(j0 + j) * n + r0 + r + u] = out[j * 4 + u];
-        }
+    /* from 4 activation rows: tiles of 4 weight rows, each against every row (the last 1-3 too) while it is in L1;
+     * fewer rows go a row at a time, which streams weights from memory faster than 4 rows in one page at once */
+    if (g_isa >= FT_ISA_AVX512VNNI && j1 - j0 >= 4)
+        for (; r + 4 <= nr; r += 4)
+            for (int64_t b = j0; b < j1; b += 4) {
+                const int jn = (int)(j1 - b < 4 ? j1 - b : 4);
+                if (w)
+                    gemm4xj_avx512(w + r * k, c->x + b * k, k, jn, out);
+                else
+                    gemm4xj_bf16_avx512(wb + r * k, c->x + b * k, k, jn, out);
+                for (int64_t j = 0; j < jn; j++)
+                    for (int u = 0; u < 4; u++) c->y[(b + j) * n + r0 + r + u] = out[j * 4 + u];
+            }
     if (g_isa == FT_ISA_AVX2 && j1 - j0 == 4) r = gemm_tiles_avx2(w, wb, c->x + j0 * k, k, nr, c->y + j0 * n + r0, n);
 #endif
     for (; r < nr; r++) {
@@ -294,7 +311,7 @@ static void gemv_block(const gemv_ctx *c, const float *w, const uint16_t *wb, in
 }
 
 /* item = GEMV_ROWS_PER_ITEM weight rows (kept in cache) against every activation row, in blocks of activation rows
- * (4 from 4 up on AVX-512, else all of them up to GEMV_MAX_M, else 4) */
+ * (all of them up to GEMV_MAX_M, else 4) */
 static void gemv_item(void *p, int64_t item) {
     const gemv_ctx *c = (const gemv_ctx *)p;
     const int64_t k = c->k, r0 = item * GEMV_ROWS_PER_ITEM;
@@ -302,9 +319,7 @@ static void gemv_item(void *p, int64_t item) {
     const float *w = c->w ? c->w + r0 * k : NULL;
     const uint16_t *wb = c->w ? NULL : c->wb + r0 * k;
     float *wide = NULL;
-    int tiles = 0;
 #ifdef FT_X86
-    tiles = g_isa >= FT_ISA_AVX512VNNI;
     if (g_isa < FT_ISA_AVX2)
 #endif
         if (!w) { /* portable: widen the item's rows once for all activation rows */
@@ -313,7 +328,9 @@ static void gemv_item(void *p, int64_t item) {
             for (int64_t i = 0; i < nr * k; i++) wide[i] = bf16_to_f32(wb[i]);
             w = wide;
         }
-    const int64_t step = c->m >= 4 && tiles ? 4 : (c->m <= GEMV_MAX_M ? c->m : 4);
+    /* up to GEMV_MAX_M rows in one block (each weight tile meets all of them while in L1: a verify row), else blocks
+     * of 4 (a prefill chunk: the item's weight rows stay in L2 across blocks) */
+    const int64_t step = c->m <= GEMV_MAX_M ? c->m : 4;
     for (int64_t j0 = 0; j0 < c->m; j0 += step) {
         const int64_t j1 = j0 + step < c->m ? j0 + step : c->m;
         gemv_block(c, w, wb, r0, nr, j0, j1);

@@ -95,6 +95,25 @@ def test_dense_linear(dtype: torch.dtype, shape: tuple[int, int], bias: bool, is
                           atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_verify_row_length_gives_each_row_its_own_bits(dtype: torch.dtype, isas: list[str]) -> None:
+    """Every row count a speculative verify row has (1 to 9: the one-row kernel below 4 rows, 4-row weight tiles
+    against up to 8 rows at once with a last block of 1-3, blocks of 4 past 8), with and without a K tail and a
+    weight-row remainder past the last 4-row tile: each row bitwise what it gets alone, and the same bits on the
+    AVX2 and AVX-512 paths."""
+    for n, k in ((8192 // 64 + 3, 256), (21, 70)):
+        w = torch.randn(n, k).to(dtype)
+        xs = [torch.randn(m, k) for m in range(1, 10)]
+        vector: dict[int, torch.Tensor] = {}
+        with every_path(isas) as paths:
+            for isa, _threads in paths:
+                for x in xs:
+                    assert_rows_invariant(lambda z: ops.linear_f32(w, z), x)
+                    if isa != "portable":
+                        y = ops.linear_f32(w, x)
+                        assert torch.equal(vector.setdefault(x.shape[0], y), y), (isa, x.shape[0])
+
+
 def test_fp32_dense_linear_is_invariant_by_default(isas: list[str]) -> None:
     w, b = torch.randn(259, 130), torch.randn(259)
     small = torch.randn(6, 130)  # a router's logits, a tiny model's projection
