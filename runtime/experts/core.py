@@ -14,6 +14,7 @@ unwrapped, and say what they are through ``capabilities`` (``capabilities.py``):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,23 +160,43 @@ def build_experts(request: ExpertsRequest, kernels: bool | None = None) -> Built
         weights = mapped.weights
         backends, report = from_blobs(r.spec, weights, mapped)
     else:
-        weights = _load_weights(r)
+        weights = _load_weights(r, stored_experts_dtype(r, kernels) if source == "float" else None)
         if source == "quantize":
             backends, report = from_weights(weights, check_quant(r.quant), kernels)
     return BuiltExperts(source, weights, backends, report, quantize_dense(r.spec, weights, r.dense_quant))
 
 
-def _load_weights(r: ExpertsRequest) -> Any:
-    """Every weight as stored, experts included (the ``float`` and ``quantize`` sources)."""
+STORED16_ENV = "FREETOKEN_STORED16"
+"""``0`` / ``off``: float experts of a bf16 checkpoint are widened to fp32 at load, as before (see
+``stored_experts_dtype``)."""
+
+
+def stored_experts_dtype(r: ExpertsRequest, kernels: bool) -> torch.dtype | None:
+    """bf16 where float experts may stay as a bf16 checkpoint stores them under fp32 compute: on the CPU with the
+    kernels loaded, whose fp32 MoE widens each bf16 weight in registers — exactly the value an fp32 copy holds, so the
+    same bits — while a decode step streams half the bytes (and the experts take half the memory). Only SiLU-gated
+    experts without biases (what that kernel computes) stay 16-bit, and only when the checkpoint holds them in bf16
+    (``TensorLoader.experts``); ``$FREETOKEN_STORED16=0`` turns it off."""
+    if os.environ.get(STORED16_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if not kernels or r.dtype != torch.float32 or torch.device(r.device).type != "cpu":
+        return None
+    return torch.bfloat16
+
+
+def _load_weights(r: ExpertsRequest, expert_dtype: torch.dtype | None = None) -> Any:
+    """Every weight as stored, experts included (the ``float`` and ``quantize`` sources); ``expert_dtype``: see
+    ``stored_experts_dtype``."""
     from freetoken_agent.runtime.model.weights import load_weights
 
     if not r.progress:
-        return load_weights(r.spec, r.reader, r.dtype, r.device)
+        return load_weights(r.spec, r.reader, r.dtype, r.device, expert_dtype=expert_dtype)
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task(f"loading {r.path.name}", total=r.spec.num_layers)
-        return load_weights(r.spec, r.reader, r.dtype, r.device, on_layer=lambda i: bar.advance(task))
+        return load_weights(r.spec, r.reader, r.dtype, r.device, on_layer=lambda i: bar.advance(task),
+                            expert_dtype=expert_dtype)
 
 
 def set_expert_mode(decoder: Any, mode: str) -> int:

@@ -108,7 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_amx_set_exact": (i32, [i32]),
         "ft_gemm_f32": (i32, [p, p, i64, i64, p, i64, p, p]),
         "ft_gemm_f32_parts": (i32, [i32, p, p, i64, p, i64, p, p]),
-        "ft_moe_f32": (i32, [p, p, i64, i64, i64, p, i64, p, p, i64, p]),
+        "ft_moe_f32": (i32, [p, p, i32, i64, i64, i64, p, i64, p, p, i64, p]),
         "ft_rms_norm": (None, [p, p, i64, i64, ctypes.c_float, p]),
         "ft_rope": (None, [p, i64, i64, i64, i64, p, p, i32, p]),
         "ft_attn_decode": (i32, [p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p]),

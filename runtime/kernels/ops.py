@@ -560,7 +560,7 @@ def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids
     ``Σ_k w_k · down_k(silu(gate_k x) · up_k x)`` as fp32 ``[T, D]``, experts added in ascending id order; batch
     invariant (``ft_moe_f32``: every product is ``linear_f32``'s row)."""
     e, i2, d = gate_up.shape
-    if (gate_up.dtype is not F32 or down.dtype is not F32 or down.shape != (e, d, i2 // 2) or i2 % 2
+    if (gate_up.dtype not in (F32, BF16) or down.dtype is not gate_up.dtype or down.shape != (e, d, i2 // 2) or i2 % 2
             or x.dim() != 2 or x.shape[1] != d or topk_ids.shape != topk_weights.shape
             or topk_ids.shape[0] != x.shape[0] or not gate_up.is_contiguous() or not down.is_contiguous()):
         raise FreeTokenError(
@@ -569,13 +569,13 @@ def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids
         )
     lib = _loaded[0] if _loaded else _lib()
     return _routed("moe_f32", e, d, x, topk_ids, topk_weights, lambda xp, t, ids, wts, k, out: lib.ft_moe_f32(
-        gate_up.data_ptr(), down.data_ptr(), e, d, i2 // 2, xp, t, ids, wts, k, out))
+        gate_up.data_ptr(), down.data_ptr(), int(gate_up.dtype is BF16), e, d, i2 // 2, xp, t, ids, wts, k, out))
 
 
 def moe_f32_takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether ``moe_f32`` / ``expert_f32`` take these tensors as they are: fp32 on the CPU, contiguous weights, the
     kernels loaded (the activation and biases are the caller's to check: SiLU-gated, none)."""
-    return (x.dtype is F32 and x.is_cpu and gate_up.dtype is F32 and down.dtype is F32 and gate_up.is_cpu
+    return (x.dtype is F32 and x.is_cpu and gate_up.dtype in (F32, BF16) and down.dtype is gate_up.dtype and gate_up.is_cpu
             and gate_up.is_contiguous() and down.is_contiguous() and fast() is not None)
 
 

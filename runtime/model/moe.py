@@ -43,8 +43,13 @@ def silu_kernel_ok(moe: MoESpec, x: torch.Tensor, gate_up: torch.Tensor, down: t
     experts without biases or learned activation parameters, on the CPU, with the kernels loaded. Every fp32 expert
     path takes it where this holds (``TorchExperts``, managed float experts, dequantized quantized experts), so they
     stay bitwise equal to one another."""
-    return (moe.gated and moe.activation == "silu" and not moe.glu_clamp and not biased and not act
-            and kops.moe_f32_takes(x, gate_up, down))
+    return silu_kernel_spec(moe) and not biased and not act and kops.moe_f32_takes(x, gate_up, down)
+
+
+def silu_kernel_spec(moe: MoESpec) -> bool:
+    """Whether experts of this spec are the kind ``ops.moe_f32`` computes (SiLU-gated, no clamp, no biases) — what a
+    loader checks before keeping a 16-bit checkpoint's experts as stored (``TensorLoader.expert_dtype``)."""
+    return moe.gated and moe.activation == "silu" and not moe.glu_clamp and not moe.expert_bias
 
 
 def activate(gate_up: torch.Tensor, moe: MoESpec, params: Params | None = None) -> torch.Tensor:
@@ -113,10 +118,13 @@ class TorchExperts:
             if n == 0:
                 continue
             tokens = token_of[start : start + n]
-            h = expert_linear(x[tokens], self.gate_up[e])  # [n, 2I]
+            gate_up, down = self.gate_up[e], self.down[e]
+            if gate_up.dtype != x.dtype:  # 16-bit experts kept as stored (weights.TensorLoader): widened exactly
+                gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+            h = expert_linear(x[tokens], gate_up)  # [n, 2I]
             if self.gate_up_bias is not None:
                 h = h + self.gate_up_bias[e]
-            h = expert_linear(activate(h, self.spec, self.act), self.down[e])  # [n, D]
+            h = expert_linear(activate(h, self.spec, self.act), down)  # [n, D]
             if self.down_bias is not None:
                 h = h + self.down_bias[e]
             out.index_add_(0, tokens, (h * weight_of[start : start + n, None]).to(out.dtype))

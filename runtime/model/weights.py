@@ -21,7 +21,7 @@ from freetoken_agent.runtime.model.compressed import load_shared_kv
 from freetoken_agent.runtime.model.cca import cca_weights
 from freetoken_agent.runtime.model.gemma import per_layer_activation
 from freetoken_agent.runtime.model.mlp_router import mlp_router_weights
-from freetoken_agent.runtime.model.moe import TorchExperts
+from freetoken_agent.runtime.model.moe import TorchExperts, silu_kernel_spec
 from freetoken_agent.runtime.model.ngram import ple_weights
 from freetoken_agent.runtime.model.relpos import relpos_weights
 from freetoken_agent.runtime.model.spec import (
@@ -90,8 +90,12 @@ class TensorLoader:
     def share_layer(self, layer: int, base: int) -> None:
         """Layer ``layer`` repeats layer ``base`` and shares its weights (loaders that track layers follow it)."""
 
-    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str,
+                 expert_dtype: torch.dtype | None = None) -> None:
         self.reader, self.dtype, self.device = reader, dtype, device
+        self.expert_dtype = expert_dtype
+        """A 16-bit dtype the routed experts of kernel-run layers stay in when the checkpoint stores them so (see
+        ``experts``); None: every expert in ``dtype``."""
 
     def mark_used(self, name: str) -> None:
         self.reader.used.add(name)
@@ -365,6 +369,12 @@ class TensorLoader:
         source = ExpertSource(self.reader, prefix, m, names, d)
         parts = [source.load(e) for e in range(m.num_experts)]
         cast = lambda ts: torch.stack(ts).to(device=self.device, dtype=self.dtype).contiguous()
+        stored = self.expert_dtype
+        if stored is not None and silu_kernel_spec(m) and all(
+                p.gate_up.dtype == stored and p.down.dtype == stored for p in parts):
+            # exact: the kernels widen each stored value to this value in registers, at half the bytes a step reads
+            keep = lambda ts: torch.stack(ts).to(device=self.device).contiguous()  # noqa: E731
+            return TorchExperts(m, gate_up=keep([p.gate_up for p in parts]), down=keep([p.down for p in parts]))
         return TorchExperts(
             m,
             gate_up=cast([p.gate_up for p in parts]),
@@ -447,9 +457,11 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     on_layer: "callable | None" = None,  # type: ignore[valid-type]
+    expert_dtype: torch.dtype | None = None,
 ) -> ModelWeights:
-    """Read every tensor the spec needs; ``on_layer(i)`` is called after each layer (progress)."""
-    weights = walk_weights(spec, TensorLoader(reader, dtype, device), on_layer)
+    """Read every tensor the spec needs; ``on_layer(i)`` is called after each layer (progress). ``expert_dtype``:
+    see ``TensorLoader.expert_dtype``."""
+    weights = walk_weights(spec, TensorLoader(reader, dtype, device, expert_dtype), on_layer)
     check_unused(spec, reader)
     return weights
 

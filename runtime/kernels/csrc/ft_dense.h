@@ -409,10 +409,12 @@ int ft_gemm_f32_parts(int parts, const float *const *w, const int64_t *n, int64_
  * Returns 0, -1 out of memory, -2 bad arguments (an id >= E). */
 #define MOE_F32_SLOTS 1024 /* (token, expert) pairs per pass: bounds the gathered rows (~26 MB at D 2048, I 768) */
 
-int ft_moe_f32(const float *w13, const float *w2, int64_t e, int64_t d, int64_t inter, const float *x, int64_t t,
-               const int64_t *ids, const float *weights, int64_t k, float *out) {
-    if (e < 1 || d < 1 || inter < 1 || t < 0 || k < 1 || !w13 || !w2) return -2;
+int ft_moe_f32(const void *w13v, const void *w2v, int bf16, int64_t e, int64_t d, int64_t inter, const float *x,
+               int64_t t, const int64_t *ids, const float *weights, int64_t k, float *out) {
+    if (e < 1 || d < 1 || inter < 1 || t < 0 || k < 1 || !w13v || !w2v) return -2;
     if (g_isa < 0) g_isa = detect_isa();
+    const float *w13 = bf16 ? NULL : (const float *)w13v, *w2 = bf16 ? NULL : (const float *)w2v;
+    const uint16_t *w13b = bf16 ? (const uint16_t *)w13v : NULL, *w2b = bf16 ? (const uint16_t *)w2v : NULL;
     memset(out, 0, sizeof(float) * (size_t)(t * d));
     int64_t *count = (int64_t *)calloc((size_t)(2 * e + 1), sizeof(int64_t));
     if (!count) return -1;
@@ -467,10 +469,10 @@ int ft_moe_f32(const float *w13, const float *w2, int64_t e, int64_t d, int64_t 
                 const int64_t lo = start[j] > s0 ? start[j] : s0, hi = start[j + 1] < s1 ? start[j + 1] : s1;
                 if (lo >= hi) continue;
                 const int64_t n = hi - lo, at = lo - s0;
-                const gemv_ctx g = pass == 0 ? (gemv_ctx){w13 + j * i2 * d, NULL, xs + at * d, NULL, gu + at * i2, i2,
-                                                          d, n}
-                                             : (gemv_ctx){w2 + j * d * inter, NULL, a + at * inter, NULL, y + at * d,
-                                                          d, inter, n};
+                const gemv_ctx g = pass == 0 ? (gemv_ctx){w13 ? w13 + j * i2 * d : NULL, w13b ? w13b + j * i2 * d : NULL,
+                                                          xs + at * d, NULL, gu + at * i2, i2, d, n}
+                                             : (gemv_ctx){w2 ? w2 + j * d * inter : NULL, w2b ? w2b + j * d * inter : NULL,
+                                                          a + at * inter, NULL, y + at * d, d, inter, n};
                 parts[hit] = g;
                 first[hit + 1] = first[hit] + (g.n + GEMV_ROWS_PER_ITEM - 1) / GEMV_ROWS_PER_ITEM;
                 hit++;

@@ -100,4 +100,39 @@ def test_torch_experts_take_the_kernel_only_for_plain_silu_experts(monkeypatch: 
     gelu = TorchExperts(MoESpec(num_experts=5, top_k=2, intermediate=20, router=RouterSpec(), activation="gelu"),
                         gate_up, down)
     assert not gelu.kernel_call(x)
-    assert not TorchExperts(spec, gate_up.bfloat16(), down.bfloat16()).kernel_call(x)
+    stored16 = TorchExperts(spec, gate_up.bfloat16(), down.bfloat16())  # a bf16 checkpoint's experts kept as stored
+    assert stored16.kernel_call(x) and not stored16.kernel_call(x.bfloat16())  # bf16 compute: torch's
+
+
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 600])
+@pytest.mark.parametrize("isa", ["best", "portable", "avx2"])
+def test_bf16_weights_give_the_bits_of_their_fp32_copies(t: int, isa: str) -> None:
+    """bf16 experts are widened exactly in registers (the portable path per item): the same products as fp32
+    copies of them, bit for bit, whatever the row count."""
+    if isa not in ops.available_isas() and isa != "best":
+        pytest.skip(f"{isa} not on this CPU")
+    before = ops.current_isa()
+    ops.set_isa(isa)
+    try:
+        gate_up, down, x, ids, weights = case(t, seed=5)
+        g16, d16 = gate_up.bfloat16(), down.bfloat16()
+        assert torch.equal(ops.moe_f32(g16, d16, x, ids, weights), ops.moe_f32(g16.float(), d16.float(), x, ids,
+                                                                                 weights))
+    finally:
+        ops.set_isa(before)
+    with pytest.raises(FreeTokenError, match="want fp32"):  # one bf16 and one fp32 weight: refused
+        ops.moe_f32(gate_up.bfloat16(), down, x, ids, weights)
+
+
+def test_the_torch_path_widens_16bit_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel does not run, 16-bit experts kept as stored are widened per expert: torch's fp32 result
+    over the same values."""
+    gate_up, down, x, ids, weights = case(6, e=5, k=2)
+    ids = ids.clamp(min=0)
+    spec = MoESpec(num_experts=5, top_k=2, intermediate=20, router=RouterSpec())
+    g16, d16 = gate_up.bfloat16(), down.bfloat16()
+    monkeypatch.setattr(ops, "moe_f32_takes", lambda *a: False)
+    stored, wide = TorchExperts(spec, g16, d16), TorchExperts(spec, g16.float(), d16.float())
+    assert not stored.kernel_call(x)
+    got = stored.forward(x, ids, weights)
+    assert got.dtype is torch.float32 and torch.equal(got, wide.forward(x, ids, weights))
