@@ -34,7 +34,7 @@ ROW_MODULES = (
     "bench_kernels", "bench_decode", "suite_prefill", "suite_replay", "suite_budget", "suite", "bench_concurrent",
     "agent_replay", "residency_bench", "bench_kv_dtype", "phase_replay", "phase_live", "bench_speculative",
     "bench_constrained", "bench_overhead", "bench_batch", "load_memory", "quantize_rate", "bench_triton", "gpu_check",
-    "routing_report", "agent_session", "moe_layer", "attn_builds", "amx_epilogue", "weight_builds",
+    "routing_report", "agent_session", "moe_layer", "attn_builds", "amx_epilogue", "weight_builds", "bench_stored16",
 )  # fmt: skip
 """Modules of ``freetoken_agent.evals.perf`` that register rows."""
 
