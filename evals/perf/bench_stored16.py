@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"{args.layers} layers x {args.experts} experts (hidden {args.hidden}, width {args.inter}, top-{args.top_k}), "
-          f"{args.threads or before} threads, {args.flush_mb} MB read before each step, median of {args.rounds}")
+    print(f"{args.layers} layers x {args.experts} experts (hidden {args.hidden}, width {args.inter}, "
+          f"top-{args.top_k}), {args.threads or before} threads, {args.flush_mb} MB read before each step, median of {args.rounds}")
     print("| rows | fp32 experts (ms) | bf16 experts (ms) | speed-up |\n|---|---|---|---|")
     for t, r in res.items():
         print(f"| {t} | {r['fp32_ms']} | {r['bf16_ms']} | {r['speedup']}x |")

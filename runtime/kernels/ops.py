@@ -558,10 +558,11 @@ def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids
     """Routed fp32 experts with SiLU-gated activations, as stored: ``gate_up [E, 2I, D]`` (gate rows, then up rows),
     ``down [E, D, I]``, ``x [T, D]``, ``topk_ids [T, K]`` (negative: skipped), ``topk_weights [T, K]`` →
     ``Σ_k w_k · down_k(silu(gate_k x) · up_k x)`` as fp32 ``[T, D]``, experts added in ascending id order; batch
-    invariant (``ft_moe_f32``: every product is ``linear_f32``'s row)."""
+    invariant (``ft_moe_f32``: every product is ``linear_f32``'s row). bf16 weights (both) are widened in registers:
+    the bits of their fp32 copies, half the bytes read."""
     e, i2, d = gate_up.shape
-    if (gate_up.dtype not in (F32, BF16) or down.dtype is not gate_up.dtype or down.shape != (e, d, i2 // 2) or i2 % 2
-            or x.dim() != 2 or x.shape[1] != d or topk_ids.shape != topk_weights.shape
+    if (gate_up.dtype not in (F32, BF16) or down.dtype is not gate_up.dtype or down.shape != (e, d, i2 // 2)
+            or i2 % 2 or x.dim() != 2 or x.shape[1] != d or topk_ids.shape != topk_weights.shape
             or topk_ids.shape[0] != x.shape[0] or not gate_up.is_contiguous() or not down.is_contiguous()):
         raise FreeTokenError(
             f"moe_f32: want fp32 gate_up [E, 2I, D], down [E, D, I], x [T, D], ids/weights [T, K]; got "
@@ -573,10 +574,11 @@ def moe_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, topk_ids
 
 
 def moe_f32_takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether ``moe_f32`` / ``expert_f32`` take these tensors as they are: fp32 on the CPU, contiguous weights, the
-    kernels loaded (the activation and biases are the caller's to check: SiLU-gated, none)."""
-    return (x.dtype is F32 and x.is_cpu and gate_up.dtype in (F32, BF16) and down.dtype is gate_up.dtype and gate_up.is_cpu
-            and gate_up.is_contiguous() and down.is_contiguous() and fast() is not None)
+    """Whether ``moe_f32`` / ``expert_f32`` take these tensors as they are: fp32 x on the CPU, contiguous fp32 weights
+    (or bf16 ones, widened exactly in registers), the kernels loaded (the activation and biases are the caller's to
+    check: SiLU-gated, none)."""
+    return (x.dtype is F32 and x.is_cpu and gate_up.dtype in (F32, BF16) and down.dtype is gate_up.dtype
+            and gate_up.is_cpu and gate_up.is_contiguous() and down.is_contiguous() and fast() is not None)
 
 
 def expert_f32(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
