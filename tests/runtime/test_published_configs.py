@@ -76,7 +76,7 @@ def test_published_config_matches_transformers(name: str, tmp_path: Path) -> Non
     model = _build(json.loads(text))
     model.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(text)  # the published form, not transformers' re-serialization
-    engine = Engine.from_pretrained(tmp_path)
+    engine = Engine.from_pretrained(tmp_path, threads=1)  # torch on the reference's one thread (see all_architectures)
     vocab = engine.spec.vocab_size
     ids = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(1))
     lm = model.language_model if hasattr(getattr(model, "language_model", None), "lm_head") else model
