@@ -405,7 +405,8 @@ int ft_gemm_f32_parts(int parts, const float *const *w, const int64_t *n, int64_
  * added in ascending expert order (each expert's tokens in token order). w13 [E, 2I, D] (the I gate rows, then the
  * I up rows), w2 [E, D, I], contiguous. Every product is ft_gemm_f32's row, so a token's bits do not depend on the
  * other tokens (batch invariant): all hit experts' gate/up rows go to the pool in one hand-out, their down rows in a
- * second, where torch ran two matmuls and a dozen small ops per hit expert. SiLU is g / (1 + exp(-g)).
+ * second, where torch ran two matmuls and a dozen small ops per hit expert. SiLU is g / (1 + exp(-g)). With bf16 set
+ * the weights are bf16 (a bf16 checkpoint's experts as stored): widened in registers, the same bits, half the bytes.
  * Returns 0, -1 out of memory, -2 bad arguments (an id >= E). */
 #define MOE_F32_SLOTS 1024 /* (token, expert) pairs per pass: bounds the gathered rows (~26 MB at D 2048, I 768) */
 
@@ -415,6 +416,11 @@ int ft_moe_f32(const void *w13v, const void *w2v, int bf16, int64_t e, int64_t d
     if (g_isa < 0) g_isa = detect_isa();
     const float *w13 = bf16 ? NULL : (const float *)w13v, *w2 = bf16 ? NULL : (const float *)w2v;
     const uint16_t *w13b = bf16 ? (const uint16_t *)w13v : NULL, *w2b = bf16 ? (const uint16_t *)w2v : NULL;
+    if (bf16) { /* the portable path widens an item's bf16 rows into a buffer: fail here, not silently in an item */
+        void *probe = malloc(sizeof(float) * (size_t)(GEMV_ROWS_PER_ITEM * (d > inter ? d : inter)));
+        if (!probe) return -1;
+        free(probe);
+    }
     memset(out, 0, sizeof(float) * (size_t)(t * d));
     int64_t *count = (int64_t *)calloc((size_t)(2 * e + 1), sizeof(int64_t));
     if (!count) return -1;
