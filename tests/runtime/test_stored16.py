@@ -37,11 +37,11 @@ def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tor
 def test_experts_stay_bf16_and_give_the_bits_of_fp32_copies(bf16_checkpoint: tuple[Path, torch.nn.Module],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     folder, model = bf16_checkpoint
-    stored = Engine.from_pretrained(folder)
+    stored = Engine.from_pretrained(folder, threads=1)  # torch on one thread, as the reference below
     kept = _experts(stored)
     assert kept and all(e.gate_up.dtype is torch.bfloat16 and e.down.dtype is torch.bfloat16 for e in kept)
     monkeypatch.setenv(STORED16_ENV, "0")  # the switch: widened to fp32 at load, as before
-    wide = Engine.from_pretrained(folder)
+    wide = Engine.from_pretrained(folder, threads=1)
     assert all(e.gate_up.dtype is torch.float32 and e.down.dtype is torch.float32 for e in _experts(wide))
     assert sum(e.gate_up.nbytes + e.down.nbytes for e in kept) * 2 == sum(
         e.gate_up.nbytes + e.down.nbytes for e in _experts(wide))
