@@ -138,23 +138,28 @@ static inline void attn_pf_step(attn_pf *f) {
     }
 }
 
-FT_AVX2 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f)); /* below: 0 (exp underflows anyway) */
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* exp(x) by range reduction and a degree-6 polynomial, one body for 8 and 16 lanes (P: the intrinsics' prefix,
+ * ROUND: round to nearest, CASTI: integer bits as floats), so the 512-bit form runs the same operations lane by lane:
+ * the same bits */
+#define FT_EXPV(NAME, ATTR, V, VI, P, ROUND, CASTI)                                                                  \
+    ATTR static inline V NAME(V x) {                                                                                  \
+        x = P##_max_ps(x, P##_set1_ps(-87.3f)); /* below: 0 (exp underflows anyway) */                                \
+        x = P##_min_ps(x, P##_set1_ps(88.3f));                                                                        \
+        const V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)));                                          \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                         \
+        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                                        \
+        V p = P##_set1_ps(1.9875691500E-4f);                                                                          \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507E-3f));                                                        \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073E-3f));                                                        \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894E-2f));                                                        \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459E-1f));                                                        \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201E-1f));                                                        \
+        p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.f)));                                       \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                      \
+        return P##_mul_ps(p, CASTI(e));                                                                               \
+    }
+#define FT_ROUND256(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+FT_EXPV(exp256, FT_AVX2, __m256, __m256i, _mm256, FT_ROUND256, _mm256_castsi256_ps)
 
 /* x[0:n] = exp(x - m), returns the sum */
 FT_AVX2 static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
@@ -476,24 +481,8 @@ FT_VNNI static inline void ft_store_scores4x4(__m512 s, float scale, float *sc, 
     _mm_storeu_ps(sc + 2 * ld, _mm512_extractf32x4_ps(s, 2));
     _mm_storeu_ps(sc + 3 * ld, _mm512_extractf32x4_ps(s, 3));
 }
-/* exp256 on 16 lanes: the same operations lane by lane, so the same bits */
-FT_VNNI static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+#define FT_ROUND512(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+FT_EXPV(exp512, FT_VNNI, __m512, __m512i, _mm512, FT_ROUND512, _mm512_castsi512_ps)
 
 /* exp_sub_sum_avx2 16 values a step: the 8-lane sum takes the low half, then the high half (the AVX2 loop's two
  * steps), so the same bits */
