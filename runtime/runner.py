@@ -59,7 +59,7 @@ class ModelRunner:
         # prefill: torch's threads carry it, so the kernels' idle workers sleep soon instead of polling in their way
         with torch_heavy() if prefill else nullcontext():
             hidden = self.decoder.forward_batch([r.tokens for r in rows], [r.cache for r in rows],
-                                                [r.rope_length for r in rows])  # [T, D]
+                                                [r.rope_length for r in rows], [r.draft > 0 for r in rows])  # [T, D]
             picks, start = [], 0
             for r in rows:
                 n = int(r.tokens.shape[0])

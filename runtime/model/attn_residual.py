@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from freetoken_agent.runtime.model.conv_states import FFN, MIXER, slot_conv
-from freetoken_agent.runtime.model.layers import rms_norm, unit_rms_norm
+from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.layers import dense_linear, elementwise, mixer_linear, rms_norm, unit_rms_norm
 from freetoken_agent.runtime.model.relpos import relpos_attention, residual_conv
 from freetoken_agent.runtime.model.spec import AttnResidualSpec
 
@@ -51,16 +52,25 @@ def block_read(blocks: list[torch.Tensor], partial: torch.Tensor, query: torch.T
     """Learned queries [Q, D] (or [D]) attending over blocks [T, D]… + partial [T, D] → [T, Q, D] in fp32."""
     stacked = unit_rms_norm(torch.stack([*blocks, partial], dim=1).float(), 1e-6)  # [T, B+1, D]
     q = query.float().reshape(-1, stacked.shape[-1])  # [Q, D]
-    scores = torch.einsum("qd,tbd->tqb", q, stacked) * stacked.shape[-1] ** -0.5
-    return torch.einsum("tqb,tbd->tqd", torch.softmax(scores, dim=-1), stacked)
+    if not kops.deterministic():
+        scores = torch.einsum("qd,tbd->tqb", q, stacked) * stacked.shape[-1] ** -0.5
+        return torch.einsum("tqb,tbd->tqd", torch.softmax(scores, dim=-1), stacked)
+    t, b, d = stacked.shape  # deterministic: fixed-order products per row, whatever T
+    scores = dense_linear(stacked.reshape(t * b, d), q.contiguous()).view(t, b, -1).transpose(1, 2) * d**-0.5
+    probs = torch.softmax(scores, dim=-1)  # [T, Q, B+1]
+    out = probs[..., 0, None] * stacked[:, None, 0]
+    for j in range(1, b):
+        out = out + probs[..., j, None] * stacked[:, None, j]
+    return out
 
 
 def message_gate(h: torch.Tensor, message: torch.Tensor, w: Weights, name: str, eps: float) -> torch.Tensor:
     """(1 - tanh(F·g)) · h + tanh(M·g) · message with g = down([rms(h), rms(message)]), in fp32."""
     h, message = h.float(), message.float()
-    g = torch.cat([unit_rms_norm(h, eps), unit_rms_norm(message, eps)], dim=-1) @ w[f"{name}.down_weight"].T
-    forget = torch.tanh(g @ w[f"{name}.forget_weight"].T)
-    keep = torch.tanh(g @ w[f"{name}.gain_weight"].T)
+    g = mixer_linear(torch.cat([unit_rms_norm(h, eps), unit_rms_norm(message, eps)], dim=-1),
+                     w[f"{name}.down_weight"])
+    forget = elementwise(torch.tanh, mixer_linear(g, w[f"{name}.forget_weight"]))
+    keep = elementwise(torch.tanh, mixer_linear(g, w[f"{name}.gain_weight"]))
     return (1 - forget) * h + keep * message
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.compressed import Loader
 from freetoken_agent.runtime.model.conv_states import KEY, VALUE, ConvFn, slot_conv
-from freetoken_agent.runtime.model.layers import attention_scores, linear
+from freetoken_agent.runtime.model.layers import attention_scores, dense_linear, linear
+from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec
 
@@ -33,12 +35,28 @@ def _qk_conv(w: Weights, heads: int) -> ConvFn:
 
     def conv(x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         prev = x.new_zeros(lookback, x.shape[1]) if state is None else state
-        full = torch.cat([prev, x]).T[None]  # [1, C, K + T]
-        y = F.conv1d(full, dw, w.get("conv_qk_depthwise.bias"), groups=dw.shape[0])
-        y = F.conv1d(y, gw, w.get("conv_qk_grouped.bias"), groups=heads)[0].T  # [T, C]
-        return y, full[0, :, full.shape[-1] - lookback :].T.contiguous()
+        full = torch.cat([prev, x])  # [K + T, C]
+        if kops.deterministic():  # each output in one fixed order, whatever T (conv1d's bits depend on the length)
+            t0 = dw.shape[-1]
+            y = causal_conv(full[t0 - 1 :], dw, w.get("conv_qk_depthwise.bias"), full[: t0 - 1], None)[0]
+            y = _grouped_taps(y, gw, w.get("conv_qk_grouped.bias"), heads)
+        else:
+            y = F.conv1d(full.T[None], dw, w.get("conv_qk_depthwise.bias"), groups=dw.shape[0])
+            y = F.conv1d(y, gw, w.get("conv_qk_grouped.bias"), groups=heads)[0].T  # [T, C]
+        return y, full[full.shape[0] - lookback :].contiguous()
 
     return conv
+
+
+def _grouped_taps(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``conv1d(y.T, weight, bias, groups=groups)`` as one fixed-order product per group: y [T + t1 - 1, C], weight
+    [C, C / groups, t1] → [T, C]; each output is a row of a ``dense_linear`` over its window of t1 inputs."""
+    c, per, taps = weight.shape
+    t = y.shape[0] - taps + 1
+    windows = torch.stack([y[j : j + t] for j in range(taps)], dim=-1).view(t, groups, per * taps)  # [T, G, per·t1]
+    outs = [dense_linear(windows[:, g].contiguous(), weight[g * per : (g + 1) * per].reshape(per, per * taps),
+                         None if bias is None else bias[g * per : (g + 1) * per]) for g in range(groups)]
+    return torch.cat(outs, dim=-1)
 
 
 def _delay(bias_row: torch.Tensor) -> ConvFn:

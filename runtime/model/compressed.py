@@ -29,8 +29,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.layers import Span, linear, rms_norm, unit_rms_norm
+from freetoken_agent.runtime.model.layers import Span, dense_linear, linear, rms_norm, unit_rms_norm
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, CompressorSpec
 
@@ -46,10 +47,13 @@ def rope_tail(x: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Ten
 
 def shared_kv_attention(
     x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary, layer: int, cache: KVCache | None,
-    positions: torch.Tensor, eps: float, spans: list[Span] | None = None,
+    positions: torch.Tensor, eps: float, spans: list[Span] | None = None, decode_row: bool = False,
 ) -> torch.Tensor:
     """x [T, D] → [T, D]. Projections run once over all rows; the cache, the compressor's windows and the attention
-    run per sequence (``spans`` as in ``gqa_attention``; None: the rows are one sequence in ``cache``)."""
+    run per sequence (``spans`` as in ``gqa_attention``; None: the rows are one sequence in ``cache``, a decode token
+    and its drafts with ``decode_row``). A decode row's queries (every chunk's, in deterministic mode) attend one by
+    one with the shapes of their own decode steps: the indexer's top-k then breaks ties among the complete entries
+    as the decode step does, and the bits are the decode step's."""
     t, h, hd = x.shape[0], spec.num_heads, spec.head_dim
     comp = spec.compressor
     q_resid = rms_norm(linear(x, w, "q_a_proj"), w["q_a_norm.weight"], eps)  # [T, q_rank]
@@ -69,26 +73,51 @@ def shared_kv_attention(
                                 rotary, cos, sin)
             index_w = linear(x, w, "indexer.weights_proj").float() * ix.num_heads**-0.5  # [T, Hi]
     outs = []
-    for sp in spans if spans is not None else [Span(0, t, cache, positions)]:  # type: ignore[list-item]
+    for sp in spans if spans is not None else [Span(0, t, cache, positions, decode_row)]:  # type: ignore[list-item]
         chunk = [p[sp.start : sp.end] for p in parts]
         slots = list(chunk)
         views = sp.cache.append(layer, *chunk)
-        keys_c = keep = None
+        keys_c = keys_i = None
         if comp is not None:
             keys_c = _entries(views, chunk, 1, "compressor", sp, w, comp, rotary, eps)
             if comp.indexer is not None:
                 keys_i = _entries(views, chunk, 4, "indexer", sp, w, comp, rotary, eps)
-                rows = slice(sp.start, sp.end)
-                keep = _index_topk(index_q[rows], index_w[rows], keys_i, comp, sp.positions)  # type: ignore[index]
             if any(c is not p for c, p in zip(chunk, slots)):
                 sp.cache.append(layer, *chunk)  # again, with the entry slots of the completed windows filled
-        outs.append(_attend(q[sp.start : sp.end], views[0], keys_c, keep, sp.positions, w["sinks"], spec))
+        rows = slice(sp.start, sp.end)
+        iq = None if index_q is None else (index_q[rows], index_w[rows])  # type: ignore[index]
+        if sp.end - sp.start > 1 and (sp.decode or kops.deterministic()):
+            for i, p in enumerate(sp.positions.tolist()):
+                n = 0 if comp is None else (p + 1) // comp.rate  # the entries complete at its decode step
+                outs.append(_attend_with_index(
+                    q[sp.start + i : sp.start + i + 1], views[0][: p + 1], None if keys_c is None else keys_c[:n],
+                    None if keys_i is None else keys_i[:n], None if iq is None else (iq[0][i : i + 1], iq[1][i : i + 1]),
+                    sp.positions[i : i + 1], w["sinks"], spec))
+        else:
+            outs.append(_attend_with_index(q[rows], views[0], keys_c, keys_i, iq, sp.positions, w["sinks"], spec))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, hd]
     out = rope_tail(out, rotary, cos, -sin)  # keys are the values: undo their rotation at the query position
     groups = spec.o_groups
     wa = w["o_a_proj.weight"].view(groups, spec.o_group_rank, -1)  # [G, r, H·hd/G]
-    grouped = torch.einsum("tgi,gri->tgr", out.reshape(t, groups, -1), wa).reshape(t, -1)
+    if kops.deterministic():  # one fixed-order product per group: a row's bits whatever T
+        per_group = out.reshape(t, groups, -1)
+        grouped = torch.cat([dense_linear(per_group[:, g].contiguous(), wa[g].contiguous()) for g in range(groups)], -1)
+    else:
+        grouped = torch.einsum("tgi,gri->tgr", out.reshape(t, groups, -1), wa).reshape(t, -1)
     return linear(grouped, w, "o_b_proj")
+
+
+def _attend_with_index(
+    q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, index_keys: torch.Tensor | None,
+    index: tuple[torch.Tensor, torch.Tensor] | None, q_pos: torch.Tensor, sinks: torch.Tensor, spec: AttentionSpec,
+) -> torch.Tensor:
+    """``_attend`` of one sequence's queries, the indexer's picks first where the layer has an indexer (``index``:
+    its queries [T, Hi, Di] and head weights [T, Hi])."""
+    keep = None
+    if index_keys is not None and index is not None:
+        assert spec.compressor is not None
+        keep = _index_topk(index[0], index[1], index_keys, spec.compressor, q_pos)
+    return _attend(q, kv, entries, keep, q_pos, sinks, spec)
 
 
 def cached_width(spec: AttentionSpec) -> int:

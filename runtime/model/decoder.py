@@ -39,6 +39,7 @@ from freetoken_agent.runtime.model.mhc import mhc_post, mhc_pre
 from freetoken_agent.runtime.model.layers import (
     Span,
     dense_linear,
+    elementwise,
     gqa_attention,
     layer_norm,
     linear,
@@ -74,6 +75,8 @@ class Segment(NamedTuple):
     positions: torch.Tensor
     scratch: dict
     """Per-forward values this sequence's layers share (sparse-attention indices)."""
+    decode: bool = False
+    """The rows are one decode token and its speculative drafts: each computed as its own decode step would be."""
 
 
 class Decoder:
@@ -110,23 +113,28 @@ class Decoder:
 
     @torch.inference_mode()
     def forward_batch(self, token_ids: list[torch.Tensor], caches: list[KVCache],
-                      rope_lengths: list[int | None] | None = None) -> torch.Tensor:
+                      rope_lengths: list[int | None] | None = None,
+                      decode_rows: list[bool] | None = None) -> torch.Tensor:
         """Chunks token_ids[b] [T_b] of sequences b → final hidden states [ΣT_b, D], rows in batch order.
 
         Each chunk is appended to ``caches[b]`` (distinct caches) and its positions continue from that cache's length.
         ``rope_lengths[b]``: the whole known length of sequence b (a chunked prefill's prompt), which length-dependent
         rotary embeddings (dynamic NTK, longrope) turn by, as one forward of it would; None: the chunk's own end.
+        ``decode_rows[b]``: chunk b is a decode token and its speculative drafts (a verify row), whose tokens must
+        each come out as their own decode steps would — where a layer computes a prefill chunk another way
+        (sparse attention's key selection), it then takes the decode steps' way.
         """
         if len(token_ids) != len(caches) or not token_ids:
             raise ValueError("forward_batch takes one cache per chunk, and at least one chunk")
         spec, w = self.spec, self.weights
         segments, start = [], 0
-        for ids, cache in zip(token_ids, caches):
+        decode_rows = decode_rows or [False] * len(token_ids)
+        for ids, cache, decode in zip(token_ids, caches, decode_rows):
             for i in self._recurrent:  # fail before touching any cache if a recurrent state is not at cache.length
                 cache.get_state(i)
             n = int(ids.shape[0])
             positions = torch.arange(cache.length, cache.length + n, device=self.device)
-            segments.append(Segment(start, start + n, cache, positions, {}))
+            segments.append(Segment(start, start + n, cache, positions, {}, decode))
             start += n
         self._batch_scratch: dict = {}  # per-forward values of the whole batch (the MoE shortcut)
         self._segments = segments  # the few token-mixing FFNs (product-key MoE) run per sequence
@@ -243,25 +251,25 @@ class Decoder:
         """x [T, D] of the whole batch → the mixer's output [T, D], each sequence over its own cache."""
         if len(segments) == 1:
             seg = segments[0]
-            return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch)
+            return self._mixer_one(i, x, lw, seg.cache, seg.positions, seg.scratch, seg.decode)
         spec, layer = self.spec, self.spec.layers[i]
         att = layer.attention
         batched = (att.kind in ("gqa", "mla", "shared_kv") and (att.kind != "mla" or att.indexer is None)
                    and att.sparse_index is None)
         if layer.recurrent is None and batched:
             # projections over every row at once (each weight read once per step), attention per sequence
-            spans = [Span(s.start, s.end, s.cache, s.positions) for s in segments]
+            spans = [Span(s.start, s.end, s.cache, s.positions, s.decode) for s in segments]
             positions = self._batch_positions if self._batch_positions is not None else \
                 torch.cat([s.positions for s in segments])
             if att.kv_source is not None:  # Gemma 4: queries over another layer's KV
                 return reused_kv_attention(x, lw.attn, att, self.rotary[i], None, positions, spec.norm_eps, spans)
             fn = {"mla": mla_attention, "shared_kv": shared_kv_attention}.get(att.kind, gqa_attention)
             return fn(x, lw.attn, att, self.rotary[i], i, None, positions, spec.norm_eps, spans=spans)
-        return torch.cat([self._mixer_one(i, x[s.start : s.end], lw, s.cache, s.positions, s.scratch)
+        return torch.cat([self._mixer_one(i, x[s.start : s.end], lw, s.cache, s.positions, s.scratch, s.decode)
                           for s in segments])
 
     def _mixer_one(self, i: int, x: torch.Tensor, lw: LayerWeights, cache: KVCache, positions: torch.Tensor,
-                   scratch: dict) -> torch.Tensor:
+                   scratch: dict, decode: bool = False) -> torch.Tensor:
         spec, layer = self.spec, self.spec.layers[i]
         if layer.recurrent is not None:
             return MIXERS[layer.recurrent.kind](x, lw.attn, layer.recurrent, i, cache, spec.norm_eps)
@@ -274,12 +282,13 @@ class Decoder:
         if layer.attention.kv_source is not None:
             return reused_kv_attention(x, lw.attn, layer.attention, self.rotary[i], cache, positions, spec.norm_eps)
         if layer.attention.kind == "shared_kv":
-            return shared_kv_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
+            return shared_kv_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps,
+                                       decode_row=decode)
         if layer.attention.kind == "moa":
             return moa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
         if layer.attention.kind == "mla":
             return mla_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps,
-                                 scratch)
+                                 scratch, decode_row=decode)
         return gqa_attention(x, lw.attn, layer.attention, self.rotary[i], i, cache, positions, spec.norm_eps)
 
     def _norm(self, x: torch.Tensor, lw: LayerWeights | None, role: str) -> torch.Tensor:
@@ -292,8 +301,9 @@ class Decoder:
             return layer_norm(x, weight, self.spec.norm_eps, bias)
         y = rms_norm(x, weight, self.spec.norm_eps)
         if lw is not None and f"{role}_gate_down" in lw.norms:  # gated RMSNorm (A.X K2)
-            g = dense_linear(F.silu(dense_linear(y, lw.norms[f"{role}_gate_down"])), lw.norms[f"{role}_gate_up"])
-            y = (y * torch.sigmoid(g.float())).to(y.dtype)
+            g = dense_linear(elementwise(F.silu, dense_linear(y, lw.norms[f"{role}_gate_down"])),
+                             lw.norms[f"{role}_gate_up"])
+            y = (y * elementwise(torch.sigmoid, g.float())).to(y.dtype)
         return y
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +381,7 @@ class Decoder:
         if moe.shared is not None:
             shared = mlp(x, mw.shared, moe.shared) if gammas is None else stacked_shared(x, mw.shared, gammas, moe.shared)
             if mw.shared_gate is not None:
-                shared = torch.sigmoid(dense_linear(x, mw.shared_gate)) * shared
+                shared = elementwise(torch.sigmoid, dense_linear(x, mw.shared_gate)) * shared
             if mw.shared_norm is not None:
                 shared = rms_norm(shared, mw.shared_norm, self.spec.norm_eps)
             out = (out + shared) / 2 if moe.shared_average else out + shared

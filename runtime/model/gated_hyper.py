@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.model.conv_states import SlotView
+from freetoken_agent.runtime.model.layers import elementwise, mixer_linear
 from freetoken_agent.runtime.model.mixers.gated_deltanet import gated_deltanet
 from freetoken_agent.runtime.model.ngram import group_norm, ple
 from freetoken_agent.runtime.model.qsa import qsa_attention
@@ -33,12 +34,12 @@ def hyper_read(streams: torch.Tensor, w: Weights, name: str, n: int, d: int, eps
                inject: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, N·D] → (the sub-layer input [T, D], injection weights [T, N] or None)."""
     u = group_norm(streams, w[f"{name}.hc_norm.weight"], d, eps)
-    g = F.silu(F.linear(u, w[f"{name}.input_mix_weight_down.weight"]) / n)
-    g = torch.sigmoid(F.linear(g, w[f"{name}.input_mix_weight_up.weight"]))
+    g = elementwise(F.silu, mixer_linear(u, w[f"{name}.input_mix_weight_down.weight"]) / n)
+    g = elementwise(torch.sigmoid, mixer_linear(g, w[f"{name}.input_mix_weight_up.weight"]))
     x = (g.unflatten(-1, (n, d)) * u.unflatten(-1, (n, d))).mean(dim=-2)
     if not inject:
         return x, None
-    return x, 2 * torch.sigmoid(F.linear(u, w[f"{name}.block_inject_weight.weight"]) / n)
+    return x, 2 * elementwise(torch.sigmoid, mixer_linear(u, w[f"{name}.block_inject_weight.weight"]) / n)
 
 
 class GatedHyperRunner:

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.layers import Span, attention_scores, dense_linear, linear, rms_norm, unit_rms_norm
+from freetoken_agent.runtime.model.layers import (
+    Span,
+    attention_scores,
+    dense_linear,
+    elementwise,
+    linear,
+    rms_norm,
+    unit_rms_norm,
+)
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, LayerSpec, ModelSpec
 
@@ -46,7 +54,7 @@ def per_layer_residual(
 ) -> torch.Tensor:
     """The end of a layer: h [T, D] takes the gated per-layer input [T, P] (when given), then the layer scalar."""
     if inputs is not None:
-        g = dense_linear(act(dense_linear(h, norms["ple_gate"])) * inputs, norms["ple_proj"])  # [T, D]
+        g = dense_linear(elementwise(act, dense_linear(h, norms["ple_gate"])) * inputs, norms["ple_proj"])  # [T, D]
         h = h + rms_norm(g, norms["ple_norm"], eps)
     return h * norms["layer_scalar"] if "layer_scalar" in norms else h
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_agent.runtime.model.layers import dense_linear
+from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 
 
 def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,8 +24,8 @@ def hc_pre(
     pre_logits, post_logits = _mixes(streams, w["fn"], norm_eps).split(n, dim=-1)
     pre_b, post_b = w["base"].float().split(n)
     pre_s, post_s = w["scale"].float().unbind(0)
-    pre = torch.sigmoid(pre_logits * pre_s + pre_b) + hc_eps
-    post = magnitude * torch.sigmoid(post_logits * post_s + post_b) + hc_eps
+    pre = elementwise(torch.sigmoid, pre_logits * pre_s + pre_b) + hc_eps
+    post = magnitude * elementwise(torch.sigmoid, post_logits * post_s + post_b) + hc_eps
     return post, (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
 
 
@@ -36,5 +36,5 @@ def hc_post(streams: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> tor
 
 def hc_head(streams: torch.Tensor, w: dict[str, torch.Tensor], hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Collapse the streams into one hidden state [T, D] before the final norm."""
-    pre = torch.sigmoid(_mixes(streams, w["fn"], norm_eps) * w["scale"].float() + w["base"].float()) + hc_eps
+    pre = elementwise(torch.sigmoid, _mixes(streams, w["fn"], norm_eps) * w["scale"].float() + w["base"].float()) + hc_eps
     return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from freetoken_agent.runtime.errors import FreeTokenError
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.layers import linear, rms_norm
 from freetoken_agent.runtime.model.spec import AttentionSpec, SparseIndexSpec
@@ -117,10 +118,33 @@ def indexed_attention(x: torch.Tensor, w: dict[str, torch.Tensor], spec: Attenti
     else:
         k_all, v_all = cache.cached(spec.kv_source)[:2]
     k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+    if t > 1 and kops.deterministic():  # each query exactly as its own decode step: over keys 0..p
+        return linear(_per_query(q, k_all, v_all, positions, spec, scratch), w, "o_proj")
     keep = select_keys(q, k_all, positions, spec, scratch)
     cols = keep.any(0).nonzero().flatten()  # the keys any query keeps: only they are rounded and read
     out = kept_attention(q, nvfp4_round(k_all[cols]), nvfp4_round(v_all[cols]), keep[:, cols], spec.scale)
     return linear(out, w, "o_proj")
+
+
+def _per_query(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, positions: torch.Tensor,
+               spec: AttentionSpec, scratch: dict) -> torch.Tensor:
+    """Deterministic mode: the attention of each query over its own visible keys only, with the shapes of its decode
+    step (the selection's products and the gathered attention change their bits with the number of queries and
+    keys); an indexer's pools are gathered back into ``scratch`` as [T, S] for the layers after it."""
+    t, s = q.shape[0], k_all.shape[0]
+    pool_in = None if spec.sparse_index is None or spec.sparse_index.pool_source else scratch.get(POOL_KEY)
+    pools, outs = torch.zeros(t, s, dtype=torch.bool, device=q.device), []
+    for i, p in enumerate(positions.tolist()):
+        own = {} if pool_in is None else {POOL_KEY: pool_in[i : i + 1, : p + 1]}
+        keep = select_keys(q[i : i + 1], k_all[: p + 1], positions[i : i + 1], spec, own)
+        if POOL_KEY in own:
+            pools[i, : p + 1] = own[POOL_KEY][0]
+        cols = keep[0].nonzero().flatten()
+        outs.append(kept_attention(q[i : i + 1], nvfp4_round(k_all[cols]), nvfp4_round(v_all[cols]), keep[:, cols],
+                                   spec.scale))
+    if pool_in is None and spec.sparse_index is not None and spec.sparse_index.pool_source:
+        scratch[POOL_KEY] = pools
+    return torch.cat(outs)
 
 
 def kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:

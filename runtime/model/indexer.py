@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.kernels import invariant
+from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.linear import dense_linear
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import BlockIndexerSpec, IndexerSpec
 
@@ -19,8 +22,12 @@ def indexer_keys(
     x: torch.Tensor, w: Weights, spec: IndexerSpec, rotary: Rotary | None, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """This step's indexer keys [T, Di]: LayerNorm(wk·x) with the first ``rope_dim`` channels rotated."""
-    k = F.layer_norm(F.linear(x, w["indexer.wk.weight"]).float(), (spec.head_dim,), w["indexer.k_norm.weight"].float(),
-                     w["indexer.k_norm.bias"].float(), spec.k_norm_eps).to(x.dtype)
+    k = dense_linear(x, w["indexer.wk.weight"]).float()
+    weight, bias = w["indexer.k_norm.weight"].float(), w["indexer.k_norm.bias"].float()
+    if kops.deterministic():
+        k = invariant.layer_norm(k, weight, spec.k_norm_eps, bias).to(x.dtype)
+    else:
+        k = F.layer_norm(k, (spec.head_dim,), weight, bias, spec.k_norm_eps).to(x.dtype)
     if rotary is not None:
         k = _rotate(k[:, None, :], spec, rotary, cos, sin)[:, 0]
     return k
@@ -35,24 +42,41 @@ def _rotate(x: torch.Tensor, spec: IndexerSpec, rotary: Rotary, cos: torch.Tenso
 
 def topk_keep(
     x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, w: Weights, spec: IndexerSpec, rotary: Rotary | None,
-    cos: torch.Tensor, sin: torch.Tensor, q_pos: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, q_pos: torch.Tensor, per_query: bool = False,
 ) -> torch.Tensor:
-    """Boolean [T, S]: key s is among the top-k indexer scores of query t (causally masked)."""
+    """Boolean [T, S]: key s is among the top-k indexer scores of query t (causally masked).
+
+    ``per_query`` (always for one query and in deterministic mode): each query is scored and chosen over exactly its
+    visible keys 0..p — the shapes of its own decode step, so a decode row (a token and its speculative drafts)
+    keeps for each token the keys its decode step would, bit for bit. That matters beyond rounding: the ReLU scores
+    many keys exactly 0, and which of those tied keys torch's top-k keeps depends on the length of the row it is
+    given. Otherwise the chunk is scored in one product with later keys masked, as transformers' prefill does."""
     t, s = x.shape[0], keys.shape[0]
-    q = F.linear(q_resid, w["indexer.wq_b.weight"]).view(t, spec.num_heads, spec.head_dim)
+    q = dense_linear(q_resid, w["indexer.wq_b.weight"]).view(t, spec.num_heads, spec.head_dim)
     if rotary is not None:
         q = _rotate(q, spec, rotary, cos, sin)
-    scale = spec.head_dim**-0.5
-    scores = torch.matmul(q.float(), keys.float().T[None])  # [T, Hi, S]
-    scores = F.relu(scores) if spec.scale_after_relu else F.relu(scores * scale)
-    weights = F.linear(x, w["indexer.weights_proj.weight"]).float() * spec.num_heads**-0.5  # [T, Hi]
+    weights = dense_linear(x, w["indexer.weights_proj.weight"]).float() * spec.num_heads**-0.5  # [T, Hi]
     if spec.scale_after_relu:
-        weights = weights * scale
-    index = torch.matmul(weights[:, None, :], scores)[:, 0]  # [T, S]
+        weights = weights * spec.head_dim**-0.5
+    q, keys = q.float(), keys.float()
+    if t == 1 or per_query or kops.deterministic():
+        keep = torch.zeros(t, s, dtype=torch.bool, device=x.device)
+        for i, p in enumerate(q_pos.tolist()):
+            index = _index_scores(q[i : i + 1], keys[: p + 1], weights[i : i + 1], spec)[0]  # [p + 1]
+            keep[i, : p + 1].scatter_(0, index.topk(min(spec.topk, p + 1)).indices, True)
+        return keep
+    index = _index_scores(q, keys, weights, spec)  # [T, S]
     future = torch.arange(s, device=x.device)[None, :] > q_pos[:, None]
     index = index.masked_fill(future, float("-inf"))
     top = index.topk(min(spec.topk, s), dim=-1).indices
     return torch.zeros(t, s, dtype=torch.bool, device=x.device).scatter_(1, top, True)
+
+
+def _index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, spec: IndexerSpec) -> torch.Tensor:
+    """fp32 queries [T, Hi, Di] over keys [S, Di] with head weights [T, Hi] → index scores [T, S]."""
+    scores = torch.matmul(q, keys.T[None])  # [T, Hi, S]
+    scores = F.relu(scores) if spec.scale_after_relu else F.relu(scores * spec.head_dim**-0.5)
+    return torch.matmul(weights[:, None, :], scores)[:, 0]
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

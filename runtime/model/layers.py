@@ -25,6 +25,7 @@ from freetoken_agent.runtime.model.indexer import (
     topk_keep,
 )
 from freetoken_agent.runtime.model.activations import activation_fn, params_in
+from freetoken_agent.runtime.model.linear import dense_linear, on_kernels
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, MLPSpec
 
@@ -66,40 +67,11 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; fp32 CPU products go through the kernels' fp32 linear when they are loaded. At decode it streams
-    the weight on every pool thread, where torch's GEMV often uses one; in prefill it beats torch's GEMM (0.45-0.8x
-    its time on a Zen 4, 9-512 rows, 1 and 2 threads: evals/perf/RESULTS.md). It reduces each row in one fixed
-    order, so those products are batch invariant by default, whatever the weight's size (small weights used to stay
-    in torch at decode, a few µs faster op by op; the fused decode step runs every product on the kernels, and a
-    verify row must give its tokens' decode-step bits). Deterministic mode: that kernel for every product."""
-    if on_kernels(x, weight, bias):
-        return kops.linear_f32(weight, x, bias)
-    if kops.deterministic():
-        return invariant.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def mixer_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A recurrent mixer's product: ``F.linear`` (the recurrences amplify a change of summation order past the
     oracle's 1e-4 on published configs), ``dense_linear`` in deterministic mode, where a row must not depend on
     the batch it came in."""
     return dense_linear(x, weight, bias) if kops.deterministic() else F.linear(x, weight, bias)
-
-
-def on_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``dense_linear`` runs this product on the kernels' fp32 linear (see there)."""
-    return (
-        x.dtype is F32
-        and weight.dtype is F32
-        and x.dim() == 2
-        and (bias is None or bias.dtype is F32)
-        and weight.is_cpu
-        and weight.numel() > 0  # a zero-width MLP (shared size 0) is torch's: the C GEMM wants a real matrix
-        and weight.is_contiguous()
-        and x.is_contiguous()
-        and kops.fast() is not None
-    )
 
 
 def projections(x: torch.Tensor, w: Weights, names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -497,6 +469,8 @@ class Span(NamedTuple):
     end: int
     cache: KVCache
     positions: torch.Tensor
+    decode: bool = False
+    """The rows are a decode token and its speculative drafts (``Decoder.forward_batch``'s ``decode_rows``)."""
 
 
 def gqa_attention(
@@ -583,11 +557,13 @@ def output_gate(out: torch.Tensor, x: torch.Tensor, w: Weights, spec: AttentionS
 def mla_attention(
     x: torch.Tensor, w: Weights, spec: AttentionSpec, rotary: Rotary | None, layer: int, cache: KVCache | None,
     positions: torch.Tensor, eps: float, scratch: dict | None = None, spans: list[Span] | None = None,
+    decode_row: bool = False,
 ) -> torch.Tensor:
     """DeepSeek multi-head latent attention; the cache holds the normalized latent and the shared rotary key (and,
     with sparse attention, the indexer keys). ``scratch`` carries the indexer's choice to ``shared`` layers.
     ``spans``: a batch of sequences as in ``gqa_attention`` (without a sparse-attention indexer, whose choice is
-    per sequence: the caller runs those one sequence at a time)."""
+    per sequence: the caller runs those one sequence at a time). ``decode_row``: x is a decode token and its drafts
+    (the indexer then chooses each token's keys as its decode step would: ``indexer.topk_keep``)."""
     t, h = x.shape[0], spec.num_heads
     nope, rope_dim, dv = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
     if spec.q_lora_rank is None:
@@ -632,7 +608,7 @@ def mla_attention(
     if ix is not None and not ix.shared:
         latent_all, k_rot_all, index_keys = cache.append(layer, latent, k_rot.reshape(t, rope_dim),
                                                          indexer_keys(x, w, ix, rotary, cos, sin))
-        keep = topk_keep(x, q_resid, index_keys, w, ix, rotary, cos, sin, positions)
+        keep = topk_keep(x, q_resid, index_keys, w, ix, rotary, cos, sin, positions, per_query=decode_row)
         if scratch is not None:
             scratch["index_keep"] = keep
     else:

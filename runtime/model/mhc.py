@@ -9,7 +9,9 @@ its final collapse ``hc_head``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.layers import elementwise, mixer_linear
 
 
 def mhc_pre(
@@ -19,11 +21,11 @@ def mhc_pre(
     t, n, _ = streams.shape
     flat = streams.flatten(1).float()  # [T, N·D]
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre_l, post_l, comb_l = F.linear(flat, w["fn"].float()).split([n, n, n * n], dim=-1)
+    pre_l, post_l, comb_l = mixer_linear(flat, w["fn"].float().contiguous()).split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = w["base"].float().split([n, n, n * n])
     pre_s, post_s, comb_s = w["scale"].float().unbind(0)
-    pre = torch.sigmoid(pre_l * pre_s + pre_b) + hc_eps
-    post = magnitude * torch.sigmoid(post_l * post_s + post_b)
+    pre = elementwise(torch.sigmoid, pre_l * pre_s + pre_b) + hc_eps
+    post = magnitude * elementwise(torch.sigmoid, post_l * post_s + post_b)
     comb = torch.softmax(comb_l.view(t, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
     # Sinkhorn-Knopp towards doubly stochastic: columns first, then (rows, columns) iters - 1 times
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
@@ -36,5 +38,11 @@ def mhc_pre(
 def mhc_post(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """New streams [T, N, D]: stream k = post_k · out + Σ_j comb[j, k] · stream j."""
     dtype = streams.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    mix = comb.to(dtype).transpose(-1, -2)  # [T, N (to), N (from)]
+    if kops.deterministic():  # the sum over source streams in one fixed order, whatever T
+        mixed = mix[:, :, 0, None] * streams[:, None, 0]
+        for j in range(1, streams.shape[1]):
+            mixed = mixed + mix[:, :, j, None] * streams[:, None, j]
+    else:
+        mixed = torch.matmul(mix, streams)
     return post.to(dtype)[..., None] * out[:, None, :] + mixed

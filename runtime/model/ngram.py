@@ -18,7 +18,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.model.compressed import Loader
+from freetoken_agent.runtime.model.layers import elementwise, mixer_linear
 from freetoken_agent.runtime.model.spec import NGramSpec
 
 Weights = dict[str, torch.Tensor]
@@ -122,18 +124,24 @@ def ple(h: torch.Tensor, ids: torch.Tensor, w: Weights, spec: NGramSpec, d: int,
     lookback = (spec.conv_kernel - 1) * spec.ngram_size
     context = ids.new_full((c,), spec.eos) if state is None else state[0]
     emb = lookup(ngram_rows(ids, context, spec), [w[f"ngram.{k}"] for k in range(spec.shards)]).flatten(-2)  # [T, P]
-    key = group_norm(F.linear(emb, w["key_proj.weight"]), w["norm_key.weight"], d, eps).unflatten(-1, (n, d))
-    value = F.linear(emb, w["value_proj.weight"])  # [T, D]
+    key = group_norm(mixer_linear(emb, w["key_proj.weight"]), w["norm_key.weight"], d, eps).unflatten(-1, (n, d))
+    value = mixer_linear(emb, w["value_proj.weight"])  # [T, D]
     query = group_norm(h, w["norm_query.weight"], d, eps).unflatten(-1, (n, d))
     gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(d)  # [T, N, 1]
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-    gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(-2)  # [T, N·D]
+    gated = (elementwise(torch.sigmoid, gate) * value[:, None, :]).flatten(-2)  # [T, N·D]
     normed = group_norm(gated, w["norm_conv.weight"], d, eps)
     prev = normed.new_zeros(lookback, normed.shape[1]) if state is None else state[1]
     full = torch.cat([prev, normed])  # [r + T, N·D]
-    conv = F.conv1d(full.T[None], w["conv1d.weight"], groups=full.shape[1], dilation=spec.ngram_size)[0].T
+    if kops.deterministic():  # each output in one fixed order, whatever T (conv1d's bits depend on the length)
+        taps, t = w["conv1d.weight"][:, 0], normed.shape[0]  # [C, K]
+        conv = full[0:t] * taps[:, 0]
+        for j in range(1, taps.shape[1]):
+            conv = conv + full[j * spec.ngram_size : j * spec.ngram_size + t] * taps[:, j]
+    else:
+        conv = F.conv1d(full.T[None], w["conv1d.weight"], groups=full.shape[1], dilation=spec.ngram_size)[0].T
     history = torch.cat([context, ids])
-    return gated + F.silu(conv), (history[history.shape[0] - c :].clone(), full[full.shape[0] - lookback :].clone())
+    return gated + elementwise(F.silu, conv), (history[history.shape[0] - c :].clone(), full[full.shape[0] - lookback :].clone())
 
 
 def ple_weights(ld: Loader, prefix: str, spec: NGramSpec, d: int, streams: int) -> Weights:

@@ -15,7 +15,8 @@ import math
 import torch
 
 from freetoken_agent.runtime.kv.cache import KVCache
-from freetoken_agent.runtime.model.layers import attention_scores, linear
+from freetoken_agent.runtime.kernels import ops as kops
+from freetoken_agent.runtime.model.layers import attention_scores, dense_linear, elementwise, linear
 from freetoken_agent.runtime.model.ngram import group_norm
 from freetoken_agent.runtime.model.rope import Rotary
 from freetoken_agent.runtime.model.spec import AttentionSpec, QSASpec
@@ -41,7 +42,15 @@ def qsa_keep(iq: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, 
     if rotary is not None:
         cos, sin = rotary.cos_sin(torch.arange(blocks, device=iq.device) * r)
         pooled = rotary.apply(pooled[:, None, :], cos, sin)[:, 0]
-    scores = torch.relu(torch.einsum("thd,bd->thb", iq.float(), pooled.float())).sum(dim=1) / math.sqrt(ix.head_dim)
+    if kops.deterministic():  # fixed-order products and head sum: a query's bits whatever T and S
+        t, hi, di = iq.shape
+        per_head = torch.relu(dense_linear(iq.float().reshape(t * hi, di), pooled.float().contiguous())).view(t, hi, -1)
+        scores = per_head[:, 0]
+        for j in range(1, hi):
+            scores = scores + per_head[:, j]
+        scores = scores / math.sqrt(ix.head_dim)
+    else:
+        scores = torch.relu(torch.einsum("thd,bd->thb", iq.float(), pooled.float())).sum(dim=1) / math.sqrt(ix.head_dim)
     chosen = torch.zeros(iq.shape[0], blocks, dtype=torch.bool, device=iq.device)  # [T, blocks]
     # relu makes ties (many blocks at 0): rank each query's own n complete blocks exactly as the reference does
     for n in complete.unique().tolist():
@@ -75,4 +84,4 @@ def qsa_attention(
     k_all, v_all, raw_all = cache.append(layer, k, v, raw.to(k.dtype))
     keep = qsa_keep(iq, raw_all, positions, ix, rotary, extra[f"{INDEXER}.k_layernorm.weight"], eps)
     out = attention_scores(q, k_all, v_all, positions, spec, None, keep=keep)
-    return linear(out * torch.sigmoid(gate.reshape(t, h * dh)), w, "o_proj")
+    return linear(out * elementwise(torch.sigmoid, gate.reshape(t, h * dh)), w, "o_proj")

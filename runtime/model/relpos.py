@@ -20,10 +20,11 @@ import math
 
 import torch
 
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.compressed import Loader
 from freetoken_agent.runtime.model.conv_states import KEY, VALUE, ConvFn, slot_conv
-from freetoken_agent.runtime.model.layers import linear, rms_norm, unit_rms_norm
+from freetoken_agent.runtime.model.layers import elementwise, linear, rms_norm, unit_rms_norm
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import AttentionSpec, RelPosSpec
 
@@ -74,7 +75,7 @@ def log_scale(positions: torch.Tensor, r: RelPosSpec) -> torch.Tensor | None:
     """[T] factors 1 + alpha·log(max((pos+1)/floor, 1)) in fp32, or None without log scaling."""
     if r.log_floor is None:
         return None
-    return 1.0 + r.log_alpha * torch.log(((positions + 1).float() / r.log_floor).clamp(min=1.0))
+    return 1.0 + r.log_alpha * elementwise(torch.log, ((positions + 1).float() / r.log_floor).clamp(min=1.0))
 
 
 def relpos_attention(
@@ -106,12 +107,18 @@ def relpos_attention(
         if r.variant == "inkling2":
             rel = (rel.float() * tau[:, None, None]).to(rel.dtype)
     k_all, v_all = cache.append(layer, k, v)
-    rel_logits = rel @ w["rel_proj"]  # [T, H, E]
+    exact = t > 1 and kops.deterministic()  # each token with the shapes of its own decode step
+    rel_logits = torch.cat([rel[i : i + 1] @ w["rel_proj"] for i in range(t)]) if exact else rel @ w["rel_proj"]
     if r.variant == "inkling" and tau is not None:  # Inkling scales the gathered bias (same values, other order)
-        rel_logits = (rel_logits.float() * tau[:, None, None]).to(rel_logits.dtype)
-    out = biased_attention(q, k_all, v_all, rel_logits, positions, spec, sinks)
+        rel_logits = (rel_logits.float() * tau[:, None, None]).to(rel_logits.dtype)  # [T, H, E]
+    if exact:
+        out = torch.cat([biased_attention(q[i : i + 1], k_all[: p + 1], v_all[: p + 1], rel_logits[i : i + 1],
+                                          positions[i : i + 1], spec, None if sinks is None else sinks[i : i + 1])
+                         for i, p in enumerate(positions.tolist())])
+    else:
+        out = biased_attention(q, k_all, v_all, rel_logits, positions, spec, sinks)
     if r.variant == "inkling2":
-        out = (out.float() * torch.sigmoid(linear(x, w, "gate").float())).to(out.dtype)
+        out = (out.float() * elementwise(torch.sigmoid, linear(x, w, "gate").float())).to(out.dtype)
     return linear(out, w, "o_proj")
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agent.runtime.model.activations import activation_fn, params_in
+from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.model.layers import dense_linear, elementwise
 from freetoken_agent.runtime.model.spec import MLPSpec, MoESpec
 
@@ -29,8 +30,8 @@ def sink_route(
     if correction is not None:
         choice = choice + correction.float().reshape(-1)
     ids = torch.topk(choice, k, dim=-1).indices
-    log_probs = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))  # [T, K + n]
-    weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)) * moe.router.scaling
+    log_probs = elementwise(F.logsigmoid, torch.cat([routed.gather(-1, ids), shared], dim=-1))  # [T, K + n]
+    weights = elementwise(torch.exp, log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)) * moe.router.scaling
     if global_scale is not None:
         weights = weights * global_scale.float()
     return ids, weights[:, :k], weights[:, k:]
@@ -39,6 +40,13 @@ def sink_route(
 def stacked_shared(x: torch.Tensor, w: dict[str, torch.Tensor], gammas: torch.Tensor, spec: MLPSpec) -> torch.Tensor:
     """Σ_n γ_n · down_n(act(gate_n(x)) · up_n(x)) for x [T, D], gate/up [n, I, D], down [n, D, I], γ [T, n]."""
     act = activation_fn(spec.activation, params_in(w))
+    if kops.deterministic():  # one fixed-order product per shared expert: a row's bits whatever T
+        out = None
+        for i in range(gammas.shape[1]):
+            h = elementwise(act, dense_linear(x, w["gate_proj"][i])) * dense_linear(x, w["up_proj"][i])
+            y = dense_linear(h * gammas[:, i : i + 1].to(x.dtype), w["down_proj"][i]).float()
+            out = y if out is None else out + y
+        return out.to(x.dtype)
     gate = torch.einsum("td,nid->nti", x, w["gate_proj"])  # [n, T, I]
     up = torch.einsum("td,nid->nti", x, w["up_proj"])
     h = elementwise(act, gate) * up * gammas.T.to(x.dtype)[:, :, None]

@@ -16,6 +16,8 @@ import torch
 
 from freetoken_agent.runtime.engine import Engine, Request
 from freetoken_agent.runtime.generation.sampling import SamplingParams
+from freetoken_agent.runtime.generation.speculative import SpeculationConfig, unsupported
+from freetoken_agent.runtime.kernels import ops
 from freetoken_agent.runtime.model.adapters import spec_from_config, supported_architectures
 
 warnings.filterwarnings("ignore")
@@ -85,6 +87,86 @@ def test_parity_with_transformers(model_type: str, tmp_path: Path) -> None:
     handles = [engine.submit(Request(p, greedy, reuse=False)) for p in [ids.tolist(), *others]]
     assert handles[0].result().token_ids == hf[:8]
     assert engine.scheduler.stats.max_batch >= 4
+
+
+def _row_and_steps(engine: Engine, prompt: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of ``row`` after ``prompt``: decoded one token at a time, and as one decode row (a token and its drafts,
+    as speculative decoding verifies them)."""
+    dec = engine.decoder
+    cache = dec.new_cache()
+    dec.forward(prompt, cache)
+    steps = torch.cat([dec.logits(dec.forward(row[i : i + 1], cache)) for i in range(len(row))])
+    cache = dec.new_cache()
+    dec.forward(prompt, cache)
+    return steps, dec.logits(dec.forward_batch([row], [cache], None, [True]))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_a_verify_row_gives_its_decode_steps(model_type: str, tmp_path: Path) -> None:
+    """A decode row against the same tokens decoded one by one: bit for bit in deterministic mode (what keeps greedy
+    speculation token-identical, and what that mode promises); to float rounding by default — a layer that chooses
+    otherwise for a row (sparse attention's top-k keys among tied scores: GLM-5's batched decode once differed at
+    its 7th token) is not rounding. The prompt is longer than the tiny configs' top-k, so selection happens."""
+    if model_type not in supported_architectures():
+        pytest.skip(UNSUPPORTED.get(model_type, "no adapter"))
+    torch.set_num_threads(1)
+    save_checkpoint(model_type, tmp_path)
+    engine = Engine.from_pretrained(tmp_path, threads=1)
+    if (why := unsupported(engine.spec)) is not None:
+        pytest.skip(f"does not speculate: {why}")
+    gen = torch.Generator().manual_seed(5)
+    prompt, row = torch.randint(0, 512, (20,), generator=gen), torch.randint(0, 512, (6,), generator=gen)
+    steps, together = _row_and_steps(engine, prompt, row)
+    assert (steps - together).abs().max().item() <= 1e-4
+    before = ops.deterministic()
+    ops.set_deterministic(True)
+    try:
+        steps, together = _row_and_steps(engine, prompt, row)
+        cache = engine.decoder.new_cache()  # and a prompt cut into chunks: each position's bits as in one chunk
+        whole = engine.decoder.logits(engine.decoder.forward(prompt, engine.decoder.new_cache()))
+        parts = [engine.decoder.logits(engine.decoder.forward(c, cache)) for c in (prompt[:7], prompt[7:9], prompt[9:])]
+    finally:
+        ops.set_deterministic(before)
+    assert torch.equal(steps, together)
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def _sparse_attention(model_type: str) -> bool:
+    """Whether the tiny config chooses keys per query (an indexer of some kind), found from the spec."""
+    spec = spec_from_config(make_config(model_type).to_dict())
+    return any(a is not None and (a.indexer is not None or a.sparse_index is not None or a.qsa is not None
+                                  or a.block_indexer is not None
+                                  or (a.compressor is not None and a.compressor.indexer is not None))
+               for a in (layer.attention for layer in spec.layers))
+
+
+SPARSE = [t for t in TYPES if t in supported_architectures() and _sparse_attention(t)]
+
+
+def test_sparse_attention_types_are_found() -> None:
+    assert {"deepseek_v32", "glm_moe_dsa", "deepseek_v4"} <= set(SPARSE)
+
+
+@pytest.mark.parametrize("model_type", SPARSE)
+def test_speculation_keeps_greedy_tokens_with_sparse_attention(model_type: str, tmp_path: Path) -> None:
+    """Through the engine, default (fast) mode: drafts that are the greedy continuation except every third token,
+    always verified, give the tokens of plain greedy decoding — the runner marks the verify rows, so the key
+    selection of each drafted token is its decode step's."""
+    from tests.runtime.test_speculative import Oracle
+
+    torch.set_num_threads(1)
+    save_checkpoint(model_type, tmp_path)
+    engine = Engine.from_pretrained(tmp_path, threads=1, speculate=False)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (22, 30)]
+    greedy = SamplingParams(max_new_tokens=16, stop_token_ids=())
+    alone = [engine.generate(p, greedy).token_ids for p in prompts]
+    references = {tuple(p): a for p, a in zip(prompts, alone)}
+    engine.speculation = SpeculationConfig(verify_cost=0.0, max_draft=5,
+                                           drafter=lambda: Oracle(references, engine.spec.vocab_size))
+    assert [engine.generate(p, greedy).token_ids for p in prompts] == alone
+    stats = engine.stats()["speculation"]
+    assert stats["accepted"] > 4 and stats["verify_rows"] > 0
 
 
 def _hybrids() -> list[str]:

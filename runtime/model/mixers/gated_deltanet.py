@@ -110,10 +110,10 @@ def kimi_delta(
     f = _gate_proj(x, w, "f", spec).float() + w["dt_bias"].float()
     rate = w["A_log"].float().exp().reshape(1, h, 1)
     if spec.safe_gate_bound is not None:
-        g = spec.safe_gate_bound * torch.sigmoid(rate * f.view(t, h, dk))  # [T, H, Dk]
+        g = spec.safe_gate_bound * elementwise(torch.sigmoid, rate * f.view(t, h, dk))  # [T, H, Dk]
     else:
-        g = -rate * F.softplus(f.view(t, h, dk))
-    beta = torch.sigmoid(mixer_linear(x, w["b_proj.weight"]).float())
+        g = -rate * elementwise(F.softplus, f.view(t, h, dk))
+    beta = elementwise(torch.sigmoid, mixer_linear(x, w["b_proj.weight"]).float())
     q, k = _l2norm(q) * dk**-0.5, _l2norm(k)
     if rec_state is None:
         rec_state = torch.zeros(h, dk, dk, dtype=torch.float32, device=x.device)

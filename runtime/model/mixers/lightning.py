@@ -10,14 +10,14 @@ import torch
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.activations import activation_fn, params_in
 from freetoken_agent.runtime.model.spec import RecurrentSpec
-from freetoken_agent.runtime.model.layers import mixer_linear
+from freetoken_agent.runtime.model.layers import elementwise, mixer_linear
 
 
 def lightning(
     x: torch.Tensor, w: dict[str, torch.Tensor], spec: RecurrentSpec, layer: int, cache: KVCache, eps: float
 ) -> torch.Tensor:
     t, h, dh = x.shape[0], spec.num_v_heads, spec.head_v_dim
-    qkv = activation_fn(spec.activation, params_in(w))(mixer_linear(x, w["qkv_proj.weight"])).view(t, h, 3 * dh)
+    qkv = elementwise(activation_fn(spec.activation, params_in(w)), mixer_linear(x, w["qkv_proj.weight"])).view(t, h, 3 * dh)
     q, k, v = qkv.float().split(dh, dim=-1)  # [T, H, Dh] each
     decay = torch.exp(-torch.tensor(spec.slopes, dtype=torch.float32, device=x.device))[:, None, None]  # [H, 1, 1]
     state = cache.get_state(layer)
@@ -28,6 +28,6 @@ def lightning(
         out[i] = (q[i][:, None, :] @ kv)[:, 0]
     cache.set_state(layer, kv)
     o = out.reshape(t, h * dh)
-    o = w["norm.weight"] * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + spec.norm_eps)).to(x.dtype)
-    o = torch.sigmoid(mixer_linear(x, w["output_gate.weight"])) * o
+    o = w["norm.weight"] * (o * elementwise(torch.rsqrt, o.pow(2).mean(-1, keepdim=True) + spec.norm_eps)).to(x.dtype)
+    o = elementwise(torch.sigmoid, mixer_linear(x, w["output_gate.weight"])) * o
     return mixer_linear(o, w["out_proj.weight"])

@@ -13,7 +13,7 @@ from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.activations import params_in
 from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import RecurrentSpec
-from freetoken_agent.runtime.model.layers import mixer_linear
+from freetoken_agent.runtime.model.layers import elementwise, mixer_linear, unit_rms_norm
 
 
 def mamba2(
@@ -30,7 +30,7 @@ def mamba2(
     xs, b, c = xbc.float().split([inner, g * n, g * n], dim=-1)
     xs, b, c = xs.view(t, h, p), b.view(t, g, n), c.view(t, g, n)
     b, c = b.repeat_interleave(h // g, dim=1), c.repeat_interleave(h // g, dim=1)  # [T, H, N]
-    dt = F.softplus(dt.float() + w["dt_bias"].float())  # [T, H]
+    dt = elementwise(F.softplus, dt.float() + w["dt_bias"].float())  # [T, H]
     lo, hi = spec.dt_limit
     if lo > 0 or hi < float("inf"):
         dt = dt.clamp(lo, hi)
@@ -43,8 +43,7 @@ def mamba2(
         ssm = ssm * decay + (dt[i][:, None] * xs[i])[:, :, None] * b[i][:, None, :]
         ys[i] = (ssm * c[i][:, None, :]).sum(-1) + w["D"].float()[:, None] * xs[i]
     cache.set_state(layer, conv_state, ssm)
-    y = ys.reshape(t, inner) * F.silu(z.float())  # gate before the norm
-    y = y.view(t, spec.norm_groups, -1)
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    y = ys.reshape(t, inner) * elementwise(F.silu, z.float())  # gate before the norm
+    y = unit_rms_norm(y.view(t, spec.norm_groups, -1), eps)
     y = (w["norm.weight"] * y.reshape(t, inner).to(x.dtype))
     return mixer_linear(y, w["out_proj.weight"], w.get("out_proj.bias"))

@@ -26,7 +26,7 @@ def _per_slot(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor) -> torch
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         rows = x[tok] if x.dim() == 2 else x[tok, slot]
-        out[tok, slot] = rows @ weight[e].T
+        out[tok, slot] = mixer_linear(rows, weight[e])
     return out
 
 
