@@ -635,9 +635,7 @@ class Scheduler:
                         self._rope_limit - length)
             if limit <= 0:
                 continue
-            if seq.spec is None or seq.spec.config is not config:
-                seq.spec = DraftPolicy(config, self._phase_acceptance, cost=self.step_cost)
-            k = seq.spec.length(self._phase(seq), limit, seq.tokens)
+            k = self._policy(seq).length(self._phase(seq), limit, seq.tokens)
             if k <= 0:
                 continue
             start = getattr(seq.spec.drafter, "start", None)  # a draft model: every proposal runs before any wait
@@ -799,7 +797,18 @@ class Scheduler:
             self.running.remove(seq)
             self._complete(seq, "length")
             return
+        if seq.generated == 0 and self.speculation.enabled and self.speculation_unsupported is None:
+            self._policy(seq).prepare(seq.tokens)  # with the prompt's processing, before its first token
         self._deliver(seq, [self._judge(seq, seq.sampler(logits[-1]))])
+
+    def _policy(self, seq: Sequence) -> DraftPolicy:
+        """The sequence's draft policy under the current speculation settings (made on first use)."""
+        config = self.speculation
+        if self._phase_acceptance.config is not config:
+            self._phase_acceptance = PhaseAcceptance(config)
+        if seq.spec is None or seq.spec.config is not config:
+            seq.spec = DraftPolicy(config, self._phase_acceptance, cost=self.step_cost)
+        return seq.spec
 
     def _judge(self, seq: Sequence, token: int) -> TokenEvent:
         """Account one sampled token: its text delta and whether it ends the sequence (nothing is sent yet)."""
@@ -837,8 +846,12 @@ class Scheduler:
         k = len(draft)
         events: list[TokenEvent] = []
         kept = 0
+        greedy = seq.sampler.greedy_picks(logits)  # greedy without a processor: every position's argmax at once
         for j in range(k + 1):
-            if j < k:
+            if greedy is not None:
+                token = seq.sampler.take_greedy(greedy[0][j], greedy[1][j])
+                ok = j < k and token == draft[j]
+            elif j < k:
                 token, ok = seq.sampler.verify(logits[j], draft[j])
             else:
                 token, ok = seq.sampler(logits[j]), False

@@ -202,6 +202,10 @@ class ModelDrafter:
     def seconds_per_token(self) -> float | None:
         return self.model.seconds_per_token
 
+    def prepare(self, tokens: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.prepare(tokens)
+
     def source(self, tokens: list[int]) -> tuple[str, float | None]:
         """Where the next proposal after ``tokens`` comes from: ``copy`` (prompt lookup matches enough: free) or
         ``model`` (its measured seconds per draft token); ``DraftPolicy`` prices and trusts each on its own."""

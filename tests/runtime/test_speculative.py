@@ -261,6 +261,36 @@ def test_a_sequence_that_never_accepts_stops_drafting(tmp_path: Path) -> None:
     engine.close()
 
 
+def test_the_prompt_is_indexed_with_its_prefill(tmp_path: Path) -> None:
+    """A drafter that indexes its context gets the whole prompt when the prefill ends, before the first token is
+    judged and before any proposal: the indexing is prompt processing, not a decode step's work."""
+    save_checkpoint("qwen3_moe", tmp_path)
+    calls: list[tuple[str, int]] = []
+
+    class Recording(PromptLookup):
+        def prepare(self, tokens: list[int]) -> None:
+            calls.append(("prepare", len(tokens)))
+            super().prepare(tokens)
+
+        def propose(self, tokens: list[int], k: int) -> list[int]:
+            calls.append(("propose", len(tokens)))
+            return super().propose(tokens, k)
+
+    engine = Engine.from_pretrained(tmp_path, speculate=SpeculationConfig(verify_cost=0.0, drafter=Recording))
+    prompt = repeating_prompts(1, seed=3)[0]
+    engine.speculation = False
+    want = engine.generate(prompt, greedy(12)).token_ids
+    engine.speculation = SpeculationConfig(verify_cost=0.0, drafter=Recording)
+    assert engine.generate(prompt, greedy(12)).token_ids == want
+    assert calls[0] == ("prepare", len(prompt))  # the prompt alone: no generated token yet
+    assert [c for c in calls if c[0] == "prepare"] == [calls[0]]
+    assert any(c[0] == "propose" for c in calls)
+    lookup = PromptLookup(key=2)
+    lookup.prepare(prompt)
+    assert lookup.propose(prompt, 3) == PromptLookup(key=2).propose(prompt, 3)  # the same drafts as unprepared
+    engine.close()
+
+
 def test_option_stats_and_bad_values(tmp_path: Path) -> None:
     save_checkpoint("qwen3_moe", tmp_path)
     engine = Engine.from_pretrained(tmp_path, speculate=False)
