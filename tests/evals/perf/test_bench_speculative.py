@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_agent.evals.perf.bench_speculative import DRAFTS, draft_cost, draft_oracle, oracle_table, record_replies
+from freetoken_agent.evals.perf.bench_speculative import (
+    DRAFTS,
+    EDIT,
+    draft_cost,
+    draft_oracle,
+    oracle_table,
+    phase_spans,
+    record_replies,
+)
 from freetoken_agent.runtime.engine import Engine
 from freetoken_agent.runtime.generation.sampling import SamplingParams
 
@@ -55,3 +63,24 @@ def test_the_oracle_drafts_from_the_replies_of_earlier_sessions() -> None:
     history = TokenHistory(prompt_tail=2)
     record_replies(history, *sessions[0][1:])  # the thought and the code after it are one reply
     assert history.snapshot()["documents"] == 1 and history.size == 2 + 41
+
+
+def test_edit_turns_are_the_tool_calls_that_write_a_file() -> None:
+    """The ``edit`` selection: code spans whose tool call writes a file, and nothing else."""
+    from freetoken_agent.evals.perf.bench_speculative import _builtin_tokenizer
+
+    writes = ["cat <<'EOF' > reproduce.py\nprint(1)\nEOF", "cat <<EOF >> tests/test_a.py\nx\nEOF",
+              "sed -i 's/a/b/' src/mod.py", "echo x | tee out.txt", "git apply fix.diff", "echo 1 > notes.md",
+              "python -c \"open('a.py', 'w').write('x')\""]
+    reads = ["ls -R", "cat astropy/io/ascii/rst.py", "sed -n '240,260p' a.py", "grep -n \"class A\" a.py",
+             "python3 reproduce.py", "pytest -q tests 2>&1 | tail -5"]
+    assert all(EDIT.search(c) for c in writes) and not any(EDIT.search(c) for c in reads)
+    tok = _builtin_tokenizer()
+    ids, labels = [], []
+    for text, label in [("prompt ", None), (reads[1], "code"), (" out ", None), (writes[0], "code"),
+                        (" more ", None), (writes[2], "code")]:
+        piece = tok.encode(text).ids
+        ids += piece
+        labels += [label] * len(piece)
+    code = phase_spans(ids, labels, "code")
+    assert len(code) == 3 and phase_spans(ids, labels, "edit") == code[1:]
