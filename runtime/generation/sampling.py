@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from freetoken_agent.runtime.errors import FreeTokenError, SamplingError
@@ -161,6 +162,10 @@ class Sampler:
         caller takes the tokens it uses with ``take_greedy`` (which checks each one's logit for NaN)."""
         if self.params.temperature != 0.0 or self.params.processor is not None:
             return None
+        if _numpy_ok(logits):
+            rows = logits.numpy()
+            picks = rows.argmax(-1)
+            return picks.tolist(), rows[np.arange(picks.shape[0]), picks].tolist()
         picks = torch.argmax(logits, dim=-1)
         return picks.tolist(), logits.gather(1, picks[:, None])[:, 0].tolist()
 
@@ -189,11 +194,24 @@ class Sampler:
         return token, token == draft
 
 
+def _numpy_ok(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` can be read as a numpy array in place: fp32 on the CPU, no autograd. numpy's argmax takes
+    3-8 us over 1-8 rows of 8,192 logits where torch's takes 9-31 us (2 threads, Zen 4) — a greedy decode pays it
+    every token — with the same answer: the first maximum, a NaN counted as the maximum."""
+    return logits.dtype is torch.float32 and logits.device.type == "cpu" and not logits.requires_grad
+
+
 def _argmax(logits: torch.Tensor) -> int:
-    """The greedy pick of ``logits`` [V]; NumericalError on NaN logits. One pass: torch's argmax takes a NaN as the
-    maximum, so checking the picked value finds any NaN (what ``distribution`` checks with a separate ``isnan``)."""
-    token = int(torch.argmax(logits))
-    if math.isnan(float(logits[token])):
+    """The greedy pick of ``logits`` [V]; NumericalError on NaN logits. One pass: argmax takes a NaN as the maximum,
+    so checking the picked value finds any NaN (what ``distribution`` checks with a separate ``isnan``)."""
+    if _numpy_ok(logits):
+        row = logits.numpy()
+        token = int(row.argmax())
+        value = float(row[token])
+    else:
+        token = int(torch.argmax(logits))
+        value = float(logits[token])
+    if math.isnan(value):
         raise NumericalError(NAN_LOGITS)
     return token
 
