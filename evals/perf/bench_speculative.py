@@ -60,15 +60,22 @@ the most one fused step carries)."""
 # ------------------------------------------------------------------------------------------------ sessions
 
 
+@functools.lru_cache(maxsize=1)
+def builtin_tokenizer() -> Any:
+    """The built-in model's ``tokenizers.Tokenizer`` (loaded once)."""
+    from freetoken_agent.runtime.builtin import builtin_model_dir
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
+
+
 def labelled_sessions(folder: Path, limit: int) -> list[tuple[str, list[int], list[str | None]]]:
     """(name, token ids, phase label per token) of up to ``limit`` trajectories, rendered as the built-in model
     was trained on them."""
     from freetoken_agent.evals.builtin.data import render_session
     from freetoken_agent.evals.perf.routing_report import token_phases
-    from freetoken_agent.runtime.builtin import builtin_model_dir
-    from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
+    tokenizer = builtin_tokenizer()
     out = []
     for path in sorted(folder.glob("*.traj.json"))[:limit]:
         text = render_session(path)
@@ -99,20 +106,12 @@ AGENT_PHASE = {"edit": "code"}
 """The phase an agent announces for a selection's turns (an edit is a ``code`` turn)."""
 
 
-@functools.lru_cache(maxsize=1)
-def _builtin_tokenizer() -> Any:
-    from freetoken_agent.runtime.builtin import builtin_model_dir
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
-
-
 def phase_spans(ids: list[int], labels: list[str | None], phase: str) -> list[tuple[int, int]]:
     """The spans of ``phase`` (``spans``), or of the ``code`` spans whose recorded tool call writes a file
     (``EDIT``) for the ``edit`` selection."""
     if phase != "edit":
         return spans(labels, phase)
-    tokenizer = _builtin_tokenizer()
+    tokenizer = builtin_tokenizer()
     return [(a, b) for a, b in spans(labels, "code") if EDIT.search(tokenizer.decode(ids[a:b]))]
 
 

@@ -18,9 +18,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from freetoken_agent.runtime.kernels import ops as kops
 from freetoken_agent.runtime.model.compressed import Loader
 from freetoken_agent.runtime.model.layers import elementwise, mixer_linear
+from freetoken_agent.runtime.model.mixers.conv import causal_conv
 from freetoken_agent.runtime.model.spec import NGramSpec
 
 Weights = dict[str, torch.Tensor]
@@ -121,7 +121,6 @@ def ple(h: torch.Tensor, ids: torch.Tensor, w: Weights, spec: NGramSpec, d: int,
     """One sequence: streams h [T, N·D], token ids [T], state (context [c], conv inputs [r, N·D]) → (the PLE output
     [T, N·D] to add to the streams, the new state)."""
     n, c = h.shape[1] // d, spec.ngram_size - 1
-    lookback = (spec.conv_kernel - 1) * spec.ngram_size
     context = ids.new_full((c,), spec.eos) if state is None else state[0]
     emb = lookup(ngram_rows(ids, context, spec), [w[f"ngram.{k}"] for k in range(spec.shards)]).flatten(-2)  # [T, P]
     key = group_norm(mixer_linear(emb, w["key_proj.weight"]), w["norm_key.weight"], d, eps).unflatten(-1, (n, d))
@@ -131,17 +130,10 @@ def ple(h: torch.Tensor, ids: torch.Tensor, w: Weights, spec: NGramSpec, d: int,
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated = (elementwise(torch.sigmoid, gate) * value[:, None, :]).flatten(-2)  # [T, N·D]
     normed = group_norm(gated, w["norm_conv.weight"], d, eps)
-    prev = normed.new_zeros(lookback, normed.shape[1]) if state is None else state[1]
-    full = torch.cat([prev, normed])  # [r + T, N·D]
-    if kops.deterministic():  # each output in one fixed order, whatever T (conv1d's bits depend on the length)
-        taps, t = w["conv1d.weight"][:, 0], normed.shape[0]  # [C, K]
-        conv = full[0:t] * taps[:, 0]
-        for j in range(1, taps.shape[1]):
-            conv = conv + full[j * spec.ngram_size : j * spec.ngram_size + t] * taps[:, j]
-    else:
-        conv = F.conv1d(full.T[None], w["conv1d.weight"], groups=full.shape[1], dilation=spec.ngram_size)[0].T
+    conv, conv_state = causal_conv(normed, w["conv1d.weight"], None, None if state is None else state[1], None,
+                                   dilation=spec.ngram_size)  # [T, N·D], the last (K-1)·n inputs
     history = torch.cat([context, ids])
-    return gated + elementwise(F.silu, conv), (history[history.shape[0] - c :].clone(), full[full.shape[0] - lookback :].clone())
+    return gated + elementwise(F.silu, conv), (history[history.shape[0] - c :].clone(), conv_state)
 
 
 def ple_weights(ld: Loader, prefix: str, spec: NGramSpec, d: int, streams: int) -> Weights:

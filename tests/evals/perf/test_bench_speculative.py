@@ -11,6 +11,7 @@ import pytest
 from freetoken_agent.evals.perf.bench_speculative import (
     DRAFTS,
     EDIT,
+    builtin_tokenizer,
     draft_cost,
     draft_oracle,
     oracle_table,
@@ -67,15 +68,13 @@ def test_the_oracle_drafts_from_the_replies_of_earlier_sessions() -> None:
 
 def test_edit_turns_are_the_tool_calls_that_write_a_file() -> None:
     """The ``edit`` selection: code spans whose tool call writes a file, and nothing else."""
-    from freetoken_agent.evals.perf.bench_speculative import _builtin_tokenizer
-
     writes = ["cat <<'EOF' > reproduce.py\nprint(1)\nEOF", "cat <<EOF >> tests/test_a.py\nx\nEOF",
               "sed -i 's/a/b/' src/mod.py", "echo x | tee out.txt", "git apply fix.diff", "echo 1 > notes.md",
               "python -c \"open('a.py', 'w').write('x')\""]
     reads = ["ls -R", "cat astropy/io/ascii/rst.py", "sed -n '240,260p' a.py", "grep -n \"class A\" a.py",
              "python3 reproduce.py", "pytest -q tests 2>&1 | tail -5"]
     assert all(EDIT.search(c) for c in writes) and not any(EDIT.search(c) for c in reads)
-    tok = _builtin_tokenizer()
+    tok = builtin_tokenizer()
     ids, labels = [], []
     for text, label in [("prompt ", None), (reads[1], "code"), (" out ", None), (writes[0], "code"),
                         (" more ", None), (writes[2], "code")]:
