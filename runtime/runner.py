@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from freetoken_agent.runtime.kernels.ops import torch_heavy
+from freetoken_agent.runtime.kernels.ops import prompt_step, torch_heavy
 from freetoken_agent.runtime.kv.cache import KVCache
 from freetoken_agent.runtime.model.decoder import Decoder
 
@@ -56,8 +56,11 @@ class ModelRunner:
         (``draft``) or None; fp32."""
         prefill = any(int(r.tokens.shape[0]) - r.draft > 1 for r in rows)
         self._threads(decode=not prefill)
+        # a step of prompt chunks only (no decode token, no verify row): AMX's default mode runs its bf16 tiles there,
+        # while a decode token keeps the bits of its one-token kernels (kernels.ops.set_amx_mode)
+        prompts = prefill and all(r.draft == 0 and int(r.tokens.shape[0]) > 1 for r in rows)
         # prefill: torch's threads carry it, so the kernels' idle workers sleep soon instead of polling in their way
-        with torch_heavy() if prefill else nullcontext():
+        with torch_heavy() if prefill else nullcontext(), prompt_step() if prompts else nullcontext():
             hidden = self.decoder.forward_batch([r.tokens for r in rows], [r.cache for r in rows],
                                                 [r.rope_length for r in rows], [r.draft > 0 for r in rows])  # [T, D]
             picks, start = [], 0

@@ -5,9 +5,11 @@ and the same routing, and quantize the weights themselves. Ours: ``QuantizedExpe
 packing: gate rows then up rows as one ``w13 [2I, D]`` per expert) in each ``--formats`` format, timed as one
 ``ops.moe`` call (the fused step the engine runs while no expert reaches the dequantize crossover, reported as
 ``engine_crossover_tokens``) on every ISA path from ``avx512vnni`` up that ``ops.available_isas()`` lists (the best
-one where the CPU has no AVX-512), the ``amx`` path in its default exact mode and, where the CPU has AMX-BF16, in
-its opt-in bf16 mode too (``amx-bf16``, ``ops.set_amx_exact(False)``). The peer: ``kt_peer.py`` under kt-kernel's own interpreter (``--peer-python``;
-it pins another torch), one subprocess per method (``AMXInt4``, ``AMXInt8``, ``AMXInt4_KGroup``).
+one where the CPU has no AVX-512), the ``amx`` path in exact mode (``amx``: what a decode row and deterministic mode
+run) and, where the CPU has AMX-BF16, as the engine runs a prompt step by default too (``amx-prompt``: the default
+``prompts`` mode inside ``ops.prompt_step()``, i.e. bf16 tiles; ``ops.set_amx_mode``). The peer: ``kt_peer.py``
+under kt-kernel's own interpreter (``--peer-python``; it pins another torch), one subprocess per method
+(``AMXInt4``, ``AMXInt8``, ``AMXInt4_KGroup``).
 
 Routing: per token, top-k distinct experts drawn from a Zipf-like popularity (expert of rank r has weight
 ``1 / r**skew`` over a seeded shuffle), weights the softmax of sorted router logits (Qwen3's renormalized top-k).
@@ -30,6 +32,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,16 +115,14 @@ def _entry(m: int, side: str, path: str, seconds: dict[str, Any], cpu_s: float, 
             "tok_s": round(m / med, 1) if med else None, "cpu_ms": round(cpu_s * 1e3, 3), "error": round(error, 5)}
 
 
-def _variants(isas: list[str]) -> list[tuple[str, bool]]:
-    """(ISA, exact) pairs to time: every ISA as it runs by default (exact), and the ``amx`` path's opt-in bf16 mode
-    too where this CPU has it (``ops.set_amx_exact``)."""
+def _variants(isas: list[str]) -> list[tuple[str, str]]:
+    """(ISA, label) pairs to time: every ISA (``amx`` in exact mode), and ``amx-prompt`` — the ``amx`` path as a
+    prompt step runs it in the default mode, bf16 tiles — where this CPU has AMX-BF16 (``ops.set_amx_mode``)."""
     from freetoken_agent.runtime.kernels import ops
 
-    out = [(isa, True) for isa in isas]
-    if "amx" in isas:
-        before = ops.set_amx_exact(False)
-        if ops.set_amx_exact(before) is False:  # bf16 mode took: the CPU has AMX-BF16
-            out.append(("amx", False))
+    out = [(isa, isa) for isa in isas]
+    if "amx" in isas and ops.amx_bf16_supported():
+        out.append(("amx", "amx-prompt"))
     return out
 
 
@@ -135,15 +136,15 @@ def run_ours(weights: dict[str, torch.Tensor], shape: Shape, inputs: dict[int, d
     gate_up = torch.cat([weights["gate"], weights["up"]], dim=1)  # [E, 2I, D]: gate rows, then up rows
     for fmt in formats:
         qe = QuantizedExperts.from_float(gate_up, weights["down"], fmt, use_kernels=True)
-        for isa, exact in _variants(isas):
+        for isa, label in _variants(isas):
             ops.set_isa(isa)
-            before = ops.set_amx_exact(exact) if isa == "amx" else None
-            label = isa if exact else f"{isa}-bf16"
+            before = ops.set_amx_mode("prompts" if label == "amx-prompt" else "exact") if isa == "amx" else None
             for m, t in inputs.items():
                 x, ids, wts = t["x"].float(), t["ids"], t["weights"]
 
                 def step() -> torch.Tensor:
-                    return ops.moe(qe.fmt, qe.w13, qe.w2, (shape.hidden, shape.intermediate), x, ids, wts)
+                    with ops.prompt_step() if label == "amx-prompt" else nullcontext():
+                        return ops.moe(qe.fmt, qe.w13, qe.w2, (shape.hidden, shape.intermediate), x, ids, wts)
 
                 for _ in range(WARMUP):
                     y = step()
@@ -155,7 +156,7 @@ def run_ours(weights: dict[str, torch.Tensor], shape: Shape, inputs: dict[int, d
                 out.append(_entry(m, "ours", f"{fmt} {label}", spread.to_json(), cpu_s, error, format=fmt,
                                   isa=label))
             if before is not None:
-                ops.set_amx_exact(before)
+                ops.set_amx_mode(before)
         del qe
     return out
 
@@ -266,7 +267,7 @@ def measure(shape: Shape, tokens: list[int], *, threads: int = 2, repeats: int =
             "tokens": tokens, "threads": threads, "repeats": repeats,
             "routing": {"skew": skew, "seed": seed,
                         **{f"M{m}": load_stats(t["ids"], shape.experts) for m, t in inputs.items()}},
-            "ours": {"isas": [isa if exact else f"{isa}-bf16" for isa, exact in _variants(isa_list)],
+            "ours": {"isas": [label for _, label in _variants(isa_list)],
                      "formats": formats, "engine_crossover_tokens": crossover_tokens()},
             "peer": facts, "results": results, "ratios": ratios(results, tokens),
             "notes": ["sides run one after the other (ours, then one kt-kernel process per method), not alternated",

@@ -220,8 +220,11 @@ def pool_carries() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+AMX_MODES = ("exact", "bf16", "prompts")
+"""The ``amx`` path's numerics (``set_amx_mode``), in the C library's order."""
+
 _deterministic = [False]
-_amx_exact_before = [True]  # the AMX mode set_deterministic(True) replaced
+_amx_mode_before = [AMX_MODES.index("prompts")]  # the AMX mode set_deterministic(True) replaced
 
 
 def set_deterministic(on: bool) -> None:
@@ -238,9 +241,9 @@ def set_deterministic(on: bool) -> None:
     lib = _loaded[0] if _loaded else build.loaded()
     if lib is not None and bool(on) != _deterministic[0]:  # AMX's bf16 mode is not bit-identical: exact while on
         if on:
-            _amx_exact_before[0] = bool(lib.ft_amx_set_exact(1))
+            _amx_mode_before[0] = int(lib.ft_amx_set_mode(AMX_MODES.index("exact")))
         else:
-            lib.ft_amx_set_exact(int(_amx_exact_before[0]))
+            lib.ft_amx_set_mode(_amx_mode_before[0])
     _deterministic[0] = bool(on)
 
 
@@ -253,8 +256,9 @@ def set_isa(name: str) -> str:
     """Force an ISA path (``best``, ``portable``, ``avx2``, ``avx512vnni``, ``amx``); raises if this CPU lacks it.
 
     ``amx`` is AVX-512 VNNI plus Intel AMX tiles for Q4_0, Q8_0, Q4_K and Q6_K weights against several tokens at
-    once (a prefill step's experts, a quantized linear at M > 1), bit-identical to ``avx512vnni`` by default
-    (``set_amx_exact``); Linux must grant the process the tile state (asked at detection)."""
+    once (a prefill step's experts, a quantized linear at M > 1): bit-identical to ``avx512vnni`` except in prompt
+    steps, where the default mode runs bf16 tiles (``set_amx_mode``); Linux must grant the process the tile state
+    (asked at detection)."""
     if name not in ISA_CODE:
         raise FreeTokenError(f"unknown ISA {name!r}; expected one of {', '.join(ISA_CODE)}")
     got = _lib().ft_set_isa(ISA_CODE[name])
@@ -621,14 +625,44 @@ def set_amx_min_tokens(n: int) -> int:
     return int(_lib().ft_amx_set_min_tokens(max(0, int(n))))
 
 
-def set_amx_exact(on: bool) -> bool:
-    """The ``amx`` path's mode; returns the previous one. Exact (int8 tiles, the default): every output bit-identical
-    to the AVX-512 VNNI kernels, as batch invariance needs; ``set_deterministic(True)`` turns it back on. Off (or
-    ``$FREETOKEN_AMX_BF16=1`` at load; needs AMX-BF16 and AVX512-BF16; Q4_0 / Q8_0 only, K-quants stay exact):
-    weights dequantized to bf16 once per 32-row work item, activations rounded to bf16 instead of int8, fp32 sums
-    over all of K in the tiles, no per-block scaling: closer to the fp32 product, faster from ~64 tokens per weight
-    (a 512-token MoE layer of the 7.5B benchmark model: 48 vs 66 ms), not bit-identical."""
-    return bool(_lib().ft_amx_set_exact(int(bool(on))))
+def set_amx_mode(mode: str) -> str:
+    """The ``amx`` path's numerics for Q4_0 / Q8_0 weights against many tokens; returns the previous mode.
+
+    - ``exact``: int8 tiles, every output bit-identical to the AVX-512 VNNI kernels (a token's bits never depend on
+      how many tokens share its expert). ``set_deterministic(True)`` holds this mode while it is on.
+    - ``bf16``: weights dequantized to bf16 once per 32-row work item, activations rounded to bf16 instead of int8,
+      fp32 sums over all of K in the tiles, no per-block scaling: closer to the fp32 product, faster at many tokens
+      per weight (a 512-token MoE layer of the 7.5B benchmark model: ~48 vs ~66 ms), not bit-identical.
+    - ``prompts`` (the default): ``bf16`` inside a prompt step (``prompt_step``: the runner's steps that hold only
+      prompt chunks), ``exact`` everywhere else, so a decode token and a speculative verify row keep the VNNI
+      kernels' bits while a prompt gets the faster product.
+
+    ``$FREETOKEN_AMX_BF16`` picks it at load (``1``: bf16, ``0``: exact, unset: prompts). bf16 needs AMX-BF16 and
+    AVX512-BF16 (``amx_bf16_supported``): without them every mode runs exact; K-quants always run exact.
+    """
+    if mode not in AMX_MODES:
+        raise FreeTokenError(f"unknown AMX mode {mode!r}; expected one of {', '.join(AMX_MODES)}")
+    return AMX_MODES[int(_lib().ft_amx_set_mode(AMX_MODES.index(mode)))]
+
+
+def amx_bf16_supported() -> bool:
+    """Whether this CPU runs the ``amx`` path's bf16 mode (AMX-BF16 and AVX512-BF16, and the library built for AMX)."""
+    return bool(_lib().ft_amx_bf16_supported())
+
+
+@contextmanager
+def prompt_step() -> Iterator[None]:
+    """Mark the calling thread's work as a prompt-only step (no decode token, no verify row) while inside: the
+    ``prompts`` AMX mode then runs its bf16 tiles (``set_amx_mode``). A no-op where the C library is not loaded."""
+    lib = _loaded[0] if _loaded else build.loaded()
+    if lib is None:
+        yield
+        return
+    before = lib.ft_amx_prompt_step(1)
+    try:
+        yield
+    finally:
+        lib.ft_amx_prompt_step(before)
 
 
 def set_attn_amx(on: bool) -> bool:

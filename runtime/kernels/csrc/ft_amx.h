@@ -5,7 +5,8 @@
  * (of one expert, for the fused MoE step), 16 tokens at a time: the tokens' activations are gathered once per call
  * (per MoE pass) into 16-token panels (amx_panel), the item's weights are unpacked once into B tiles.
  *
- * Exact mode (the default), per 16 weight rows and 32-value block b (Q6_K: per 16-value half):
+ * Exact mode (decode tokens and verify rows by default; every call in deterministic mode), per 16 weight rows and
+ * 32-value block b (Q6_K: per 16-value half):
  *   A (16 tokens x 32 int8): the block's quantized activations, straight from the panel (row stride nb * 32);
  *   B (8 rows x 64 bytes: 4 bytes of K for each of the 16 weight rows, the layout AMX multiplies): q8 codes as
  *     stored; q4 codes unpacked to one byte each (low nibbles of the 4 chunks, then high nibbles; the panel's
@@ -17,8 +18,9 @@
  * path: the batch invariance of the quantized kernels (invariant.py) holds with AMX on. C tiles rotate through four
  * registers so a block's product, the previous block's store and the one before's read-back overlap.
  *
- * bf16 mode (opt-in, q4 / q8): the weights dequantized to bf16, the activations rounded to bf16, TDPBF16PS summing
- * all of K in fp32 with no per-block epilogue; two token chunks x two 16-row halves per block (amx_rows_bf16).
+ * bf16 mode (prompt-only steps by default, every call on request; q4 / q8): the weights dequantized to bf16, the
+ * activations rounded to bf16, TDPBF16PS summing all of K in fp32 with no per-block epilogue; two token chunks x two
+ * 16-row halves per block (amx_rows_bf16). See amx_mode.
  *
  * Linux gives a process AMX's 8 KB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM): detection asks
  * once; where the kernel refuses (old kernel, a VM without it), the ISA stays AVX-512 VNNI.
@@ -68,12 +70,19 @@ static inline void amx_panel_at(amx_panel *p, uint8_t *mem, int64_t chunks, int6
 static int64_t amx_min_tokens = AMX_MIN_DEFAULT;
 static _Atomic int64_t amx_calls; /* pieces of work run through AMX since load (tests: proof the path ran) */
 
-/* bf16 mode (opt-in: $FREETOKEN_AMX_BF16=1 or ft_amx_set_exact(0), where the CPU has AMX-BF16 and AVX512-BF16):
- * weights dequantized to bf16 once per 16-row item, activations rounded to bf16 (not int8), TDPBF16PS accumulating
- * fp32 over all of K in the tile, no per-block epilogue. Closer to the fp32 product than the int8 path, but not
- * bit-identical to the VNNI kernels (a token's bits would depend on how many tokens share its expert), so the
- * default is exact mode. -1: not yet decided. */
-static int amx_bf16 = -1;
+/* Which AMX numerics run (ft_amx_set_mode; $FREETOKEN_AMX_BF16 at load: 1 bf16, 0 exact, unset prompts):
+ * - exact: int8 tiles, every output bit-identical to the VNNI kernels (a token's bits never depend on how many tokens
+ *   share its expert); set_deterministic(True) holds this mode while it is on;
+ * - bf16: weights dequantized to bf16 once per 16-row item, activations rounded to bf16 (not int8), TDPBF16PS
+ *   accumulating fp32 over all of K in the tile, no per-block epilogue: closer to the fp32 product, faster at many
+ *   tokens per weight, not bit-identical to the VNNI kernels;
+ * - prompts (the default): bf16 in calls made while the calling thread is inside a prompt step
+ *   (ft_amx_prompt_step: the runner's steps that hold only prompt chunks), exact everywhere else: a decode token and a
+ *   speculative verify row keep the bits of the VNNI kernels, a prompt gets the faster (and closer) bf16 product.
+ * bf16 needs AMX-BF16 and AVX512-BF16 (else exact whatever the mode). -1: not yet decided. */
+enum { AMX_EXACT = 0, AMX_BF16 = 1, AMX_PROMPTS = 2 };
+static int amx_mode = -1;
+static _Thread_local int amx_prompt_step; /* this thread is running a prompt-only step (ft_amx_prompt_step) */
 
 static int amx_bf16_cpu = -1; /* cpuid's answer, asked once (in a VM cpuid exits to the hypervisor); -1: not yet */
 
@@ -86,12 +95,18 @@ static int amx_bf16_supported(void) {
     return amx_bf16_cpu;
 }
 
-static inline int amx_bf16_on(void) {
-    if (amx_bf16 < 0) {
+static int amx_mode_now(void) {
+    if (amx_mode < 0) {
         const char *env = getenv("FREETOKEN_AMX_BF16");
-        amx_bf16 = env && env[0] == '1' && amx_bf16_supported();
+        amx_mode = env && env[0] == '1' ? AMX_BF16 : env && env[0] == '0' ? AMX_EXACT : AMX_PROMPTS;
     }
-    return amx_bf16;
+    return amx_mode;
+}
+
+/* Whether a call made now on this thread gathers bf16 panels (q4 / q8 weights; K-quants always run exact). */
+static inline int amx_bf16_on(void) {
+    const int mode = amx_mode_now();
+    return (mode == AMX_BF16 || (mode == AMX_PROMPTS && amx_prompt_step)) && amx_bf16_supported();
 }
 
 typedef struct {
@@ -596,13 +611,22 @@ FT_AMX static void amx_gather_bf16(const float *src, int64_t ld, int64_t k_valid
 /* 16-row items computed through AMX since the library loaded. */
 int64_t ft_amx_calls(void) { return atomic_load(&amx_calls); }
 
-/* Exact (int8, bit-identical to the VNNI kernels) mode on or off; returns whether it was on. bf16 mode needs
- * AMX-BF16 and AVX512-BF16: without them exact mode stays on. */
-int ft_amx_set_exact(int on) {
-    const int was = !amx_bf16_on();
-    amx_bf16 = on ? 0 : amx_bf16_supported();
+/* Set the AMX mode (AMX_EXACT, AMX_BF16, AMX_PROMPTS; anything else leaves it) and return the previous one. */
+int ft_amx_set_mode(int mode) {
+    const int was = amx_mode_now();
+    if (mode == AMX_EXACT || mode == AMX_BF16 || mode == AMX_PROMPTS) amx_mode = mode;
     return was;
 }
+
+/* Mark the calling thread as running a prompt-only step (1) or not (0); returns the previous mark. */
+int ft_amx_prompt_step(int on) {
+    const int was = amx_prompt_step;
+    amx_prompt_step = on != 0;
+    return was;
+}
+
+/* Whether this CPU runs the bf16 mode (AMX-BF16 and AVX512-BF16). */
+int ft_amx_bf16_supported(void) { return amx_bf16_supported(); }
 
 /* Tokens per call from which AMX runs (<= 0: the default); returns the previous value. */
 int64_t ft_amx_set_min_tokens(int64_t n) {
@@ -624,7 +648,14 @@ static inline int amx_rows(int fmt, const uint8_t *tile, int64_t tile_stride, in
 }
 int64_t ft_amx_set_min_tokens(int64_t n) { (void)n; return 0; }
 int64_t ft_amx_calls(void) { return 0; }
-int ft_amx_set_exact(int on) { (void)on; return 1; }
+static int amx_mode = 2; /* prompts: the default, answered where AMX is not built */
+int ft_amx_set_mode(int mode) {
+    const int was = amx_mode;
+    if (mode >= 0 && mode <= 2) amx_mode = mode;
+    return was;
+}
+int ft_amx_prompt_step(int on) { (void)on; return 0; }
+int ft_amx_bf16_supported(void) { return 0; }
 static inline int amx_bf16_on(void) { return 0; }
 static inline void amx_gather_bf16(const float *src, int64_t ld, int64_t k_valid, const int64_t *tok, int64_t i0,
                                    int64_t n, const amx_panel *p, int64_t k) {

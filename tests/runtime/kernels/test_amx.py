@@ -1,16 +1,20 @@
 """The AMX path (Intel AMX tiles for q4/q8 weights against many tokens) against the AVX-512 VNNI tile kernels. Exact
-mode (the default): the same int32 block sums and the same fp32 order, so every output must be bit-identical. bf16
-mode (opt-in): weights dequantized to bf16, activations rounded to bf16: checked against the fp32 product of the
-dequantized weights. Runs only on CPUs with AMX (and a Linux kernel that grants the tile state); elsewhere
-`available_isas()` has no "amx" and these skip."""
+mode: the same int32 block sums and the same fp32 order, so every output must be bit-identical. bf16 mode: weights
+dequantized to bf16, activations rounded to bf16: checked against the fp32 product of the dequantized weights. The
+default prompts mode: bf16 inside a prompt step (the runner's steps of prompt chunks only), exact elsewhere. Runs
+only on CPUs with AMX (and a Linux kernel that grants the tile state); elsewhere `available_isas()` has no "amx" and
+these skip."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from freetoken_agent.runtime.errors import FreeTokenError
 from freetoken_agent.runtime.kernels import build, ops
 from freetoken_agent.runtime.quant import quantize
 from freetoken_agent.runtime.quant.formats import block_format
@@ -23,9 +27,9 @@ def amx() -> Iterator[None]:
     if "amx" not in ops.available_isas():
         pytest.skip("this CPU (or its kernel) has no AMX")
     before = ops.set_amx_min_tokens(1)  # every call with tokens runs on the tiles
-    exact = ops.set_amx_exact(True)
+    mode = ops.set_amx_mode("exact")
     yield
-    ops.set_amx_exact(exact)
+    ops.set_amx_mode(mode)
     ops.set_amx_min_tokens(before)
     ops.set_isa("best")
 
@@ -121,10 +125,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture
 def bf16(amx: None) -> Iterator[None]:
-    if ops.set_amx_exact(False) is not True or ops.set_amx_exact(False) is not False:
-        pytest.skip("this CPU has no AMX-BF16 / AVX512-BF16")  # the mode stayed exact
+    if not ops.amx_bf16_supported():
+        pytest.skip("this CPU has no AMX-BF16 / AVX512-BF16")
+    ops.set_amx_mode("bf16")
     yield
-    ops.set_amx_exact(True)
+    ops.set_amx_mode("exact")
 
 
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
@@ -192,3 +197,63 @@ def test_bf16_mode_leaves_k_quants_exact(fmt: str, bf16: None) -> None:
     x = torch.randn(40, 512)
     vnni, tiles = _both(lambda: ops.linear(pw, x))
     assert torch.equal(tiles, vnni)
+
+
+def test_prompts_mode_runs_bf16_only_inside_a_prompt_step(bf16: None) -> None:
+    pw = ops.PackedWeight.from_blocks(quantize(torch.randn(48, 256), "q4"))
+    x = torch.randn(40, 256)
+    ops.set_isa("amx")
+    every = ops.linear(pw, x)  # bf16 mode
+    ops.set_amx_mode("exact")
+    exact = ops.linear(pw, x)
+    assert not torch.equal(every, exact)
+    assert ops.set_amx_mode("prompts") == "exact"
+    assert torch.equal(ops.linear(pw, x), exact)
+    seen: list[torch.Tensor] = []
+    with ops.prompt_step():
+        assert torch.equal(ops.linear(pw, x), every)
+        with ops.prompt_step():  # nested: the outer mark survives the inner one's exit
+            pass
+        assert torch.equal(ops.linear(pw, x), every)
+        other = threading.Thread(target=lambda: seen.append(ops.linear(pw, x)))  # the mark is the thread's own
+        other.start()
+        other.join()
+    assert torch.equal(seen[0], exact)
+    assert torch.equal(ops.linear(pw, x), exact)
+    ops.set_deterministic(True)  # holds exact mode, then gives back the mode it replaced
+    try:
+        with ops.prompt_step():
+            assert torch.equal(ops.linear(pw, x), exact)
+    finally:
+        ops.set_deterministic(False)
+    assert ops.set_amx_mode("bf16") == "prompts"
+    with pytest.raises(FreeTokenError, match="unknown AMX mode"):
+        ops.set_amx_mode("fp8")
+
+
+def test_the_runner_runs_prompt_steps_in_bf16_and_decode_rows_exact(bf16: None, tmp_path: Path) -> None:
+    # A prompt-only step in the default mode gives the bits of bf16 mode; a verify row (a token and its drafts) and a
+    # decode token the bits of exact mode, so speculation and batching keep a decode token's one-token kernels.
+    pytest.importorskip("transformers")
+    from freetoken_agent.runtime.engine import Engine
+    from freetoken_agent.runtime.runner import Row
+    from tests.runtime.checkpoints import save_checkpoint
+
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, quant="q4", speculate=False)
+    ops.set_isa("amx")
+    gen = torch.Generator().manual_seed(0)
+    prompt, row, token = (torch.randint(0, 256, (n,), generator=gen) for n in (40, 4, 1))
+
+    def steps(prompt_mode: str, decode_mode: str) -> list[torch.Tensor]:
+        cache = engine.decoder.new_cache()
+        ops.set_amx_mode(prompt_mode)
+        out = engine.runner.run([Row(cache, prompt, "last")])
+        ops.set_amx_mode(decode_mode)
+        out += engine.runner.run([Row(cache, row, "draft", draft=3)])
+        out += engine.runner.run([Row(cache, token, "last")])
+        return [t for t in out if t is not None]
+
+    default = steps("prompts", "prompts")
+    assert all(torch.equal(a, b) for a, b in zip(default, steps("bf16", "exact"), strict=True))
+    assert not torch.equal(default[0], steps("exact", "exact")[0])  # the prompt step did run the bf16 tiles
