@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ft_moe": (i32, [i32, i32, p, i64, p, i64, i64, i64, i64, p, i64, p, p, i64, p]),
         "ft_moe_set_pass_bytes": (ctypes.c_size_t, [ctypes.c_size_t]),
         "ft_amx_set_min_tokens": (i64, [i64]),
+        "ft_amx_set_bf16_min_tokens": (i64, [i64]),
         "ft_amx_calls": (i64, []),
         "ft_amx_set_mode": (i32, [i32]),
         "ft_amx_prompt_step": (i32, [i32]),

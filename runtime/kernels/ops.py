@@ -625,6 +625,13 @@ def set_amx_min_tokens(n: int) -> int:
     return int(_lib().ft_amx_set_min_tokens(max(0, int(n))))
 
 
+def set_amx_bf16_min_tokens(n: int) -> int:
+    """Tokens on one weight from which a call in bf16 mode (``set_amx_mode``) runs the bf16 tiles (0: the default,
+    20); between ``set_amx_min_tokens``'s count and this, the exact int8 tiles, which are faster there. Returns the
+    previous value."""
+    return int(_lib().ft_amx_set_bf16_min_tokens(max(0, int(n))))
+
+
 def set_amx_mode(mode: str) -> str:
     """The ``amx`` path's numerics for Q4_0 / Q8_0 weights against many tokens; returns the previous mode.
 

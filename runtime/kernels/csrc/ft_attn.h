@@ -138,28 +138,7 @@ static inline void attn_pf_step(attn_pf *f) {
     }
 }
 
-/* exp(x) by range reduction and a degree-6 polynomial, one body for 8 and 16 lanes (P: the intrinsics' prefix,
- * ROUND: round to nearest, CASTI: integer bits as floats), so the 512-bit form runs the same operations lane by lane:
- * the same bits */
-#define FT_EXPV(NAME, ATTR, V, VI, P, ROUND, CASTI)                                                                  \
-    ATTR static inline V NAME(V x) {                                                                                  \
-        x = P##_max_ps(x, P##_set1_ps(-87.3f)); /* below: 0 (exp underflows anyway) */                                \
-        x = P##_min_ps(x, P##_set1_ps(88.3f));                                                                        \
-        const V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)));                                          \
-        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                         \
-        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                                        \
-        V p = P##_set1_ps(1.9875691500E-4f);                                                                          \
-        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507E-3f));                                                        \
-        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073E-3f));                                                        \
-        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894E-2f));                                                        \
-        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459E-1f));                                                        \
-        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201E-1f));                                                        \
-        p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.f)));                                       \
-        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                      \
-        return P##_mul_ps(p, CASTI(e));                                                                               \
-    }
-#define FT_ROUND256(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-FT_EXPV(exp256, FT_AVX2, __m256, __m256i, _mm256, FT_ROUND256, _mm256_castsi256_ps)
+/* exp256 / exp512: ft_tiles.h */
 
 /* x[0:n] = exp(x - m), returns the sum */
 FT_AVX2 static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
@@ -481,8 +460,6 @@ FT_VNNI static inline void ft_store_scores4x4(__m512 s, float scale, float *sc, 
     _mm_storeu_ps(sc + 2 * ld, _mm512_extractf32x4_ps(s, 2));
     _mm_storeu_ps(sc + 3 * ld, _mm512_extractf32x4_ps(s, 3));
 }
-#define FT_ROUND512(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-FT_EXPV(exp512, FT_VNNI, __m512, __m512i, _mm512, FT_ROUND512, _mm512_castsi512_ps)
 
 /* exp_sub_sum_avx2 16 values a step: the 8-lane sum takes the low half, then the high half (the AVX2 loop's two
  * steps), so the same bits */

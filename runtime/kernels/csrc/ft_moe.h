@@ -17,6 +17,8 @@ typedef struct {
     const int64_t *s_token;
     const float *s_weight;
     qact qx, qa; /* qa: rows of the current pass's slots (slot s at row s - s_base) */
+    const float *x; /* [T, D] the tokens' activations */
+    uint8_t *x_int8; /* per token: its int8 row of x is made (some slot of it runs off the bf16 tiles) */
     float *h;   /* [pass slots, n13] gate|up outputs (n13 = 2I padded to tiles) */
     float *y;   /* [pass slots, nD] down outputs per slot (nD = D padded to tiles) */
     int64_t nD, chunks2, n_slots;
@@ -24,9 +26,12 @@ typedef struct {
     int64_t *t_next;            /* token t's first slot not yet added to out (advances pass by pass) */
     int64_t g_base, s_base, s_end; /* the current pass: groups from g_base, slots [s_base, s_end) */
     float *out; /* [T, D] */
-    int64_t *g_chunk;    /* AMX: group g's first chunk in the pass's panels, -1 where the tile kernels run it */
+    int64_t *g_chunk;    /* AMX: group g's first chunk in its gate|up panel, -1 where the tile kernels run it */
+    int64_t *g_chunk2;   /* the same for down */
+    uint8_t *g_wide;     /* bit 0: group g's gate|up panel is px16 (bf16 tiles), bit 1: its down panel is pa16 */
     amx_panel px, pa;    /* the pass's activations gathered for AMX: gate|up's (x), down's (SiLU(gate) * up) */
-    int act_back;        /* AMX bf16 panels: SiLU(gate) * up also goes back into h (fp32, over gate's columns) */
+    amx_panel px16, pa16; /* the same for the groups on bf16 tiles (bf16 mode, enough tokens: amx_takes_bf16) */
+    uint8_t *s_wide;     /* per slot of the pass: its down matmul runs on the bf16 tiles (SiLU(gate) * up stays in h) */
     int64_t rows_item;   /* weight rows per gate|up / down work item: ROWS_PER_ITEM, AMX_ROWS where AMX may run */
 } moe_ctx;
 
@@ -38,18 +43,30 @@ static void moe_gate_up_item(void *p, int64_t item) {
     int64_t t0 = chunk * (c->rows_item / TR), t1 = t0 + c->rows_item / TR;
     if (t1 > ntiles) t1 = ntiles;
     const int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
-    if (c->g_chunk[g] >= 0 && amx_takes(c->fmt, n) &&
-        amx_rows(c->fmt, base + t0 * tile_stride, tile_stride, (int)(t1 - t0), (int)(TR * (t1 - t0)), &c->px,
-                 c->g_chunk[g], n, c->h + (s0 - c->s_base) * c->n13 + t0 * TR, c->n13))
+    if (c->g_chunk[g] >= 0 &&
+        amx_rows(c->fmt, base + t0 * tile_stride, tile_stride, (int)(t1 - t0), (int)(TR * (t1 - t0)),
+                 c->g_wide[g] & 1 ? &c->px16 : &c->px, c->g_chunk[g], n, c->h + (s0 - c->s_base) * c->n13 + t0 * TR,
+                 c->n13))
         return;
     for (int64_t t = t0; t < t1; t++)
         dot_rows(c->dot, c->dot4, base + t * tile_stride, c->nbD, &c->qx, c->s_token + s0, 0, n,
                  c->h + (s0 - c->s_base) * c->n13 + t * TR, c->n13);
 }
 
+static void moe_quant_x_item(void *p, int64_t t) { /* token t's int8 row of x, where a tile kernel reads it */
+    const moe_ctx *c = (const moe_ctx *)p;
+    if (c->x_int8[t])
+        quantize_row(c->x + t * c->D, c->D, c->nbD, c->qx.q + t * c->nbD * QK, c->qx.d + t * c->nbD,
+                     c->qx.s + t * c->nbD);
+}
+
 static void moe_act_item(void *p, int64_t s) { /* s: a row of the pass (slot s_base + s) */
     const moe_ctx *c = (const moe_ctx *)p;
     float *h = c->h + s * c->n13;
+    if (c->s_wide[s]) { /* read by the bf16 tiles' gather, in fp32: no int8 activations */
+        amx_silu_mul(h, c->I);
+        return;
+    }
     float buf[QK];
     for (int64_t b = 0; b < c->nbI; b++) {
         int64_t j0 = b * QK;
@@ -64,8 +81,6 @@ static void moe_act_item(void *p, int64_t s) { /* s: a row of the pass (slot s_b
         }
         quantize_row(buf, QK, 1, c->qa.q + (s * c->nbI + b) * QK, c->qa.d + s * c->nbI + b,
                      c->qa.s + s * c->nbI + b);
-        if (c->act_back) /* gate's columns of this block are read: down's bf16 panel is filled from here */
-            for (int j = 0; j < QK && j0 + j < c->I; j++) h[j0 + j] = buf[j];
     }
 }
 
@@ -79,9 +94,10 @@ static void moe_down_item(void *p, int64_t item) {
     int64_t t0 = chunk * (c->rows_item / TR), t1 = t0 + c->rows_item / TR;
     if (t1 > ntiles) t1 = ntiles;
     const int64_t s0 = c->g_start[g], n = c->g_start[g + 1] - s0;
-    if (c->g_chunk[g] >= 0 && amx_takes(c->fmt2, n) &&
-        amx_rows(c->fmt2, base + t0 * tile_stride, tile_stride, (int)(t1 - t0), (int)(TR * (t1 - t0)), &c->pa,
-                 c->g_chunk[g], n, c->y + (s0 - c->s_base) * c->nD + t0 * TR, c->nD))
+    if (c->g_chunk2[g] >= 0 &&
+        amx_rows(c->fmt2, base + t0 * tile_stride, tile_stride, (int)(t1 - t0), (int)(TR * (t1 - t0)),
+                 c->g_wide[g] & 2 ? &c->pa16 : &c->pa, c->g_chunk2[g], n, c->y + (s0 - c->s_base) * c->nD + t0 * TR,
+                 c->nD))
         return;
     for (int64_t t = t0; t < t1; t++)
         dot_rows(c->dot2, c->dot4_2, base + t * tile_stride, c->nbI, &c->qa, NULL, s0 - c->s_base, n,
@@ -151,6 +167,30 @@ static void *moe_carve(uint8_t **at, size_t bytes) {
     return p;
 }
 
+/* One matmul's AMX chunks over groups [g0, g1) on one kind of panel (on_bf16: the bf16 tiles, else the int8 ones):
+ * each such group's first chunk index into chunk[g] (-1 for a group the tile kernels run; groups of the other
+ * kind are left as they are), its panel's kind into bit `bit` of kind[g], and its 16-token chunks (first slot, count)
+ * appended to i0 / cn. Returns the chunks planned. */
+static int64_t moe_plan_chunks(int fmt, int bf16_call, const int64_t *g_start, int64_t g0, int64_t g1, int on_bf16,
+                               int64_t *chunk, uint8_t *kind, int bit, int64_t *i0, int64_t *cn) {
+    int64_t k = 0;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t n = g_start[g + 1] - g_start[g];
+        const int on16 = amx_takes_bf16(bf16_call, fmt, n);
+        if (!on_bf16) {
+            chunk[g] = -1;
+            kind[g] = (uint8_t)(on16 ? kind[g] | bit : kind[g] & ~bit);
+        }
+        if (!amx_takes(fmt, n) || on16 != on_bf16) continue;
+        chunk[g] = k;
+        for (int64_t i = 0; i < n; i += AMX_TOKENS, k++) {
+            i0[k] = g_start[g] + i;
+            cn[k] = n - i < AMX_TOKENS ? n - i : AMX_TOKENS;
+        }
+    }
+    return k;
+}
+
 /* out[T, D] = sum_k wts[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; ids < 0 are skipped.
  * Expert e's repacked gate|up weight [2I, D] (format fmt) starts at w13 + e * w13_stride, its down weight [D, I]
  * (format fmt2) at w2 + e * w2_stride. Returns 0, -1 on allocation failure, -2 on an expert id >= E. */
@@ -162,13 +202,15 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     memset(out, 0, sizeof(float) * (size_t)(T * D));
     const size_t TK = (size_t)(T * KT + 1);
     uint8_t *own_index = NULL, *own_work = NULL;
-    uint8_t *at = moe_scratch(&tl_moe_index, moe_lines(8 * ((size_t)E + 1)) * 3 + moe_lines(8 * ((size_t)E + 2)) +
-                              moe_lines(8 * TK) + moe_lines(4 * TK), &own_index);
+    uint8_t *at = moe_scratch(&tl_moe_index, moe_lines(8 * ((size_t)E + 1)) * 4 + moe_lines(8 * ((size_t)E + 2)) +
+                              moe_lines((size_t)E + 1) + moe_lines(8 * TK) + moe_lines(4 * TK), &own_index);
     int rc = 0;
     if (!at) return -1;
     int64_t *count = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
     int64_t *g_expert = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
     int64_t *g_chunk = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
+    int64_t *g_chunk2 = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 1));
+    uint8_t *g_wide = (uint8_t *)moe_carve(&at, (size_t)E + 1);
     int64_t *g_start = (int64_t *)moe_carve(&at, 8 * ((size_t)E + 2));
     int64_t *s_token = (int64_t *)moe_carve(&at, 8 * TK);
     float *s_weight = (float *)moe_carve(&at, 4 * TK);
@@ -213,6 +255,8 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
     c.chunks2 = (c.nD + c.rows_item - 1) / c.rows_item;
     c.n_slots = S;
     c.g_chunk = g_chunk;
+    c.g_chunk2 = g_chunk2;
+    c.g_wide = g_wide;
     {
         /* AMX groups (enough tokens on one expert) also hold their tokens' activations gathered, 16 rows per chunk
          * (amx_panel): padded rows of either matmul's panel, sharing one buffer */
@@ -238,7 +282,7 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         const size_t pq = per_pad ? amx_chunk_bytes(nbP) * (size_t)max_chunks : 0, cq = 8 * (size_t)max_chunks;
         uint8_t *w = moe_scratch(&tl_moe_work, 3 * moe_lines(t1) + moe_lines(s1) + moe_lines(hq) + moe_lines(yq) +
                                  moe_lines(xq) + 2 * moe_lines(xb) + moe_lines(aq) + 2 * moe_lines(ab) +
-                                 moe_lines(pq) + 2 * moe_lines(cq), &own_work);
+                                 moe_lines(pq) + 4 * moe_lines(cq) + moe_lines((size_t)cap), &own_work);
         if (!w) { rc = -1; goto done; }
         c.t_start = (int64_t *)moe_carve(&w, t1);
         int64_t *cursor = (int64_t *)moe_carve(&w, t1);
@@ -255,20 +299,28 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
         c.qa.d = (float *)moe_carve(&w, ab);
         c.qa.s = (float *)moe_carve(&w, ab);
         uint8_t *panel = (uint8_t *)moe_carve(&w, pq);
+        /* chunk lists of a pass, per matmul: its int8 panel's chunks, then its bf16 panel's */
         int64_t *c_i0 = (int64_t *)moe_carve(&w, cq), *c_n = (int64_t *)moe_carve(&w, cq);
-        amx_panel_at(&c.px, panel, max_chunks, c.nbD);
-        amx_panel_at(&c.pa, panel, max_chunks, c.nbI);
-        /* bf16 mode where the format has its dequantizing B fill (q4, q8); K-quants run exact */
-        c.px.bf16 = per_pad && amx_bf16_on() && !fmt_is_kquant(fmt);
-        c.pa.bf16 = c.act_back = per_pad && amx_bf16_on() && !fmt_is_kquant(fmt2);
+        int64_t *d_i0 = (int64_t *)moe_carve(&w, cq), *d_n = (int64_t *)moe_carve(&w, cq);
+        c.s_wide = (uint8_t *)moe_carve(&w, (size_t)cap);
+        /* bf16 mode (asked here, on the calling thread: a prompt step's mark is the caller's) for the groups with
+         * enough tokens whose format has a dequantizing B fill (q4, q8); the rest run exact (amx_takes_bf16) */
+        const int wide = per_pad && amx_bf16_on();
         memset(c.t_start, 0, t1);
         for (int64_t s = 0; s < S; s++) c.t_start[s_token[s] + 1]++;
         for (int64_t t = 0; t < T; t++) c.t_start[t + 1] += c.t_start[t];
         memcpy(cursor, c.t_start, t1);
         memcpy(c.t_next, c.t_start, t1);
         for (int64_t s = 0; s < S; s++) c.t_slots[cursor[s_token[s]]++] = s;
-        for (int64_t t = 0; t < T; t++)
-            quantize_row(x + t * D, D, c.nbD, c.qx.q + t * c.nbD * QK, c.qx.d + t * c.nbD, c.qx.s + t * c.nbD);
+        /* x's int8 rows, for the tokens with a slot off the bf16 tiles (those read x in fp32), on the pool */
+        c.x = x;
+        c.x_int8 = (uint8_t *)cursor; /* cursor's bytes are free again: a flag per token */
+        memset(c.x_int8, 0, (size_t)T);
+        for (int64_t g = 0; g < G; g++)
+            if (!amx_takes_bf16(wide, fmt, g_start[g + 1] - g_start[g]))
+                for (int64_t s = g_start[g]; s < g_start[g + 1]; s++) c.x_int8[s_token[s]] = 1;
+        if (T >= 64) ft_parallel_for(moe_quant_x_item, &c, T); /* a prefill chunk: ~1 us a token */
+        else for (int64_t t = 0; t < T; t++) moe_quant_x_item(&c, t);
         for (int64_t g0 = 0; g0 < G;) { /* one pass: groups [g0, g1), slots [s_base, s_end) */
             int64_t g1 = g0 + 1, padded = MOE_PADDED(g_start[g0 + 1] - g_start[g0]);
             while (g1 < G && g_start[g1 + 1] - g_start[g0] <= cap &&
@@ -278,27 +330,34 @@ int ft_moe(int fmt, int fmt2, const uint8_t *w13, int64_t w13_stride, const uint
             c.s_base = g_start[g0];
             c.s_end = g_start[g1];
             pass_slots = c.s_end - c.s_base;
-            /* chunks of the AMX groups: gate|up's panel holds x's rows of their tokens, down's their slot rows */
-            int64_t chunks = 0;
-            for (int64_t g = g0; g < g1; g++) {
-                const int64_t n = g_start[g + 1] - g_start[g];
-                g_chunk[g] = MOE_PADDED(n) ? chunks : -1;
-                for (int64_t i = 0; MOE_PADDED(n) && i < n; i += AMX_TOKENS, chunks++) {
-                    c_i0[chunks] = g_start[g] + i;
-                    c_n[chunks] = n - i < AMX_TOKENS ? n - i : AMX_TOKENS;
-                }
-            }
-            if (chunks && amx13) {
-                amx_fill_ctx f = {fmt, &c.qx, s_token, c_i0, c_n, 0, &c.px, x, D, D};
-                ft_parallel_for(amx_fill_item, &f, chunks);
+            /* chunks of the AMX groups: gate|up's panels hold x's rows of their tokens, down's their slot rows;
+             * each matmul's int8 panel, then its bf16 panel, in the one panel buffer (down's after gate|up's ran) */
+            const int64_t n8 = moe_plan_chunks(fmt, wide, g_start, g0, g1, 0, g_chunk, g_wide, 1, c_i0, c_n);
+            const int64_t n16 = moe_plan_chunks(fmt, wide, g_start, g0, g1, 1, g_chunk, g_wide, 1, c_i0 + n8,
+                                                c_n + n8);
+            const int64_t m8 = moe_plan_chunks(fmt2, wide, g_start, g0, g1, 0, g_chunk2, g_wide, 2, d_i0, d_n);
+            const int64_t m16 = moe_plan_chunks(fmt2, wide, g_start, g0, g1, 1, g_chunk2, g_wide, 2, d_i0 + m8,
+                                                d_n + m8);
+            for (int64_t g = g0; g < g1; g++) /* the slots whose down runs on the bf16 tiles */
+                memset(c.s_wide + g_start[g] - c.s_base, (g_wide[g] & 2) && g_chunk2[g] >= 0,
+                       (size_t)(g_start[g + 1] - g_start[g]));
+            amx_panel_at(&c.px, panel, n8, c.nbD);
+            amx_panel_at(&c.px16, panel + amx_chunk_bytes(nbP) * (size_t)n8, n16, c.nbD);
+            c.px16.bf16 = 1;
+            if (n8 + n16) {
+                amx_fill_ctx f = {fmt, &c.qx, s_token, c_i0, c_n, 0, &c.px, x, D, D, &c.px16, n8};
+                ft_parallel_for(amx_fill_item, &f, n8 + n16);
             }
             ft_parallel_for(moe_gate_up_item, &c, (g1 - g0) * c.chunks13);
             if (pass_slots >= 8) ft_parallel_for(moe_act_item, &c, pass_slots);
             else for (int64_t s = 0; s < pass_slots; s++) moe_act_item(&c, s);
-            if (chunks && amx2) {
-                for (int64_t k = 0; k < chunks; k++) c_i0[k] -= c.s_base; /* down's rows: slots of the pass */
-                amx_fill_ctx f = {fmt2, &c.qa, NULL, c_i0, c_n, 0, &c.pa, c.h, c.n13, I};
-                ft_parallel_for(amx_fill_item, &f, chunks);
+            amx_panel_at(&c.pa, panel, m8, c.nbI);
+            amx_panel_at(&c.pa16, panel + amx_chunk_bytes(nbP) * (size_t)m8, m16, c.nbI);
+            c.pa16.bf16 = 1;
+            if (m8 + m16) {
+                for (int64_t k = 0; k < m8 + m16; k++) d_i0[k] -= c.s_base; /* down's rows: slots of the pass */
+                amx_fill_ctx f = {fmt2, &c.qa, NULL, d_i0, d_n, 0, &c.pa, c.h, c.n13, I, &c.pa16, m8};
+                ft_parallel_for(amx_fill_item, &f, m8 + m16);
             }
             ft_parallel_for(moe_down_item, &c, (g1 - g0) * c.chunks2);
             if (T >= 4) ft_parallel_for(moe_combine_item, &c, T);

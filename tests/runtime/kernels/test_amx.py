@@ -128,7 +128,9 @@ def bf16(amx: None) -> Iterator[None]:
     if not ops.amx_bf16_supported():
         pytest.skip("this CPU has no AMX-BF16 / AVX512-BF16")
     ops.set_amx_mode("bf16")
+    wide_from = ops.set_amx_bf16_min_tokens(1)  # every call in bf16 mode runs the bf16 tiles
     yield
+    ops.set_amx_bf16_min_tokens(wide_from)
     ops.set_amx_mode("exact")
 
 
@@ -257,3 +259,38 @@ def test_the_runner_runs_prompt_steps_in_bf16_and_decode_rows_exact(bf16: None, 
     default = steps("prompts", "prompts")
     assert all(torch.equal(a, b) for a, b in zip(default, steps("bf16", "exact"), strict=True))
     assert not torch.equal(default[0], steps("exact", "exact")[0])  # the prompt step did run the bf16 tiles
+
+
+@pytest.mark.parametrize("fmts", [("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q8_0", "q6_k")])
+def test_a_prompt_step_runs_bf16_tiles_only_for_experts_with_enough_tokens(fmts: tuple[str, str], bf16: None) -> None:
+    # One call, top-1 routing: expert 0 has 40 tokens (bf16 tiles), expert 1 has 14 (exact int8 tiles: below the
+    # bf16 threshold), expert 2 has 5 (the VNNI kernels). Each token's row must be its own expert's path's bits, in
+    # one pass and in many; a K-quant down matmul stays exact under a bf16 gate|up.
+    torch.manual_seed(7)
+    fmt, down_fmt = fmts
+    d, i, e = 256, 256, 3
+    w13 = torch.stack([_packed(fmt, 2 * i, d) for _ in range(e)])
+    w2 = torch.stack([_packed(down_fmt, d, i) for _ in range(e)])
+    ids = torch.tensor([0] * 40 + [1] * 14 + [2] * 5)[torch.randperm(59)][:, None]
+    x, wts = torch.randn(59, d), torch.rand(59, 1)
+    ops.set_isa("amx")
+
+    def call() -> torch.Tensor:
+        return ops.moe(fmt, w13, w2, (d, i), x, ids, wts, down_fmt=down_fmt)
+
+    wide = call()  # bf16 mode, every AMX group on the bf16 tiles (the fixture's threshold of 1)
+    ops.set_amx_mode("exact")
+    exact = call()
+    ops.set_amx_mode("prompts")
+    ops.set_amx_bf16_min_tokens(0)  # the default: 20
+    on16 = ids[:, 0] == 0
+    assert not torch.equal(wide[on16], exact[on16])
+    for pass_bytes in (0, 48 << 10):
+        before = ops.set_moe_pass_bytes(pass_bytes)
+        try:
+            with ops.prompt_step():
+                got = call()
+        finally:
+            ops.set_moe_pass_bytes(before)
+        assert torch.equal(got[on16], wide[on16]) and torch.equal(got[~on16], exact[~on16])
+        assert torch.equal(call(), exact)  # outside a prompt step: exact

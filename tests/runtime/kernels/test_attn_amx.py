@@ -67,8 +67,10 @@ def test_decode_on_tiles_is_the_reference_at_fp32_accuracy(dims: tuple[int, ...]
             assert ops.attn_amx_calls() > calls  # the tiles did the work
             assert torch.allclose(outs[-1], want, rtol=1e-5, atol=1e-5), (threads, (outs[-1] - want).abs().max())
         assert all(torch.equal(outs[0], o) for o in outs)  # the same bits on any pool size
-        ops.set_attn_amx(False)
+        ops.set_attn_amx(False)  # the vector loops at fp32 accuracy (not their bf16 dot products' rounded query)
+        dot = ops.set_attn_bf16_dot(False)
         vector = ops.attn_decode(q, k16, v16, dh**-0.5, with_sinks)
+        ops.set_attn_bf16_dot(dot)
         ops.set_attn_amx(True)
         assert torch.allclose(outs[0], vector, rtol=1e-5, atol=1e-5)
 
