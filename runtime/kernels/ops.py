@@ -638,8 +638,9 @@ def set_amx_mode(mode: str) -> str:
     - ``exact``: int8 tiles, every output bit-identical to the AVX-512 VNNI kernels (a token's bits never depend on
       how many tokens share its expert). ``set_deterministic(True)`` holds this mode while it is on.
     - ``bf16``: weights dequantized to bf16 once per 32-row work item, activations rounded to bf16 instead of int8,
-      fp32 sums over all of K in the tiles, no per-block scaling: closer to the fp32 product, faster at many tokens
-      per weight (a 512-token MoE layer of the 7.5B benchmark model: ~48 vs ~66 ms), not bit-identical.
+      fp32 sums over all of K in the tiles, no per-block scaling: closer to the fp32 product, faster where a weight
+      has ``set_amx_bf16_min_tokens`` (20) or more of the call's tokens — the others run exact — (a 512-token MoE
+      layer of the 7.5B benchmark model: 44 vs 67 ms), not bit-identical.
     - ``prompts`` (the default): ``bf16`` inside a prompt step (``prompt_step``: the runner's steps that hold only
       prompt chunks), ``exact`` everywhere else, so a decode token and a speculative verify row keep the VNNI
       kernels' bits while a prompt gets the faster product.
