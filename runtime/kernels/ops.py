@@ -633,7 +633,8 @@ def set_amx_bf16_min_tokens(n: int) -> int:
 
 
 def set_amx_mode(mode: str) -> str:
-    """The ``amx`` path's numerics for Q4_0 / Q8_0 weights against many tokens; returns the previous mode.
+    """The ``amx`` path's numerics for quantized weights (Q4_0, Q8_0, Q4_K, Q6_K) against many tokens; returns the
+    previous mode.
 
     - ``exact``: int8 tiles, every output bit-identical to the AVX-512 VNNI kernels (a token's bits never depend on
       how many tokens share its expert). ``set_deterministic(True)`` holds this mode while it is on.
@@ -646,7 +647,7 @@ def set_amx_mode(mode: str) -> str:
       kernels' bits while a prompt gets the faster product.
 
     ``$FREETOKEN_AMX_BF16`` picks it at load (``1``: bf16, ``0``: exact, unset: prompts). bf16 needs AMX-BF16 and
-    AVX512-BF16 (``amx_bf16_supported``): without them every mode runs exact; K-quants always run exact.
+    AVX512-BF16 (``amx_bf16_supported``): without them every mode runs exact.
     """
     if mode not in AMX_MODES:
         raise FreeTokenError(f"unknown AMX mode {mode!r}; expected one of {', '.join(AMX_MODES)}")

@@ -18,7 +18,7 @@
  * path: the batch invariance of the quantized kernels (invariant.py) holds with AMX on. C tiles rotate through four
  * registers so a block's product, the previous block's store and the one before's read-back overlap.
  *
- * bf16 mode (prompt-only steps by default, every call on request; q4 / q8): the weights dequantized to bf16, the
+ * bf16 mode (prompt-only steps by default, every call on request): the weights dequantized to bf16, the
  * activations rounded to bf16, TDPBF16PS summing all of K in fp32 with no per-block epilogue; two token chunks x two
  * 16-row halves per block (amx_rows_bf16). See amx_mode.
  *
@@ -110,7 +110,7 @@ static int amx_mode_now(void) {
     return amx_mode;
 }
 
-/* Whether a call made now on this thread gathers bf16 panels (q4 / q8 weights; K-quants always run exact). */
+/* Whether a call made now on this thread gathers bf16 panels (for the weights with enough tokens: amx_takes_bf16). */
 static inline int amx_bf16_on(void) {
     const int mode = amx_mode_now();
     return (mode == AMX_BF16 || (mode == AMX_PROMPTS && amx_prompt_step)) && amx_bf16_supported();
@@ -174,9 +174,10 @@ static inline int amx_takes(int fmt, int64_t count) {
 }
 
 /* Whether `fmt` with `count` tokens runs on the bf16 tiles in a call whose calling thread found amx_bf16_on()
- * (`wide`): q4 / q8 (K-quants have no bf16 B fill and run exact), and enough tokens to pay for the bf16 B fill. */
+ * (`wide`): the formats with a bf16 B fill (all that AMX runs), and enough tokens to pay for that fill. */
 static inline int amx_takes_bf16(int wide, int fmt, int64_t count) {
-    return wide && (fmt == FT_Q8 || fmt == FT_Q4) && amx_takes(fmt, count) && count >= amx_bf16_min_tokens;
+    return wide && (fmt == FT_Q8 || fmt == FT_Q4 || fmt == FT_Q4K || fmt == FT_Q6K) && amx_takes(fmt, count) &&
+           count >= amx_bf16_min_tokens;
 }
 
 /* Chunk `k` of panel p: the activation rows of tokens [i0, i0 + n) (row = tok ? tok[i] : first + i), n <= 16;
@@ -493,6 +494,70 @@ FT_AMX static inline void amx_pair_row(__m512 even, __m512 odd, uint8_t *dst) {
     _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, both));
 }
 
+/* bf16 B rows (16 rows of 64 bytes: K pairs 2p, 2p + 1 in natural order) of Q4_K block b — sub-block b % 8 of
+ * super-block b / 8 — for the 16 weight rows of tiles t0 and t1 (NULL: zeros): value d * sc_j * q - dmin * m_j (the
+ * scales q4k_scales8 gives the VNNI kernel), one fused rounding to fp32, then bf16. */
+FT_AMX static void amx_fill_q4k_bf16(const uint8_t *t0, const uint8_t *t1, int64_t b, uint8_t *dst) {
+    const int64_t sb = b / 8;
+    const int j = (int)(b % 8), shift = (j & 1) * 4; /* an odd sub-block is its chunks' high nibbles */
+    const uint8_t *g0 = t0 + sb * KQ_TILE_Q4K, *g1 = t1 ? t1 + sb * KQ_TILE_Q4K : NULL;
+    __m256 dsc0, dm0, dsc1 = _mm256_setzero_ps(), dm1 = _mm256_setzero_ps();
+    q4k_scales8(g0, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g0 + 2 * TR))), &dsc0, &dm0);
+    if (g1)
+        q4k_scales8(g1, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)),
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g1 + 2 * TR))), &dsc1, &dm1);
+    const __m512 dsc = amx_join8(dsc0, dsc1), dm = amx_join8(dm0, dm1);
+    const __m512 lut = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+    for (int q = 0; q < 8; q++) { /* chunk 8 (j / 2) + q: 4 bytes a row, byte i = K 4q + i of the sub-block */
+        const int64_t at = 16 * TR + (8 * (j / 2) + q) * 32;
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(g0 + at));
+        const __m256i c1 = g1 ? _mm256_loadu_si256((const __m256i *)(g1 + at)) : _mm256_setzero_si256();
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+        __m512 f[4];
+        for (int i = 0; i < 4; i++) /* vpermps reads the low 4 bits: the nibble */
+            f[i] = _mm512_fmsub_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i + shift), lut), dsc, dm);
+        amx_pair_row(f[0], f[1], dst + 64 * (2 * q));
+        amx_pair_row(f[2], f[3], dst + 64 * (2 * q + 1));
+    }
+}
+
+/* bf16 B rows of Q6_K super-block sb (blocks 8 sb .. 8 sb + 7) for the 16 weight rows of tiles t0 and t1 (NULL:
+ * zeros), into block b's tile for half h at bs + (2 b + h) * 1024: value d * sc_i * (q - 32), sc_i the scale of the
+ * value's 16-value half (as the VNNI kernel multiplies them: d * sc_i first), then bf16. */
+FT_AMX static void amx_fill_q6k_bf16(const uint8_t *t0, const uint8_t *t1, int64_t sb, int h, uint8_t *bs) {
+    const uint8_t *g0 = t0 + sb * KQ_TILE_Q6K, *g1 = t1 ? t1 + sb * KQ_TILE_Q6K : NULL;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0));
+    const __m256 d1 = g1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)) : _mm256_setzero_ps();
+    __m512 scd[16]; /* half i = 2 * (block within sb) + (which 16 values) */
+    for (int i = 0; i < 16; i++) {
+        const __m256 c0 = _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g0 + 2 * TR + TR * i)), d0);
+        const __m256 c1 = g1 ? _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g1 + 2 * TR + TR * i)), d1) : _mm256_setzero_ps();
+        scd[i] = amx_join8(c0, c1);
+    }
+    const __m512i m255 = _mm512_set1_epi32(0xff);
+    const __m512 off = _mm512_set1_ps(32.f);
+    for (int n = 0; n < 2; n++)
+        for (int g = 0; g < 8; g++) { /* group g: values 128n + 32k + 4g + (0..3), i.e. K 4g.. of block 4n + k */
+            __m256i c0[4], c1[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                    _mm256_setzero_si256()};
+            KQ_Q6_CODES(g0, n, g, c0);
+            if (g1) KQ_Q6_CODES(g1, n, g, c1);
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0[k]), c1[k], 1);
+                const __m512 sc = scd[2 * (4 * n + k) + g / 4];
+                __m512 f[4];
+                for (int i = 0; i < 4; i++)
+                    f[i] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * i),
+                                                                                           m255)), off), sc);
+                uint8_t *dst = bs + ((sb * 8 + 4 * n + k) * 2 + h) * 1024 + 64 * (2 * g);
+                amx_pair_row(f[0], f[1], dst);
+                amx_pair_row(f[2], f[3], dst + 64);
+            }
+        }
+}
+
 /* bf16 mode, up to 32 weight rows (`ntiles` <= 4) as in amx_rows: weights dequantized to bf16 (value d * (c - 8) for
  * q4, d * c for q8, rounded once), activations the panel's bf16 tiles; fp32 sums over all of K in the C tiles. Two
  * chunks of tokens x two 16-row halves at a time (4 C tiles): every A and B tile loaded feeds two products, which
@@ -505,14 +570,23 @@ FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_strid
     const int halves = (ntiles + 1) / 2;
     uint8_t *const bs = tl_amx.b; /* block b, half h: 16 B rows of 64 bytes (pairs of K for 16 weight rows) */
     const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-    for (int h = 0; h < halves; h++)
+    for (int h = 0; h < halves && fmt == FT_Q6K; h++) { /* a super-block of 8 blocks at a time */
+        const uint8_t *t0 = tile + 2 * h * tile_stride;
+        for (int64_t sb = 0; sb < nb / 8; sb++) amx_fill_q6k_bf16(t0, 2 * h + 1 < ntiles ? t0 + tile_stride : NULL, sb, h, bs);
+    }
+    for (int h = 0; h < halves && fmt != FT_Q6K; h++)
         for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = bs + (b * 2 + h) * 1024;
+            if (fmt == FT_Q4K) {
+                const uint8_t *t0 = tile + 2 * h * tile_stride;
+                amx_fill_q4k_bf16(t0, 2 * h + 1 < ntiles ? t0 + tile_stride : NULL, b, dst);
+                continue;
+            }
             const uint8_t *s0 = tile + 2 * h * tile_stride + b * tbb;
             const uint8_t *s1 = 2 * h + 1 < ntiles ? s0 + tile_stride : NULL;
             const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
             const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
             const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
-            uint8_t *dst = bs + (b * 2 + h) * 1024;
             if (fmt == FT_Q8) {
                 for (int j = 0; j < 8; j++) { /* K = 4j..4j+3: B rows 2j, 2j + 1 */
                     const __m512i v = amx_chunk16(s0, s1, j);

@@ -193,12 +193,23 @@ def test_deterministic_mode_runs_amx_exact(bf16: None) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
-def test_bf16_mode_leaves_k_quants_exact(fmt: str, bf16: None) -> None:
-    # bf16 mode has a dequantizing B fill for q4 / q8 only: K-quants still run the exact tiles
-    pw = ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(32, 512)), 512)
-    x = torch.randn(40, 512)
-    vnni, tiles = _both(lambda: ops.linear(pw, x))
-    assert torch.equal(tiles, vnni)
+@pytest.mark.parametrize("shape", [(48, 512), (24, 2048), (40, 256)])
+@pytest.mark.parametrize("m", [17, 70])
+def test_bf16_mode_k_quant_linear_tracks_the_fp32_product(fmt: str, shape: tuple[int, int], m: int,
+                                                          bf16: None) -> None:
+    # a Q4_K_M file's formats: Q4_K (d * sc * q - dmin * m per 32 values), Q6_K (d * sc * (q - 32) per 16 values)
+    torch.manual_seed(m + shape[0])
+    n, k = shape
+    pw = ops.PackedWeight.from_rows(fmt, block_format(fmt).quantize_rows(torch.randn(n, k)), k)
+    x = torch.randn(m, k)
+    ref = x @ ops.dequantize(pw).T
+    ops.set_isa("avx512vnni")
+    int8 = ops.linear(pw, x)
+    ops.set_isa("amx")
+    calls = ops.amx_calls()
+    out = ops.linear(pw, x)
+    assert ops.amx_calls() > calls and not torch.equal(out, int8)  # the bf16 tiles ran, not the exact ones
+    assert _rel(out, ref) < 0.006 and _rel(out, ref) < _rel(int8, ref) * 1.2
 
 
 def test_prompts_mode_runs_bf16_only_inside_a_prompt_step(bf16: None) -> None:
@@ -261,11 +272,11 @@ def test_the_runner_runs_prompt_steps_in_bf16_and_decode_rows_exact(bf16: None, 
     assert not torch.equal(default[0], steps("exact", "exact")[0])  # the prompt step did run the bf16 tiles
 
 
-@pytest.mark.parametrize("fmts", [("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q8_0", "q6_k")])
+@pytest.mark.parametrize("fmts", [("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q8_0", "q6_k"), ("q4_k", "q6_k")])
 def test_a_prompt_step_runs_bf16_tiles_only_for_experts_with_enough_tokens(fmts: tuple[str, str], bf16: None) -> None:
     # One call, top-1 routing: expert 0 has 40 tokens (bf16 tiles), expert 1 has 14 (exact int8 tiles: below the
     # bf16 threshold), expert 2 has 5 (the VNNI kernels). Each token's row must be its own expert's path's bits, in
-    # one pass and in many; a K-quant down matmul stays exact under a bf16 gate|up.
+    # one pass and in many (a Q6_K down among them: every format AMX runs has a bf16 fill).
     torch.manual_seed(7)
     fmt, down_fmt = fmts
     d, i, e = 256, 256, 3
