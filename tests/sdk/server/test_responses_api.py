@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import httpx
@@ -94,11 +95,15 @@ def test_the_agents_sdk_runs_a_tool_round_trip(served) -> None:
         seen.append((a, b))
         return a + b
 
-    model = agents.OpenAIResponsesModel("tiny-moe", openai.AsyncOpenAI(base_url=url, api_key="unused",
-                                                                       max_retries=0))
-    agent = agents.Agent(name="adder", instructions="Use the tool.", tools=[add], model=model)
-    result = anyio.run(lambda: agents.Runner.run(agent, "add 2 and 3", run_config=agents.RunConfig(
-        tracing_disabled=True)))
+    async def run() -> Any:
+        # the client is closed inside its own event loop: left to the garbage collector, its connection pool's
+        # close lands on whatever loop runs then (another test's) after this one is gone: "Event loop is closed"
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            model = agents.OpenAIResponsesModel("tiny-moe", client)
+            agent = agents.Agent(name="adder", instructions="Use the tool.", tools=[add], model=model)
+            return await agents.Runner.run(agent, "add 2 and 3", run_config=agents.RunConfig(tracing_disabled=True))
+
+    result = anyio.run(run)
     assert result.final_output == "2 + 3 = 5" and seen == [(2, 3)]
     outputs = [m for m in backend.requests[1].messages if m["role"] == "tool"]
     assert outputs and outputs[0]["content"] == "5"
