@@ -559,7 +559,7 @@ FT_AMX static void amx_fill_q6k_bf16(const uint8_t *t0, const uint8_t *t1, int64
 }
 
 /* bf16 mode, up to 32 weight rows (`ntiles` <= 4) as in amx_rows: weights dequantized to bf16 (value d * (c - 8) for
- * q4, d * c for q8, rounded once), activations the panel's bf16 tiles; fp32 sums over all of K in the C tiles. Two
+ * q4, d * c for q8, rounded once; q4_k / q6_k: amx_fill_q4k_bf16 / amx_fill_q6k_bf16), activations the panel's bf16 tiles; fp32 sums over all of K in the C tiles. Two
  * chunks of tokens x two 16-row halves at a time (4 C tiles): every A and B tile loaded feeds two products, which
  * halves what streams from L2 per product. */
 FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
