@@ -227,6 +227,30 @@ FT_AMX static void amx_gather(int fmt, const qact *a, const int64_t *tok, int64_
     }
 }
 
+/* Q4_K sub-block j's d * sc_j and dmin * m_j (q4k_scales8, the VNNI kernel's products) for the 16 weight rows of the
+ * super-blocks at g0 and g1 (NULL: zeros), one vector each. */
+FT_AMX static inline void amx_q4k_scales16(const uint8_t *g0, const uint8_t *g1, int j, __m512 *dsc, __m512 *dm) {
+    __m256 dsc0, dm0, dsc1 = _mm256_setzero_ps(), dm1 = _mm256_setzero_ps();
+    q4k_scales8(g0, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g0 + 2 * TR))), &dsc0, &dm0);
+    if (g1)
+        q4k_scales8(g1, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)),
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g1 + 2 * TR))), &dsc1, &dm1);
+    *dsc = amx_join8(dsc0, dsc1);
+    *dm = amx_join8(dm0, dm1);
+}
+
+/* Q6_K: sc_i * d for the 16 halves i of the super-blocks at g0 and g1 (NULL: zeros), the VNNI kernel's product. */
+FT_AMX static inline void amx_q6k_scales16(const uint8_t *g0, const uint8_t *g1, __m512 scd[16]) {
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0));
+    const __m256 d1 = g1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)) : _mm256_setzero_ps();
+    for (int i = 0; i < 16; i++) {
+        const __m256 c0 = _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g0 + 2 * TR + TR * i)), d0);
+        const __m256 c1 = g1 ? _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g1 + 2 * TR + TR * i)), d1) : _mm256_setzero_ps();
+        scd[i] = amx_join8(c0, c1);
+    }
+}
+
 /* Exact mode, 16 weight rows: out[i * out_stride + j] = row j of the rows starting at tile `tile` (tiles
  * `tile_stride` bytes apart; `ntiles` 1 or 2 of them) . token i's activations (panel chunks from `chunk` on), for
  * i < count and j < ncols (<= 8 * ntiles). Returns 0 (nothing written) when its scratch cannot be allocated. */
@@ -251,14 +275,10 @@ FT_AMX static int amx_rows16_int8(int fmt, const uint8_t *tile, int64_t tile_str
             const int64_t sb = b / 8;
             const int j = (int)(b % 8);
             const uint8_t *g0 = tile + sb * KQ_TILE_Q4K, *g1 = t1 ? t1 + sb * KQ_TILE_Q4K : NULL;
-            __m256 dsc0, dm0, dsc1 = _mm256_setzero_ps(), dm1 = _mm256_setzero_ps();
-            q4k_scales8(g0, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0)),
-                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g0 + 2 * TR))), &dsc0, &dm0);
-            if (g1)
-                q4k_scales8(g1, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)),
-                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g1 + 2 * TR))), &dsc1, &dm1);
-            _mm512_store_ps(dws + 16 * b, amx_join8(dsc0, dsc1));
-            _mm512_store_ps(dms + 16 * b, amx_join8(dm0, dm1));
+            __m512 dsc, dm;
+            amx_q4k_scales16(g0, g1, j, &dsc, &dm);
+            _mm512_store_ps(dws + 16 * b, dsc);
+            _mm512_store_ps(dms + 16 * b, dm);
             uint8_t *dst = bs + b * 512;
             for (int q = 0; q < 8; q++) {
                 const int64_t at = 16 * TR + (8 * (j / 2) + q) * 32;
@@ -393,13 +413,9 @@ FT_AMX static int amx_rows16_q6k(const uint8_t *tile, int64_t tile_stride, int n
     const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
     for (int64_t sb = 0; sb < ns; sb++) {
         const uint8_t *g0 = tile + sb * KQ_TILE_Q6K, *g1 = t1 ? t1 + sb * KQ_TILE_Q6K : NULL;
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0));
-        const __m256 d1 = g1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)) : _mm256_setzero_ps();
-        for (int i = 0; i < 16; i++) {
-            const __m256 c0 = _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g0 + 2 * TR + TR * i)), d0);
-            const __m256 c1 = g1 ? _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g1 + 2 * TR + TR * i)), d1) : _mm256_setzero_ps();
-            _mm512_store_ps(scd + (sb * 16 + i) * 16, amx_join8(c0, c1));
-        }
+        __m512 sc[16];
+        amx_q6k_scales16(g0, g1, sc);
+        for (int i = 0; i < 16; i++) _mm512_store_ps(scd + (sb * 16 + i) * 16, sc[i]);
         for (int n = 0; n < 2; n++)
             for (int g = 0; g < 8; g++) { /* group g: values 128n + 32k + 4g + (0..3) of block 4n + k, half g / 4 */
                 __m256i c0[4], c1[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
@@ -501,13 +517,8 @@ FT_AMX static void amx_fill_q4k_bf16(const uint8_t *t0, const uint8_t *t1, int64
     const int64_t sb = b / 8;
     const int j = (int)(b % 8), shift = (j & 1) * 4; /* an odd sub-block is its chunks' high nibbles */
     const uint8_t *g0 = t0 + sb * KQ_TILE_Q4K, *g1 = t1 ? t1 + sb * KQ_TILE_Q4K : NULL;
-    __m256 dsc0, dm0, dsc1 = _mm256_setzero_ps(), dm1 = _mm256_setzero_ps();
-    q4k_scales8(g0, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g0 + 2 * TR))), &dsc0, &dm0);
-    if (g1)
-        q4k_scales8(g1, j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)),
-                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g1 + 2 * TR))), &dsc1, &dm1);
-    const __m512 dsc = amx_join8(dsc0, dsc1), dm = amx_join8(dm0, dm1);
+    __m512 dsc, dm;
+    amx_q4k_scales16(g0, g1, j, &dsc, &dm);
     const __m512 lut = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
     for (int q = 0; q < 8; q++) { /* chunk 8 (j / 2) + q: 4 bytes a row, byte i = K 4q + i of the sub-block */
         const int64_t at = 16 * TR + (8 * (j / 2) + q) * 32;
@@ -528,14 +539,8 @@ FT_AMX static void amx_fill_q4k_bf16(const uint8_t *t0, const uint8_t *t1, int64
 FT_AMX static void amx_fill_q6k_bf16(const uint8_t *t0, const uint8_t *t1, int64_t sb, int h, uint8_t *bs) {
     const uint8_t *g0 = t0 + sb * KQ_TILE_Q6K, *g1 = t1 ? t1 + sb * KQ_TILE_Q6K : NULL;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g0));
-    const __m256 d1 = g1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g1)) : _mm256_setzero_ps();
     __m512 scd[16]; /* half i = 2 * (block within sb) + (which 16 values) */
-    for (int i = 0; i < 16; i++) {
-        const __m256 c0 = _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g0 + 2 * TR + TR * i)), d0);
-        const __m256 c1 = g1 ? _mm256_mul_ps(_mm256_cvtepi32_ps(KQ_I8X8(g1 + 2 * TR + TR * i)), d1) : _mm256_setzero_ps();
-        scd[i] = amx_join8(c0, c1);
-    }
+    amx_q6k_scales16(g0, g1, scd);
     const __m512i m255 = _mm512_set1_epi32(0xff);
     const __m512 off = _mm512_set1_ps(32.f);
     for (int n = 0; n < 2; n++)
