@@ -24,6 +24,7 @@ from freetoken_agent.runtime.generation.speculative import (
     SpeculationConfig,
     StepCost,
     TokenHistory,
+    vote,
     best_draft_length,
     expected_tokens,
 )
@@ -324,6 +325,29 @@ def test_prompt_lookup_and_draft_length() -> None:
     assert best_draft_length(0.0, 8, 0.1) == 0  # nothing is ever accepted: plain decode
     assert best_draft_length(0.95, 8, 0.1) == 8
     assert 0 < best_draft_length(0.5, 8, 0.1) < 8
+
+
+def test_candidates_vote_on_the_draft_and_stop_where_they_disagree() -> None:
+    # three earlier occurrences of the context's end, weighted by how far back each matches
+    cands = [(5, [1, 2, 3, 4], "context"), (4, [1, 2, 9, 9], "history"), (3, [1, 7, 7, 7], "history")]
+    # all agree on 1; 2 holds 9 of 12 (0.75 >= 0.7) and the 7-candidate drops out; then 3 (5) vs 9 (4): 0.56, stop
+    assert vote(cands, 4) == ([1, 2], 5, "context")
+    assert vote(cands, 4, agreement=0.5) == ([1, 2, 3, 4], 5, "context")  # a looser rule follows the heaviest
+    assert vote(cands, 1) == ([1], 5, "context")
+    # the first token is always drafted, even where the candidates split (the heaviest wins; ties: the first listed),
+    # and the draft follows the candidates that agree with it
+    assert vote([(2, [8, 8], "context"), (2, [6, 6], "history")], 2) == ([8, 8], 2, "context")
+    assert vote([(2, [8], "context"), (3, [6, 5], "history")], 3) == ([6, 5], 3, "history")
+    # only candidates within SLACK tokens of the longest match vote: a short one cannot outvote a long one
+    assert vote([(9, [4, 4], "context"), (2, [5, 5], "history"), (2, [5, 5], "history"), (2, [5, 5], "history")],
+                2) == ([4, 4], 9, "context")
+    # a lone candidate is copied as far as it goes; none: no draft
+    assert vote([(3, [1, 2], "history")], 5) == ([1, 2], 3, "history")
+    assert vote([], 4) == ([], 0, None)
+    # prompt lookup drafts by the same vote: "1 2" was followed by 3 3 3 and by 3 4 4; they part after the 3
+    lookup = PromptLookup(key=2)
+    assert lookup.propose([1, 2, 3, 3, 3, 0, 1, 2, 3, 4, 4, 0, 1, 2], 4) == [3]
+    assert lookup.match == 3  # "0 1 2" of the more recent occurrence
 
 
 def test_token_history_lookup_continuation_and_capacity() -> None:
