@@ -373,6 +373,8 @@ class Scheduler:
         self.spec_stats = SpeculationStats()
         self._phase_acceptance = PhaseAcceptance(self.speculation)
         self.step_cost = StepCost()
+        self._after_prefill = 0
+        """Decode steps since the last step that ran a prompt chunk."""
         """Decode steps' seconds against their tokens: what a draft token costs on this machine and model."""
         self._rope_limit = _rope_limit(runner)
         decoder = getattr(runner, "decoder", None)
@@ -549,7 +551,8 @@ class Scheduler:
             if seq.id in decode:
                 generated += seq.generated - before
         self._step_drafts.clear()
-        if not prefill:  # a decode step's seconds against its tokens (rows and drafts)
+        self._after_prefill = 0 if prefill else self._after_prefill + 1
+        if self._after_prefill > StepCost.COLD_STEPS:  # a warm decode step's seconds against its tokens (rows, drafts)
             self.step_cost.observe(sum(int(r.tokens.shape[0]) for r in rows), seconds)
         if self.on_step is not None:
             self.on_step(self, seconds, prefill, generated)

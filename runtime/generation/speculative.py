@@ -32,6 +32,7 @@ Dimensions: L = the sequence's tokens so far, k = draft tokens of one step, H = 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -451,6 +452,11 @@ class StepCost:
 
     MIN_WEIGHT = 3.0
     """Decayed observations a step size needs before its mean is used."""
+    COLD_STEPS = 4
+    """Decode steps after a prompt chunk that the scheduler does not observe: the prefill's own data filled the caches,
+    and the first steps after it run slower whatever their size (the built-in model on the recorded turns, AMX Xeon:
+    1.5x a warm step for the first, 1.35x / 1.2x / 1.15x the next three), while the first step of a turn is most
+    often a verify row (the reply's opening copies the history): observed, they priced drafts up to 1.4x too high."""
 
     def __init__(self, decay: float = 0.98, default: float = 0.1, max_tokens: int = 64) -> None:
         self.decay, self.default, self.max_tokens = decay, default, max_tokens
@@ -488,9 +494,15 @@ class StepCost:
         return min(max(b / (a + b), 0.03), 4.0)  # a floor: timing noise never makes drafts look free
 
     def seconds(self) -> dict[int, float]:
-        """Mean seconds of each step size seen often enough."""
+        """Mean seconds of each step size seen often enough, made non-decreasing in the size: a step of more tokens
+        does at least the work of one of fewer, so a size whose mean lies above a larger size's (a few slow steps
+        among a size's few observations) takes the larger size's."""
         if self._seen is None:  # once per step: every sequence's draft prices up to max_draft lengths from it
-            self._seen = {t: s / w for t, (w, s) in sorted(self._by_size.items()) if w >= self.MIN_WEIGHT}
+            seen = {t: s / w for t, (w, s) in sorted(self._by_size.items()) if w >= self.MIN_WEIGHT}
+            cap = math.inf
+            for t in sorted(seen, reverse=True):
+                cap = seen[t] = min(seen[t], cap)
+            self._seen = seen
         return self._seen
 
     def relative(self, k: int) -> float:
@@ -511,9 +523,11 @@ class StepCost:
         if above is not None:  # between two measured sizes
             w = (t - below) / (above - below)
             return max((seen[below] * (1 - w) + seen[above] * w) / one, floor)
-        slope = self.estimate() * one  # the fitted line's (``default`` until it can be fitted)
-        if below > 1:  # above the largest measured size: the measured slope between sizes, at least
-            slope = max(slope, (seen[below] - one) / (below - 1))
+        # above the largest measured size: the mean cost of a token up to it; the fitted line's (``default`` until it
+        # can be fitted) only where 1-token steps alone were measured. Not the larger of the two: a line through a few
+        # slow steps can price a size at many times its cost (seen: 12x a 1-token step for 8 tokens), and a size never
+        # drafted is never measured, so an overpriced one would stay so; an underpriced one is tried and corrected.
+        slope = (seen[below] - one) / (below - 1) if below > 1 else self.estimate() * one
         return max((seen[below] + slope * (t - below)) / one, floor)
 
 

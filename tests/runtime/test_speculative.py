@@ -453,6 +453,40 @@ def test_step_cost_prices_rows_from_the_sizes_it_measured() -> None:
         noisy.observe(1, 0.010)
         noisy.observe(4, 0.009)  # noise: a bigger step measured faster
     assert noisy.relative(3) >= 1 + 0.03 * 3  # drafts never look free
+    # a size measured slower than a larger one (a few slow steps among its few observations) takes the larger's
+    bumpy = StepCost()
+    for _ in range(10):
+        for t, sec in {1: 0.010, 2: 0.014, 3: 0.012, 4: 0.013}.items():
+            bumpy.observe(t, sec)
+    assert bumpy.seconds() == pytest.approx({1: 0.010, 2: 0.012, 3: 0.012, 4: 0.013})
+    # above the largest size measured, the measured mean cost per token, not a steeper line through the steps
+    steep = StepCost()
+    for _ in range(10):
+        steep.observe(1, 0.010)
+        steep.observe(2, 0.011)
+        steep.observe(3, 0.012)
+    steep.estimate = lambda: 2.0  # type: ignore[method-assign]  # a line gone steep (two 1-token steps a token)
+    assert steep.relative(7) == pytest.approx(1.2 + 0.1 * 5)  # a row of 8: 3 tokens at 1.2x, then 0.1x a token
+    only_one = StepCost()
+    for _ in range(10):
+        only_one.observe(1, 0.010)
+    only_one.estimate = lambda: 0.5  # type: ignore[method-assign]
+    assert only_one.relative(2) == pytest.approx(1 + 0.5 * 2)  # 1-token steps alone: the line carries it
+
+
+def test_the_steps_right_after_a_prompt_are_not_priced(tmp_path: Path) -> None:
+    """Decode steps after a prefill run on caches the prompt's own data filled; the cost table leaves the first
+    ``COLD_STEPS`` of them out."""
+    save_checkpoint("qwen3_moe", tmp_path)
+    engine = Engine.from_pretrained(tmp_path, speculate=False)
+    prompt = repeating_prompts(1, seed=4)[0]
+    params = SamplingParams(max_new_tokens=StepCost.COLD_STEPS + 1, stop_token_ids=())
+    for _ in range(4):  # the first token comes with the prefill: COLD_STEPS decode steps follow, none observed
+        engine.generate(prompt, params)
+    assert engine.scheduler.step_cost.seconds() == {}
+    engine.generate(prompt, SamplingParams(max_new_tokens=StepCost.COLD_STEPS + 10, stop_token_ids=()))
+    assert set(engine.scheduler.step_cost.seconds()) == {1}
+    engine.close()
 
 
 def test_draft_history_flag_reaches_the_engine(tmp_path: Path) -> None:

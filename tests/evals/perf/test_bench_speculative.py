@@ -83,3 +83,29 @@ def test_edit_turns_are_the_tool_calls_that_write_a_file() -> None:
         labels += [label] * len(piece)
     code = phase_spans(ids, labels, "code")
     assert len(code) == 3 and phase_spans(ids, labels, "edit") == code[1:]
+
+
+def test_turns_decode_with_and_without_speculation_best_of_repeats(tmp_path: Path) -> None:
+    """The built-in-model row on a tiny checkpoint: every turn gives the same tokens with and without speculation in
+    every repeat, and a turn's repeats draft from the history as it was before the turn — not from their own earlier
+    run (which would accept the whole reply)."""
+    from freetoken_agent.evals.perf.bench_speculative import builtin_decode
+    from freetoken_agent.runtime.generation.speculative import SpeculationConfig
+
+    save_checkpoint("qwen3_moe", tmp_path)
+    sessions = []
+    for n in range(2):
+        ids = [(37 * i + 11 * n) % 400 + 20 for i in range(120)]
+        labels: list[str | None] = [None] * 40 + ["code"] * 20 + [None] * 30 + ["code"] * 30
+        sessions.append((f"s{n}", ids, labels))
+    runs = {}
+    for repeats in (1, 2):
+        runs[repeats] = builtin_decode(sessions, "code", 2, 32, 24, tmp_path, repeats=repeats,
+                                       speculate=SpeculationConfig(verify_cost=0.1))
+    one, two = runs[1], runs[2]
+    assert one["turns"] == two["turns"] == 4 and two["repeats"] == 2
+    assert one["identical_turns"] == two["identical_turns"] == "4/4"
+    assert two["off"]["tokens"] == one["off"]["tokens"] > 0 and two["on"]["decode_tok_s"] > 0
+    assert two["first_runs_speedup"] > 0 and two["speedup"] > 0
+    assert two["on"]["drafted"] > 0
+    assert two["on"]["acceptance"] <= one["on"]["acceptance"] + 0.2, (one["on"], two["on"])
