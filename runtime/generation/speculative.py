@@ -3,8 +3,9 @@
 A coding agent's turns repeat what its context holds — an edit re-emits the lines it replaces, a command re-uses
 paths from the last tool result, a test names the module it tests. ``PromptLookup`` finds the recent occurrences of
 the sequence's last tokens in its own context (prompt and generated tokens) and proposes the tokens that followed
-them: those of the occurrences matching furthest back, as far as they agree (``vote``). The scheduler (``runtime/scheduler.py``) feeds a decoding sequence's last token plus its k draft tokens as one
-row of the normal batched step, takes the logits of all k + 1 positions and keeps the longest prefix the model
+them: those of the occurrences matching furthest back, as far as they agree (``vote``). The scheduler
+(``runtime/scheduler.py``) feeds a decoding sequence's last token plus its k draft tokens as one row of the normal
+batched step, takes the logits of all k + 1 positions and keeps the longest prefix the model
 agrees with plus the model's own next token (``Sampler.verify``: exact match when greedy, the speculative-sampling
 rule when sampled), so the output is distributed exactly as without speculation.
 
@@ -110,10 +111,11 @@ def vote(candidates: list[tuple[int, list[int], str]], limit: int, agreement: fl
     the most weight (match lengths) among the candidates that agree with the draft so far is taken — the first one
     always, later ones while it holds ``agreement`` of that weight — and the candidates that continue otherwise drop
     out. Where the longest match alone decides (prompt lookup's classic rule) a draft runs on through places where the
-    context's other occurrences diverge, and those tokens are mostly rejected; measured on the recorded turns' own
-    greedy outputs (the built-in model, 12 sessions, 7 tokens at most), tokens per unit of verify cost +6% on ``code``
-    turns, +10% on edits, +5% on ``plan``. Returns (draft, the match length of the longest candidate that agrees with
-    all of it, its source); ([], 0, None) when there is no candidate."""
+    context's other occurrences diverge, and those tokens are mostly rejected. Measured on the built-in model decoding
+    the recorded turns with a fixed draft price (so the policy's choices do not depend on timing), tokens per unit of
+    modelled step cost: +4.8% on ``code`` turns, +6.6% on edits, +1% on ``plan`` over 12 sessions (+1.9 / +3.6 /
+    +0.6% over 6); acceptance 0.67 -> 0.74 on ``code``. Returns (draft, the match length of the longest candidate
+    that agrees with all of it, its source); ([], 0, None) when there is no candidate."""
     if not candidates:
         return [], 0, None
     floor = max(c[0] for c in candidates) - slack
@@ -319,7 +321,6 @@ class ContextLookup:
             limit = self.limit
             draft, self.match, source = vote(self.local.matches(tokens, limit) + self.history.matches(tokens, limit),
                                              limit)
-            self.local.match = self.match
             self._at = (n, source or "context", draft)
         return self._at[1], self._at[2]
 
@@ -452,6 +453,12 @@ class StepCost:
 
     MIN_WEIGHT = 3.0
     """Decayed observations a step size needs before its mean is used."""
+    AGING = 0.99
+    """Weight every size's observations keep per observed step (its mean is unchanged). A size measured slow a few
+    times and then never drafted again — priced out by that very measurement — falls under ``MIN_WEIGHT`` within
+    ~50-100 steps and is priced from its neighbours again, so drafting resumes and measures it anew (seen: one slow
+    2-token row stopped a whole phase's drafting, 0.93x without speculation over 66 turns). A size measured every
+    few steps keeps its weight (every 8th step: ~13)."""
     COLD_STEPS = 4
     """Decode steps after a prompt chunk that the scheduler does not observe: the prefill's own data filled the caches,
     and the first steps after it run slower whatever their size (the built-in model on the recorded turns, AMX Xeon:
@@ -470,6 +477,9 @@ class StepCost:
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self._sums[i] = self._sums[i] * d + v
         if 1 <= tokens <= self.max_tokens:
+            for e in self._by_size.values():  # every size ages each step: one not seen for long drops out
+                e[0] *= self.AGING
+                e[1] *= self.AGING
             entry = self._by_size.setdefault(tokens, [0.0, 0.0])
             entry[0] += 1.0
             entry[1] += seconds
@@ -523,11 +533,11 @@ class StepCost:
         if above is not None:  # between two measured sizes
             w = (t - below) / (above - below)
             return max((seen[below] * (1 - w) + seen[above] * w) / one, floor)
-        # above the largest measured size: the mean cost of a token up to it; the fitted line's (``default`` until it
-        # can be fitted) only where 1-token steps alone were measured. Not the larger of the two: a line through a few
-        # slow steps can price a size at many times its cost (seen: 12x a 1-token step for 8 tokens), and a size never
-        # drafted is never measured, so an overpriced one would stay so; an underpriced one is tried and corrected.
-        slope = (seen[below] - one) / (below - 1) if below > 1 else self.estimate() * one
+        # above the largest measured size: the mean cost of a token up to it; where 1-token steps alone are measured,
+        # the fitted line's, at most ``default``. Never a steeper guess: a line through a few slow steps can price a
+        # size at many times its cost (seen: 12x a 1-token step for 8 tokens), and a size never drafted is never
+        # measured, so an overpriced one would stay so; an underpriced one is tried and corrected.
+        slope = (seen[below] - one) / (below - 1) if below > 1 else min(self.estimate(), self.default) * one
         return max((seen[below] + slope * (t - below)) / one, floor)
 
 

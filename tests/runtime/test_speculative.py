@@ -467,11 +467,24 @@ def test_step_cost_prices_rows_from_the_sizes_it_measured() -> None:
         steep.observe(3, 0.012)
     steep.estimate = lambda: 2.0  # type: ignore[method-assign]  # a line gone steep (two 1-token steps a token)
     assert steep.relative(7) == pytest.approx(1.2 + 0.1 * 5)  # a row of 8: 3 tokens at 1.2x, then 0.1x a token
+    # a size measured slow a few times and then never again (priced out by it) ages out of the table
+    stale = StepCost()
+    for _ in range(4):
+        stale.observe(2, 0.050)  # 5x a 1-token step
+    for _ in range(20):
+        stale.observe(1, 0.010)
+    assert 2 in stale.seconds() and stale.relative(1) == pytest.approx(5.0)
+    for _ in range(100):
+        stale.observe(1, 0.010)
+    assert set(stale.seconds()) == {1} and stale.relative(1) < 1.5  # priced from the 1-token steps: drafts resume
+    assert stale.seconds()[1] == pytest.approx(0.010)  # aging moves no mean
     only_one = StepCost()
     for _ in range(10):
         only_one.observe(1, 0.010)
+    only_one.estimate = lambda: 0.05  # type: ignore[method-assign]
+    assert only_one.relative(2) == pytest.approx(1 + 0.05 * 2)  # 1-token steps alone: the line carries it,
     only_one.estimate = lambda: 0.5  # type: ignore[method-assign]
-    assert only_one.relative(2) == pytest.approx(1 + 0.5 * 2)  # 1-token steps alone: the line carries it
+    assert only_one.relative(2) == pytest.approx(1 + only_one.default * 2)  # never above the default
 
 
 def test_the_steps_right_after_a_prompt_are_not_priced(tmp_path: Path) -> None:
