@@ -305,7 +305,7 @@ def builtin_decode(sessions: list, phase: str, turns: int, window: int, max_new:
     prompt cached, skip most of the prefill and start decoding with warmer caches). ``repeats`` > 1 runs each turn
     that many times per mode, in alternating order, and a mode's seconds for the turn are its fastest run's (what a
     shared machine's interference leaves untouched, as ``timeit`` takes); each run with speculation on drafts from
-    the history as it was before the turn's first run. ``first_runs`` keeps the totals of the first runs alone."""
+    the history as it was before the turn's first run. ``first_runs_speedup``: the ratio of the first runs alone."""
     from freetoken_agent.runtime.builtin import builtin_model_dir
     from freetoken_agent.runtime.engine import Engine
     from freetoken_agent.runtime.generation.sampling import SamplingParams

@@ -24,9 +24,9 @@ from freetoken_agent.runtime.generation.speculative import (
     SpeculationConfig,
     StepCost,
     TokenHistory,
-    vote,
     best_draft_length,
     expected_tokens,
+    vote,
 )
 from freetoken_agent.runtime.kernels import ops
 from freetoken_agent.runtime.kv import KVConfig
