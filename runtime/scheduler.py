@@ -373,9 +373,9 @@ class Scheduler:
         self.spec_stats = SpeculationStats()
         self._phase_acceptance = PhaseAcceptance(self.speculation)
         self.step_cost = StepCost()
+        """Decode steps' seconds against their tokens: what a draft token costs on this machine and model."""
         self._after_prefill = 0
         """Decode steps since the last step that ran a prompt chunk."""
-        """Decode steps' seconds against their tokens: what a draft token costs on this machine and model."""
         self._rope_limit = _rope_limit(runner)
         decoder = getattr(runner, "decoder", None)
         self.speculation_unsupported = unsupported(decoder.spec) if decoder is not None else None

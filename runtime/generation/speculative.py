@@ -83,16 +83,6 @@ def match_lengths(source: list[int], tokens: list[int], found: list[int], key: i
     return out
 
 
-def longest_match(source: list[int], tokens: list[int], found: list[int], key: int, candidates: int,
-                  max_match: int) -> tuple[int, int]:
-    """The ``match_lengths`` entry whose match extends furthest back (ties to the most recent): (position, length)."""
-    best, best_len = -1, -1
-    for start, length in match_lengths(source, tokens, found, key, candidates, max_match):
-        if length > best_len:
-            best, best_len = start, length
-    return best, best_len
-
-
 AGREEMENT = 0.7
 """A draft goes on past its first token only while the candidates still in it agree this much (the leading next
 token's share of their weight): where earlier occurrences of the context went different ways, the draft stops
@@ -206,10 +196,10 @@ class TokenHistory:
     sequences; used from the engine's thread).
 
     Each recorded document is the last ``prompt_tail`` prompt tokens of a request and what it generated, so a reply's
-    first tokens can be matched from the prompt's end (``<|im_start|>assistant``...). ``lookup`` finds, among the
-    ``candidates`` most recent occurrences of a sequence's last ``key`` tokens, the one whose match extends furthest
-    back (up to ``max_match`` tokens; ties to the most recent); ``continuation`` copies what followed it, never past
-    the end of its document. At most about ``capacity`` tokens are kept: when twice that has been recorded the oldest
+    first tokens can be matched from the prompt's end (``<|im_start|>assistant``...). ``matches`` gives the
+    ``candidates`` most recent occurrences of a sequence's last ``key`` tokens, with how far each match extends back
+    (up to ``max_match`` tokens) and what followed it, never past the end of its document (``vote`` drafts from
+    them). At most about ``capacity`` tokens are kept: when twice that has been recorded the oldest
     documents are dropped and the index is rebuilt (amortized O(1) a token)."""
 
     def __init__(self, capacity: int = 65536, key: int = 2, candidates: int = 16, max_match: int = 64,
@@ -264,17 +254,6 @@ class TokenHistory:
             self._starts.append(len(self._tokens))
             self._index_doc(len(self._tokens), doc)
 
-    def lookup(self, tokens: list[int]) -> tuple[int, int]:
-        """(position, match length) of the best earlier occurrence of ``tokens``' last tokens: what followed it starts
-        at the position; (-1, 0) when none."""
-        n, g = len(tokens), self.key
-        if n < g:
-            return -1, 0
-        found = self._index.get(tuple(tokens[n - g :]))
-        if not found:
-            return -1, 0
-        return longest_match(self._tokens, tokens, found, g, self.candidates, self.max_match)
-
     def matches(self, tokens: list[int], limit: int) -> list[tuple[int, list[int], str]]:
         """``vote`` candidates from the history: (match length, up to ``limit`` tokens that followed, never past their
         document's end, ``history``) for the ``candidates`` most recent occurrences of ``tokens``' last tokens."""
@@ -290,8 +269,8 @@ class TokenHistory:
         return out
 
     def continuation(self, position: int, k: int) -> list[int]:
-        """Up to ``k`` tokens from ``position`` of a ``lookup`` answer, stopping at its document's end."""
-        out = self._tokens[position : position + k] if position >= 0 else []
+        """Up to ``k`` tokens from ``position`` (what followed an occurrence), stopping at its document's end."""
+        out = self._tokens[position : position + k]
         if -1 in out:
             out = out[: out.index(-1)]
         return out

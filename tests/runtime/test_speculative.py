@@ -350,17 +350,22 @@ def test_candidates_vote_on_the_draft_and_stop_where_they_disagree() -> None:
     assert lookup.match == 3  # "0 1 2" of the more recent occurrence
 
 
+def longest(h: TokenHistory, tokens: list[int], limit: int) -> tuple[int, list[int]]:
+    """The history's candidate whose match reaches furthest back (ties: the most recent): (length, continuation)."""
+    found = h.matches(tokens, limit)
+    return max(((c[0], c[1]) for c in found), key=lambda c: c[0]) if found else (0, [])
+
+
 def test_token_history_lookup_continuation_and_capacity() -> None:
     h = TokenHistory(capacity=40, key=2, prompt_tail=3)
     h.add([90, 91, 1, 2, 3], [10, 11, 12, 13])  # recorded: 1 2 3 | 10 11 12 13
     h.add([92, 93, 7, 2, 3], [20, 21])  # 7 2 3 | 20 21
-    # "2 3" occurs in both; the older one matches further back ("1 2 3") and wins over the more recent
-    position, length = h.lookup([5, 1, 2, 3])
-    assert length == 3 and h.continuation(position, 8) == [10, 11, 12, 13]  # never past its document's end
-    position, length = h.lookup([7, 2, 3])
-    assert length == 3 and h.continuation(position, 1) == [20]
-    assert h.lookup([4, 4]) == (-1, 0) and h.lookup([3]) == (-1, 0) and h.continuation(-1, 3) == []
-    assert h.lookup([11, 12])[1] == 2 and h.continuation(h.lookup([11, 12])[0], 5) == [13]
+    # "2 3" occurs in both, each a candidate; the older one matches further back ("1 2 3")
+    assert h.matches([5, 1, 2, 3], 8) == [(2, [20, 21], "history"), (3, [10, 11, 12, 13], "history")]
+    assert longest(h, [5, 1, 2, 3], 8) == (3, [10, 11, 12, 13])  # never past its document's end
+    assert longest(h, [7, 2, 3], 1) == (3, [20])
+    assert h.matches([4, 4], 3) == [] and h.matches([3], 3) == [] and h.matches([2, 3], 0) == []
+    assert longest(h, [11, 12], 5) == (2, [13])
     h.add([1], [])  # nothing generated: nothing recorded
     assert h.snapshot() == {"tokens": 12, "documents": 2, "recorded": 2, "capacity": 40}
     # past twice the capacity the oldest documents go; what is kept is still found, what went is not
@@ -368,12 +373,11 @@ def test_token_history_lookup_continuation_and_capacity() -> None:
         h.add([], [100 + i, 200 + i, 300 + i])
     snap = h.snapshot()
     assert snap["tokens"] <= 2 * h.capacity and snap["recorded"] == 32
-    assert h.lookup([5, 1, 2, 3]) == (-1, 0)
-    position, length = h.lookup([129, 229])
-    assert length == 2 and h.continuation(position, 2) == [329]
+    assert h.matches([5, 1, 2, 3], 4) == []
+    assert longest(h, [129, 229], 2) == (2, [329])
     big = TokenHistory(capacity=5, key=2, prompt_tail=0)
     big.add([], list(range(50)))  # one document longer than the capacity keeps its end
-    assert big.size == 5 and big.continuation(big.lookup([46, 47])[0], 3) == [48, 49]
+    assert big.size == 5 and longest(big, [46, 47], 3) == (2, [48, 49])
     with pytest.raises(OptionError, match="capacity"):
         TokenHistory(capacity=0)
     with pytest.raises(OptionError, match="history_tokens"):

@@ -564,7 +564,8 @@ FT_AMX static void amx_fill_q6k_bf16(const uint8_t *t0, const uint8_t *t1, int64
 }
 
 /* bf16 mode, up to 32 weight rows (`ntiles` <= 4) as in amx_rows: weights dequantized to bf16 (value d * (c - 8) for
- * q4, d * c for q8, rounded once; q4_k / q6_k: amx_fill_q4k_bf16 / amx_fill_q6k_bf16), activations the panel's bf16 tiles; fp32 sums over all of K in the C tiles. Two
+ * q4, d * c for q8, rounded once; q4_k / q6_k: amx_fill_q4k_bf16 / amx_fill_q6k_bf16), activations the panel's
+ * bf16 tiles; fp32 sums over all of K in the C tiles. Two
  * chunks of tokens x two 16-row halves at a time (4 C tiles): every A and B tile loaded feeds two products, which
  * halves what streams from L2 per product. */
 FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_stride, int ntiles, int ncols,
@@ -575,20 +576,19 @@ FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_strid
     const int halves = (ntiles + 1) / 2;
     uint8_t *const bs = tl_amx.b; /* block b, half h: 16 B rows of 64 bytes (pairs of K for 16 weight rows) */
     const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-    for (int h = 0; h < halves && fmt == FT_Q6K; h++) { /* a super-block of 8 blocks at a time */
-        const uint8_t *t0 = tile + 2 * h * tile_stride;
-        for (int64_t sb = 0; sb < nb / 8; sb++) amx_fill_q6k_bf16(t0, 2 * h + 1 < ntiles ? t0 + tile_stride : NULL, sb, h, bs);
-    }
-    for (int h = 0; h < halves && fmt != FT_Q6K; h++)
+    for (int h = 0; h < halves; h++) {
+        const uint8_t *t0 = tile + 2 * h * tile_stride, *t1 = 2 * h + 1 < ntiles ? t0 + tile_stride : NULL;
+        if (fmt == FT_Q6K) { /* a super-block of 8 blocks at a time */
+            for (int64_t sb = 0; sb < nb / 8; sb++) amx_fill_q6k_bf16(t0, t1, sb, h, bs);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *dst = bs + (b * 2 + h) * 1024;
             if (fmt == FT_Q4K) {
-                const uint8_t *t0 = tile + 2 * h * tile_stride;
-                amx_fill_q4k_bf16(t0, 2 * h + 1 < ntiles ? t0 + tile_stride : NULL, b, dst);
+                amx_fill_q4k_bf16(t0, t1, b, dst);
                 continue;
             }
-            const uint8_t *s0 = tile + 2 * h * tile_stride + b * tbb;
-            const uint8_t *s1 = 2 * h + 1 < ntiles ? s0 + tile_stride : NULL;
+            const uint8_t *s0 = t0 + b * tbb, *s1 = t1 ? t1 + b * tbb : NULL;
             const __m128i h0 = _mm_loadu_si128((const __m128i *)s0);
             const __m128i h1 = s1 ? _mm_loadu_si128((const __m128i *)s1) : _mm_setzero_si128();
             const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
@@ -616,6 +616,7 @@ FT_AMX static int amx_rows_bf16(int fmt, const uint8_t *tile, int64_t tile_strid
                 }
             }
         }
+    }
     amx_load_full_tiles(); /* 0-3: C (chunk c / c + 1 x half 0 / 1: 16 tokens x 16 rows fp32); 4, 5: A; 6, 7: B */
     float cbuf[AMX_TOKENS * 16] __attribute__((aligned(64)));
     const int64_t nchunks = (count + AMX_TOKENS - 1) / AMX_TOKENS, cstride = nb * AMX_TOKENS * QK;

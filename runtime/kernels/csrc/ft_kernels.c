@@ -253,7 +253,7 @@ int ft_linear(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, i
         panel_mem = (uint8_t *)aligned_alloc(64, (amx_chunk_bytes(a.nb) * (size_t)chunks + 63) / 64 * 64);
         if (panel_mem) {
             amx_panel_at(&panel, panel_mem, chunks, a.nb);
-            panel.bf16 = amx_takes_bf16(amx_bf16_on(), fmt, m); /* q4 / q8 / q4_k, enough tokens, bf16 mode */
+            panel.bf16 = amx_takes_bf16(amx_bf16_on(), fmt, m); /* q4 / q8 / q4_k / q6_k, enough tokens, bf16 mode */
             amx_fill_ctx f = {fmt, &a, NULL, NULL, NULL, m, &panel, x, k, k, NULL, 0};
             ft_parallel_for(amx_fill_item, &f, chunks);
             c.panel = &panel;
